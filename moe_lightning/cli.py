@@ -1,0 +1,32 @@
+"""``moe-lightning``: LightningCLI's fit/validate/test/predict, plus ``tokenize``."""
+
+import sys
+
+from lightning.pytorch.cli import LightningCLI
+
+from .data import TextDataModule, tokenize_main
+from .module import MoELanguageModel
+
+
+class MoECLI(LightningCLI):
+    """LightningCLI with the MoE model and text data as defaults (subclasses allowed by ``class_path``)."""
+
+    def add_arguments_to_parser(self, parser) -> None:
+        parser.set_defaults({"trainer.precision": "32-true"})
+
+    def before_fit(self) -> None:
+        vocab = self.datamodule.vocab_size
+        if self.model.config.vocab_size < vocab:
+            raise ValueError(f"model.config.vocab_size={self.model.config.vocab_size} is smaller than the "
+                             f"tokenizer's {vocab} tokens: set model.config.vocab_size >= {vocab}.")
+
+
+EXTRA_COMMANDS = {"tokenize": tokenize_main}
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in EXTRA_COMMANDS:
+        return EXTRA_COMMANDS[argv[0]](argv[1:])
+    MoECLI(MoELanguageModel, TextDataModule, subclass_mode_model=True, subclass_mode_data=True, args=argv,
+           save_config_kwargs={"overwrite": False})

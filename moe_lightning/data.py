@@ -1,0 +1,199 @@
+"""Text → tokens → fixed-length training sequences, with a deterministic train/validation split.
+
+Sources (``source`` accepts one or a list):
+- ``stdlib``: the running interpreter's standard-library ``.py`` files (every machine has them);
+- a text file, a folder (searched recursively), or a glob pattern;
+- a ``.jsonl`` file whose records carry the text under ``text_field``;
+- a ``.npy`` token file written by ``write_token_file`` (memory-mapped, never loaded whole).
+"""
+
+import argparse
+import glob
+import json
+import os
+import sysconfig
+from pathlib import Path
+
+import lightning as L
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from .tokenizer import load_tokenizer
+
+TEXT_SUFFIXES = {".txt", ".md", ".rst", ".py", ".c", ".h", ".json", ".yaml", ".yml", ".toml", ".html", ".tex"}
+
+
+def stdlib_files() -> list[Path]:
+    """The interpreter's own standard library sources, in a stable order (installed packages excluded)."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    return sorted(p for p in root.rglob("*.py") if "site-packages" not in p.relative_to(root).parts)
+
+
+def resolve_source(source: str) -> list[Path] | Path:
+    """Return the text files a source names, or the path of a ``.npy`` token file; raise if it names nothing."""
+    if source == "stdlib":
+        return stdlib_files()
+    path = Path(source).expanduser()
+    if path.suffix == ".npy" and path.is_file():
+        return path
+    if path.is_file():
+        return [path]
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.is_file() and (p.suffix in TEXT_SUFFIXES or p.suffix == ".jsonl"))
+        if not files:
+            raise ValueError(f"data.source={source!r}: the folder has no text files "
+                             f"(looked for {sorted(TEXT_SUFFIXES | {'.jsonl'})}).")
+        return files
+    matches = sorted(Path(p) for p in glob.glob(os.path.expanduser(source), recursive=True) if Path(p).is_file())
+    if matches:
+        return matches
+    raise FileNotFoundError(f"data.source={source!r}: no such file, folder or glob match. Use 'stdlib' for the "
+                            "built-in corpus, or a path to text, .jsonl or .npy token files.")
+
+
+def iter_documents(files: list[Path], text_field: str):
+    for path in files:
+        if path.suffix == ".jsonl":
+            with open(path, encoding="utf-8") as f:
+                for line_no, line in enumerate(f, 1):
+                    if line.strip():
+                        record = json.loads(line)
+                        if text_field not in record:
+                            raise KeyError(f"{path}:{line_no}: record has no field {text_field!r}; set "
+                                           f"data.text_field to one of {sorted(record)}.")
+                        yield record[text_field]
+        else:
+            yield path.read_text(encoding="utf-8", errors="replace")
+
+
+def tokenize_sources(sources: list[str], tokenizer, text_field: str = "text", max_tokens: int | None = None) -> np.ndarray:
+    """One token stream: every document's tokens followed by the end-of-document token."""
+    dtype = np.uint16 if tokenizer.vocab_size <= 2**16 else np.uint32
+    chunks, count = [], 0
+    for source in sources:
+        resolved = resolve_source(source)
+        if isinstance(resolved, Path):
+            chunks.append(np.load(resolved, mmap_mode="r"))
+            count += len(chunks[-1])
+            continue
+        for text in iter_documents(resolved, text_field):
+            ids = tokenizer.encode(text)
+            if len(ids):
+                chunks.append(np.append(ids, tokenizer.eos_id).astype(dtype))
+                count += len(chunks[-1])
+            if max_tokens is not None and count >= max_tokens:
+                break
+    if len(chunks) == 1:
+        tokens = chunks[0]  # keeps a memory-mapped token file mapped
+    else:
+        tokens = np.concatenate(chunks) if chunks else np.zeros(0, dtype=dtype)
+    return tokens[:max_tokens] if max_tokens is not None else tokens
+
+
+def write_token_file(sources: list[str], out_path: str, tokenizer_path: str | None = None,
+                     text_field: str = "text", overwrite: bool = False) -> Path:
+    """Tokenize sources once into a ``.npy`` file that training memory-maps. Written atomically."""
+    out = Path(out_path)
+    if out.suffix != ".npy":
+        raise ValueError(f"out={out_path!r}: token files must end in .npy")
+    if out.exists() and not overwrite:
+        raise FileExistsError(f"out={out_path!r} exists; choose another path or pass --overwrite.")
+    tokens = tokenize_sources(sources, load_tokenizer(tokenizer_path), text_field)
+    if len(tokens) == 0:
+        raise ValueError(f"sources {sources}: no text found, nothing to write.")
+    tmp = out.with_name(out.name + ".partial.npy")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    np.save(tmp, tokens)
+    os.replace(tmp, out)
+    return out
+
+
+class PackedSequences(Dataset):
+    """Sequence ``i`` is ``tokens[i*S : i*S + S + 1]`` (inputs and shifted targets share the slice)."""
+
+    def __init__(self, tokens: np.ndarray, seq_len: int, indices: np.ndarray):
+        self.tokens, self.seq_len, self.indices = tokens, seq_len, indices
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        start = int(self.indices[i]) * self.seq_len
+        return torch.from_numpy(self.tokens[start:start + self.seq_len + 1].astype(np.int64))
+
+
+def split_indices(num_sequences: int, val_fraction: float) -> tuple[np.ndarray, np.ndarray]:
+    """Every k-th sequence (k = round(1/val_fraction)) goes to validation: deterministic and spread out."""
+    every = max(2, round(1 / val_fraction))
+    all_indices = np.arange(num_sequences)
+    is_val = all_indices % every == every - 1
+    return all_indices[~is_val], all_indices[is_val]
+
+
+class TextDataModule(L.LightningDataModule):
+    """Packs tokenized text into ``seq_len + 1`` windows; Lightning's distributed sampler splits them by rank.
+
+    Args:
+        source: ``stdlib``, a file, folder, glob, ``.jsonl`` or ``.npy`` token file, or a list of these.
+        seq_len: Tokens per training sequence (targets are the next tokens).
+        batch_size: Sequences per micro-batch on each device.
+        val_fraction: Share of sequences held out for validation.
+        tokenizer: Path to a ``tokenizers`` JSON file; ``None`` for byte-level tokens.
+        text_field: JSONL field holding the text.
+        max_tokens: Read at most this many tokens (handy for quick runs on large folders).
+        num_workers: DataLoader worker processes.
+    """
+
+    def __init__(self, source: str | list[str] = "stdlib", seq_len: int = 256, batch_size: int = 16,
+                 val_fraction: float = 0.05, tokenizer: str | None = None, text_field: str = "text",
+                 max_tokens: int | None = None, num_workers: int = 0):
+        super().__init__()
+        if seq_len < 1 or batch_size < 1:
+            raise ValueError(f"data.seq_len={seq_len} and data.batch_size={batch_size} must be positive.")
+        if not 0 < val_fraction <= 0.5:
+            raise ValueError(f"data.val_fraction={val_fraction} must be in (0, 0.5].")
+        self.sources = [source] if isinstance(source, str) else list(source)
+        for s in self.sources:
+            resolve_source(s)  # fail now, not after the model is built
+        self.seq_len, self.batch_size, self.val_fraction = seq_len, batch_size, val_fraction
+        self.text_field, self.max_tokens, self.num_workers = text_field, max_tokens, num_workers
+        self.tokenizer = load_tokenizer(tokenizer)
+        self.train_set: PackedSequences | None = None
+        self.val_set: PackedSequences | None = None
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.vocab_size
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.train_set is not None:
+            return
+        tokens = tokenize_sources(self.sources, self.tokenizer, self.text_field, self.max_tokens)
+        num_sequences = (len(tokens) - 1) // self.seq_len
+        if num_sequences < 2:
+            raise ValueError(f"data.source={self.sources}: only {len(tokens)} tokens, fewer than two sequences of "
+                             f"seq_len={self.seq_len}; add text or lower data.seq_len.")
+        train_idx, val_idx = split_indices(num_sequences, self.val_fraction)
+        self.train_set = PackedSequences(tokens, self.seq_len, train_idx)
+        self.val_set = PackedSequences(tokens, self.seq_len, val_idx)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=True, drop_last=True,
+                          num_workers=self.num_workers)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(self.val_set, batch_size=self.batch_size, shuffle=False, num_workers=self.num_workers)
+
+
+def tokenize_main(argv: list[str] | None = None) -> None:
+    """``moe-lightning tokenize SOURCE... --out tokens.npy``: pre-tokenize a corpus for memory-mapped training."""
+    parser = argparse.ArgumentParser(prog="moe-lightning tokenize", description=tokenize_main.__doc__)
+    parser.add_argument("sources", nargs="+", help="stdlib, files, folders, globs or .jsonl")
+    parser.add_argument("--out", required=True, help="output .npy path")
+    parser.add_argument("--tokenizer", default=None, help="tokenizers JSON file (default: bytes)")
+    parser.add_argument("--text-field", default="text")
+    parser.add_argument("--overwrite", action="store_true")
+    args = parser.parse_args(argv)
+    out = write_token_file(args.sources, args.out, args.tokenizer, args.text_field, args.overwrite)
+    print(f"wrote {len(np.load(out, mmap_mode='r')):,} tokens to {out}")

@@ -1,0 +1,125 @@
+"""Model hyperparameters, validated when built so a bad YAML fails before any tensor is allocated."""
+
+from dataclasses import dataclass
+from typing import Literal, Optional
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the field and the fix."""
+
+
+@dataclass
+class MoEConfig:
+    """Shape and routing of a decoder-only MoE transformer.
+
+    Args:
+        vocab_size: Embedding rows; must be at least the tokenizer's vocabulary (byte level: 257).
+        dim: Width of the residual stream.
+        n_layers: Number of transformer blocks.
+        n_heads: Query heads.
+        n_kv_heads: Key/value heads for grouped-query attention (must divide ``n_heads``).
+        head_dim: Per-head width; ``None`` means ``dim // n_heads``.
+        max_seq_len: Longest sequence the rotary table covers.
+        rope_theta: Rotary base frequency.
+        norm_eps: RMSNorm epsilon.
+        ffn_hidden: Hidden width of the dense SwiGLU FFN used by the first ``n_dense_layers`` blocks.
+        n_dense_layers: How many leading blocks use a dense FFN instead of MoE.
+        num_experts: Routed experts per MoE layer.
+        top_k: Routed experts chosen per token.
+        expert_hidden: Hidden width of each routed (and shared) expert.
+        n_shared_experts: Always-on experts added to every token's output (0 disables).
+        score_func: Router score: ``softmax`` over experts or independent ``sigmoid`` per expert.
+        route_norm: Renormalize the top-k weights to sum to one.
+        route_scale: Multiplier applied to the (renormalized) top-k weights.
+        n_expert_groups: Split experts into this many groups for group-limited routing (1 disables).
+        n_limited_groups: Each token may only pick experts from this many groups.
+        bias_update_rate: Step size of the aux-loss-free balancing bias (0 disables the update).
+        aux_loss_coef: Coefficient of the sequence-level load-balancing loss (0 disables).
+        z_loss_coef: Coefficient of the router z-loss (0 disables).
+        tie_embeddings: Share the embedding matrix with the output head.
+        attention: Attention type; ``gqa`` (grouped-query attention).
+        init_std: Standard deviation of the normal weight initialisation.
+    """
+
+    vocab_size: int = 320
+    dim: int = 256
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    head_dim: Optional[int] = None
+    max_seq_len: int = 256
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    ffn_hidden: int = 768
+    n_dense_layers: int = 1
+    num_experts: int = 8
+    top_k: int = 2
+    expert_hidden: int = 256
+    n_shared_experts: int = 1
+    score_func: Literal["softmax", "sigmoid"] = "softmax"
+    route_norm: bool = True
+    route_scale: float = 1.0
+    n_expert_groups: int = 1
+    n_limited_groups: int = 1
+    bias_update_rate: float = 1e-3
+    aux_loss_coef: float = 0.0
+    z_loss_coef: float = 0.0
+    tie_embeddings: bool = False
+    attention: Literal["gqa"] = "gqa"
+    init_std: float = 0.02
+
+    def __post_init__(self) -> None:
+        positive = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "max_seq_len",
+                    "ffn_hidden", "num_experts", "top_k", "expert_hidden", "n_expert_groups",
+                    "n_limited_groups")
+        for name in positive:
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"MoEConfig.{name}={value!r}: must be a positive integer.")
+        if self.head_dim is None:
+            if self.dim % self.n_heads:
+                raise ConfigError(
+                    f"MoEConfig.dim={self.dim} is not divisible by n_heads={self.n_heads}: "
+                    f"choose dim as a multiple of n_heads, or set head_dim explicitly.")
+            self.head_dim = self.dim // self.n_heads
+        if self.head_dim % 2:
+            raise ConfigError(f"MoEConfig.head_dim={self.head_dim} must be even for rotary embeddings.")
+        if self.n_heads % self.n_kv_heads:
+            raise ConfigError(
+                f"MoEConfig.n_kv_heads={self.n_kv_heads} must divide n_heads={self.n_heads}: "
+                f"pick n_kv_heads from the divisors of n_heads.")
+        if not 0 <= self.n_dense_layers <= self.n_layers:
+            raise ConfigError(
+                f"MoEConfig.n_dense_layers={self.n_dense_layers} must be between 0 and "
+                f"n_layers={self.n_layers}.")
+        if self.top_k > self.num_experts:
+            raise ConfigError(
+                f"MoEConfig.top_k={self.top_k} exceeds num_experts={self.num_experts}: "
+                f"lower top_k or add experts.")
+        if self.n_shared_experts < 0:
+            raise ConfigError(f"MoEConfig.n_shared_experts={self.n_shared_experts} must be >= 0.")
+        if self.num_experts % self.n_expert_groups:
+            raise ConfigError(
+                f"MoEConfig.n_expert_groups={self.n_expert_groups} must divide "
+                f"num_experts={self.num_experts}.")
+        if self.n_limited_groups > self.n_expert_groups:
+            raise ConfigError(
+                f"MoEConfig.n_limited_groups={self.n_limited_groups} exceeds "
+                f"n_expert_groups={self.n_expert_groups}.")
+        experts_reachable = self.n_limited_groups * (self.num_experts // self.n_expert_groups)
+        if self.top_k > experts_reachable:
+            raise ConfigError(
+                f"MoEConfig.top_k={self.top_k} exceeds the {experts_reachable} experts reachable in "
+                f"n_limited_groups={self.n_limited_groups} groups: raise n_limited_groups.")
+        if self.score_func not in ("softmax", "sigmoid"):
+            raise ConfigError(
+                f"MoEConfig.score_func={self.score_func!r}: use 'softmax' or 'sigmoid'.")
+        for name in ("bias_update_rate", "aux_loss_coef", "z_loss_coef"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"MoEConfig.{name}={getattr(self, name)} must be >= 0.")
+        if self.route_scale <= 0:
+            raise ConfigError(f"MoEConfig.route_scale={self.route_scale} must be > 0.")
+
+    @property
+    def n_moe_layers(self) -> int:
+        return self.n_layers - self.n_dense_layers

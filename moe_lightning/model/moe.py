@@ -1,0 +1,205 @@
+"""Mixture-of-Experts FFN: router, grouped experts, replaceable token dispatch, load balancing.
+
+Shapes: T tokens, D model dim, E experts, F expert hidden, K experts per token.
+"""
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import MoEConfig
+from .layers import SwiGLU
+
+
+class Router(nn.Module):
+    """Scores experts in fp32 and picks the top-k per token.
+
+    ``expert_bias`` is the aux-loss-free balancing bias: it shifts which experts are *selected* but
+    never the weights they receive. It is a buffer (no gradient); ``update_bias`` moves it.
+    """
+
+    def __init__(self, config: MoEConfig):
+        super().__init__()
+        self.num_experts, self.top_k = config.num_experts, config.top_k
+        self.score_func, self.route_norm, self.route_scale = config.score_func, config.route_norm, config.route_scale
+        self.n_groups, self.n_limited_groups = config.n_expert_groups, config.n_limited_groups
+        self.gate = nn.Linear(config.dim, config.num_experts, bias=False)
+        self.register_buffer("expert_bias", torch.zeros(config.num_experts, dtype=torch.float32))
+
+    def forward(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Returns ``(weights_TK, experts_TK, scores_TE, logits_TE)``; scores and logits in fp32."""
+        logits_TE = F.linear(x_TD.float(), self.gate.weight.float())
+        scores_TE = logits_TE.softmax(-1) if self.score_func == "softmax" else logits_TE.sigmoid()
+        selection_TE = scores_TE.detach() + self.expert_bias
+        if self.n_groups > 1:
+            selection_TE = self._mask_unselected_groups(selection_TE)
+        experts_TK = selection_TE.topk(self.top_k, dim=-1).indices
+        weights_TK = scores_TE.gather(-1, experts_TK)
+        if self.route_norm:
+            weights_TK = weights_TK / (weights_TK.sum(-1, keepdim=True) + 1e-20)
+        return weights_TK * self.route_scale, experts_TK, scores_TE, logits_TE
+
+    def _mask_unselected_groups(self, selection_TE: torch.Tensor) -> torch.Tensor:
+        """Group-limited routing: keep the ``n_limited_groups`` groups with the best top-2 score sum."""
+        grouped_TGe = selection_TE.unflatten(-1, (self.n_groups, -1))
+        top_in_group = min(2, grouped_TGe.shape[-1])
+        group_score_TG = grouped_TGe.topk(top_in_group, dim=-1).values.sum(-1)
+        keep_TG = torch.zeros_like(group_score_TG, dtype=torch.bool)
+        keep_TG.scatter_(-1, group_score_TG.topk(self.n_limited_groups, dim=-1).indices, True)
+        return grouped_TGe.masked_fill(~keep_TG[..., None], float("-inf")).flatten(-2)
+
+    @torch.no_grad()
+    def update_bias(self, tokens_per_expert_E: torch.Tensor, rate: float) -> None:
+        """Raise the bias of under-loaded experts and lower over-loaded ones by ``rate`` (sign rule)."""
+        load_E = tokens_per_expert_E.float()
+        self.expert_bias += rate * torch.sign(load_E.mean() - load_E)
+
+    def init_weights(self, std: float) -> None:
+        nn.init.normal_(self.gate.weight, std=std)
+        self.expert_bias.zero_()
+
+
+def _grouped_mm_supported(x: torch.Tensor) -> bool:
+    """``torch._grouped_mm`` runs on CPU (any float) and on CUDA in bf16 on Hopper or newer."""
+    if x.device.type == "cpu":
+        return True
+    return x.device.type == "cuda" and x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device)[0] >= 9
+
+
+class GroupedExperts(nn.Module):
+    """All routed experts of a layer as 3-D stacks ``[E, out, in]`` so each expert is one matrix.
+
+    Input tokens must already be sorted by expert; ``tokens_per_expert_E`` gives the group sizes.
+    The weights here may be a subset of experts (expert parallelism hands each rank its slice).
+    """
+
+    def __init__(self, num_experts: int, dim: int, hidden: int):
+        super().__init__()
+        self.w1_EFD = nn.Parameter(torch.empty(num_experts, hidden, dim))
+        self.w3_EFD = nn.Parameter(torch.empty(num_experts, hidden, dim))
+        self.w2_EDF = nn.Parameter(torch.empty(num_experts, dim, hidden))
+
+    @property
+    def num_experts(self) -> int:
+        return self.w1_EFD.shape[0]
+
+    def forward(self, x_TD: torch.Tensor, tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
+        if not _grouped_mm_supported(x_TD):
+            return self.forward_loop(x_TD, tokens_per_expert_E)
+        offsets_E = torch.cumsum(tokens_per_expert_E, dim=0, dtype=torch.int32)
+        gate_TF = torch._grouped_mm(x_TD, self.w1_EFD.transpose(-2, -1), offs=offsets_E)
+        up_TF = torch._grouped_mm(x_TD, self.w3_EFD.transpose(-2, -1), offs=offsets_E)
+        return torch._grouped_mm(F.silu(gate_TF) * up_TF, self.w2_EDF.transpose(-2, -1), offs=offsets_E)
+
+    def forward_loop(self, x_TD: torch.Tensor, tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
+        """Plain per-expert loop: the reference the grouped path is tested against, and the fallback."""
+        outputs = []
+        for e, x_tD in enumerate(torch.split(x_TD, tokens_per_expert_E.tolist())):
+            outputs.append((F.silu(x_tD @ self.w1_EFD[e].T) * (x_tD @ self.w3_EFD[e].T)) @ self.w2_EDF[e].T)
+        return torch.cat(outputs) if outputs else x_TD.new_zeros(0, self.w2_EDF.shape[1])
+
+    def init_weights(self, std: float, out_std: float) -> None:
+        nn.init.normal_(self.w1_EFD, std=std)
+        nn.init.normal_(self.w3_EFD, std=std)
+        nn.init.normal_(self.w2_EDF, std=out_std)
+
+
+class TokenDispatcher(Protocol):
+    """How routed tokens reach their experts and come back. A strategy may replace it (e.g. all-to-all)."""
+
+    def __call__(self, x_TD: torch.Tensor, weights_TK: torch.Tensor, experts_TK: torch.Tensor,
+                 experts: GroupedExperts) -> torch.Tensor: ...
+
+
+class LocalTokenDispatcher:
+    """Single-device dispatch: sort token copies by expert, run the experts, weight and scatter back."""
+
+    def __call__(self, x_TD, weights_TK, experts_TK, experts):
+        T, K = experts_TK.shape
+        flat_experts = experts_TK.flatten()
+        order = flat_experts.argsort(stable=True)
+        tokens_per_expert_E = torch.bincount(flat_experts, minlength=experts.num_experts)
+        y_sorted = experts(x_TD[order // K], tokens_per_expert_E)
+        y_weighted = y_sorted * weights_TK.flatten()[order, None].to(y_sorted.dtype)
+        return x_TD.new_zeros(x_TD.shape).index_add_(0, order // K, y_weighted.to(x_TD.dtype))
+
+
+class _AttachAuxLoss(torch.autograd.Function):
+    """Identity on ``y`` whose backward also sends ``grad_scale`` into ``aux_loss``.
+
+    This puts the balancing losses into the gradient without the model returning them, so every
+    block stays a plain ``Tensor -> Tensor`` function (what FSDP, checkpointing and offload wrap).
+    """
+
+    @staticmethod
+    def forward(ctx, y, aux_loss, grad_scale: float):
+        ctx.grad_scale = grad_scale
+        ctx.aux_shape = aux_loss.shape
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        aux_grad = torch.full(ctx.aux_shape, ctx.grad_scale, device=grad_y.device, dtype=torch.float32)
+        return grad_y, aux_grad, None
+
+
+class MoELayer(nn.Module):
+    """Routed experts (+ optional shared experts) with balancing losses and per-expert token counts.
+
+    After each forward, ``tokens_per_expert`` holds this batch's counts and ``aux_loss`` the detached
+    balancing loss (for logging). ``aux_loss_grad_scale`` lets the trainer divide the balancing
+    gradient like the main loss under gradient accumulation.
+    """
+
+    def __init__(self, config: MoEConfig):
+        super().__init__()
+        self.router = Router(config)
+        self.experts = GroupedExperts(config.num_experts, config.dim, config.expert_hidden)
+        self.shared_experts = (SwiGLU(config.dim, config.expert_hidden * config.n_shared_experts)
+                               if config.n_shared_experts else None)
+        self.dispatcher: TokenDispatcher = LocalTokenDispatcher()
+        self.top_k, self.num_experts = config.top_k, config.num_experts
+        self.aux_loss_coef, self.z_loss_coef = config.aux_loss_coef, config.z_loss_coef
+        self.aux_loss_grad_scale = 1.0
+        self.tokens_per_expert: torch.Tensor | None = None
+        self.aux_loss: torch.Tensor | None = None
+
+    def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
+        B, S, D = x_BSD.shape
+        x_TD = x_BSD.reshape(-1, D)
+        weights_TK, experts_TK, scores_TE, logits_TE = self.router(x_TD)
+        self.tokens_per_expert = torch.bincount(experts_TK.flatten(), minlength=self.num_experts).detach()
+        y_TD = self.dispatcher(x_TD, weights_TK, experts_TK, self.experts)
+        if self.shared_experts is not None:
+            y_TD = y_TD + self.shared_experts(x_TD)
+        y_BSD = y_TD.view(B, S, D)
+        aux_loss = self._balancing_loss(scores_TE.view(B, S, -1), experts_TK.view(B, S, -1), logits_TE)
+        if aux_loss is None:
+            self.aux_loss = None
+            return y_BSD
+        self.aux_loss = aux_loss.detach()
+        if torch.is_grad_enabled() and aux_loss.requires_grad:
+            y_BSD = _AttachAuxLoss.apply(y_BSD, aux_loss, self.aux_loss_grad_scale)
+        return y_BSD
+
+    def _balancing_loss(self, scores_BSE, experts_BSK, logits_TE) -> torch.Tensor | None:
+        """Sequence-level balance loss ``coef * E/(K*S) * sum_e f_e * P_e`` (per sequence) + router z-loss."""
+        terms = []
+        if self.aux_loss_coef > 0:
+            S = scores_BSE.shape[1]
+            probs_BSE = scores_BSE / scores_BSE.sum(-1, keepdim=True)
+            counts_BE = torch.zeros_like(probs_BSE[:, 0]).scatter_add_(
+                1, experts_BSK.flatten(1), torch.ones_like(experts_BSK.flatten(1), dtype=probs_BSE.dtype))
+            load_fraction_BE = counts_BE * self.num_experts / (self.top_k * S)
+            terms.append(self.aux_loss_coef * (load_fraction_BE * probs_BSE.mean(1)).sum(-1).mean())
+        if self.z_loss_coef > 0:
+            terms.append(self.z_loss_coef * torch.logsumexp(logits_TE, dim=-1).square().mean())
+        return sum(terms) if terms else None
+
+    def init_weights(self, std: float, out_std: float) -> None:
+        self.router.init_weights(std)
+        self.experts.init_weights(std, out_std)
+        if self.shared_experts is not None:
+            self.shared_experts.init_weights(std, out_std)

@@ -1,0 +1,113 @@
+"""The LightningModule: builds the model late, computes the loss, balances experts, logs what matters."""
+
+from functools import partial
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+import torchmetrics
+from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
+
+from .model import MoEConfig, MoETransformer
+from .optim import WarmupCosineLR, param_groups
+
+
+def default_optimizer(groups) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(groups, lr=3e-4, betas=(0.9, 0.95))
+
+
+class MoELanguageModel(L.LightningModule):
+    """Next-token prediction with an MoE transformer.
+
+    Args:
+        config: Model shape and routing.
+        optimizer: Builds the optimizer from parameter groups (each group carries ``role`` and
+            ``param_names``); built in ``configure_optimizers`` so it sees the sharded parameters.
+        lr_scheduler: Builds the per-step LR schedule from the optimizer.
+        weight_decay: Decoupled weight decay for matrices (never norms, biases, embeddings).
+    """
+
+    def __init__(self, config: MoEConfig | None = None, optimizer: OptimizerCallable = default_optimizer,
+                 lr_scheduler: LRSchedulerCallable = partial(WarmupCosineLR, warmup_steps=100),
+                 weight_decay: float = 0.1):
+        super().__init__()
+        self.config = config if config is not None else MoEConfig()
+        self.optimizer_factory, self.lr_scheduler_factory = optimizer, lr_scheduler
+        self.weight_decay = weight_decay
+        self.model: MoETransformer | None = None
+        self.save_hyperparameters(ignore=["optimizer", "lr_scheduler"])
+        self.tokens_seen = 0
+        self._pending_expert_counts: torch.Tensor | None = None
+        self.val_loss_mean = torchmetrics.aggregation.MeanMetric()
+
+    def configure_model(self) -> None:
+        """Build once; under ``trainer.init_module(empty_init=True)`` this lands on the meta device."""
+        if self.model is None:
+            self.model = MoETransformer(self.config)
+
+    def forward(self, tokens_BS: torch.Tensor) -> torch.Tensor:
+        return self.model(tokens_BS)
+
+    def _loss(self, batch_BS1: torch.Tensor) -> torch.Tensor:
+        inputs_BS, targets_BS = batch_BS1[:, :-1], batch_BS1[:, 1:]
+        logits_BSV = self.model(inputs_BS)
+        return F.cross_entropy(logits_BSV.flatten(0, 1).float(), targets_BS.flatten())
+
+    def expert_counts(self) -> torch.Tensor | None:
+        """``[moe_layers, experts]`` token counts of the last forward."""
+        moe_layers = self.model.moe_layers()
+        return torch.stack([m.tokens_per_expert for m in moe_layers]) if moe_layers else None
+
+    def on_train_start(self) -> None:
+        for moe in self.model.moe_layers():
+            moe.aux_loss_grad_scale = 1.0 / self.trainer.accumulate_grad_batches
+
+    def training_step(self, batch_BS1: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        loss = self._loss(batch_BS1)
+        counts_LE = self.expert_counts()
+        if counts_LE is not None:  # read now: recomputation in backward would overwrite them
+            self._pending_expert_counts = counts_LE if self._pending_expert_counts is None \
+                else self._pending_expert_counts + counts_LE
+            self.log("train/expert_imbalance", (counts_LE.max(-1).values / counts_LE.float().mean(-1)).mean())
+            aux = [m.aux_loss for m in self.model.moe_layers() if m.aux_loss is not None]
+            if aux:
+                self.log("train/aux_loss", torch.stack(aux).sum())
+        self.tokens_seen += batch_BS1[:, :-1].numel() * self.trainer.world_size
+        self.log("train/loss", loss, prog_bar=True)
+        self.log("train/tokens_seen", float(self.tokens_seen))
+        return loss
+
+    def on_before_zero_grad(self, optimizer) -> None:
+        """After each optimizer step: move the balancing bias using the counts of all ranks."""
+        if self._pending_expert_counts is None or self.config.bias_update_rate == 0:
+            return
+        counts_LE = self.trainer.strategy.reduce(self._pending_expert_counts.float(), reduce_op="sum")
+        for moe, counts_E in zip(self.model.moe_layers(), counts_LE):
+            moe.router.update_bias(counts_E, self.config.bias_update_rate)
+        self._pending_expert_counts = None
+
+    def validation_step(self, batch_BS1: torch.Tensor, batch_idx: int) -> None:
+        loss = self._loss(batch_BS1)
+        self.val_loss_mean.update(loss)
+        self.log("val/loss", loss, prog_bar=True, sync_dist=True)
+
+    def on_validation_epoch_end(self) -> None:
+        self.log("val/perplexity", self.val_loss_mean.compute().exp())
+        self.val_loss_mean.reset()
+
+    def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
+        self.log("train/perplexity", outputs["loss"].detach().exp())
+
+    def configure_optimizers(self):
+        optimizer = self.optimizer_factory(param_groups(self.model, self.weight_decay))
+        scheduler = self.lr_scheduler_factory(optimizer)
+        if isinstance(scheduler, WarmupCosineLR) and scheduler.total_steps is None:
+            scheduler.total_steps = int(self.trainer.estimated_stepping_batches)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        checkpoint["tokens_seen"] = self.tokens_seen
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        self.tokens_seen = checkpoint.get("tokens_seen", 0)
+        self._pending_expert_counts = None

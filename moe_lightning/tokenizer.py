@@ -1,0 +1,44 @@
+"""Tokenizers: byte-level by default (nothing to download), a ``tokenizers`` JSON file as an option."""
+
+from pathlib import Path
+
+import numpy as np
+
+
+class ByteTokenizer:
+    """UTF-8 bytes are tokens 0..255; token 256 separates documents."""
+
+    vocab_size = 257
+    eos_id = 256
+
+    def encode(self, text: str) -> np.ndarray:
+        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.uint32)
+
+    def decode(self, ids) -> str:
+        return bytes(int(i) for i in ids if int(i) < 256).decode("utf-8", errors="replace")
+
+
+class HFTokenizer:
+    """A trained ``tokenizers`` JSON file (install the ``tokenizers`` extra)."""
+
+    def __init__(self, path: str):
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"tokenizer={path!r}: no such file; pass a tokenizers JSON file or omit it "
+                                    "for the byte-level tokenizer.")
+        try:
+            from tokenizers import Tokenizer
+        except ImportError as err:
+            raise ImportError("tokenizer: a JSON tokenizer needs `pip install tokenizers`.") from err
+        self._tok = Tokenizer.from_file(path)
+        self.vocab_size = self._tok.get_vocab_size() + 1
+        self.eos_id = self.vocab_size - 1
+
+    def encode(self, text: str) -> np.ndarray:
+        return np.asarray(self._tok.encode(text).ids, dtype=np.uint32)
+
+    def decode(self, ids) -> str:
+        return self._tok.decode([int(i) for i in ids if int(i) != self.eos_id])
+
+
+def load_tokenizer(path: str | None):
+    return ByteTokenizer() if path is None else HFTokenizer(path)
