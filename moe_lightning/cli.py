@@ -1,10 +1,11 @@
 """``moe-lightning``: LightningCLI's fit/validate/test/predict, plus ``tokenize``."""
 
+import importlib
 import sys
 
 from lightning.pytorch.cli import LightningCLI
 
-from .data import TextDataModule, tokenize_main
+from .data import TextDataModule
 from .module import MoELanguageModel
 
 
@@ -21,12 +22,16 @@ class MoECLI(LightningCLI):
                              f"tokenizer's {vocab} tokens: set model.config.vocab_size >= {vocab}.")
 
 
-EXTRA_COMMANDS = {"tokenize": tokenize_main}
+# Commands beside LightningCLI's subcommands: name -> "module:function(argv)", imported only when used.
+EXTRA_COMMANDS = {
+    "tokenize": "moe_lightning.data:tokenize_main",
+}
 
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] in EXTRA_COMMANDS:
-        return EXTRA_COMMANDS[argv[0]](argv[1:])
+        module_name, function_name = EXTRA_COMMANDS[argv[0]].split(":")
+        return getattr(importlib.import_module(module_name), function_name)(argv[1:])
     MoECLI(MoELanguageModel, TextDataModule, subclass_mode_model=True, subclass_mode_data=True, args=argv,
            save_config_kwargs={"overwrite": False})
