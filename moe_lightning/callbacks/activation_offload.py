@@ -1,0 +1,215 @@
+"""Block-boundary activation offload: checkpoint each block, park its input in host memory, prefetch it back.
+
+Each block of ``model.layers`` runs under non-reentrant ``torch.utils.checkpoint``, so the only tensor
+autograd keeps for it is its input (the boundary activation). A ``saved_tensors_hooks`` pair around the
+checkpoint intercepts exactly that tensor: the pack hook copies it to (pinned) host memory on a side
+stream while the block computes, and the device copy is released when the block's forward returns.
+In backward, unpacking block *i*'s input also starts the host-to-device copies of the next ``prefetch``
+offloaded inputs below *i*, so they travel while block *i* is recomputed and backpropagated.
+
+Stream discipline (no ``record_stream``): device destinations are allocated on the compute stream; the
+side stream waits on an event recorded there before writing, and the compute stream waits on the copy's
+event before it reads the data or frees the source. Without CUDA the same code runs with host-to-host
+copies and no streams, so numerics and ordering are testable on any machine.
+
+The blocks are not replaced: the wrapper is an instance-level ``forward``, so parameter names, state
+dicts and FSDP2's module hooks (unshard before forward, reshard after) are untouched.
+"""
+
+import weakref
+from typing import Optional
+
+import lightning as L
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+
+class _Boundary:
+    """One block's input for one forward: kept on device, or offloaded with a host copy."""
+
+    __slots__ = ("index", "offloaded", "device", "device_tensor", "host_tensor", "copy_done", "generation",
+                 "__weakref__")
+
+    def __init__(self, index: int, tensor: torch.Tensor, offloaded: bool, generation: "weakref.WeakValueDictionary"):
+        self.index, self.offloaded, self.device, self.generation = index, offloaded, tensor.device, generation
+        self.device_tensor: Optional[torch.Tensor] = tensor
+        self.host_tensor: Optional[torch.Tensor] = None
+        self.copy_done: Optional[torch.cuda.Event] = None
+
+
+class ActivationOffload(L.Callback):
+    """Checkpoint every block and keep the offloaded blocks' inputs in host memory between forward and backward.
+
+    Applied at ``on_fit_start``, i.e. after a strategy has sharded the model (FSDP2 composes: its hooks
+    still run around each block), and removed at ``on_fit_end``.
+
+    Args:
+        prefetch: How many offloaded inputs ahead to copy back during backward (0: copy on demand).
+        min_offload_bytes: Inputs smaller than this stay on device (the copy is not worth its launch).
+        blocks: Indices into ``model.layers`` whose inputs are offloaded (negative indices count from the
+            end); all blocks are checkpointed either way. ``None``: every block except the last, whose
+            input backward needs first, so offloading it would only add two copies.
+    """
+
+    def __init__(self, prefetch: int = 1, min_offload_bytes: int = 1 << 20, blocks: Optional[list[int]] = None):
+        if not isinstance(prefetch, int) or prefetch < 0:
+            raise ValueError(f"ActivationOffload(prefetch={prefetch!r}): must be an integer >= 0 "
+                             "(0 copies each input back when backward needs it, 1 is the default look-ahead).")
+        if not isinstance(min_offload_bytes, int) or min_offload_bytes < 0:
+            raise ValueError(f"ActivationOffload(min_offload_bytes={min_offload_bytes!r}): must be an integer "
+                             ">= 0 (0 offloads every block input).")
+        self.prefetch, self.min_offload_bytes, self.blocks = prefetch, min_offload_bytes, blocks
+        self.order: list[tuple[str, int]] = []  # ("offload"|"keep"|"copy_in"|"use", block) of the last step
+        self.bytes_offloaded = self.tensors_offloaded = self.tensors_copied_in = 0
+        self._layers: Optional[nn.ModuleList] = None
+        self._offload_indices: set[int] = set()
+        self._generation: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+        self._packed: set[int] = set()
+        self._side_streams: dict[torch.device, torch.cuda.Stream] = {}
+
+    # ---- Lightning hooks -------------------------------------------------------------------------
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.apply(find_blocks(pl_module))
+
+    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.remove()
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.bytes_offloaded = self.tensors_offloaded = self.tensors_copied_in = 0
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        pl_module.log_dict({"offload/bytes": float(self.bytes_offloaded),
+                            "offload/tensors_out": float(self.tensors_offloaded),
+                            "offload/tensors_in": float(self.tensors_copied_in)})
+
+    # ---- wrapping --------------------------------------------------------------------------------
+    def apply(self, layers: nn.ModuleList) -> None:
+        """Wrap each block's ``forward`` in place (the module objects, and any FSDP state, stay as they are)."""
+        if self._layers is not None:
+            raise RuntimeError("ActivationOffload is already applied; call remove() first.")
+        n = len(layers)
+        chosen = list(range(n - 1)) if self.blocks is None else self.blocks
+        for i in chosen:
+            if not isinstance(i, int) or not -n <= i < n:
+                raise ValueError(f"ActivationOffload(blocks={self.blocks!r}): index {i!r} is outside model.layers "
+                                 f"(length {n}); use indices in [-{n}, {n - 1}].")
+        self._offload_indices = {i % n for i in chosen}
+        for index, block in enumerate(layers):
+            if "forward" in block.__dict__:
+                raise RuntimeError(f"model.layers[{index}] already has an instance-level forward (another wrapper); "
+                                   "ActivationOffload must own the block's forward.")
+            block.forward = self._wrap(index, block.forward)
+        self._layers = layers
+
+    def remove(self) -> None:
+        if self._layers is not None:
+            for block in self._layers:
+                del block.forward
+            self._layers = None
+
+    def _wrap(self, index: int, forward):
+        def offloaded_forward(*args, **kwargs):
+            if not torch.is_grad_enabled():
+                return forward(*args, **kwargs)
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: self._pack(index, t), self._unpack):
+                out = checkpoint(forward, *args, use_reentrant=False, **kwargs)
+            boundary = self._generation.get(index)
+            if boundary is not None and boundary.offloaded:
+                self._release_source(boundary)
+            return out
+        return offloaded_forward
+
+    # ---- saved-tensor hooks ----------------------------------------------------------------------
+    def _pack(self, index: int, tensor: torch.Tensor) -> _Boundary:
+        """Called once per block forward, with the block's input (checkpoint saves nothing else here)."""
+        if index in self._packed:  # a new forward began: start a new generation of boundaries
+            self._generation, self._packed = weakref.WeakValueDictionary(), set()
+            self.order.clear()
+        self._packed.add(index)
+        nbytes = tensor.numel() * tensor.element_size()
+        offloaded = index in self._offload_indices and nbytes >= self.min_offload_bytes
+        boundary = _Boundary(index, tensor, offloaded, self._generation)
+        self._generation[index] = boundary
+        self.order.append(("offload" if offloaded else "keep", index))
+        if offloaded:
+            self._copy_out(boundary)
+            self.bytes_offloaded += nbytes
+            self.tensors_offloaded += 1
+        return boundary
+
+    def _unpack(self, boundary: _Boundary) -> torch.Tensor:
+        if boundary.offloaded and boundary.device_tensor is None:
+            self._copy_in(boundary)
+        for ahead in self._next_offloaded(boundary):
+            if ahead.device_tensor is None:
+                self._copy_in(ahead)
+        tensor = boundary.device_tensor
+        if boundary.offloaded:
+            if boundary.copy_done is not None:
+                torch.cuda.current_stream(boundary.device).wait_event(boundary.copy_done)
+            boundary.device_tensor, boundary.copy_done = None, None
+        self.order.append(("use", boundary.index))
+        return tensor
+
+    def _next_offloaded(self, boundary: _Boundary) -> list[_Boundary]:
+        below = sorted((i for i in boundary.generation.keys() if i < boundary.index), reverse=True)
+        ahead = (boundary.generation.get(i) for i in below)
+        return [b for b in ahead if b is not None and b.offloaded][:self.prefetch]
+
+    # ---- copies ----------------------------------------------------------------------------------
+    def _side_stream(self, device: torch.device) -> Optional[torch.cuda.Stream]:
+        if device.type != "cuda":
+            return None
+        if device not in self._side_streams:
+            self._side_streams[device] = torch.cuda.Stream(device)
+        return self._side_streams[device]
+
+    def _copy_out(self, boundary: _Boundary) -> None:
+        """Start device→host; the source stays referenced until ``_release_source`` orders its free."""
+        source = boundary.device_tensor
+        side = self._side_stream(source.device)
+        host = torch.empty(source.shape, dtype=source.dtype, device="cpu", pin_memory=side is not None)
+        with torch.no_grad():
+            if side is None:
+                host.copy_(source)
+            else:
+                side.wait_stream(torch.cuda.current_stream(source.device))
+                with torch.cuda.stream(side):
+                    host.copy_(source, non_blocking=True)
+                    boundary.copy_done = side.record_event()
+        boundary.host_tensor = host
+
+    def _release_source(self, boundary: _Boundary) -> None:
+        """After the block's forward: order the compute stream after the copy, then drop the device copy."""
+        if boundary.copy_done is not None:
+            torch.cuda.current_stream(boundary.device).wait_event(boundary.copy_done)
+            boundary.copy_done = None
+        boundary.device_tensor = None
+
+    def _copy_in(self, boundary: _Boundary) -> None:
+        """Start host→device into memory allocated on the compute stream."""
+        device = boundary.device
+        side = self._side_stream(device)
+        destination = torch.empty(boundary.host_tensor.shape, dtype=boundary.host_tensor.dtype, device=device)
+        with torch.no_grad():
+            if side is None:
+                destination.copy_(boundary.host_tensor)
+            else:
+                side.wait_stream(torch.cuda.current_stream(device))
+                with torch.cuda.stream(side):
+                    destination.copy_(boundary.host_tensor, non_blocking=True)
+                    boundary.copy_done = side.record_event()
+        boundary.device_tensor = destination
+        self.tensors_copied_in += 1
+        self.order.append(("copy_in", boundary.index))
+
+
+def find_blocks(pl_module: nn.Module) -> nn.ModuleList:
+    """The repeated blocks: the first ``layers`` attribute that is an ``nn.ModuleList``."""
+    for module in pl_module.modules():
+        layers = getattr(module, "layers", None)
+        if isinstance(layers, nn.ModuleList):
+            return layers
+    raise ValueError(f"{type(pl_module).__name__} has no submodule with a `layers` nn.ModuleList: the callbacks "
+                     "find the model's repeated blocks there (MoETransformer.layers).")

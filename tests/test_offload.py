@@ -1,0 +1,99 @@
+"""ActivationOffload: bit-identical numerics, device copies released, copy-back order follows the look-ahead."""
+
+import json
+import weakref
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from moe_lightning.callbacks import ActivationOffload
+from moe_lightning.model import MoEConfig, MoETransformer
+from tests.distributed import run_ranks
+
+CONFIG = MoEConfig(vocab_size=64, dim=32, n_layers=4, n_heads=4, n_kv_heads=2, max_seq_len=16, ffn_hidden=64,
+                   n_dense_layers=1, num_experts=4, top_k=2, expert_hidden=32, aux_loss_coef=0.01,
+                   z_loss_coef=0.001)
+
+
+def train_step(offload: ActivationOffload | None):
+    """One fp32 forward/backward; returns loss, grads and, per block, whether its input is still alive after forward."""
+    torch.manual_seed(0)
+    model = MoETransformer(CONFIG)
+    if offload is not None:
+        offload.apply(model.layers)
+    inputs = []
+    for block in model.layers:
+        block.register_forward_pre_hook(lambda module, args: inputs.append(weakref.ref(args[0])))
+    tokens_BS = torch.randint(0, CONFIG.vocab_size, (2, 17), generator=torch.Generator().manual_seed(1))
+    logits_BSV = model(tokens_BS[:, :-1])
+    loss = F.cross_entropy(logits_BSV.flatten(0, 1), tokens_BS[:, 1:].flatten())
+    alive_after_forward = [ref() is not None for ref in inputs]
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters()}, alive_after_forward
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return train_step(None)
+
+
+@pytest.mark.parametrize("prefetch, blocks, expected_backward", [
+    (0, [0, 1, 2, 3], ["copy_in 3", "use 3", "copy_in 2", "use 2", "copy_in 1", "use 1", "copy_in 0", "use 0"]),
+    (1, None, ["copy_in 2", "use 3", "copy_in 1", "use 2", "copy_in 0", "use 1", "use 0"]),
+    (2, [-4, -3, -2, -1], ["copy_in 3", "copy_in 2", "copy_in 1", "use 3", "copy_in 0", "use 2", "use 1", "use 0"]),
+])
+def test_offload_is_bit_identical_and_prefetches_in_order(reference, prefetch, blocks, expected_backward):
+    offload = ActivationOffload(prefetch=prefetch, min_offload_bytes=0, blocks=blocks)
+    loss, grads, alive = train_step(offload)
+    ref_loss, ref_grads, ref_alive = reference
+    assert torch.equal(loss, ref_loss)
+    assert grads.keys() == ref_grads.keys()
+    for name, grad in grads.items():
+        assert torch.equal(grad, ref_grads[name]), name
+    offloaded = [True, True, True, blocks is not None]
+    assert ref_alive == [True] * 4  # without offload autograd keeps every block input on the device
+    assert alive == [not o for o in offloaded]
+    order = [f"{kind} {index}" for kind, index in offload.order]
+    assert order[:4] == [f"{'offload' if o else 'keep'} {i}" for i, o in enumerate(offloaded)]
+    assert order[4:] == expected_backward
+    assert offload.tensors_offloaded == sum(offloaded)
+    assert offload.bytes_offloaded == sum(offloaded) * 2 * 16 * 32 * 4
+
+
+def test_small_inputs_stay_on_device(reference):
+    offload = ActivationOffload(min_offload_bytes=2 * 16 * 32 * 4 + 1, blocks=[0, 1, 2, 3])
+    loss, _, alive = train_step(offload)
+    assert torch.equal(loss, reference[0])
+    assert alive == [True] * 4 and offload.tensors_offloaded == 0 and offload.tensors_copied_in == 0
+    assert [kind for kind, _ in offload.order] == ["keep"] * 4 + ["use"] * 4
+
+
+def test_remove_restores_plain_forward():
+    model = MoETransformer(CONFIG)
+    offload = ActivationOffload(min_offload_bytes=0)
+    offload.apply(model.layers)
+    with pytest.raises(RuntimeError, match="already applied"):
+        offload.apply(model.layers)
+    offload.remove()
+    assert all("forward" not in block.__dict__ for block in model.layers)
+    assert list(model.state_dict()) == list(MoETransformer(CONFIG).state_dict())
+
+
+@pytest.mark.parametrize("kwargs, match", [({"prefetch": -1}, "prefetch=-1"),
+                                           ({"min_offload_bytes": -5}, "min_offload_bytes=-5"),
+                                           ({"blocks": [7]}, "blocks=\\[7\\]")])
+def test_bad_arguments_name_the_argument(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        ActivationOffload(**kwargs).apply(MoETransformer(CONFIG).layers)
+
+
+def test_offload_under_fsdp2_two_processes():
+    script = Path(__file__).with_name("offload_fsdp.py")
+    results = [json.loads(out.strip().splitlines()[-1]) for out in run_ranks(script, 2)]
+    for result in results:
+        assert result["loss_equal"] and result["grads_equal"] and result["n_grads"] > 0
+        assert result["tensors_out"] == 3
+        assert [f"{k} {i}" for k, i in result["order"]] == [
+            "offload 0", "offload 1", "offload 2", "copy_in 2", "copy_in 1", "use 2", "copy_in 0", "use 1", "use 0"]
