@@ -25,6 +25,7 @@ class MoECLI(LightningCLI):
 # Commands beside LightningCLI's subcommands: name -> "module:function(argv)", imported only when used.
 EXTRA_COMMANDS = {
     "tokenize": "moe_lightning.data:tokenize_main",
+    "plan": "moe_lightning.plan:main",
 }
 
 

@@ -14,8 +14,13 @@ def parameter_counts(config: MoEConfig) -> dict[str, int]:
 
 
 def attention_flops_per_token(config: MoEConfig, seq_len: int, causal: bool = True) -> float:
-    """Score and value matmuls, forward + backward: ``12 · layers · heads · head_dim · seq_len`` (halved if causal)."""
-    flops = 12 * config.n_layers * config.n_heads * config.head_dim * seq_len
+    """Score and value matmuls, forward + backward: ``6 · layers · heads · (qk_dim + v_dim) · seq_len``.
+
+    Halved if causal. With GQA ``qk_dim = v_dim = head_dim`` (the familiar ``12 · L · H · head_dim · S``);
+    MLA scores over ``qk_nope_head_dim + qk_rope_head_dim`` and mixes ``v_head_dim``.
+    """
+    qk_dim, v_dim = config.attention_head_dims
+    flops = 6 * config.n_layers * config.n_heads * (qk_dim + v_dim) * seq_len
     return flops / 2 if causal else flops
 
 

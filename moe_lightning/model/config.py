@@ -37,7 +37,13 @@ class MoEConfig:
         aux_loss_coef: Coefficient of the sequence-level load-balancing loss (0 disables).
         z_loss_coef: Coefficient of the router z-loss (0 disables).
         tie_embeddings: Share the embedding matrix with the output head.
-        attention: Attention type; ``gqa`` (grouped-query attention).
+        attention: Attention type: ``gqa`` (grouped-query) or ``mla`` (multi-head latent attention,
+            DeepSeek-V3 style; uses the five fields below and ignores ``n_kv_heads``/``head_dim``).
+        q_lora_rank: MLA query latent width; 0 projects queries at full rank (DeepSeek-V2-Lite).
+        kv_lora_rank: MLA compressed key/value latent width (what an inference KV cache stores).
+        qk_nope_head_dim: MLA per-head query/key width without rotary embedding.
+        qk_rope_head_dim: MLA per-head rotary width, decoupled: one rotary key shared by all heads.
+        v_head_dim: MLA per-head value width.
         init_std: Standard deviation of the normal weight initialisation.
     """
 
@@ -65,7 +71,12 @@ class MoEConfig:
     aux_loss_coef: float = 0.0
     z_loss_coef: float = 0.0
     tie_embeddings: bool = False
-    attention: Literal["gqa"] = "gqa"
+    attention: Literal["gqa", "mla"] = "gqa"
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 64
+    qk_nope_head_dim: int = 32
+    qk_rope_head_dim: int = 16
+    v_head_dim: int = 32
     init_std: float = 0.02
 
     def __post_init__(self) -> None:
@@ -119,7 +130,30 @@ class MoEConfig:
                 raise ConfigError(f"MoEConfig.{name}={getattr(self, name)} must be >= 0.")
         if self.route_scale <= 0:
             raise ConfigError(f"MoEConfig.route_scale={self.route_scale} must be > 0.")
+        if self.attention not in ("gqa", "mla"):
+            raise ConfigError(f"MoEConfig.attention={self.attention!r}: use 'gqa' or 'mla'.")
+        if self.attention == "mla":
+            self._validate_mla()
+
+    def _validate_mla(self) -> None:
+        for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"MoEConfig.{name}={value!r}: must be a positive integer for attention='mla'.")
+        if not isinstance(self.q_lora_rank, int) or self.q_lora_rank < 0:
+            raise ConfigError(f"MoEConfig.q_lora_rank={self.q_lora_rank!r}: must be >= 0 "
+                              f"(0 projects queries at full rank).")
+        if self.qk_rope_head_dim % 2:
+            raise ConfigError(f"MoEConfig.qk_rope_head_dim={self.qk_rope_head_dim} must be even for rotary "
+                              f"embeddings: use e.g. {self.qk_rope_head_dim + 1}.")
 
     @property
     def n_moe_layers(self) -> int:
         return self.n_layers - self.n_dense_layers
+
+    @property
+    def attention_head_dims(self) -> tuple[int, int]:
+        """Per-head ``(query/key, value)`` widths: what attention scores and mixes over."""
+        if self.attention == "mla":
+            return self.qk_nope_head_dim + self.qk_rope_head_dim, self.v_head_dim
+        return self.head_dim, self.head_dim

@@ -9,11 +9,12 @@ from torch import nn
 from .attention import GroupedQueryAttention
 from .config import MoEConfig
 from .layers import RMSNorm, SwiGLU
+from .mla import MultiHeadLatentAttention
 from .moe import MoELayer
 
 
 def build_attention(config: MoEConfig) -> nn.Module:
-    return GroupedQueryAttention(config)
+    return MultiHeadLatentAttention(config) if config.attention == "mla" else GroupedQueryAttention(config)
 
 
 class Block(nn.Module):

@@ -1,0 +1,279 @@
+"""``moe-lightning plan``: will a config fit the cluster, and how fast could it train? Decide before queueing.
+
+Everything is counted on the meta device (no memory allocated) and priced with the formulas below.
+Notation: P parameters, S FSDP shard-group size (``--dp-shard``), b micro-batch, s sequence length,
+d model dim, L layers, V vocabulary, K top-k; bytes are per GPU unless stated.
+
+- Sharded parameters: ``4·P / S`` (fp32 master copy; FSDP2 gathers bf16 for compute).
+- Gradients: ``4·P / S`` (fp32 after the reduce-scatter).
+- Optimizer state: AdamW ``8·P / S`` (two fp32 moments). Muon ``(4·P_muon + 8·P_adamw) / S``: one fp32
+  momentum for block matrices and expert stacks, AdamW's two for embedding, head, router and norms.
+  ``--cpu-offload`` moves these three to host memory (FSDP2 ``CPUOffloadPolicy``).
+- Boundary activations: ``L · b · s · d · 2`` (bf16 input of every checkpointed block). Offloaded, they
+  live in host memory and the GPU keeps ``(1 + prefetch)`` of them: the block in backward and those
+  being copied back.
+- Block recompute working set: what one block's recomputed forward saves for its backward
+  (see ``block_working_set_bytes``); the largest block counts.
+- Loss working set: ``12 · V`` bytes per token of a loss chunk (fp32 log-softmax output, its gradient
+  and the fp32 logit gradient); ``--loss-chunk`` models a chunked loss. It is transient like the
+  block working set, so the peak takes the larger of the two.
+- All-gather buffers: ``(1 + prefetch) · 2 · U`` with U the largest unit's gathered parameters
+  (a block's dense parameters plus its routed experts divided by the expert-parallel size).
+- Reduce-scatter buffers: ``6 · U`` (the unsharded bf16 gradient and its fp32 reduce copy).
+- Runtime reserve: CUDA context, communicator buffers and allocator slack (``--reserve``).
+
+Throughput: ``tokens/s per GPU = MFU · peak FLOP/s / training FLOPs per token`` (model FLOPs,
+``moe_lightning.flops``: 6 × active matmul parameters + causal attention at sequence length s).
+"""
+
+import argparse
+import json
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+import yaml
+
+from .flops import training_flops_per_token
+from .model import MoEConfig, MoETransformer
+from .optim.grouping import parameter_roles
+
+GiB = 2**30
+MUON_ROLES = ("hidden_matrix", "expert_stack")
+
+
+@dataclass
+class Cluster:
+    """Hardware and parallel layout. ``dp_shard`` defaults to every GPU of one replica."""
+
+    nodes: int = 1
+    gpus_per_node: int = 8
+    gpu_memory_gib: float = 80.0
+    host_memory_gib: float | None = None
+    peak_tflops: float = 989.0
+    dp_replicate: int = 1
+    dp_shard: int | None = None
+    ep: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    def __post_init__(self) -> None:
+        for name in ("nodes", "gpus_per_node", "dp_replicate", "ep"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')}={getattr(self, name)} must be >= 1.")
+        if self.world_size % self.dp_replicate:
+            raise ValueError(f"--dp-replicate={self.dp_replicate} must divide the {self.world_size} GPUs.")
+        if self.dp_shard is None:
+            self.dp_shard = self.world_size // self.dp_replicate
+        if self.dp_replicate * self.dp_shard != self.world_size:
+            raise ValueError(f"--dp-replicate={self.dp_replicate} x --dp-shard={self.dp_shard} must equal the "
+                             f"{self.world_size} GPUs (nodes x gpus-per-node).")
+        if self.dp_shard % self.ep:
+            raise ValueError(f"--ep={self.ep} must divide --dp-shard={self.dp_shard}: expert parallelism "
+                             f"splits the shard group.")
+
+
+@dataclass
+class Workload:
+    """What one training step runs on each GPU."""
+
+    micro_batch: int = 1
+    seq_len: int = 4096
+    optimizer: str = "adamw"
+    cpu_offload: bool = False
+    prefetch: int = 1
+    loss_chunk: int | None = None
+    mfu: float = 0.3
+    reserve_gib: float = 3.0
+
+    def __post_init__(self) -> None:
+        if self.optimizer not in ("adamw", "muon"):
+            raise ValueError(f"--optimizer={self.optimizer!r}: use 'adamw' or 'muon'.")
+        if self.micro_batch < 1 or self.seq_len < 1 or self.prefetch < 0:
+            raise ValueError("--micro-batch and --seq-len must be >= 1 and --prefetch >= 0.")
+        if not 0 < self.mfu <= 1:
+            raise ValueError(f"--mfu={self.mfu} must be in (0, 1].")
+
+
+def load_model_config(path: str) -> MoEConfig:
+    """``model.init_args.config`` of a LightningCLI YAML (or a bare mapping of MoEConfig fields)."""
+    with open(path) as f:
+        data = yaml.safe_load(f) or {}
+    fields = data.get("model", {}).get("init_args", {}).get("config", data if "dim" in data else None)
+    if fields is None:
+        raise ValueError(f"{path}: no model.init_args.config section with MoEConfig fields.")
+    return MoEConfig(**fields)
+
+
+def count_parameters(config: MoEConfig) -> tuple[dict[str, int], list[tuple[int, int]]]:
+    """Parameters per optimizer role, and each gathered unit's ``(dense, routed)`` parameters.
+
+    Units are what FSDP gathers at once: every block, the embedding, and the head with the final norm.
+    Counted on a meta-device model, so nothing is allocated.
+    """
+    with torch.device("meta"):
+        model = MoETransformer(config)
+    params = dict(model.named_parameters())
+    roles: dict[str, int] = {}
+    for name, role in parameter_roles(model).items():
+        roles[role] = roles.get(role, 0) + params[name].numel()
+    units = [(model.tok_embeddings.weight.numel(), 0),
+             (model.output.weight.numel() + model.norm.weight.numel(), 0)]
+    for block in model.layers:
+        routed = sum(p.numel() for p in block.ffn.experts.parameters()) if block.is_moe else 0
+        units.append((sum(p.numel() for p in block.parameters()) - routed, routed))
+    return roles, units
+
+
+def block_working_set_bytes(config: MoEConfig, tokens: int, moe: bool) -> int:
+    """Bytes one block's recomputed forward saves for its backward, for ``tokens = b·s`` tokens.
+
+    Counted from what autograd saves in this package's block (bf16 compute, fused attention kernel
+    keeping q, k, v, output and fp32 log-sum-exp). Per token, in bytes:
+    - each RMSNorm of width w: fp32 input, normalized and weighted bf16 outputs: ``8w``;
+    - GQA: rotated q and k ``2(H + G)·hd``, v ``2G·hd``, output and its reshaped copy ``4H·hd``, LSE ``4H``;
+    - MLA: norms ``8(d + Q + C)`` (no query norm if Q = 0), q and assembled k ``4H(N+R)``, key/value
+      up-projection ``2H(N+V)``, output and its reshaped copy ``4H·V``, LSE ``4H``;
+    - MoE: norm ``8d``, fp32 router input ``4d`` and scores ``4E``, K token copies into the experts,
+      their outputs and weighted outputs ``6K·d``, gate, up, activation, product ``8K·F``, shared experts
+      ``8·F_shared``, routing indices and weights ``28K``; plus, once, the router weight's fp32 copy ``4E·d``;
+    - dense FFN: norm ``8d`` and ``8·ffn_hidden``.
+    """
+    c, d, H = config, config.dim, config.n_heads
+    if c.attention == "mla":
+        N, R, V, C, Q = c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim, c.kv_lora_rank, c.q_lora_rank
+        per_token = 8 * (d + Q + C) + 4 * H * (N + R) + 2 * H * (N + V) + 4 * H * V + 4 * H
+    else:
+        hd, G = c.head_dim, c.n_kv_heads
+        per_token = 8 * d + 2 * (H + G) * hd + 2 * G * hd + 4 * H * hd + 4 * H
+    if not moe:
+        return (per_token + 8 * d + 8 * c.ffn_hidden) * tokens
+    K, F = c.top_k, c.expert_hidden
+    per_token += 12 * d + 4 * c.num_experts + 6 * K * d + 8 * K * F + 8 * F * c.n_shared_experts + 28 * K
+    return per_token * tokens + 4 * c.num_experts * d
+
+
+def plan(config: MoEConfig, cluster: Cluster, work: Workload) -> dict:
+    """Parameters, FLOPs, per-GPU memory (without and with activation offload), fit and throughput."""
+    roles, units = count_parameters(config)
+    total = sum(roles.values())
+    routed = roles.get("expert_stack", 0)
+    active = total - routed + routed * config.top_k // config.num_experts
+    S, tokens = cluster.dp_shard, work.micro_batch * work.seq_len
+    muon = sum(roles.get(r, 0) for r in MUON_ROLES) if work.optimizer == "muon" else 0
+
+    state = {
+        "sharded parameters (fp32)": 4 * total / S,
+        "gradients (fp32)": 4 * total / S,
+        f"optimizer state ({work.optimizer})": (4 * muon + 8 * (total - muon)) / S,
+    }
+    boundary_one = 2 * tokens * config.dim
+    unit = max(dense + routed_part / cluster.ep for dense, routed_part in units)
+    working_set = max(block_working_set_bytes(config, tokens, moe=m)
+                      for m, n in ((True, config.n_moe_layers), (False, config.n_dense_layers)) if n)
+    loss_set = 12 * config.vocab_size * min(work.loss_chunk or tokens, tokens)
+
+    transient = {
+        "block recompute working set": working_set,
+        "loss working set": loss_set,
+        "all-gather buffers (bf16)": (1 + work.prefetch) * 2 * unit,
+        "reduce-scatter buffers": 6 * unit,
+        "runtime reserve": work.reserve_gib * GiB,
+    }
+    variants = {}
+    for offload in (False, True):
+        boundary = (1 + work.prefetch) * boundary_one if offload else config.n_layers * boundary_one
+        gpu = {} if work.cpu_offload else dict(state)
+        gpu["boundary activations"] = boundary
+        gpu.update(transient)
+        peak = sum(gpu.values()) - min(working_set, loss_set)  # the two transients never coexist
+        host = (sum(state.values()) if work.cpu_offload else 0) + (config.n_layers * boundary_one if offload else 0)
+        fits = peak <= cluster.gpu_memory_gib * GiB and (
+            cluster.host_memory_gib is None or host <= cluster.host_memory_gib * GiB)
+        variants["with_offload" if offload else "without_offload"] = {
+            "gpu_bytes": {k: int(v) for k, v in gpu.items()}, "gpu_peak_bytes": int(peak),
+            "host_bytes": int(host), "fits": fits}
+
+    flops_per_token = training_flops_per_token(config, work.seq_len)
+    tokens_per_s = work.mfu * cluster.peak_tflops * 1e12 / flops_per_token
+    return {
+        "parameters": {"total": total, "active": active, "routed_experts": routed, "by_role": roles},
+        "flops_per_token": flops_per_token,
+        "cluster": asdict(cluster) | {"world_size": cluster.world_size},
+        "workload": asdict(work),
+        "boundary_activations_bytes": config.n_layers * boundary_one,
+        "memory": variants,
+        "tokens_per_s_per_gpu": tokens_per_s,
+        "tokens_per_s_total": tokens_per_s * cluster.world_size,
+    }
+
+
+def format_plan(result: dict) -> str:
+    p, c, w = result["parameters"], result["cluster"], result["workload"]
+    without, with_ = result["memory"]["without_offload"], result["memory"]["with_offload"]
+    lines = [
+        f"parameters        total {p['total'] / 1e9:,.2f} B   active {p['active'] / 1e9:,.2f} B",
+        f"training FLOPs    {result['flops_per_token'] / 1e9:,.1f} GFLOP per token at seq_len {w['seq_len']:,}",
+        f"cluster           {c['nodes']} nodes x {c['gpus_per_node']} GPUs = {c['world_size']}, "
+        f"{c['gpu_memory_gib']:g} GiB each; mesh dp_replicate={c['dp_replicate']} dp_shard={c['dp_shard']} "
+        f"ep={c['ep']}",
+        f"workload          micro_batch {w['micro_batch']} x seq_len {w['seq_len']:,}, optimizer {w['optimizer']}, "
+        f"cpu_offload {'on' if w['cpu_offload'] else 'off'}, prefetch {w['prefetch']}",
+        "",
+        f"{'per-GPU memory (GiB)':<32}{'no act. offload':>16}{'act. offload':>14}",
+    ]
+    for name in without["gpu_bytes"]:
+        lines.append(f"{name:<32}{without['gpu_bytes'][name] / GiB:>16.2f}{with_['gpu_bytes'][name] / GiB:>14.2f}")
+    lines += [
+        f"{'peak (larger working set only)':<32}{without['gpu_peak_bytes'] / GiB:>16.2f}"
+        f"{with_['gpu_peak_bytes'] / GiB:>14.2f}",
+        f"{'host memory per GPU':<32}{without['host_bytes'] / GiB:>16.2f}{with_['host_bytes'] / GiB:>14.2f}",
+        f"{'fits':<32}{_yes(without['fits']):>16}{_yes(with_['fits']):>14}",
+        "",
+        f"boundary activations {result['boundary_activations_bytes'] / GiB:.1f} GiB per GPU "
+        f"(in host memory with activation offload)",
+        f"throughput        {result['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU "
+        f"({result['tokens_per_s_total']:,.0f} total) at MFU {w['mfu']:.0%} of {c['peak_tflops']:g} TFLOP/s",
+    ]
+    return "\n".join(lines)
+
+
+def _yes(flag: bool) -> str:
+    return "yes" if flag else "NO"
+
+
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(prog="moe-lightning plan", description=__doc__.split("\n")[0])
+    parser.add_argument("--config", required=True, help="LightningCLI YAML with model.init_args.config")
+    parser.add_argument("--nodes", type=int, default=1)
+    parser.add_argument("--gpus-per-node", type=int, default=8)
+    parser.add_argument("--gpu-memory", type=float, default=80.0, help="GiB per GPU")
+    parser.add_argument("--host-memory", type=float, default=None, help="host GiB per GPU (checked if given)")
+    parser.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak per GPU")
+    parser.add_argument("--dp-replicate", type=int, default=1, help="HSDP replicas")
+    parser.add_argument("--dp-shard", type=int, default=None, help="FSDP shard-group size (default: all GPUs "
+                        "of a replica)")
+    parser.add_argument("--ep", type=int, default=1, help="expert-parallel size within the shard group")
+    parser.add_argument("--micro-batch", type=int, default=1)
+    parser.add_argument("--seq-len", type=int, default=None, help="default: the config's max_seq_len")
+    parser.add_argument("--optimizer", choices=("adamw", "muon"), default="adamw")
+    parser.add_argument("--cpu-offload", action="store_true", help="FSDP keeps parameters, gradients and "
+                        "optimizer state in host memory")
+    parser.add_argument("--prefetch", type=int, default=1, help="blocks gathered / activations reloaded ahead")
+    parser.add_argument("--loss-chunk", type=int, default=None, help="tokens per loss chunk (default: all)")
+    parser.add_argument("--mfu", type=float, default=0.3, help="assumed model FLOPs utilization")
+    parser.add_argument("--reserve", type=float, default=3.0, help="GiB kept for CUDA context and slack")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    args = parser.parse_args(argv)
+    try:
+        config = load_model_config(args.config)
+        cluster = Cluster(args.nodes, args.gpus_per_node, args.gpu_memory, args.host_memory, args.peak_tflops,
+                          args.dp_replicate, args.dp_shard, args.ep)
+        work = Workload(args.micro_batch, args.seq_len or config.max_seq_len, args.optimizer, args.cpu_offload,
+                        args.prefetch, args.loss_chunk, args.mfu, args.reserve)
+    except (ValueError, OSError) as e:
+        parser.error(str(e))
+    result = plan(config, cluster, work)
+    print(json.dumps(result, indent=2) if args.json else format_plan(result))
