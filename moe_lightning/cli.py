@@ -3,10 +3,18 @@
 import importlib
 import sys
 
-from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
 
 from .data import TextDataModule
 from .module import MoELanguageModel
+
+
+class SaveConfigUnlessDevRun(SaveConfigCallback):
+    """Save the resolved config beside the logs, except for ``fast_dev_run`` (no log dir: it would land in cwd)."""
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        if not trainer.fast_dev_run:
+            super().setup(trainer, pl_module, stage)
 
 
 class MoECLI(LightningCLI):
@@ -29,10 +37,12 @@ EXTRA_COMMANDS = {
 }
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None):
     argv = sys.argv[1:] if argv is None else argv
+    if "" not in sys.path and "." not in sys.path:
+        sys.path.insert(0, "")  # like `python -m`: class_paths from the user's project resolve from cwd
     if argv and argv[0] in EXTRA_COMMANDS:
         module_name, function_name = EXTRA_COMMANDS[argv[0]].split(":")
         return getattr(importlib.import_module(module_name), function_name)(argv[1:])
-    MoECLI(MoELanguageModel, TextDataModule, subclass_mode_model=True, subclass_mode_data=True, args=argv,
-           save_config_kwargs={"overwrite": False})
+    return MoECLI(MoELanguageModel, TextDataModule, subclass_mode_model=True, subclass_mode_data=True, args=argv,
+                  save_config_callback=SaveConfigUnlessDevRun, save_config_kwargs={"overwrite": False})

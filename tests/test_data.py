@@ -1,0 +1,115 @@
+"""Data: sources, packing, the deterministic split, memory-mapped token files, clear errors."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DistributedSampler
+
+from moe_lightning.data import TextDataModule, split_indices, stdlib_files, write_token_file
+from moe_lightning.tokenizer import ByteTokenizer
+
+
+@pytest.fixture
+def corpus(tmp_path):
+    folder = tmp_path / "corpus"
+    (folder / "sub").mkdir(parents=True)
+    (folder / "a.txt").write_text("hello world " * 40)
+    (folder / "sub" / "b.md").write_text("second document " * 30)
+    (folder / "image.png").write_bytes(b"\x89PNG not text")
+    return folder
+
+
+def test_stdlib_source_is_found_without_installed_packages():
+    files = stdlib_files()
+    names = {f.name for f in files}
+    assert {"os.py", "argparse.py", "__init__.py"} <= names
+    assert not any("site-packages" in f.parts for f in files)
+    assert files == sorted(files)
+
+
+def test_packing_makes_shifted_windows_separated_by_end_of_document(corpus):
+    dm = TextDataModule(str(corpus), seq_len=16, batch_size=2, val_fraction=0.25)
+    dm.setup()
+    tokens = dm.train_set.tokens
+    expected = np.concatenate([
+        np.append(np.frombuffer(b"hello world " * 40, np.uint8), ByteTokenizer.eos_id),
+        np.append(np.frombuffer(b"second document " * 30, np.uint8), ByteTokenizer.eos_id)])
+    np.testing.assert_array_equal(tokens, expected)  # png skipped, files in sorted order
+    sequence = dm.train_set[1]
+    index = dm.train_set.indices[1]
+    assert sequence.shape == (17,)
+    assert torch.equal(sequence, torch.from_numpy(expected[index * 16: index * 16 + 17].astype(np.int64)))
+
+
+def test_split_is_deterministic_disjoint_and_complete():
+    train, val = split_indices(1000, 0.05)
+    train2, val2 = split_indices(1000, 0.05)
+    assert np.array_equal(train, train2) and np.array_equal(val, val2)
+    assert len(val) == 50 and not set(train) & set(val) and len(train) + len(val) == 1000
+    assert val.min() < 100 and val.max() > 900  # spread over the corpus, not a tail
+
+
+def test_distributed_sampler_gives_each_rank_different_sequences():
+    dm = TextDataModule("stdlib", seq_len=64, max_tokens=64 * 200)
+    dm.setup()
+    per_rank = [set(DistributedSampler(dm.train_set, num_replicas=2, rank=r, shuffle=True, seed=0))
+                for r in range(2)]
+    assert not per_rank[0] & per_rank[1]
+    assert len(per_rank[0] | per_rank[1]) == len(dm.train_set)
+
+
+def test_jsonl_source_reads_the_text_field_and_names_a_missing_one(tmp_path):
+    path = tmp_path / "docs.jsonl"
+    path.write_text("\n".join(json.dumps({"body": "x" * 50, "id": i}) for i in range(10)))
+    dm = TextDataModule(str(path), seq_len=8, text_field="body")
+    dm.setup()
+    assert len(dm.train_set.tokens) == 10 * 51
+    with pytest.raises(KeyError, match="data.text_field"):
+        TextDataModule(str(path), seq_len=8).setup()
+
+
+def test_token_file_round_trip_matches_text_and_is_memory_mapped(corpus, tmp_path):
+    out = write_token_file([str(corpus)], str(tmp_path / "tokens.npy"))
+    from_file = TextDataModule(str(out), seq_len=16)
+    from_text = TextDataModule(str(corpus), seq_len=16)
+    from_file.setup(), from_text.setup()
+    assert isinstance(from_file.train_set.tokens, np.memmap)
+    np.testing.assert_array_equal(from_file.train_set.tokens, from_text.train_set.tokens)
+    assert torch.equal(from_file.val_set[0], from_text.val_set[0])
+
+
+def test_token_file_is_never_overwritten_without_asking(corpus, tmp_path):
+    out = tmp_path / "tokens.npy"
+    out.write_bytes(b"precious")
+    with pytest.raises(FileExistsError, match="--overwrite"):
+        write_token_file([str(corpus)], str(out))
+    assert out.read_bytes() == b"precious"
+
+
+def test_tokenize_command_writes_a_token_file(corpus, tmp_path, capsys):
+    from moe_lightning.cli import main
+    main(["tokenize", str(corpus), "--out", str(tmp_path / "t.npy")])
+    assert "wrote 962 tokens" in capsys.readouterr().out
+    assert np.load(tmp_path / "t.npy").dtype == np.uint16
+
+
+def test_missing_source_fails_at_construction_naming_the_field(tmp_path):
+    with pytest.raises(FileNotFoundError, match="data.source"):
+        TextDataModule(str(tmp_path / "nope"))
+
+
+def test_empty_source_fails_with_a_fix(tmp_path):
+    (tmp_path / "empty.txt").write_text("")
+    with pytest.raises(ValueError, match="fewer than two sequences"):
+        TextDataModule(str(tmp_path / "empty.txt")).setup()
+    (tmp_path / "folder").mkdir()
+    with pytest.raises(ValueError, match="no text files"):
+        TextDataModule(str(tmp_path / "folder"))
+
+
+@pytest.mark.parametrize("kwargs, field", [({"seq_len": 0}, "seq_len"), ({"val_fraction": 0.9}, "val_fraction")])
+def test_bad_data_arguments_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=f"data.{field}"):
+        TextDataModule("stdlib", **kwargs)
