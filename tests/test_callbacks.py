@@ -1,0 +1,157 @@
+"""Monitoring callbacks: throughput/MFU, expert load, allocator monitor; the analytic FLOPs count."""
+
+import csv
+import warnings
+
+import lightning as L
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from moe_lightning import MoEConfig, MoELanguageModel
+from moe_lightning.callbacks import (ActivationOffload, AllocatorMonitor, ExpertLoad, ExpertLoadMonitor,
+                                     MoEThroughputMonitor, peak_bf16_flops)
+from moe_lightning.callbacks import allocator_monitor
+from moe_lightning.callbacks.expert_load import load_heatmap
+from moe_lightning.flops import training_flops_per_token
+
+CONFIG = dict(vocab_size=64, dim=32, n_layers=3, n_heads=4, n_kv_heads=2, max_seq_len=16, ffn_hidden=48,
+              n_dense_layers=1, num_experts=4, top_k=2, expert_hidden=16, n_shared_experts=1)
+BATCH, SEQ = 4, 16
+
+
+def fit(tmp_path, logger, callbacks, max_steps=4):
+    torch.manual_seed(0)
+    data = torch.randint(0, CONFIG["vocab_size"], (BATCH * max_steps, SEQ + 1))
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=max_steps, logger=logger, callbacks=callbacks,
+                        default_root_dir=tmp_path, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, log_every_n_steps=1)
+    trainer.fit(MoELanguageModel(MoEConfig(**CONFIG)), torch.utils.data.DataLoader(data, batch_size=BATCH))
+    return trainer
+
+
+def logged(trainer) -> dict[str, dict[int, float]]:
+    """CSVLogger's metrics.csv as {metric: {step: value}}."""
+    out: dict[str, dict[int, float]] = {}
+    with open(f"{trainer.logger.log_dir}/metrics.csv") as f:
+        for row in csv.DictReader(f):
+            for key, value in row.items():
+                if key != "step" and value != "":
+                    out.setdefault(key, {})[int(row["step"])] = float(value)
+    return out
+
+
+def test_callbacks_log_on_cpu_fit(tmp_path):
+    offload = ActivationOffload(min_offload_bytes=0)
+    throughput = MoEThroughputMonitor(log_every_n_steps=2, peak_flops=1e12)
+    expert_load = ExpertLoadMonitor(log_every_n_steps=2, image_every_n_steps=4, cell_pixels=5)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = fit(tmp_path, L.pytorch.loggers.CSVLogger(tmp_path), [offload, throughput, expert_load,
+                                                                        AllocatorMonitor(log_every_n_steps=1)])
+    metrics = logged(trainer)
+    assert not [w for w in caught if "AllocatorMonitor" in str(w.message)]
+    assert not [k for k in metrics if k.startswith("memory/")]  # silent without CUDA
+    # throughput: logged at steps 2 and 4 (from the start, no window); MFU consistent with the FLOPs count
+    tokens_per_s = metrics["perf/tokens_per_sec_per_device"]
+    assert sorted(tokens_per_s) == [2, 4] and all(v > 0 for v in tokens_per_s.values())
+    flops_per_token = training_flops_per_token(MoEConfig(**CONFIG), SEQ)
+    for step, mfu in metrics["perf/mfu"].items():
+        assert mfu == pytest.approx(tokens_per_s[step] * flops_per_token / 1e12, rel=1e-6)
+        assert metrics["perf/tflops_per_device"][step] == pytest.approx(mfu, rel=1e-6)
+    # expert load: per-layer metrics for the MoE blocks 1 and 2, a heatmap of 2 layers x 4 experts
+    for key in ("expert_load/layer1/max_over_mean", "expert_load/layer2/cv", "expert_load/max_over_mean"):
+        assert sorted(metrics[key]) == [2, 4]
+    assert all(v >= 1 for v in metrics["expert_load/layer1/max_over_mean"].values())
+    image = np.asarray(Image.open(expert_load.last_image_path))
+    assert expert_load.last_image_path.name == "step_0000004.png"
+    assert image.shape == (2 * 5, 4 * 5, 3) and image.dtype == np.uint8
+    # offload: every block but the last offloads its [4, 16, 32] fp32 input once per step
+    assert set(metrics["offload/bytes"].values()) == {2 * BATCH * SEQ * 32 * 4}
+    assert set(metrics["offload/tensors_out"].values()) == {2} == set(metrics["offload/tensors_in"].values())
+    assert all("forward" not in block.__dict__ for block in trainer.lightning_module.model.layers)
+
+
+def test_expert_load_heatmap_goes_to_tensorboard(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    logger = L.pytorch.loggers.TensorBoardLogger(tmp_path)
+    expert_load = ExpertLoadMonitor(log_every_n_steps=1, image_every_n_steps=2, cell_pixels=3)
+    fit(tmp_path, logger, [expert_load], max_steps=2)
+    logger.experiment.flush()
+    events = EventAccumulator(logger.log_dir, size_guidance={"images": 0})
+    events.Reload()
+    (image,) = events.Images("expert_load/heatmap")
+    assert (image.step, image.height, image.width) == (2, 2 * 3, 4 * 3)
+    assert expert_load.last_image_path is None  # TensorBoard got it, so no PNG
+
+
+def test_training_flops_match_hand_count():
+    config = MoEConfig(**{**CONFIG, "n_layers": 2})
+    D, H, KV, hd, V = 32, 4, 2, 8, 64
+    attention = D * H * hd + 2 * D * KV * hd + H * hd * D          # wq, wk, wv, wo
+    norms = 2 * D
+    dense_block = attention + norms + 3 * D * 48                    # SwiGLU ffn_hidden=48
+    routed = 3 * 4 * D * 16                                         # 4 experts of SwiGLU width 16
+    moe_block = attention + norms + 4 * D + routed * 2 // 4 + 3 * D * 16   # router, top-2 of 4, 1 shared expert
+    head = D + V * D                                                # final norm, output (embedding is a lookup)
+    causal_attention = 12 * 2 * H * hd * SEQ / 2
+    assert training_flops_per_token(config, SEQ) == 6 * (dense_block + moe_block + head) + causal_attention
+
+
+def test_peak_table_lookup():
+    assert peak_bf16_flops("NVIDIA H200") == 989e12
+    assert peak_bf16_flops("NVIDIA GH200 480GB") == 989e12
+    assert peak_bf16_flops("NVIDIA H100 80GB HBM3") == 989e12
+    assert peak_bf16_flops("NVIDIA H100 PCIe") == 756e12
+    assert peak_bf16_flops("NVIDIA B200") == 2250e12
+    assert peak_bf16_flops("Tesla T4") is None
+
+
+def test_expert_load_metric_and_heatmap_colours():
+    metric = ExpertLoad(num_layers=2, num_experts=4)
+    metric.update(torch.tensor([[2, 2, 2, 2], [8, 0, 0, 0]]))
+    metric.update(torch.tensor([[2, 2, 2, 2], [0, 0, 0, 0]]))
+    result = metric.compute()
+    assert result["max_over_mean"].tolist() == [1.0, 4.0]
+    assert result["cv"][0] == 0 and result["cv"][1] == pytest.approx(3 ** 0.5)
+    image = load_heatmap(result["counts"], cell_pixels=1)
+    assert image[0].tolist() == [[255, 255, 255]] * 4                  # balanced: white
+    assert image[1, 0, 0] > image[1, 0, 2] and image[1, 1, 2] > image[1, 1, 0]  # over: red, under: blue
+
+
+def test_allocator_monitor_warns_once_with_advice(monkeypatch):
+    stats = {"num_alloc_retries": 0, "num_ooms": 0, "allocated_bytes.all.peak": 3 << 30,
+             "reserved_bytes.all.peak": 4 << 30, "allocated_bytes.all.current": 1 << 30,
+             "reserved_bytes.all.current": 2 << 30}
+    monkeypatch.setattr(allocator_monitor, "read_cuda_memory_stats", lambda device: dict(stats))
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device: None)
+
+    class Trainer:  # what the callback reads from the trainer
+        global_step, loggers = 0, []
+
+    class Module:
+        device = torch.device("cuda", 0)
+
+    monitor = AllocatorMonitor(log_every_n_steps=1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step, retries in enumerate([0, 0, 3, 5], start=1):
+            stats["num_alloc_retries"] = retries
+            Trainer.global_step = step
+            monitor.on_train_batch_end(Trainer, Module, None, None, step)
+    messages = [str(w.message) for w in caught if "AllocatorMonitor" in str(w.message)]
+    assert len(messages) == 1 and "3 times" in messages[0]
+    assert "unshard_async_op" in messages[0] and "ActivationOffload" in messages[0] and "batch_size" in messages[0]
+
+
+@pytest.mark.parametrize("build, match", [
+    (lambda: MoEThroughputMonitor(log_every_n_steps=0), "log_every_n_steps=0"),
+    (lambda: MoEThroughputMonitor(peak_flops=-1.0), "peak_flops=-1.0"),
+    (lambda: ExpertLoadMonitor(log_every_n_steps=10, image_every_n_steps=15), "image_every_n_steps=15"),
+    (lambda: AllocatorMonitor(log_every_n_steps=-2), "log_every_n_steps=-2"),
+])
+def test_bad_arguments_name_the_argument(build, match):
+    with pytest.raises(ValueError, match=match):
+        build()
