@@ -17,7 +17,7 @@ from pathlib import Path
 import lightning as L
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from .tokenizer import load_tokenizer
 
@@ -131,8 +131,31 @@ def split_indices(num_sequences: int, val_fraction: float) -> tuple[np.ndarray, 
     return all_indices[~is_val], all_indices[is_val]
 
 
+class ResumableSampler(DistributedSampler):
+    """Shuffles by ``(seed, epoch)`` and deals the order out to ranks; can start an epoch part-way through.
+
+    The global order does not depend on the number of ranks (rank ``r`` of ``W`` takes every ``W``-th
+    index), so a resumed run skips exactly the samples already consumed, at any world size.
+    """
+
+    def __init__(self, dataset: Dataset, num_replicas: int = 1, rank: int = 0, seed: int = 0):
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed, drop_last=True)
+        self.resume_epoch, self.resume_samples = -1, 0
+
+    def __iter__(self):
+        generator = torch.Generator()
+        generator.manual_seed(self.seed + self.epoch)
+        order = torch.randperm(len(self.dataset), generator=generator)
+        start = self.resume_samples if self.epoch == self.resume_epoch else 0
+        end = len(order) - len(order) % self.num_replicas
+        return iter(order[start + self.rank:end:self.num_replicas].tolist())
+
+
 class TextDataModule(L.LightningDataModule):
-    """Packs tokenized text into ``seq_len + 1`` windows; Lightning's distributed sampler splits them by rank.
+    """Packs tokenized text into ``seq_len + 1`` windows; a resumable sampler splits them by rank.
+
+    Checkpoints record how many training samples of the current epoch all ranks consumed together,
+    so resuming (even at another world size with the same global batch) continues the same order.
 
     Args:
         source: ``stdlib``, a file, folder, glob, ``.jsonl`` or ``.npy`` token file, or a list of these.
@@ -143,11 +166,12 @@ class TextDataModule(L.LightningDataModule):
         text_field: JSONL field holding the text.
         max_tokens: Read at most this many tokens (handy for quick runs on large folders).
         num_workers: DataLoader worker processes.
+        shuffle_seed: Seed of the per-epoch shuffle of training sequences.
     """
 
     def __init__(self, source: str | list[str] = "stdlib", seq_len: int = 256, batch_size: int = 16,
                  val_fraction: float = 0.05, tokenizer: str | None = None, text_field: str = "text",
-                 max_tokens: int | None = None, num_workers: int = 0):
+                 max_tokens: int | None = None, num_workers: int = 0, shuffle_seed: int = 0):
         super().__init__()
         if seq_len < 1 or batch_size < 1:
             raise ValueError(f"data.seq_len={seq_len} and data.batch_size={batch_size} must be positive.")
@@ -158,6 +182,8 @@ class TextDataModule(L.LightningDataModule):
             resolve_source(s)  # fail now, not after the model is built
         self.seq_len, self.batch_size, self.val_fraction = seq_len, batch_size, val_fraction
         self.text_field, self.max_tokens, self.num_workers = text_field, max_tokens, num_workers
+        self.shuffle_seed = shuffle_seed
+        self._resume_position: tuple[int, int] | None = None  # (epoch, samples consumed by all ranks)
         self.tokenizer = load_tokenizer(tokenizer)
         self.train_set: PackedSequences | None = None
         self.val_set: PackedSequences | None = None
@@ -178,9 +204,29 @@ class TextDataModule(L.LightningDataModule):
         self.train_set = PackedSequences(tokens, self.seq_len, train_idx)
         self.val_set = PackedSequences(tokens, self.seq_len, val_idx)
 
+    def _sampler_kwargs(self) -> dict:
+        strategy = self.trainer.strategy if self.trainer is not None else None
+        return getattr(strategy, "distributed_sampler_kwargs", None) or {"num_replicas": 1, "rank": 0}
+
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=True, drop_last=True,
+        sampler = ResumableSampler(self.train_set, seed=self.shuffle_seed, **self._sampler_kwargs())
+        if self._resume_position is not None:
+            sampler.resume_epoch, sampler.resume_samples = self._resume_position
+            self._resume_position = None
+        return DataLoader(self.train_set, batch_size=self.batch_size, sampler=sampler, drop_last=True,
                           num_workers=self.num_workers)
+
+    def state_dict(self) -> dict:
+        """Training position: batches processed this epoch x the global batch (valid at any world size)."""
+        if self.trainer is None:
+            return {}
+        processed = self.trainer.fit_loop.epoch_loop.batch_progress.current.processed
+        global_batch = self.batch_size * self._sampler_kwargs()["num_replicas"]
+        return {"epoch": self.trainer.current_epoch, "samples": processed * global_batch}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        if state_dict:
+            self._resume_position = (state_dict["epoch"], state_dict["samples"])
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(self.val_set, batch_size=self.batch_size, shuffle=False, num_workers=self.num_workers)

@@ -1,0 +1,6 @@
+"""Distributed pieces of the FSDP2 strategy: mesh layout, expert parallelism, checkpoints."""
+
+from .expert_parallel import AllToAllTokenDispatcher, apply_expert_parallel
+from .mesh import MeshError, MeshLayout
+
+__all__ = ["AllToAllTokenDispatcher", "apply_expert_parallel", "MeshError", "MeshLayout"]

@@ -1,0 +1,127 @@
+"""Sharded checkpoints: atomic directory commits, expert-parallel global views, single-file export.
+
+With expert parallelism each rank's FSDP DTensor for an expert stack only covers its ``E / ep``
+experts, so two ``ep`` ranks would write different data under the same name. Before saving (and
+loading), those tensors are re-described, without copying, as DTensors on the full expert mesh
+with the ``ep`` split included: the checkpoint always holds global ``[E, ...]`` stacks and can be
+loaded at any world size or ``ep``.
+"""
+
+import argparse
+import dataclasses
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch import nn
+
+from ..model import GroupedExperts
+
+METADATA_FILE = "meta.pt"  # Lightning's name for the non-tensor part of a sharded checkpoint
+PARTIAL_SUFFIX = ".partial"
+OLD_SUFFIX = ".old"
+
+
+def expert_parameter_names(module: nn.Module) -> set[str]:
+    return {f"{name}.{p}" if name else p for name, m in module.named_modules() if isinstance(m, GroupedExperts)
+            for p, _ in m.named_parameters(recurse=False)}
+
+
+def _global_expert_view(tensor: DTensor, expert_mesh: DeviceMesh) -> DTensor:
+    """The same local shard, described on ``(replicate, ep, efsdp)`` with experts split by ``ep`` first."""
+    ep = expert_mesh["ep"].size()
+    shape = (tensor.shape[0] * ep, *tensor.shape[1:])
+    stride = torch.empty(shape, device="meta").stride()
+    placements = (Replicate(), Shard(0), tensor.placements[-1])
+    return DTensor.from_local(tensor.to_local(), expert_mesh, placements, run_check=False, shape=shape, stride=stride)
+
+
+def globalize_experts(state: dict[str, Any], names: set[str], expert_mesh: DeviceMesh | None) -> dict[str, Any]:
+    """A copy of a model or optimizer state dict whose expert entries are global views (shared storage)."""
+    if expert_mesh is None:
+        return state
+
+    def convert(key: str, value: Any, in_expert: bool) -> Any:
+        if isinstance(value, dict):
+            return {k: convert(k, v, in_expert or k in names) for k, v in value.items()}
+        if isinstance(value, list):
+            return [convert(key, v, in_expert) for v in value]
+        if (in_expert or key in names) and isinstance(value, DTensor) and value.ndim == 3:
+            return _global_expert_view(value, expert_mesh)
+        return value
+
+    return convert("", state, False)
+
+
+def commit_directory(partial: Path, path: Path) -> None:
+    """Replace ``path`` by the fully written ``partial``; a crash at any point leaves a loadable checkpoint."""
+    old = path.with_name(path.name + OLD_SUFFIX)
+    if old.exists():
+        shutil.rmtree(old) if old.is_dir() else old.unlink()
+    if path.exists():
+        os.replace(path, old)
+    os.replace(partial, path)
+    if old.exists():
+        shutil.rmtree(old) if old.is_dir() else old.unlink()
+
+
+def resolve_checkpoint(path: Path) -> Path:
+    """``path``, or its previous version if a crash fell between the two renames of a commit."""
+    old = path.with_name(path.name + OLD_SUFFIX)
+    if not path.exists() and old.exists():
+        return old
+    if not path.exists():
+        raise FileNotFoundError(f"ckpt_path={str(path)!r} does not exist.")
+    return path
+
+
+def export_consolidated(checkpoint: str | Path, out: str | Path, dtype: torch.dtype | None = None,
+                        overwrite: bool = False) -> Path:
+    """Write a sharded checkpoint's model weights as one ``torch.save`` file, in one process, no GPUs.
+
+    The file holds ``{"config": dict, "state_dict": MoETransformer state dict}``; load it with
+    ``MoETransformer(MoEConfig(**f["config"])).load_state_dict(f["state_dict"])``.
+    """
+    src, out = resolve_checkpoint(Path(checkpoint)), Path(out)
+    if out.exists() and not overwrite:
+        raise FileExistsError(f"out={str(out)!r} exists; choose another path or pass --overwrite.")
+    if not (src / METADATA_FILE).is_file():
+        raise ValueError(f"checkpoint={str(src)!r} is not a sharded checkpoint directory (no {METADATA_FILE}).")
+    prefix = "state_dict.model."
+    tensors = {key: torch.empty(meta.size, dtype=meta.properties.dtype)
+               for key, meta in FileSystemReader(src).read_metadata().state_dict_metadata.items()
+               if key.startswith(prefix) and isinstance(meta, TensorStorageMetadata)}
+    state = {"state_dict": {key[len("state_dict."):]: t for key, t in tensors.items()}}
+    dcp.load(state, checkpoint_id=src, no_dist=True)
+    weights = {key[len("model."):]: t.to(dtype) if dtype is not None and t.is_floating_point() else t
+               for key, t in state["state_dict"].items()}
+    hparams = torch.load(src / METADATA_FILE, weights_only=False).get("hyper_parameters", {})
+    config = hparams.get("config")
+    payload = {"config": dataclasses.asdict(config) if dataclasses.is_dataclass(config) else config,
+               "state_dict": weights}
+    partial = out.with_name(out.name + PARTIAL_SUFFIX)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(payload, partial)
+    os.replace(partial, out)
+    return out
+
+
+def export_main(argv: list[str] | None = None) -> None:
+    """``moe-lightning export CKPT_DIR --out model.pt``: consolidate a sharded checkpoint for inference."""
+    parser = argparse.ArgumentParser(prog="moe-lightning export", description=export_main.__doc__)
+    parser.add_argument("checkpoint", help="sharded checkpoint directory written by MoEFSDPStrategy")
+    parser.add_argument("--out", required=True, help="output file (torch.save format)")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                        help="cast floating-point weights (default: keep the saved dtype)")
+    parser.add_argument("--overwrite", action="store_true")
+    args = parser.parse_args(argv)
+    out = export_consolidated(args.checkpoint, args.out, getattr(torch, args.dtype) if args.dtype else None,
+                              args.overwrite)
+    print(f"wrote {out}")

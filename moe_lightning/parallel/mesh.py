@@ -1,0 +1,94 @@
+"""Device-mesh layout: HSDP (replicas x shards) with expert parallelism carved out of the shard ranks.
+
+Global rank ``g = r * shard + s``. Dense parameters are sharded over ``s`` and replicated over ``r``.
+For experts the shard index splits as ``s = f * ep + p``: ``p`` (the expert-parallel rank, fastest
+varying so an ``ep`` group is a set of neighbouring ranks, e.g. one node) picks a contiguous block
+of ``E / ep`` experts, and ``f`` (the expert-FSDP rank) shards those experts FSDP-style.
+"""
+
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+
+class MeshError(ValueError):
+    """A parallel size does not fit the world or the model; the message names the argument and the fix."""
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@dataclass(frozen=True)
+class MeshLayout:
+    """Validated sizes. ``expert_shard`` is the number of ranks that FSDP-shard one expert block."""
+
+    world_size: int
+    replicate: int
+    shard: int
+    ep: int
+
+    @property
+    def expert_shard(self) -> int:
+        return self.shard // self.ep
+
+    @staticmethod
+    def check_arguments(replicate_size: int, shard_size: int | str, expert_parallel_size: int) -> None:
+        """What can be checked without knowing the world size (at strategy construction)."""
+        for name, value in (("replicate_size", replicate_size), ("expert_parallel_size", expert_parallel_size)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise MeshError(f"strategy.{name}={value!r}: must be a positive integer.")
+        if shard_size != "auto" and (not isinstance(shard_size, int) or isinstance(shard_size, bool) or shard_size < 1):
+            raise MeshError(f"strategy.shard_size={shard_size!r}: must be a positive integer or 'auto'.")
+        if isinstance(shard_size, int) and shard_size % expert_parallel_size:
+            raise MeshError(
+                f"strategy.expert_parallel_size={expert_parallel_size} must divide strategy.shard_size="
+                f"{shard_size} (expert parallelism is carved out of the shard ranks): choose it from "
+                f"{_divisors(shard_size)}.")
+
+    @classmethod
+    def resolve(cls, world_size: int, replicate_size: int, shard_size: int | str,
+                expert_parallel_size: int, num_experts: int | None = None) -> "MeshLayout":
+        """Check every size against the world and the model before any process group exists."""
+        cls.check_arguments(replicate_size, shard_size, expert_parallel_size)
+        if shard_size == "auto":
+            if world_size % replicate_size:
+                raise MeshError(
+                    f"strategy.replicate_size={replicate_size} does not divide the world size {world_size} "
+                    f"(num_nodes x devices): choose replicate_size from {_divisors(world_size)}.")
+            shard_size = world_size // replicate_size
+        if replicate_size * shard_size != world_size:
+            raise MeshError(
+                f"strategy.replicate_size={replicate_size} x strategy.shard_size={shard_size} = "
+                f"{replicate_size * shard_size}, but the world size (num_nodes x devices) is {world_size}: "
+                f"make the product equal {world_size}, e.g. shard_size='auto'.")
+        if shard_size % expert_parallel_size:
+            raise MeshError(
+                f"strategy.expert_parallel_size={expert_parallel_size} must divide strategy.shard_size="
+                f"{shard_size} (expert parallelism is carved out of the shard ranks): choose it from "
+                f"{_divisors(shard_size)}.")
+        if num_experts is not None and num_experts % expert_parallel_size:
+            raise MeshError(
+                f"strategy.expert_parallel_size={expert_parallel_size} must divide the model's "
+                f"num_experts={num_experts}: choose it from "
+                f"{[d for d in _divisors(num_experts) if shard_size % d == 0]}.")
+        return cls(world_size, replicate_size, shard_size, expert_parallel_size)
+
+    def dense_mesh(self, device_type: str) -> DeviceMesh:
+        """``("shard",)`` for plain FSDP, ``("replicate", "shard")`` for HSDP."""
+        if self.replicate == 1:
+            return init_device_mesh(device_type, (self.shard,), mesh_dim_names=("shard",))
+        return init_device_mesh(device_type, (self.replicate, self.shard), mesh_dim_names=("replicate", "shard"))
+
+    def expert_mesh(self, device_type: str) -> DeviceMesh:
+        """``("replicate", "ep", "efsdp")``: the DTensor order that splits experts by ``ep`` first."""
+        ranks = torch.arange(self.world_size).view(self.replicate, self.expert_shard, self.ep).transpose(1, 2)
+        return DeviceMesh(device_type, ranks, mesh_dim_names=("replicate", "ep", "efsdp"))
+
+    @staticmethod
+    def expert_fsdp_mesh(expert_mesh: DeviceMesh) -> DeviceMesh:
+        """The ranks that FSDP-shard (and HSDP-replicate) one block of experts."""
+        if expert_mesh["replicate"].size() == 1:
+            return expert_mesh["efsdp"]
+        return expert_mesh["replicate", "efsdp"]

@@ -1,0 +1,255 @@
+"""The FSDP2 strategy: HSDP + expert parallelism applied to ``MoETransformer`` without touching model code.
+
+Select it from YAML::
+
+    trainer:
+      strategy:
+        class_path: moe_lightning.strategy.MoEFSDPStrategy
+        init_args: {replicate_size: 1, expert_parallel_size: 2}
+
+Initialisation: ``configure_model`` builds the model on the CPU of every rank from the same seeded
+RNG (Lightning re-seeds each rank before the build), so the sharded model is bit-identical to a
+one-process run; each rank then keeps only its shards.
+"""
+
+from collections.abc import Generator
+from contextlib import contextmanager
+from datetime import timedelta
+import shutil
+from pathlib import Path
+from typing import Any, Literal, Optional, Union
+
+import torch
+import torch.distributed.checkpoint as dcp
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                     get_optimizer_state_dict, set_model_state_dict,
+                                                     set_optimizer_state_dict)
+from torch.distributed.fsdp import (CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy,
+                                    fully_shard)
+from torch.distributed.tensor import Shard
+
+from .model import GroupedExperts, MoETransformer
+from .parallel import MeshError, MeshLayout, apply_expert_parallel
+from .parallel import checkpoint as ckpt
+
+DTypeName = Literal["auto", "bf16", "fp16", "fp32"]
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+class MoEFSDPStrategy(ModelParallelStrategy):
+    """FSDP2 / HSDP with expert parallelism for ``MoETransformer``, sharded checkpoints and exact resume.
+
+    Args:
+        replicate_size: HSDP replicas (each holds a full copy of the model, sharded within the replica).
+        shard_size: Ranks that shard one replica; ``"auto"`` = world size / ``replicate_size``. The
+            defaults give plain FSDP over all ranks.
+        expert_parallel_size: ``ep``: ranks of a replica that split the experts between them (must
+            divide ``shard_size`` and ``num_experts``); the remaining ``shard_size / ep`` ranks shard
+            each expert block FSDP-style.
+        param_dtype: Dtype of unsharded parameters in forward/backward (``auto``: bf16 on GPU, fp32 on CPU).
+        reduce_dtype: Dtype of gradient reduction (``auto``: fp32).
+        reshard_after_forward: Free gathered block parameters after forward (re-gather in backward).
+            The head and the root always keep theirs: backward needs them at once.
+        prefetch_depth: How many FSDP units ahead to all-gather, forward and backward (0: FSDP's default).
+        unshard_async_op: All-gather in the compute stream's memory pool instead of a side stream
+            (less fragmentation; measured by ``benchmarks/gpu_strategy.py``).
+        cpu_offload: Keep sharded parameters, gradients and optimizer state in host memory.
+        save_distributed_checkpoint: Sharded checkpoint directories (``False``: one full file from rank 0).
+        process_group_backend: ``nccl``/``gloo``; default from the device.
+        timeout: Collective timeout.
+    """
+
+    def __init__(self, replicate_size: int = 1, shard_size: Union[int, Literal["auto"]] = "auto",
+                 expert_parallel_size: int = 1, param_dtype: DTypeName = "auto", reduce_dtype: DTypeName = "auto",
+                 reshard_after_forward: bool = True, prefetch_depth: int = 1, unshard_async_op: bool = False,
+                 cpu_offload: bool = False, save_distributed_checkpoint: bool = True,
+                 process_group_backend: Optional[str] = None, timeout: Optional[timedelta] = default_pg_timeout):
+        super().__init__(save_distributed_checkpoint=save_distributed_checkpoint,
+                         process_group_backend=process_group_backend, timeout=timeout)
+        for name, value in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)):
+            if value != "auto" and value not in _DTYPES:
+                raise MeshError(f"strategy.{name}={value!r}: use one of 'auto', {', '.join(map(repr, _DTYPES))}.")
+        if not isinstance(prefetch_depth, int) or prefetch_depth < 0:
+            raise MeshError(f"strategy.prefetch_depth={prefetch_depth!r}: must be an integer >= 0.")
+        MeshLayout.check_arguments(replicate_size, shard_size, expert_parallel_size)  # before any launch
+        self.replicate_size, self.shard_size, self.expert_parallel_size = replicate_size, shard_size, expert_parallel_size
+        self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
+        self.reshard_after_forward, self.prefetch_depth = reshard_after_forward, prefetch_depth
+        self.unshard_async_op, self.cpu_offload = unshard_async_op, cpu_offload
+        self.layout: MeshLayout | None = None
+        self.expert_mesh = None
+        self._fsdp_root: FSDPModule | None = None
+
+    # ---- mesh -----------------------------------------------------------------------------------
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """Every rank reads different data: replicas, shards and expert-parallel ranks alike."""
+        return {"num_replicas": self.world_size, "rank": self.global_rank}
+
+    def setup_environment(self) -> None:
+        config = getattr(self.lightning_module, "config", None)
+        self.layout = MeshLayout.resolve(self.num_nodes * self.num_processes, self.replicate_size, self.shard_size,
+                                         self.expert_parallel_size, getattr(config, "num_experts", None))
+        self._setup_distributed()
+        device_type = self.root_device.type
+        self._device_mesh = self.layout.dense_mesh(device_type)
+        self.expert_mesh = self.layout.expert_mesh(device_type) if self.layout.ep > 1 else None
+        self.lightning_module._device_mesh = self._device_mesh
+        rank_zero_info(f"{type(self).__name__}: {self.layout.replicate} replica(s) x {self.layout.shard} shard ranks, "
+                       f"expert_parallel_size={self.layout.ep}.")
+
+    # ---- sharding -------------------------------------------------------------------------------
+    def setup(self, trainer) -> None:
+        self._parallelize()
+        super().setup(trainer)
+
+    def _dtype(self, name: DTypeName, cuda_default: torch.dtype | None) -> torch.dtype | None:
+        if name == "auto":
+            return cuda_default if self.root_device.type == "cuda" else None
+        return _DTYPES[name]
+
+    def _parallelize(self) -> None:
+        """Expert parallelism, then ``fully_shard`` per block, embedding, norm + head and root (idempotent)."""
+        models = [m for m in self.lightning_module.modules() if isinstance(m, MoETransformer)]
+        if len(models) != 1:
+            raise TypeError(f"{type(self).__name__} needs exactly one MoETransformer in the LightningModule "
+                            f"(found {len(models)}); build it in configure_model().")
+        model = models[0]
+        if isinstance(model, FSDPModule):
+            return
+        if any(p.device.type == "meta" for p in model.parameters()):
+            raise ValueError(f"{type(self).__name__} builds the model on CPU from the seeded RNG; do not pass "
+                             "empty_init/meta-device initialisation.")
+        E = model.config.num_experts
+        MeshLayout.resolve(self.layout.world_size, self.layout.replicate, self.layout.shard, self.layout.ep, E)
+        if self.layout.ep > 1:
+            apply_expert_parallel(model.moe_layers(), self.expert_mesh["ep"].get_group())
+        dense_mesh = self._device_mesh
+        expert_mesh = MeshLayout.expert_fsdp_mesh(self.expert_mesh) if self.layout.ep > 1 else dense_mesh
+        offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if self.cpu_offload else OffloadPolicy()
+        common = dict(mp_policy=MixedPrecisionPolicy(param_dtype=self._dtype(self.param_dtype, torch.bfloat16),
+                                                     reduce_dtype=self._dtype(self.reduce_dtype, torch.float32)),
+                      offload_policy=offload, shard_placement_fn=self._expert_placement(model, expert_mesh.size()))
+        stages: list[list[nn.Module]] = []
+        tied = model.config.tie_embeddings  # a tied embedding/head stays in the root group
+        if not tied:
+            stages.append([fully_shard(model.tok_embeddings, mesh=dense_mesh,
+                                       reshard_after_forward=self.reshard_after_forward, **common)])
+        for block in model.layers:
+            stage = []
+            if self.layout.ep > 1 and block.is_moe:
+                stage.append(fully_shard(block.ffn.experts, mesh=expert_mesh,
+                                         reshard_after_forward=self.reshard_after_forward, **common))
+            stages.append([fully_shard(block, mesh=dense_mesh, reshard_after_forward=self.reshard_after_forward,
+                                       **common)] + stage)
+        if not tied:
+            fully_shard([model.norm, model.output], mesh=dense_mesh, reshard_after_forward=False, **common)
+            stages.append([model.norm])  # one FSDP unit for both; the norm runs first
+        self._fsdp_root = fully_shard(model, mesh=dense_mesh, reshard_after_forward=False, **common)
+        self._set_prefetch(stages)
+        if self.unshard_async_op:
+            for module in model.modules():
+                if isinstance(module, FSDPModule):
+                    module._set_unshard_async_op(True)
+
+    def _expert_placement(self, model: MoETransformer, expert_shard_size: int):
+        """Shard expert stacks on the expert dimension when it splits evenly (whole matrices per rank)."""
+        local = model.config.num_experts // self.layout.ep
+        expert_params = {id(p) for m in model.modules() if isinstance(m, GroupedExperts) for p in m.parameters()}
+        whole = local % expert_shard_size == 0
+        if whole:
+            rank_zero_info(f"{type(self).__name__}: expert stacks Shard(0): {local} local experts over "
+                           f"{expert_shard_size} expert-shard ranks, {local // expert_shard_size} whole experts per rank.")
+        else:
+            rank_zero_info(f"{type(self).__name__}: expert stacks Shard(1) (fallback): {local} local experts do not "
+                           f"divide over {expert_shard_size} expert-shard ranks, so each expert's output rows are "
+                           f"sharded instead (balanced memory; optimizers needing whole matrices must gather them). "
+                           f"Make expert_shard_size divide num_experts / expert_parallel_size to avoid this.")
+        placement = Shard(0) if whole else Shard(1)
+
+        def place(param: nn.Parameter):
+            return placement if id(param) in expert_params else None
+
+        return place
+
+    def _set_prefetch(self, stages: list[list[nn.Module]]) -> None:
+        """Explicit prefetch: each FSDP unit all-gathers the next ``prefetch_depth`` units of its pass."""
+        if self.prefetch_depth == 0:
+            return
+        forward = [m for stage in stages for m in stage]
+        backward = [m for stage in reversed(stages) for m in stage]
+        for order, setter in ((forward, "set_modules_to_forward_prefetch"), (backward, "set_modules_to_backward_prefetch")):
+            for i, module in enumerate(order):
+                if ahead := order[i + 1:i + 1 + self.prefetch_depth]:
+                    getattr(module, setter)(ahead)
+
+    # ---- training -------------------------------------------------------------------------------
+    @contextmanager
+    def block_backward_sync(self) -> Generator:
+        """No reduce-scatter (or HSDP all-reduce) on non-final micro-batches of gradient accumulation."""
+        if self._fsdp_root is None:
+            yield
+            return
+        self._fsdp_root.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            self._fsdp_root.set_requires_gradient_sync(True)
+
+    def model_to_device(self) -> None:
+        if not self.cpu_offload:
+            return super().model_to_device()
+        for child in self.lightning_module.children():  # sharded parameters stay in host memory
+            if not isinstance(child, MoETransformer):
+                child.to(self.root_device)
+
+    # ---- checkpoints ----------------------------------------------------------------------------
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None) -> None:
+        """Write into ``<path>.partial`` on all ranks, then rename over ``path``: never a half-written checkpoint."""
+        if not self._save_distributed_checkpoint:
+            return super().save_checkpoint(checkpoint, filepath, storage_options)
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__}.save_checkpoint(storage_options=...) is not supported.")
+        path = Path(self.broadcast(str(filepath)))
+        partial = path.with_name(path.name + ckpt.PARTIAL_SUFFIX)
+        if self.is_global_zero and partial.exists():
+            shutil.rmtree(partial)  # left behind by a run killed while writing
+        self.barrier()
+        names = ckpt.expert_parameter_names(self.lightning_module)
+        state = {"state_dict": ckpt.globalize_experts(checkpoint.pop("state_dict"), names, self.expert_mesh)}
+        for i, optimizer_state in enumerate(checkpoint.pop("optimizer_states", [])):
+            state[f"optimizer_{i}"] = ckpt.globalize_experts(optimizer_state, names, self.expert_mesh)
+        dcp.save(state, checkpoint_id=partial)
+        if self.is_global_zero:
+            torch.save(checkpoint, partial / ckpt.METADATA_FILE)
+        self.barrier()
+        self._commit(partial, path)
+        self.barrier()
+
+    def _commit(self, partial: Path, path: Path) -> None:
+        if self.is_global_zero:
+            ckpt.commit_directory(partial, path)
+
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        """Load a sharded checkpoint written at any world size or ``expert_parallel_size``."""
+        path = ckpt.resolve_checkpoint(Path(self.broadcast(str(checkpoint_path))))
+        if not (path / ckpt.METADATA_FILE).is_file():
+            return super().load_checkpoint(path, weights_only)
+        names = ckpt.expert_parameter_names(self.lightning_module)
+        model_state = get_model_state_dict(self.model)
+        optimizer_states = [get_optimizer_state_dict(self.model, optimizer) for optimizer in self.optimizers]
+        state = {"state_dict": ckpt.globalize_experts(model_state, names, self.expert_mesh)}
+        for i, optimizer_state in enumerate(optimizer_states):
+            state[f"optimizer_{i}"] = ckpt.globalize_experts(optimizer_state, names, self.expert_mesh)
+        dcp.load(state, checkpoint_id=path)  # in place: the global views share storage with model_state
+        set_model_state_dict(self.model, model_state,
+                             options=StateDictOptions(strict=self.lightning_module.strict_loading))
+        for optimizer, optimizer_state in zip(self.optimizers, optimizer_states):
+            set_optimizer_state_dict(self.model, optimizer, optimizer_state)
+        # Our own metadata (it pickles the model config), so full unpickling unless the caller forbids it.
+        return torch.load(path / ckpt.METADATA_FILE, weights_only=bool(weights_only))

@@ -1,0 +1,102 @@
+"""One tiny training run for the strategy tests and the CPU benchmark (launched as real processes).
+
+Rank 0 writes JSON: the world-mean loss of every micro-batch, and collective counts per micro-batch.
+``--strategy single`` is the one-process reference (Lightning's default single-device strategy).
+"""
+
+import argparse
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+
+from moe_lightning import MoEConfig, MoELanguageModel, TextDataModule
+from moe_lightning.parallel.comm import CollectiveCounter
+from moe_lightning.strategy import MoEFSDPStrategy
+
+TINY = dict(vocab_size=320, dim=64, n_layers=3, n_heads=4, n_kv_heads=2, max_seq_len=32, ffn_hidden=128,
+            n_dense_layers=1, num_experts=4, top_k=2, expert_hidden=64, n_shared_experts=1)
+
+
+class Record(Callback):
+    """World-mean loss, collective calls/bytes and wall time of every micro-batch."""
+
+    def __init__(self, counter: CollectiveCounter):
+        self.counter, self.rows = counter, []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.before, self.start = self.counter.snapshot(), time.perf_counter()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        calls, nbytes = self.counter.snapshot()
+        seconds = time.perf_counter() - self.start
+        loss = trainer.strategy.reduce(outputs["loss"].detach().float(), reduce_op="mean")
+        self.rows.append({"step": trainer.global_step, "batch": batch_idx, "loss": loss.item(), "seconds": seconds,
+                          "calls": {k: v - self.before[0].get(k, 0) for k, v in calls.items()},
+                          "bytes": {k: v - self.before[1].get(k, 0) for k, v in nbytes.items()}})
+
+
+class KillWhileCommitting(MoEFSDPStrategy):
+    """Dies by SIGKILL after writing checkpoint number ``kill_at_save`` but before committing it."""
+
+    def __init__(self, kill_at_save: int, **kwargs):
+        super().__init__(**kwargs)
+        self.kill_at_save, self.saves = kill_at_save, 0
+
+    def _commit(self, partial, path):
+        self.saves += 1
+        if self.saves == self.kill_at_save:
+            os.kill(os.getpid(), signal.SIGKILL)
+        super()._commit(partial, path)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--strategy", choices=["single", "fsdp"], default="fsdp")
+    parser.add_argument("--replicate", type=int, default=1)
+    parser.add_argument("--ep", type=int, default=1)
+    parser.add_argument("--batch-size", type=int, default=2)
+    parser.add_argument("--accumulate", type=int, default=1)
+    parser.add_argument("--max-steps", type=int, default=4)
+    parser.add_argument("--ckpt-dir", default=None)
+    parser.add_argument("--every", type=int, default=2)
+    parser.add_argument("--resume", default=None)
+    parser.add_argument("--kill-at-save", type=int, default=0)
+    parser.add_argument("--prefetch", type=int, default=1)
+    parser.add_argument("--config", default="{}", help="JSON overrides of the tiny MoEConfig")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+
+    torch.set_num_threads(1)
+    L.seed_everything(0, verbose=False)
+    devices = int(os.environ.get("WORLD_SIZE", "1"))
+    if args.strategy == "single":
+        strategy = "auto"
+    else:
+        kwargs = dict(replicate_size=args.replicate, expert_parallel_size=args.ep, prefetch_depth=args.prefetch)
+        strategy = KillWhileCommitting(args.kill_at_save, **kwargs) if args.kill_at_save else MoEFSDPStrategy(**kwargs)
+    counter = CollectiveCounter()
+    record = Record(counter)
+    callbacks = [record]
+    if args.ckpt_dir:
+        callbacks.append(ModelCheckpoint(dirpath=args.ckpt_dir, filename="{step}", every_n_train_steps=args.every,
+                                         save_top_k=-1, save_last=True))
+    trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=args.max_steps,
+                        accumulate_grad_batches=args.accumulate, limit_val_batches=0, num_sanity_val_steps=0,
+                        logger=False, enable_progress_bar=False, enable_model_summary=False,
+                        enable_checkpointing=bool(args.ckpt_dir), callbacks=callbacks, precision="32-true")
+    model = MoELanguageModel(MoEConfig(**{**TINY, **json.loads(args.config)}))
+    data = TextDataModule(source=os.__file__, seq_len=32, batch_size=args.batch_size, val_fraction=0.05)
+    with counter.installed():
+        trainer.fit(model, data, ckpt_path=args.resume)
+    if trainer.is_global_zero:
+        Path(args.out).write_text(json.dumps(record.rows))
+
+
+if __name__ == "__main__":
+    main()
