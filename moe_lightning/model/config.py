@@ -87,18 +87,12 @@ class MoEConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"MoEConfig.{name}={value!r}: must be a positive integer.")
-        if self.head_dim is None:
-            if self.dim % self.n_heads:
-                raise ConfigError(
-                    f"MoEConfig.dim={self.dim} is not divisible by n_heads={self.n_heads}: "
-                    f"choose dim as a multiple of n_heads, or set head_dim explicitly.")
-            self.head_dim = self.dim // self.n_heads
-        if self.head_dim % 2:
-            raise ConfigError(f"MoEConfig.head_dim={self.head_dim} must be even for rotary embeddings.")
-        if self.n_heads % self.n_kv_heads:
-            raise ConfigError(
-                f"MoEConfig.n_kv_heads={self.n_kv_heads} must divide n_heads={self.n_heads}: "
-                f"pick n_kv_heads from the divisors of n_heads.")
+        if self.attention not in ("gqa", "mla"):
+            raise ConfigError(f"MoEConfig.attention={self.attention!r}: use 'gqa' or 'mla'.")
+        if self.attention == "mla":
+            self._validate_mla()
+        else:
+            self._validate_gqa()
         if not 0 <= self.n_dense_layers <= self.n_layers:
             raise ConfigError(
                 f"MoEConfig.n_dense_layers={self.n_dense_layers} must be between 0 and "
@@ -130,10 +124,20 @@ class MoEConfig:
                 raise ConfigError(f"MoEConfig.{name}={getattr(self, name)} must be >= 0.")
         if self.route_scale <= 0:
             raise ConfigError(f"MoEConfig.route_scale={self.route_scale} must be > 0.")
-        if self.attention not in ("gqa", "mla"):
-            raise ConfigError(f"MoEConfig.attention={self.attention!r}: use 'gqa' or 'mla'.")
-        if self.attention == "mla":
-            self._validate_mla()
+
+    def _validate_gqa(self) -> None:
+        if self.head_dim is None:
+            if self.dim % self.n_heads:
+                raise ConfigError(
+                    f"MoEConfig.dim={self.dim} is not divisible by n_heads={self.n_heads}: "
+                    f"choose dim as a multiple of n_heads, or set head_dim explicitly.")
+            self.head_dim = self.dim // self.n_heads
+        if self.head_dim % 2:
+            raise ConfigError(f"MoEConfig.head_dim={self.head_dim} must be even for rotary embeddings.")
+        if self.n_heads % self.n_kv_heads:
+            raise ConfigError(
+                f"MoEConfig.n_kv_heads={self.n_kv_heads} must divide n_heads={self.n_heads}: "
+                f"pick n_kv_heads from the divisors of n_heads.")
 
     def _validate_mla(self) -> None:
         for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
