@@ -1,7 +1,7 @@
 """``moe-lightning plan``: will a config fit the cluster, and how fast could it train? Decide before queueing.
 
 Everything is counted on the meta device (no memory allocated) and priced with the formulas below.
-Notation: P parameters, S FSDP shard-group size (``--dp-shard``), b micro-batch, s sequence length,
+Notation: P parameters, S FSDP shard-group size (``--shard-size``), b micro-batch, s sequence length,
 d model dim, L layers, V vocabulary, K top-k; bytes are per GPU unless stated.
 
 - Sharded parameters: ``4·P / S`` (fp32 master copy; FSDP2 gathers bf16 for compute).
@@ -44,35 +44,35 @@ MUON_ROLES = ("hidden_matrix", "expert_stack")
 
 @dataclass
 class Cluster:
-    """Hardware and parallel layout. ``dp_shard`` defaults to every GPU of one replica."""
+    """Hardware and parallel layout. ``shard_size`` defaults to every GPU of one replica."""
 
     nodes: int = 1
     gpus_per_node: int = 8
     gpu_memory_gib: float = 80.0
     host_memory_gib: float | None = None
     peak_tflops: float = 989.0
-    dp_replicate: int = 1
-    dp_shard: int | None = None
-    ep: int = 1
+    replicate_size: int = 1
+    shard_size: int | None = None
+    expert_parallel_size: int = 1
 
     @property
     def world_size(self) -> int:
         return self.nodes * self.gpus_per_node
 
     def __post_init__(self) -> None:
-        for name in ("nodes", "gpus_per_node", "dp_replicate", "ep"):
+        for name in ("nodes", "gpus_per_node", "replicate_size", "expert_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')}={getattr(self, name)} must be >= 1.")
-        if self.world_size % self.dp_replicate:
-            raise ValueError(f"--dp-replicate={self.dp_replicate} must divide the {self.world_size} GPUs.")
-        if self.dp_shard is None:
-            self.dp_shard = self.world_size // self.dp_replicate
-        if self.dp_replicate * self.dp_shard != self.world_size:
-            raise ValueError(f"--dp-replicate={self.dp_replicate} x --dp-shard={self.dp_shard} must equal the "
+        if self.world_size % self.replicate_size:
+            raise ValueError(f"--replicate-size={self.replicate_size} must divide the {self.world_size} GPUs.")
+        if self.shard_size is None:
+            self.shard_size = self.world_size // self.replicate_size
+        if self.replicate_size * self.shard_size != self.world_size:
+            raise ValueError(f"--replicate-size={self.replicate_size} x --shard-size={self.shard_size} must equal the "
                              f"{self.world_size} GPUs (nodes x gpus-per-node).")
-        if self.dp_shard % self.ep:
-            raise ValueError(f"--ep={self.ep} must divide --dp-shard={self.dp_shard}: expert parallelism "
-                             f"splits the shard group.")
+        if self.shard_size % self.expert_parallel_size:
+            raise ValueError(f"--expert-parallel-size={self.expert_parallel_size} must divide "
+                             f"--shard-size={self.shard_size}: expert parallelism splits the shard group.")
 
 
 @dataclass
@@ -83,7 +83,7 @@ class Workload:
     seq_len: int = 4096
     optimizer: str = "adamw"
     cpu_offload: bool = False
-    prefetch: int = 1
+    prefetch_depth: int = 1
     loss_chunk: int | None = None
     mfu: float = 0.3
     reserve_gib: float = 3.0
@@ -91,8 +91,8 @@ class Workload:
     def __post_init__(self) -> None:
         if self.optimizer not in ("adamw", "muon"):
             raise ValueError(f"--optimizer={self.optimizer!r}: use 'adamw' or 'muon'.")
-        if self.micro_batch < 1 or self.seq_len < 1 or self.prefetch < 0:
-            raise ValueError("--micro-batch and --seq-len must be >= 1 and --prefetch >= 0.")
+        if self.micro_batch < 1 or self.seq_len < 1 or self.prefetch_depth < 0:
+            raise ValueError("--micro-batch and --seq-len must be >= 1 and --prefetch-depth >= 0.")
         if not 0 < self.mfu <= 1:
             raise ValueError(f"--mfu={self.mfu} must be in (0, 1].")
 
@@ -157,11 +157,14 @@ def block_working_set_bytes(config: MoEConfig, tokens: int, moe: bool) -> int:
 
 def plan(config: MoEConfig, cluster: Cluster, work: Workload) -> dict:
     """Parameters, FLOPs, per-GPU memory (without and with activation offload), fit and throughput."""
+    if config.num_experts % cluster.expert_parallel_size:
+        raise ValueError(f"--expert-parallel-size={cluster.expert_parallel_size} must divide "
+                         f"num_experts={config.num_experts}: every expert-parallel rank holds whole experts.")
     roles, units = count_parameters(config)
     total = sum(roles.values())
     routed = roles.get("expert_stack", 0)
     active = total - routed + routed * config.top_k // config.num_experts
-    S, tokens = cluster.dp_shard, work.micro_batch * work.seq_len
+    S, tokens = cluster.shard_size, work.micro_batch * work.seq_len
     muon = sum(roles.get(r, 0) for r in MUON_ROLES) if work.optimizer == "muon" else 0
 
     state = {
@@ -170,7 +173,7 @@ def plan(config: MoEConfig, cluster: Cluster, work: Workload) -> dict:
         f"optimizer state ({work.optimizer})": (4 * muon + 8 * (total - muon)) / S,
     }
     boundary_one = 2 * tokens * config.dim
-    unit = max(dense + routed_part / cluster.ep for dense, routed_part in units)
+    unit = max(dense + routed_part / cluster.expert_parallel_size for dense, routed_part in units)
     working_set = max(block_working_set_bytes(config, tokens, moe=m)
                       for m, n in ((True, config.n_moe_layers), (False, config.n_dense_layers)) if n)
     loss_set = 12 * config.vocab_size * min(work.loss_chunk or tokens, tokens)
@@ -178,13 +181,13 @@ def plan(config: MoEConfig, cluster: Cluster, work: Workload) -> dict:
     transient = {
         "block recompute working set": working_set,
         "loss working set": loss_set,
-        "all-gather buffers (bf16)": (1 + work.prefetch) * 2 * unit,
+        "all-gather buffers (bf16)": (1 + work.prefetch_depth) * 2 * unit,
         "reduce-scatter buffers": 6 * unit,
         "runtime reserve": work.reserve_gib * GiB,
     }
     variants = {}
     for offload in (False, True):
-        boundary = (1 + work.prefetch) * boundary_one if offload else config.n_layers * boundary_one
+        boundary = min(1 + work.prefetch_depth if offload else config.n_layers, config.n_layers) * boundary_one
         gpu = {} if work.cpu_offload else dict(state)
         gpu["boundary activations"] = boundary
         gpu.update(transient)
@@ -217,10 +220,10 @@ def format_plan(result: dict) -> str:
         f"parameters        total {p['total'] / 1e9:,.2f} B   active {p['active'] / 1e9:,.2f} B",
         f"training FLOPs    {result['flops_per_token'] / 1e9:,.1f} GFLOP per token at seq_len {w['seq_len']:,}",
         f"cluster           {c['nodes']} nodes x {c['gpus_per_node']} GPUs = {c['world_size']}, "
-        f"{c['gpu_memory_gib']:g} GiB each; mesh dp_replicate={c['dp_replicate']} dp_shard={c['dp_shard']} "
-        f"ep={c['ep']}",
+        f"{c['gpu_memory_gib']:g} GiB each; mesh replicate_size={c['replicate_size']} shard_size={c['shard_size']} "
+        f"ep={c['expert_parallel_size']}",
         f"workload          micro_batch {w['micro_batch']} x seq_len {w['seq_len']:,}, optimizer {w['optimizer']}, "
-        f"cpu_offload {'on' if w['cpu_offload'] else 'off'}, prefetch {w['prefetch']}",
+        f"cpu_offload {'on' if w['cpu_offload'] else 'off'}, prefetch {w['prefetch_depth']}",
         "",
         f"{'per-GPU memory (GiB)':<32}{'no act. offload':>16}{'act. offload':>14}",
     ]
@@ -252,16 +255,18 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--gpu-memory", type=float, default=80.0, help="GiB per GPU")
     parser.add_argument("--host-memory", type=float, default=None, help="host GiB per GPU (checked if given)")
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak per GPU")
-    parser.add_argument("--dp-replicate", type=int, default=1, help="HSDP replicas")
-    parser.add_argument("--dp-shard", type=int, default=None, help="FSDP shard-group size (default: all GPUs "
+    parser.add_argument("--replicate-size", type=int, default=1, help="HSDP replicas")
+    parser.add_argument("--shard-size", type=int, default=None, help="FSDP shard-group size (default: all GPUs "
                         "of a replica)")
-    parser.add_argument("--ep", type=int, default=1, help="expert-parallel size within the shard group")
+    parser.add_argument("--expert-parallel-size", type=int, default=1, help="ranks of a shard group splitting "
+                        "the experts")
     parser.add_argument("--micro-batch", type=int, default=1)
     parser.add_argument("--seq-len", type=int, default=None, help="default: the config's max_seq_len")
     parser.add_argument("--optimizer", choices=("adamw", "muon"), default="adamw")
     parser.add_argument("--cpu-offload", action="store_true", help="FSDP keeps parameters, gradients and "
                         "optimizer state in host memory")
-    parser.add_argument("--prefetch", type=int, default=1, help="blocks gathered / activations reloaded ahead")
+    parser.add_argument("--prefetch-depth", type=int, default=1, help="blocks gathered and activations "
+                        "reloaded ahead")
     parser.add_argument("--loss-chunk", type=int, default=None, help="tokens per loss chunk (default: all)")
     parser.add_argument("--mfu", type=float, default=0.3, help="assumed model FLOPs utilization")
     parser.add_argument("--reserve", type=float, default=3.0, help="GiB kept for CUDA context and slack")
@@ -270,10 +275,10 @@ def main(argv: list[str]) -> None:
     try:
         config = load_model_config(args.config)
         cluster = Cluster(args.nodes, args.gpus_per_node, args.gpu_memory, args.host_memory, args.peak_tflops,
-                          args.dp_replicate, args.dp_shard, args.ep)
+                          args.replicate_size, args.shard_size, args.expert_parallel_size)
         work = Workload(args.micro_batch, args.seq_len or config.max_seq_len, args.optimizer, args.cpu_offload,
-                        args.prefetch, args.loss_chunk, args.mfu, args.reserve)
+                        args.prefetch_depth, args.loss_chunk, args.mfu, args.reserve)
+        result = plan(config, cluster, work)
     except (ValueError, OSError) as e:
         parser.error(str(e))
-    result = plan(config, cluster, work)
     print(json.dumps(result, indent=2) if args.json else format_plan(result))

@@ -1,0 +1,114 @@
+"""`moe-lightning plan`: memory and throughput formulas against hand counts and measured saved tensors."""
+
+import contextlib
+import io
+import json
+
+import pytest
+import torch
+
+from moe_lightning.cli import main
+from moe_lightning.flops import training_flops_per_token
+from moe_lightning.model import MoEConfig, MoETransformer
+from moe_lightning.plan import GiB, Cluster, Workload, block_working_set_bytes, count_parameters, plan
+from tests.distributed import REPO_ROOT
+
+TINY = MoEConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=16, ffn_hidden=48,
+                 n_dense_layers=1, num_experts=4, top_k=2, expert_hidden=16, n_shared_experts=1)
+# By hand: embedding and head 64·32 each; norms 2·32 per block + 32 final; attention wq, wo 32·32 and wk, wv
+# 32·16; dense FFN 3·32·48; router 32·4; routed experts 3·4·32·16; shared expert 3·32·16.
+ATTENTION = 2 * 32 * 32 + 2 * 32 * 16
+ROLES = {"embedding": 2048, "head": 2048, "norm": 2 * 64 + 32, "router": 128, "expert_stack": 6144,
+         "hidden_matrix": 2 * ATTENTION + 4608 + 1536}
+TOTAL = sum(ROLES.values())
+ONE_T = str(REPO_ROOT / "configs" / "1t.yaml")
+
+
+def tiny_plan(**workload):
+    cluster = Cluster(nodes=2, gpus_per_node=2, gpu_memory_gib=1.0, expert_parallel_size=2)
+    return plan(TINY, cluster, Workload(micro_batch=2, seq_len=8, **workload))
+
+
+def test_parameter_counts_by_role_and_unit():
+    roles, units = count_parameters(TINY)
+    assert roles == ROLES and TOTAL == 22816
+    # embedding; head + final norm; dense block; MoE block as (attention, norms, router, shared | routed)
+    assert units == [(2048, 0), (2048 + 32, 0), (64 + ATTENTION + 4608, 0), (64 + ATTENTION + 128 + 1536, 6144)]
+
+
+def test_memory_formulas_adamw_and_muon():
+    adamw, muon = tiny_plan(optimizer="adamw"), tiny_plan(optimizer="muon")
+    assert adamw["parameters"]["active"] == TOTAL - 6144 + 6144 * 2 // 4
+    gpu = adamw["memory"]["without_offload"]["gpu_bytes"]
+    shard = 4  # 2 nodes x 2 GPUs, one replica
+    assert gpu["sharded parameters (fp32)"] == gpu["gradients (fp32)"] == 4 * TOTAL // shard
+    assert gpu["optimizer state (adamw)"] == 8 * TOTAL // shard
+    muon_params = ROLES["hidden_matrix"] + ROLES["expert_stack"]  # one momentum; the rest keep AdamW's two
+    assert muon["memory"]["without_offload"]["gpu_bytes"]["optimizer state (muon)"] == \
+        (4 * muon_params + 8 * (TOTAL - muon_params)) // shard
+    assert gpu["boundary activations"] == 2 * 2 * 8 * 32 * 2  # layers · micro-batch · seq · dim · bf16
+    largest_unit = 64 + ATTENTION + 128 + 1536 + 6144 // 2  # the MoE block, experts split over ep=2
+    assert gpu["all-gather buffers (bf16)"] == 2 * 2 * largest_unit  # current + one prefetched
+    assert gpu["reduce-scatter buffers"] == 6 * largest_unit
+    assert gpu["loss working set"] == 12 * 64 * 16
+    peak = sum(gpu.values()) - min(gpu["loss working set"], gpu["block recompute working set"])
+    assert adamw["memory"]["without_offload"]["gpu_peak_bytes"] == peak
+
+
+def test_cpu_and_activation_offload_move_bytes_to_host():
+    result = tiny_plan(cpu_offload=True, prefetch_depth=0)
+    without, with_ = result["memory"]["without_offload"], result["memory"]["with_offload"]
+    assert "gradients (fp32)" not in without["gpu_bytes"]
+    assert without["host_bytes"] == 16 * TOTAL // 4
+    assert with_["gpu_bytes"]["boundary activations"] == 2 * 8 * 32 * 2  # only the block in backward
+    assert with_["host_bytes"] == 16 * TOTAL // 4 + 2 * 2 * 8 * 32 * 2
+
+
+def test_throughput_from_mfu():
+    result = tiny_plan(mfu=0.5)
+    assert result["flops_per_token"] == training_flops_per_token(TINY, 8)
+    assert result["tokens_per_s_per_gpu"] == pytest.approx(0.5 * 989e12 / result["flops_per_token"])
+
+
+@pytest.mark.parametrize("moe", [True, False])
+def test_block_working_set_matches_saved_tensors(moe):
+    """The estimate against the bytes autograd actually saves in a bf16 GQA block (fused CPU attention)."""
+    config = MoEConfig(vocab_size=64, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64, ffn_hidden=96,
+                       n_dense_layers=1, num_experts=8, top_k=2, expert_hidden=32, n_shared_experts=1)
+    torch.manual_seed(0)
+    model = MoETransformer(config).to(torch.bfloat16)
+    param_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved = {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in param_storages:
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    x = torch.randn(1, 64, 64, dtype=torch.bfloat16, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model.layers[1 if moe else 0](x)
+    assert block_working_set_bytes(config, 64, moe) == pytest.approx(sum(saved.values()), rel=0.06)
+
+
+def test_one_trillion_on_384_gh200_matches_the_reference_run():
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        main(["plan", "--config", ONE_T, "--nodes", "96", "--gpus-per-node", "4", "--gpu-memory", "96",
+              "--host-memory", "120", "--seq-len", "65536", "--expert-parallel-size", "96", "--cpu-offload",
+              "--loss-chunk", "4096", "--optimizer", "muon", "--json"])
+    result = json.loads(out.getvalue())
+    assert abs(result["boundary_activations_bytes"] / GiB / 55 - 1) < 0.10  # 61 · 65,536 · 7168 · 2 B = 53.4 GiB
+    assert result["memory"]["with_offload"]["fits"] and not result["memory"]["without_offload"]["fits"]
+    assert abs(result["parameters"]["total"] / 951.9e9 - 1) < 0.01
+
+
+def test_table_output_and_clear_errors(capsys):
+    main(["plan", "--config", ONE_T, "--nodes", "96", "--gpus-per-node", "4", "--seq-len", "65536"])
+    table = capsys.readouterr().out
+    assert "total 948.35 B   active 37.60 B" in table
+    assert "boundary activations 53.4 GiB per GPU" in table
+    assert "fits" in table and "tokens/s per GPU" in table
+    with pytest.raises(SystemExit):
+        main(["plan", "--config", ONE_T, "--nodes", "96", "--gpus-per-node", "4", "--expert-parallel-size", "5"])
+    assert "--expert-parallel-size=5 must divide --shard-size=384" in capsys.readouterr().err
