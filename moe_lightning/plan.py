@@ -34,9 +34,11 @@ from dataclasses import asdict, dataclass
 import torch
 import yaml
 
+from .callbacks.throughput import PEAK_BF16_FLOPS, peak_bf16_flops
 from .flops import training_flops_per_token
 from .model import MoEConfig, MoETransformer
 from .optim.grouping import parameter_roles
+from .parallel import MeshLayout
 
 GiB = 2**30
 MUON_ROLES = ("hidden_matrix", "expert_stack")
@@ -44,7 +46,7 @@ MUON_ROLES = ("hidden_matrix", "expert_stack")
 
 @dataclass
 class Cluster:
-    """Hardware and parallel layout. ``shard_size`` defaults to every GPU of one replica."""
+    """Hardware and the strategy's mesh sizes (``MoEFSDPStrategy`` arguments; ``None`` shard size = auto)."""
 
     nodes: int = 1
     gpus_per_node: int = 8
@@ -60,19 +62,9 @@ class Cluster:
         return self.nodes * self.gpus_per_node
 
     def __post_init__(self) -> None:
-        for name in ("nodes", "gpus_per_node", "replicate_size", "expert_parallel_size"):
+        for name in ("nodes", "gpus_per_node"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')}={getattr(self, name)} must be >= 1.")
-        if self.world_size % self.replicate_size:
-            raise ValueError(f"--replicate-size={self.replicate_size} must divide the {self.world_size} GPUs.")
-        if self.shard_size is None:
-            self.shard_size = self.world_size // self.replicate_size
-        if self.replicate_size * self.shard_size != self.world_size:
-            raise ValueError(f"--replicate-size={self.replicate_size} x --shard-size={self.shard_size} must equal the "
-                             f"{self.world_size} GPUs (nodes x gpus-per-node).")
-        if self.shard_size % self.expert_parallel_size:
-            raise ValueError(f"--expert-parallel-size={self.expert_parallel_size} must divide "
-                             f"--shard-size={self.shard_size}: expert parallelism splits the shard group.")
 
 
 @dataclass
@@ -157,14 +149,13 @@ def block_working_set_bytes(config: MoEConfig, tokens: int, moe: bool) -> int:
 
 def plan(config: MoEConfig, cluster: Cluster, work: Workload) -> dict:
     """Parameters, FLOPs, per-GPU memory (without and with activation offload), fit and throughput."""
-    if config.num_experts % cluster.expert_parallel_size:
-        raise ValueError(f"--expert-parallel-size={cluster.expert_parallel_size} must divide "
-                         f"num_experts={config.num_experts}: every expert-parallel rank holds whole experts.")
+    mesh = MeshLayout.resolve(cluster.world_size, cluster.replicate_size, cluster.shard_size or "auto",
+                              cluster.expert_parallel_size, config.num_experts)
     roles, units = count_parameters(config)
     total = sum(roles.values())
     routed = roles.get("expert_stack", 0)
     active = total - routed + routed * config.top_k // config.num_experts
-    S, tokens = cluster.shard_size, work.micro_batch * work.seq_len
+    S, tokens = mesh.shard, work.micro_batch * work.seq_len
     muon = sum(roles.get(r, 0) for r in MUON_ROLES) if work.optimizer == "muon" else 0
 
     state = {
@@ -204,7 +195,7 @@ def plan(config: MoEConfig, cluster: Cluster, work: Workload) -> dict:
     return {
         "parameters": {"total": total, "active": active, "routed_experts": routed, "by_role": roles},
         "flops_per_token": flops_per_token,
-        "cluster": asdict(cluster) | {"world_size": cluster.world_size},
+        "cluster": asdict(cluster) | {"world_size": cluster.world_size, "shard_size": mesh.shard},
         "workload": asdict(work),
         "boundary_activations_bytes": config.n_layers * boundary_one,
         "memory": variants,
@@ -254,7 +245,8 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--gpus-per-node", type=int, default=8)
     parser.add_argument("--gpu-memory", type=float, default=80.0, help="GiB per GPU")
     parser.add_argument("--host-memory", type=float, default=None, help="host GiB per GPU (checked if given)")
-    parser.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak per GPU")
+    parser.add_argument("--gpu", default="H100", help=f"GPU model for the peak FLOP/s: {', '.join(PEAK_BF16_FLOPS)}")
+    parser.add_argument("--peak-tflops", type=float, default=None, help="dense bf16 peak per GPU (overrides --gpu)")
     parser.add_argument("--replicate-size", type=int, default=1, help="HSDP replicas")
     parser.add_argument("--shard-size", type=int, default=None, help="FSDP shard-group size (default: all GPUs "
                         "of a replica)")
@@ -272,9 +264,13 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--reserve", type=float, default=3.0, help="GiB kept for CUDA context and slack")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = parser.parse_args(argv)
+    peak = args.peak_tflops or (peak_bf16_flops(args.gpu) or 0) / 1e12
+    if not peak:
+        parser.error(f"--gpu={args.gpu!r} is not in the peak table ({', '.join(PEAK_BF16_FLOPS)}): "
+                     f"pass --peak-tflops.")
     try:
         config = load_model_config(args.config)
-        cluster = Cluster(args.nodes, args.gpus_per_node, args.gpu_memory, args.host_memory, args.peak_tflops,
+        cluster = Cluster(args.nodes, args.gpus_per_node, args.gpu_memory, args.host_memory, peak,
                           args.replicate_size, args.shard_size, args.expert_parallel_size)
         work = Workload(args.micro_batch, args.seq_len or config.max_seq_len, args.optimizer, args.cpu_offload,
                         args.prefetch_depth, args.loss_chunk, args.mfu, args.reserve)

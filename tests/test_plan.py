@@ -111,4 +111,4 @@ def test_table_output_and_clear_errors(capsys):
     assert "fits" in table and "tokens/s per GPU" in table
     with pytest.raises(SystemExit):
         main(["plan", "--config", ONE_T, "--nodes", "96", "--gpus-per-node", "4", "--expert-parallel-size", "5"])
-    assert "--expert-parallel-size=5 must divide --shard-size=384" in capsys.readouterr().err
+    assert "strategy.expert_parallel_size=5 must divide strategy.shard_size=384" in capsys.readouterr().err
