@@ -1,55 +1,63 @@
 """One rank of the FSDP2 offload check (launched by tests/test_offload.py through ``run_ranks``).
 
-Shards two identical models per block (gloo, CPU), wraps one with ActivationOffload after sharding,
-and prints whether loss and every gradient shard match bit for bit, plus the offload order.
+Trains the same tiny MoE twice under ``MoEFSDPStrategy`` (gloo, CPU, expert parallel): once plain, once
+with ActivationOffload applied at ``on_fit_start`` after sharding. Prints one JSON line: whether every
+step's loss and every final parameter shard match bit for bit, the offload order, and the expert-load
+metrics (synchronised across ranks by torchmetrics).
 """
 
 import json
-import os
+import sys
 
+import lightning as L
 import torch
-import torch.distributed as dist
-import torch.nn.functional as F
-from torch.distributed.fsdp import fully_shard
 
-from moe_lightning.callbacks import ActivationOffload
-from moe_lightning.model import MoEConfig, MoETransformer
+from moe_lightning import MoEConfig, MoELanguageModel
+from moe_lightning.callbacks import ActivationOffload, ExpertLoadMonitor
+from moe_lightning.strategy import MoEFSDPStrategy
 
+# bias_update_rate=0: MoELanguageModel moves the routing bias in on_before_zero_grad, which Lightning runs
+# between training_step and backward; recomputation would then route differently (ActivationOffload raises).
 CONFIG = MoEConfig(vocab_size=64, dim=32, n_layers=3, n_heads=4, n_kv_heads=2, max_seq_len=16, ffn_hidden=64,
-                   num_experts=4, top_k=2, expert_hidden=32, aux_loss_coef=0.01)
+                   n_dense_layers=1, num_experts=4, top_k=2, expert_hidden=32, aux_loss_coef=0.01,
+                   bias_update_rate=0.0)
 
 
-def sharded_model() -> MoETransformer:
-    torch.manual_seed(0)
-    model = MoETransformer(CONFIG)
-    for block in model.layers:
-        fully_shard(block)
-    return fully_shard(model)
+class Losses(L.Callback):
+    def __init__(self):
+        self.losses = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.losses.append(outputs["loss"].detach().clone())
 
 
-def step(model: MoETransformer, tokens_BS: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    logits_BSV = model(tokens_BS[:, :-1])
-    loss = F.cross_entropy(logits_BSV.flatten(0, 1), tokens_BS[:, 1:].flatten())
-    loss.backward()
-    return loss.detach(), {name: p.grad.to_local().clone() for name, p in model.named_parameters()}
+def fit(callbacks: list[L.Callback], expert_parallel_size: int) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
+    L.seed_everything(0, verbose=False)
+    losses = Losses()
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=MoEFSDPStrategy(expert_parallel_size=expert_parallel_size),
+                        max_steps=2, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                        enable_checkpointing=False, callbacks=[losses, *callbacks], precision="32-true")
+    model = MoELanguageModel(CONFIG)
+    generator = torch.Generator().manual_seed(trainer.global_rank)
+    data = torch.randint(0, CONFIG.vocab_size, (4, 17), generator=generator)
+    trainer.fit(model, torch.utils.data.DataLoader(data, batch_size=2))
+    return losses.losses, {name: p.to_local().clone() for name, p in model.named_parameters()}
 
 
 def main() -> None:
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
-    tokens_BS = torch.randint(0, CONFIG.vocab_size, (2, 17), generator=torch.Generator().manual_seed(rank))
-    reference_loss, reference_grads = step(sharded_model(), tokens_BS)
-    model = sharded_model()
+    torch.set_num_threads(1)
+    ep = int(sys.argv[1])
+    reference_losses, reference_params = fit([], ep)
     offload = ActivationOffload(prefetch=1, min_offload_bytes=0, blocks=[0, 1, 2])
-    offload.apply(model.layers)
-    loss, grads = step(model, tokens_BS)
-    result = {"rank": rank, "loss_equal": torch.equal(loss, reference_loss),
-              "grads_equal": all(torch.equal(grads[k], reference_grads[k]) for k in reference_grads),
-              "n_grads": len(grads), "order": offload.order, "tensors_out": offload.tensors_offloaded}
-    print(json.dumps(result))
-    dist.destroy_process_group()
+    expert_load = ExpertLoadMonitor(log_every_n_steps=2, image_every_n_steps=0)
+    losses, params = fit([offload, expert_load], ep)
+    print(json.dumps({
+        "rank": torch.distributed.get_rank(), "steps": len(losses),
+        "losses_equal": len(losses) == len(reference_losses) and all(map(torch.equal, losses, reference_losses)),
+        "params_equal": params.keys() == reference_params.keys()
+        and all(torch.equal(params[k], reference_params[k]) for k in params),
+        "order": offload.order, "tensors_out": offload.tensors_offloaded, "expert_load": expert_load.last_metrics}))
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
     main()

@@ -17,7 +17,8 @@ from moe_lightning.callbacks.expert_load import load_heatmap
 from moe_lightning.flops import training_flops_per_token
 
 CONFIG = dict(vocab_size=64, dim=32, n_layers=3, n_heads=4, n_kv_heads=2, max_seq_len=16, ffn_hidden=48,
-              n_dense_layers=1, num_experts=4, top_k=2, expert_hidden=16, n_shared_experts=1)
+              n_dense_layers=1, num_experts=4, top_k=2, expert_hidden=16, n_shared_experts=1,
+              bias_update_rate=0.0)  # see tests/offload_fsdp.py: the module moves the bias before backward
 BATCH, SEQ = 4, 16
 
 
@@ -88,7 +89,7 @@ def test_expert_load_heatmap_goes_to_tensorboard(tmp_path):
 
 
 def test_training_flops_match_hand_count():
-    config = MoEConfig(**{**CONFIG, "n_layers": 2})
+    config = MoEConfig(**{**CONFIG, "n_layers": 2})  # the bias rate does not enter the count
     D, H, KV, hd, V = 32, 4, 2, 8, 64
     attention = D * H * hd + 2 * D * KV * hd + H * hd * D          # wq, wk, wv, wo
     norms = 2 * D
@@ -155,3 +156,33 @@ def test_allocator_monitor_warns_once_with_advice(monkeypatch):
 def test_bad_arguments_name_the_argument(build, match):
     with pytest.raises(ValueError, match=match):
         build()
+
+
+CALLBACKS_YAML = """
+trainer:
+  callbacks:
+    - class_path: moe_lightning.callbacks.MoEThroughputMonitor
+      init_args:
+        log_every_n_steps: 10
+    - class_path: moe_lightning.callbacks.ExpertLoadMonitor
+      init_args:
+        log_every_n_steps: 50
+        image_every_n_steps: 100
+    - class_path: moe_lightning.callbacks.AllocatorMonitor
+    - class_path: moe_lightning.callbacks.ActivationOffload
+      init_args:
+        prefetch: 2
+        blocks: [0, 1]
+"""
+
+
+def test_callbacks_come_from_yaml(tmp_path, capsys):
+    from moe_lightning.cli import main
+
+    (tmp_path / "callbacks.yaml").write_text(CALLBACKS_YAML)
+    with pytest.raises(SystemExit):
+        main(["fit", "--config", "configs/tiny.yaml", "--config", str(tmp_path / "callbacks.yaml"), "--print_config"])
+    printed = capsys.readouterr().out
+    for expected in ("moe_lightning.callbacks.MoEThroughputMonitor", "peak_flops: null", "image_every_n_steps: 100",
+                     "moe_lightning.callbacks.AllocatorMonitor", "prefetch: 2", "min_offload_bytes: 1048576"):
+        assert expected in printed

@@ -29,13 +29,14 @@ class _Boundary:
     """One block's input for one forward: kept on device, or offloaded with a host copy."""
 
     __slots__ = ("index", "offloaded", "device", "device_tensor", "host_tensor", "copy_done", "generation",
-                 "__weakref__")
+                 "buffer_versions", "__weakref__")
 
     def __init__(self, index: int, tensor: torch.Tensor, offloaded: bool, generation: "weakref.WeakValueDictionary"):
         self.index, self.offloaded, self.device, self.generation = index, offloaded, tensor.device, generation
         self.device_tensor: Optional[torch.Tensor] = tensor
         self.host_tensor: Optional[torch.Tensor] = None
         self.copy_done: Optional[torch.cuda.Event] = None
+        self.buffer_versions: list[tuple[str, torch.Tensor, int]] = []
 
 
 class ActivationOffload(L.Callback):
@@ -94,13 +95,14 @@ class ActivationOffload(L.Callback):
             if not isinstance(i, int) or not -n <= i < n:
                 raise ValueError(f"ActivationOffload(blocks={self.blocks!r}): index {i!r} is outside model.layers "
                                  f"(length {n}); use indices in [-{n}, {n - 1}].")
-        self._offload_indices = {i % n for i in chosen}
         for index, block in enumerate(layers):
             if "forward" in block.__dict__:
                 raise RuntimeError(f"model.layers[{index}] already has an instance-level forward (another wrapper); "
                                    "ActivationOffload must own the block's forward.")
-            block.forward = self._wrap(index, block.forward)
+        self._offload_indices = {i % n for i in chosen}
         self._layers = layers
+        for index, block in enumerate(layers):
+            block.forward = self._wrap(index, block.forward)
 
     def remove(self) -> None:
         if self._layers is not None:
@@ -130,6 +132,7 @@ class ActivationOffload(L.Callback):
         nbytes = tensor.numel() * tensor.element_size()
         offloaded = index in self._offload_indices and nbytes >= self.min_offload_bytes
         boundary = _Boundary(index, tensor, offloaded, self._generation)
+        boundary.buffer_versions = [(name, buf, buf._version) for name, buf in self._layers[index].named_buffers()]
         self._generation[index] = boundary
         self.order.append(("offload" if offloaded else "keep", index))
         if offloaded:
@@ -139,6 +142,14 @@ class ActivationOffload(L.Callback):
         return boundary
 
     def _unpack(self, boundary: _Boundary) -> torch.Tensor:
+        for name, buffer, version in boundary.buffer_versions:
+            if buffer._version != version:
+                raise RuntimeError(
+                    f"ActivationOffload: model.layers[{boundary.index}].{name} changed between this block's forward "
+                    "and backward, so recomputing the block would not reproduce its forward (for a router bias: "
+                    "different experts, wrong gradients). Update such state after backward, e.g. in "
+                    "on_before_optimizer_step rather than on_before_zero_grad (Lightning zeroes gradients after "
+                    "training_step, before backward).")
         if boundary.offloaded and boundary.device_tensor is None:
             self._copy_in(boundary)
         for ahead in self._next_offloaded(boundary):

@@ -73,6 +73,7 @@ class ExpertLoadMonitor(L.Callback):
         self.metric: ExpertLoad | None = None
         self._moe_layers: list[tuple[int, MoELayer]] = []
         self.last_image_path: Path | None = None
+        self.last_metrics: dict[str, float] = {}
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._moe_layers = [(i, m) for i, block in enumerate(find_blocks(pl_module))
@@ -95,6 +96,7 @@ class ExpertLoadMonitor(L.Callback):
         metrics["expert_load/max_over_mean"] = result["max_over_mean"].mean().item()
         metrics["expert_load/cv"] = result["cv"].mean().item()
         log_to_loggers(trainer, metrics)
+        self.last_metrics = metrics
         if self.image_every_n_steps and trainer.global_step % self.image_every_n_steps == 0 \
                 and trainer.is_global_zero:
             self._write_image(trainer, load_heatmap(result["counts"], self.cell_pixels))
