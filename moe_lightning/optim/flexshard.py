@@ -1,0 +1,166 @@
+"""FlexShard: where each Muon matrix is orthogonalized, and the communication that placement costs.
+
+Newton–Schulz needs whole matrices. Under FSDP2 a parameter is a DTensor and its placement says
+what each rank holds:
+- expert stacks ``[E, m, n]`` sharded on dim 0 (or not sharded, or plain tensors such as the
+  expert-parallel slice of local experts) hold whole expert matrices: orthogonalized locally, no bytes moved;
+- row-sharded matrices ``[m, n]`` (``Shard(0)`` on one mesh dim, ``Replicate`` elsewhere, e.g. HSDP)
+  get an owner rank in their shard group; the owner receives every rank's rows, orthogonalizes
+  and sends each rank its rows back. All matrices of a shard group share one all-to-all each way.
+Any other layout raises, naming the parameter and its placement.
+"""
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from .newton_schulz import newton_schulz_flops
+
+
+class FlexShardLayoutError(ValueError):
+    """A Muon parameter's placement cannot be orthogonalized without a layout FlexShard does not implement."""
+
+
+@dataclass
+class ShardGroup:
+    """Row-sharded matrices sharing one process group, with their owners (group-local ranks)."""
+
+    group: dist.ProcessGroup
+    size: int
+    rank: int
+    indices: list[int] = field(default_factory=list)  # positions in the Muon parameter list
+    shapes: list[tuple[int, int]] = field(default_factory=list)
+    owners: list[int] = field(default_factory=list)
+
+    def rows(self, m: int) -> list[int]:
+        """Rows per group rank under ``Shard(0)``: ``torch.chunk`` sizes, trailing ranks may get 0."""
+        chunk = -(-m // self.size)
+        return [max(0, min(chunk, m - r * chunk)) for r in range(self.size)]
+
+
+def lpt_owners(costs: list[float], n_ranks: int) -> list[int]:
+    """Greedy longest-processing-time: biggest job first to the least-loaded rank (ties: lowest index).
+
+    Pure function of ``costs``, so every rank computes the same owners without communicating.
+    """
+    owners, loads = [0] * len(costs), [0.0] * n_ranks
+    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        rank = min(range(n_ranks), key=lambda r: (loads[r], r))
+        owners[i], loads[rank] = rank, loads[rank] + costs[i]
+    return owners
+
+
+def classify(name: str, p: torch.Tensor) -> tuple[int, int] | None:
+    """``None`` if ``p`` holds whole matrices locally, else ``(mesh_dim, group_size)`` of its row sharding."""
+    if not isinstance(p, DTensor):
+        return None
+    sharded = [(d, pl) for d, pl in enumerate(p.placements) if not isinstance(pl, Replicate)]
+    unsupported = [pl for _, pl in sharded if type(pl) is not Shard]
+    if unsupported:
+        raise FlexShardLayoutError(
+            f"Muon parameter {name!r} has placements {p.placements}: FlexShard handles Shard and Replicate "
+            f"only ({unsupported} found). Optimize it with AdamW (adamw_patterns) or shard it with plain Shard(0).")
+    if p.ndim == 3:
+        if any(pl.dim != 0 for _, pl in sharded):
+            raise FlexShardLayoutError(
+                f"Muon expert stack {name!r} [E, m, n] has placements {p.placements}: each rank must hold whole "
+                f"experts, so shard it on dim 0 (shard_placement_fn returning Shard(0) for GroupedExperts).")
+        return None
+    if not sharded:
+        return None
+    if len(sharded) > 1 or sharded[0][1].dim != 0:
+        raise FlexShardLayoutError(
+            f"Muon matrix {name!r} has placements {p.placements} on mesh {p.device_mesh.mesh_dim_names}: FlexShard "
+            f"gathers row shards (Shard(0) on one mesh dim, Replicate elsewhere, e.g. FSDP or HSDP). "
+            f"Use the default FSDP2 row sharding or send it to AdamW with adamw_patterns.")
+    mesh_dim = sharded[0][0]
+    return mesh_dim, p.device_mesh.size(mesh_dim)
+
+
+def plan_shard_groups(names: list[str], params: list[torch.Tensor], ns_steps: int) -> list[ShardGroup]:
+    """Group row-sharded Muon matrices by process group and pick LPT owners by Newton–Schulz cost."""
+    groups: dict[dist.ProcessGroup, ShardGroup] = {}
+    for i, (name, p) in enumerate(zip(names, params)):
+        where = classify(name, p)
+        if where is None:
+            continue
+        mesh_dim, size = where
+        pg = p.device_mesh.get_group(mesh_dim)
+        sg = groups.setdefault(pg, ShardGroup(pg, size, p.device_mesh.get_local_rank(mesh_dim)))
+        m, n = p.shape
+        if p.to_local().shape[0] != sg.rows(m)[sg.rank]:
+            raise FlexShardLayoutError(
+                f"Muon matrix {name!r}: local shard has {p.to_local().shape[0]} rows, expected "
+                f"{sg.rows(m)[sg.rank]} of {m} (torch.chunk split over {size} ranks); padded or custom "
+                f"Shard(0) layouts are not supported.")
+        sg.indices.append(i)
+        sg.shapes.append((m, n))
+    for sg in groups.values():
+        sg.owners = lpt_owners([newton_schulz_flops(m, n, ns_steps) for m, n in sg.shapes], sg.size)
+    return list(groups.values())
+
+
+def comm_device(group: dist.ProcessGroup, compute_device: torch.device) -> torch.device:
+    """Device whose tensors the group's backend moves: NCCL needs CUDA, gloo moves host tensors."""
+    return compute_device if "nccl" in str(dist.get_backend(group)) else torch.device("cpu")
+
+
+class RowExchange:
+    """One shard group's gather-to-owner and scatter-back, each a single async ``all_to_all_single``."""
+
+    def __init__(self, sg: ShardGroup, device: torch.device):
+        self.sg, self.device = sg, device
+        me = sg.rank
+        rows = [sg.rows(m) for m, _ in sg.shapes]
+        self.mine = [k for k, o in enumerate(sg.owners) if o == me]  # matrices this rank orthogonalizes
+        # elements this rank sends to each owner, and receives from each rank, in the gather
+        self.to_owner = [sum(rows[k][me] * n for k, (o, (_, n)) in enumerate(zip(sg.owners, sg.shapes)) if o == dst)
+                         for dst in range(sg.size)]
+        self.from_rank = [sum(rows[k][src] * sg.shapes[k][1] for k in self.mine) for src in range(sg.size)]
+        self.rows = rows
+        self.work = None
+
+    def start_gather(self, shards: list[torch.Tensor]) -> None:
+        """Send each local row shard (bf16, the dtype Newton–Schulz starts from) to its owner."""
+        order = sorted(range(len(shards)), key=lambda k: self.sg.owners[k])  # stable: matrix order per owner
+        send = torch.cat([shards[k].to(self.device, torch.bfloat16).flatten() for k in order]) if order \
+            else torch.empty(0, dtype=torch.bfloat16, device=self.device)
+        self.recv = torch.empty(sum(self.from_rank), dtype=torch.bfloat16, device=self.device)
+        self.work = dist.all_to_all_single(self.recv, send, self.from_rank, self.to_owner,
+                                           group=self.sg.group, async_op=True)
+
+    def owned_matrices(self) -> list[torch.Tensor]:
+        """Wait for the gather; whole ``[m, n]`` matrices this rank owns, rows in rank order."""
+        self.work.wait()
+        pieces: list[list[torch.Tensor]] = [[] for _ in self.mine]
+        for src, chunk in enumerate(self.recv.split(self.from_rank)):
+            offset = 0
+            for j, k in enumerate(self.mine):
+                r, n = self.rows[k][src], self.sg.shapes[k][1]
+                pieces[j].append(chunk[offset:offset + r * n].view(r, n))
+                offset += r * n
+        return [torch.cat(p) for p in pieces]
+
+    def start_scatter(self, results: list[torch.Tensor]) -> None:
+        """Send each rank its rows of the orthogonalized matrices this rank owns."""
+        send = [results[j][sum(self.rows[k][:dst]):sum(self.rows[k][:dst + 1])].flatten()
+                for dst in range(self.sg.size) for j, k in enumerate(self.mine)]
+        send = torch.cat(send) if send else torch.empty(0, dtype=torch.bfloat16, device=self.device)
+        self.recv = torch.empty(sum(self.to_owner), dtype=torch.bfloat16, device=self.device)
+        self.work = dist.all_to_all_single(self.recv, send.to(self.device, torch.bfloat16),
+                                           self.to_owner, self.from_rank, group=self.sg.group, async_op=True)
+
+    def local_rows(self) -> list[torch.Tensor]:
+        """Wait for the scatter; this rank's rows of every matrix of the group, in group order."""
+        self.work.wait()
+        me, out = self.sg.rank, [None] * len(self.sg.shapes)
+        for src, chunk in enumerate(self.recv.split(self.to_owner)):
+            offset = 0
+            for k, (o, (_, n)) in enumerate(zip(self.sg.owners, self.sg.shapes)):
+                if o == src:
+                    r = self.rows[k][me]
+                    out[k] = chunk[offset:offset + r * n].view(r, n)
+                    offset += r * n
+        return out

@@ -1,0 +1,183 @@
+"""Muon for hidden matrices and AdamW for the rest, in one optimizer (Lightning's automatic
+optimization steps exactly one), with FlexShard placement under FSDP2."""
+
+import math
+from collections.abc import Iterable
+from typing import Literal
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from .flexshard import RowExchange, classify, comm_device, plan_shard_groups
+from .muon_groups import split_by_algorithm
+from .newton_schulz import coefficient_schedule, newton_schulz
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The rank-local storage of a DTensor (in-place ops on it update the DTensor), else ``t``."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def lr_scale(shape: torch.Size, adjust_lr_fn: str) -> float:
+    """Per-matrix multiplier of the learning rate, from the (global) ``[.., m, n]`` shape."""
+    m, n = shape[-2], shape[-1]
+    return math.sqrt(max(1.0, m / n)) if adjust_lr_fn == "original" else 0.2 * math.sqrt(max(m, n))
+
+
+class Muon(torch.optim.Optimizer):
+    """Muon (momentum → Newton–Schulz orthogonalization) on hidden matrices, AdamW on everything else.
+
+    Groups from ``moe_lightning.optim.param_groups`` are split by role (``hidden_matrix`` and
+    ``expert_stack`` → Muon, others → AdamW) unless a name pattern says otherwise. Expert stacks
+    ``[E, m, n]`` are orthogonalized per expert in one batched iteration. FSDP2 DTensor parameters
+    are handled by FlexShard placement (see ``flexshard``); Newton–Schulz runs on ``ns_device``.
+
+    Args:
+        params: Parameters or groups (``role``/``param_names``/``weight_decay`` keys are honoured).
+        lr: Muon learning rate; with ``adjust_lr_fn="match_rms_adamw"`` an AdamW learning rate works.
+        momentum: Momentum coefficient of the gradient average.
+        nesterov: Orthogonalize the Nesterov look-ahead instead of the momentum buffer.
+        ns_steps: Newton–Schulz iterations.
+        ns_coefficients: ``"quintic"`` (3.4445, -4.7750, 2.0315 every step), ``"polar_express"`` (a
+            per-step schedule), or a list of ``[a, b, c]`` triples, one per step (the last repeats).
+        adjust_lr_fn: ``"original"``: scale by sqrt(max(1, m/n)); ``"match_rms_adamw"``: by
+            0.2·sqrt(max(m, n)) so updates have AdamW's RMS and AdamW hyperparameters transfer.
+        weight_decay: Decoupled weight decay for groups that do not set their own.
+        eps: Floor of the Frobenius norm Newton–Schulz divides by.
+        adamw_lr: Learning rate of the AdamW groups; ``None`` uses ``lr``.
+        adamw_betas: AdamW (beta1, beta2).
+        adamw_eps: AdamW denominator epsilon.
+        muon_patterns: ``fnmatch`` globs of parameter names forced to Muon (matrices or stacks only).
+        adamw_patterns: ``fnmatch`` globs of parameter names forced to AdamW.
+        ns_device: Where Newton–Schulz runs; ``None``: the current CUDA device if there is one (even
+            when parameters live in host memory), else the parameter's device.
+    """
+
+    def __init__(self, params: Iterable, lr: float = 3e-4, momentum: float = 0.95, nesterov: bool = True,
+                 ns_steps: int = 5, ns_coefficients: str | list[list[float]] = "quintic",
+                 adjust_lr_fn: Literal["original", "match_rms_adamw"] = "match_rms_adamw",
+                 weight_decay: float = 0.1, eps: float = 1e-7, adamw_lr: float | None = None,
+                 adamw_betas: tuple[float, float] = (0.9, 0.95), adamw_eps: float = 1e-8,
+                 muon_patterns: list[str] | None = None, adamw_patterns: list[str] | None = None,
+                 ns_device: str | None = None):
+        for field, value in (("lr", lr), ("weight_decay", weight_decay), ("eps", eps), ("adamw_eps", adamw_eps)):
+            if value < 0:
+                raise ValueError(f"Muon.{field}={value} must be >= 0.")
+        if not 0 <= momentum < 1 or not all(0 <= b < 1 for b in adamw_betas):
+            raise ValueError(f"Muon.momentum={momentum} and adamw_betas={adamw_betas} must lie in [0, 1).")
+        if adjust_lr_fn not in ("original", "match_rms_adamw"):
+            raise ValueError(f"Muon.adjust_lr_fn={adjust_lr_fn!r}: use 'original' or 'match_rms_adamw'.")
+        coefficient_schedule(ns_coefficients, ns_steps)  # validate now, not at the first step
+        params = list(params)
+        groups = params if params and isinstance(params[0], dict) else [{"params": params}]
+        groups = split_by_algorithm(groups, muon_patterns or (), adamw_patterns or ())
+        for group in groups:
+            if group["algorithm"] == "adamw" and adamw_lr is not None:
+                group.setdefault("lr", adamw_lr)
+            if group["algorithm"] == "muon":
+                bad = [tuple(p.shape) for p in group["params"] if p.ndim not in (2, 3)]
+                if bad:
+                    raise ValueError(f"Muon group {group.get('param_names', '')} holds non-matrix shapes {bad}: "
+                                     f"Muon orthogonalizes [m, n] or [E, m, n]; send them to AdamW.")
+        defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
+                        ns_coefficients=ns_coefficients, adjust_lr_fn=adjust_lr_fn, weight_decay=weight_decay,
+                        eps=eps, betas=tuple(adamw_betas), adamw_eps=adamw_eps)
+        super().__init__(groups, defaults)
+        self.ns_device = torch.device(ns_device) if ns_device else None
+        self._plan = None
+
+    def _compute_device(self, like: torch.Tensor) -> torch.device:
+        if self.ns_device is not None:
+            return self.ns_device
+        if torch.cuda.is_available():
+            return torch.device("cuda", torch.cuda.current_device())
+        return like.device
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        muon = [(g, p) for g in self.param_groups if g["algorithm"] == "muon" for p in g["params"] if p.grad is not None]
+        if muon:
+            self._muon_step(muon)
+        for group in self.param_groups:
+            if group["algorithm"] == "adamw":
+                self._adamw_step(group)
+        return loss
+
+    def _muon_step(self, muon: list[tuple[dict, torch.Tensor]]) -> None:
+        """Momentum on local shards; start row exchanges; local NS meanwhile; then the owned matrices."""
+        updates = [self._momentum_update(g, p) for g, p in muon]
+        device = self._compute_device(_local(muon[0][1]))
+        exchanges = []
+        for sg in self._shard_groups(muon):
+            exchange = RowExchange(sg, comm_device(sg.group, device))
+            exchange.start_gather([updates[i] for i in sg.indices])
+            exchanges.append(exchange)
+        sharded = {i for ex in exchanges for i in ex.sg.indices}
+        for i, (group, p) in enumerate(muon):
+            if i not in sharded:
+                self._apply(group, p, newton_schulz(updates[i].to(device), self._schedule(group), group["eps"]))
+        for ex in exchanges:  # NS of every owned matrix first, so all scatters are in flight together
+            ex.start_scatter([newton_schulz(G_MN.to(device), self._schedule(muon[ex.sg.indices[k]][0]),
+                                            muon[ex.sg.indices[k]][0]["eps"])
+                              for G_MN, k in zip(ex.owned_matrices(), ex.mine)])
+        for ex in exchanges:
+            for i, O_rN in zip(ex.sg.indices, ex.local_rows()):
+                self._apply(muon[i][0], muon[i][1], O_rN)
+
+    def _shard_groups(self, muon):
+        """FlexShard plan for this parameter set; placements never change, so plan once."""
+        key = tuple(id(p) for _, p in muon)
+        if self._plan is None or self._plan[0] != key:
+            names = [self._name(g, p) for g, p in muon]
+            steps = {g["ns_steps"] for g, _ in muon}
+            self._plan = (key, plan_shard_groups(names, [p for _, p in muon], max(steps)))
+        return self._plan[1]
+
+    @staticmethod
+    def _name(group: dict, p: torch.Tensor) -> str:
+        names = group.get("param_names")
+        return names[[id(q) for q in group["params"]].index(id(p))] if names else f"param{tuple(p.shape)}"
+
+    @staticmethod
+    def _schedule(group: dict):
+        return coefficient_schedule(group["ns_coefficients"], group["ns_steps"])
+
+    def _momentum_update(self, group: dict, p: torch.Tensor) -> torch.Tensor:
+        """Update the momentum buffer in place and return what gets orthogonalized (local shard, fp32)."""
+        state = self.state[p]
+        if "momentum_buffer" not in state:
+            state["momentum_buffer"] = torch.zeros_like(p.grad)
+        grad, buf = _local(p.grad), _local(state["momentum_buffer"])
+        buf.lerp_(grad, 1 - group["momentum"])
+        return grad.lerp(buf, group["momentum"]) if group["nesterov"] else buf
+
+    @staticmethod
+    def _apply(group: dict, p: torch.Tensor, O: torch.Tensor) -> None:
+        """Decoupled weight decay, then the orthogonalized step with the shape-dependent LR scale."""
+        local = _local(p)
+        local.mul_(1 - group["lr"] * group["weight_decay"])
+        local.add_(O.to(local.device), alpha=-group["lr"] * lr_scale(p.shape, group["adjust_lr_fn"]))
+
+    def _adamw_step(self, group: dict) -> None:
+        beta1, beta2 = group["betas"]
+        lr, wd, eps = group["lr"], group["weight_decay"], group["adamw_eps"]
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            state = self.state[p]
+            if "step" not in state:
+                state["step"] = torch.tensor(0.0)
+                state["exp_avg"] = torch.zeros_like(p)
+                state["exp_avg_sq"] = torch.zeros_like(p)
+            state["step"] += 1
+            step = state["step"].item()
+            grad, m, v, local = _local(p.grad), _local(state["exp_avg"]), _local(state["exp_avg_sq"]), _local(p)
+            m.lerp_(grad, 1 - beta1)
+            v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+            local.mul_(1 - lr * wd)
+            denom = (v.sqrt() / math.sqrt(1 - beta2 ** step)).add_(eps)
+            local.addcdiv_(m, denom, value=-lr / (1 - beta1 ** step))
