@@ -62,7 +62,7 @@ class ActivationOffload(L.Callback):
                              ">= 0 (0 offloads every block input).")
         self.prefetch, self.min_offload_bytes, self.blocks = prefetch, min_offload_bytes, blocks
         self.order: list[tuple[str, int]] = []  # ("offload"|"keep"|"copy_in"|"use", block) of the last step
-        self.bytes_offloaded = self.tensors_offloaded = self.tensors_copied_in = 0
+        self.reset_counters()
         self._layers: Optional[nn.ModuleList] = None
         self._offload_indices: set[int] = set()
         self._generation: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
@@ -77,12 +77,15 @@ class ActivationOffload(L.Callback):
         self.remove()
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        self.bytes_offloaded = self.tensors_offloaded = self.tensors_copied_in = 0
+        self.reset_counters()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         pl_module.log_dict({"offload/bytes": float(self.bytes_offloaded),
                             "offload/tensors_out": float(self.tensors_offloaded),
                             "offload/tensors_in": float(self.tensors_copied_in)})
+
+    def reset_counters(self) -> None:
+        self.bytes_offloaded = self.tensors_offloaded = self.tensors_copied_in = 0
 
     # ---- wrapping --------------------------------------------------------------------------------
     def apply(self, layers: nn.ModuleList) -> None:

@@ -7,7 +7,6 @@ import numpy as np
 import torch
 import torchmetrics
 from lightning.pytorch.loggers import TensorBoardLogger
-from PIL import Image
 
 from ..model import MoELayer
 from ._logging import StepInterval, check_interval, log_to_loggers
@@ -107,6 +106,8 @@ class ExpertLoadMonitor(L.Callback):
             logger.experiment.add_image("expert_load/heatmap", image_HW3.transpose(2, 0, 1), trainer.global_step,
                                         dataformats="CHW")
         if not tensorboard:
+            from PIL import Image  # only for PNGs: keeps Pillow off the import path of the GPU benchmarks
+
             folder = Path(trainer.log_dir or trainer.default_root_dir) / "expert_load"
             folder.mkdir(parents=True, exist_ok=True)
             self.last_image_path = folder / f"step_{trainer.global_step:07d}.png"

@@ -1,0 +1,123 @@
+"""Activation offload on one GPU: peak memory and tokens/s, offload off vs on with prefetch 0, 1 and 2.
+
+    python benchmarks/gpu_offload.py             # one H200: a small MoE at 65,536 tokens, ~2-3 minutes
+    python benchmarks/gpu_offload.py --dry-run   # CPU, tiny shapes: the same code end to end (a test runs it)
+
+Modes: ``off`` (plain autograd), ``checkpoint`` (blocks recomputed, inputs kept on device: what the
+offload adds on top of checkpointing), ``prefetch0/1/2`` (ActivationOffload, default blocks: all but the
+last). Each step is forward + backward (parameters, gradients, activations; no optimizer state, which
+offload does not touch). Prints one JSON line per mode, then a summary against the targets: peak
+memory <= 0.6x and tokens/s >= 0.9x of ``off`` with prefetch >= 1 (the ratios against ``checkpoint``
+are printed too: recomputation alone costs about one extra forward).
+"""
+
+import argparse
+import json
+import time
+
+import torch
+import torch.nn.functional as F
+
+from moe_lightning.callbacks import ActivationOffload
+from moe_lightning.model import MoEConfig, MoETransformer
+
+GPU_CONFIG = MoEConfig(vocab_size=4096, dim=1024, n_layers=16, n_heads=8, n_kv_heads=8, max_seq_len=65536,
+                       ffn_hidden=2816, n_dense_layers=1, num_experts=16, top_k=2, expert_hidden=512,
+                       n_shared_experts=1)
+DRY_CONFIG = MoEConfig(vocab_size=64, dim=32, n_layers=4, n_heads=4, n_kv_heads=2, max_seq_len=32, ffn_hidden=64,
+                       n_dense_layers=1, num_experts=4, top_k=2, expert_hidden=32, n_shared_experts=1)
+MODES: dict[str, dict | None] = {"off": None, "checkpoint": {"blocks": []}, "prefetch0": {"prefetch": 0},
+                                 "prefetch1": {"prefetch": 1}, "prefetch2": {"prefetch": 2}}
+GIB = float(1 << 30)
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_mode(model: MoETransformer, tokens_BS: torch.Tensor, offload_kwargs: dict | None, warmup: int, steps: int,
+             min_offload_bytes: int = 1 << 20) -> dict:
+    """Train-step timing and memory for one mode; the model is left unwrapped afterwards."""
+    device = tokens_BS.device
+    offload = None
+    if offload_kwargs is not None:
+        offload = ActivationOffload(min_offload_bytes=min_offload_bytes, **offload_kwargs)
+        offload.apply(model.layers)
+    try:
+        for step in range(warmup + steps):
+            if step == warmup:
+                synchronize(device)
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+                    torch.cuda.reset_peak_memory_stats(device)
+                start = time.perf_counter()
+            if offload is not None:
+                offload.reset_counters()
+            logits_BSV = model(tokens_BS[:, :-1])
+            loss = F.cross_entropy(logits_BSV.flatten(0, 1).float(), tokens_BS[:, 1:].flatten())
+            del logits_BSV
+            loss.backward()
+            model.zero_grad(set_to_none=True)
+        synchronize(device)
+        seconds = time.perf_counter() - start
+    finally:
+        if offload is not None:
+            offload.remove()
+    return {"tokens_per_s": tokens_BS[:, :-1].numel() * steps / seconds,
+            "peak_gib": torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else None,
+            "loss": loss.item(),
+            "bytes_offloaded_per_step": offload.bytes_offloaded if offload else 0,
+            "tensors_out_per_step": offload.tensors_offloaded if offload else 0,
+            "tensors_in_per_step": offload.tensors_copied_in if offload else 0,
+            "copy_order": [f"{kind} {i}" for kind, i in offload.order] if offload else []}
+
+
+def summarize(results: dict[str, dict]) -> dict:
+    """Ratios of each offload mode to ``off`` and to ``checkpoint``, and whether the targets hold."""
+    summary = {}
+    for mode in ("prefetch0", "prefetch1", "prefetch2"):
+        row = {}
+        for base in ("off", "checkpoint"):
+            row[f"throughput_vs_{base}"] = results[mode]["tokens_per_s"] / results[base]["tokens_per_s"]
+            if results[mode]["peak_gib"] is not None:
+                row[f"peak_memory_vs_{base}"] = results[mode]["peak_gib"] / results[base]["peak_gib"]
+        if "peak_memory_vs_off" in row and mode != "prefetch0":
+            row["targets_met"] = row["peak_memory_vs_off"] <= 0.6 and row["throughput_vs_off"] >= 0.9
+        summary[mode] = row
+    return summary
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, one step per mode")
+    parser.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default 65536; dry run 32)")
+    parser.add_argument("--batch-size", type=int, default=1)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=3)
+    args = parser.parse_args(argv)
+    if args.dry_run:
+        device, config, dtype = torch.device("cpu"), DRY_CONFIG, torch.float32
+        seq_len, warmup, steps, min_bytes = args.seq_len or 32, 0, 1, 0
+    else:
+        if not torch.cuda.is_available():
+            parser.error("no CUDA device: run on a GPU, or pass --dry-run to check the script on CPU.")
+        device, config, dtype = torch.device("cuda"), GPU_CONFIG, torch.bfloat16
+        seq_len, warmup, steps, min_bytes = args.seq_len or 65536, args.warmup, args.steps, 1 << 20
+        config.max_seq_len = max(config.max_seq_len, seq_len)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = MoETransformer(config).to(dtype)
+    tokens_BS = torch.randint(0, config.vocab_size, (args.batch_size, seq_len + 1), device=device)
+    results = {}
+    for mode, kwargs in MODES.items():
+        results[mode] = run_mode(model, tokens_BS, kwargs, warmup, steps, min_bytes)
+        print(json.dumps({"mode": mode, **results[mode]}), flush=True)
+    report = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+              "seq_len": seq_len, "batch_size": args.batch_size, "summary": summarize(results), "results": results}
+    print(json.dumps({"summary": report["summary"]}, indent=1))
+    return report
+
+
+if __name__ == "__main__":
+    main()
