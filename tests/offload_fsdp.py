@@ -34,9 +34,10 @@ class Losses(L.Callback):
 def fit(callbacks: list[L.Callback], expert_parallel_size: int) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
     L.seed_everything(0, verbose=False)
     losses = Losses()
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=MoEFSDPStrategy(expert_parallel_size=expert_parallel_size),
-                        max_steps=2, logger=False, enable_progress_bar=False, enable_model_summary=False,
-                        enable_checkpointing=False, callbacks=[losses, *callbacks], precision="32-true")
+    strategy = MoEFSDPStrategy(expert_parallel_size=expert_parallel_size)
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=2, logger=False,
+                        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                        callbacks=[losses, *callbacks], precision="32-true")
     model = MoELanguageModel(CONFIG)
     generator = torch.Generator().manual_seed(trainer.global_rank)
     data = torch.randint(0, CONFIG.vocab_size, (4, 17), generator=generator)

@@ -11,10 +11,11 @@ from ._logging import StepInterval, check_interval, log_to_loggers
 GIB = float(1 << 30)
 RETRY_ADVICE = (
     "the CUDA caching allocator had to free its cache and retry ({retries} times in the last {steps} steps): "
-    "memory is fragmented or nearly full, which stalls every step. Remedies, cheapest first: let FSDP2's all-gathers allocate from "
-    "the compute stream's pool (MoEFSDPStrategy unshard_async_op: true; plain fully_shard modules: "
-    "_set_unshard_async_op(True)); add moe_lightning.callbacks.ActivationOffload; lower data.batch_size (micro-batch) and raise "
-    "trainer.accumulate_grad_batches; set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True."
+    "memory is fragmented or nearly full, which stalls every step. Remedies, cheapest first: let FSDP2's "
+    "all-gathers allocate from the compute stream's pool (MoEFSDPStrategy unshard_async_op: true; plain "
+    "fully_shard modules: _set_unshard_async_op(True)); add moe_lightning.callbacks.ActivationOffload; lower "
+    "data.batch_size (micro-batch) and raise trainer.accumulate_grad_batches; set "
+    "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True."
 )
 
 

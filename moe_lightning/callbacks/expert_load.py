@@ -37,7 +37,10 @@ class ExpertLoad(torchmetrics.Metric):
 
 
 def load_heatmap(counts_LE: torch.Tensor, cell_pixels: int = 8) -> np.ndarray:
-    """RGB ``uint8 [layers·cell, experts·cell, 3]``: white = mean load, red = over, blue = under (log2, ±4× saturates)."""
+    """RGB ``uint8 [layers·cell, experts·cell, 3]``: white = mean load, red = over, blue = under.
+
+    Colour scales with log2 of load / mean and saturates at 4× over or under.
+    """
     counts_LE = counts_LE.double().cpu()
     ratio_LE = counts_LE / counts_LE.mean(-1, keepdim=True).clamp_min(1e-12)
     t_LE = (ratio_LE.clamp_min(1 / 16).log2() / 2).clamp(-1, 1).numpy()
