@@ -6,8 +6,13 @@ and 1, the ``moe-lightning`` CLI with ``trainer.num_nodes=2`` and the FSDP2 stra
 
 import csv
 import math
+import os
+import re
 import subprocess
 import sys
+from unittest import mock
+
+from lightning.fabric.plugins.environments import SLURMEnvironment
 
 from tests.distributed import REPO_ROOT, clean_env, free_port
 
@@ -39,3 +44,26 @@ def test_two_nodes_one_process_each_train_tiny_with_fsdp2(tmp_path):
     with open(next((tmp_path / "logs").rglob("metrics.csv"))) as f:
         losses = [float(row["train/loss"]) for row in csv.DictReader(f) if row.get("train/loss")]
     assert len(losses) == STEPS and all(math.isfinite(x) for x in losses)
+
+
+def test_slurm_script_gives_lightning_one_task_per_gpu():
+    """The example batch script parses, and the environment srun gives its tasks satisfies SLURMEnvironment."""
+    script = REPO_ROOT / "configs" / "slurm.sbatch"
+    subprocess.run(["bash", "-n", str(script)], check=True)
+    options = dict(re.findall(r"^#SBATCH --([\w-]+)=(\S+)", script.read_text(), flags=re.M))
+    nodes, tasks_per_node = int(options["nodes"]), int(options["ntasks-per-node"])
+    assert tasks_per_node == int(options["gpus-per-node"])
+    assert options["job-name"] not in ("bash", "interactive")
+    rank = (nodes - 1) * tasks_per_node + 1  # the second task on the last node, as srun sets it up
+    srun_env = dict(SLURM_NTASKS=nodes * tasks_per_node, SLURM_PROCID=rank, SLURM_LOCALID=1, SLURM_NODEID=nodes - 1,
+                    SLURM_NODELIST="gpu[001-099]", SLURM_JOB_ID=4242, SLURM_NTASKS_PER_NODE=tasks_per_node,
+                    SLURM_NNODES=nodes, SLURM_JOB_NAME=options["job-name"])
+    with mock.patch.dict(os.environ, {k: str(v) for k, v in srun_env.items()}):  # restores MASTER_* too
+        os.environ.pop("MASTER_ADDR", None)
+        os.environ.pop("MASTER_PORT", None)
+        env = SLURMEnvironment()
+        assert SLURMEnvironment.detect()
+        env.validate_settings(num_devices=tasks_per_node, num_nodes=nodes)
+        assert (env.world_size(), env.global_rank(), env.local_rank(), env.node_rank()) == \
+            (nodes * tasks_per_node, rank, 1, nodes - 1)
+        assert env.main_address == "gpu001"
