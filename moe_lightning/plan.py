@@ -210,7 +210,7 @@ def format_plan(result: dict) -> str:
     lines = [
         f"parameters        total {p['total'] / 1e9:,.2f} B   active {p['active'] / 1e9:,.2f} B",
         f"training FLOPs    {result['flops_per_token'] / 1e9:,.1f} GFLOP per token at seq_len {w['seq_len']:,}",
-        f"cluster           {c['nodes']} nodes x {c['gpus_per_node']} GPUs = {c['world_size']}, "
+        f"cluster           {c['nodes']} x {c['gpus_per_node']} GPUs = {c['world_size']}, "
         f"{c['gpu_memory_gib']:g} GiB each; mesh replicate_size={c['replicate_size']} shard_size={c['shard_size']} "
         f"ep={c['expert_parallel_size']}",
         f"workload          micro_batch {w['micro_batch']} x seq_len {w['seq_len']:,}, optimizer {w['optimizer']}, "
