@@ -220,11 +220,10 @@ class MoEFSDPStrategy(ModelParallelStrategy):
         if self.is_global_zero and partial.exists():
             shutil.rmtree(partial)  # left behind by a run killed while writing
         self.barrier()
-        names = ckpt.expert_parameter_names(self.lightning_module)
-        state = {"state_dict": ckpt.globalize_experts(checkpoint.pop("state_dict"), names, self.expert_mesh)}
-        for i, optimizer_state in enumerate(checkpoint.pop("optimizer_states", [])):
-            state[f"optimizer_{i}"] = ckpt.globalize_experts(optimizer_state, names, self.expert_mesh)
-        dcp.save(state, checkpoint_id=partial)
+        state = {"state_dict": checkpoint.pop("state_dict")}
+        state.update({f"optimizer_{i}": o for i, o in enumerate(checkpoint.pop("optimizer_states", []))})
+        with ckpt.global_expert_views(state, ckpt.expert_parameter_names(self.lightning_module), self.expert_mesh):
+            dcp.save(state, checkpoint_id=partial)
         if self.is_global_zero:
             torch.save(checkpoint, partial / ckpt.METADATA_FILE)
         self.barrier()
@@ -240,16 +239,14 @@ class MoEFSDPStrategy(ModelParallelStrategy):
         path = ckpt.resolve_checkpoint(Path(self.broadcast(str(checkpoint_path))))
         if not (path / ckpt.METADATA_FILE).is_file():
             return super().load_checkpoint(path, weights_only)
-        names = ckpt.expert_parameter_names(self.lightning_module)
-        model_state = get_model_state_dict(self.model)
-        optimizer_states = [get_optimizer_state_dict(self.model, optimizer) for optimizer in self.optimizers]
-        state = {"state_dict": ckpt.globalize_experts(model_state, names, self.expert_mesh)}
-        for i, optimizer_state in enumerate(optimizer_states):
-            state[f"optimizer_{i}"] = ckpt.globalize_experts(optimizer_state, names, self.expert_mesh)
-        dcp.load(state, checkpoint_id=path)  # in place: the global views share storage with model_state
-        set_model_state_dict(self.model, model_state,
+        state = {"state_dict": get_model_state_dict(self.model)}
+        state.update({f"optimizer_{i}": get_optimizer_state_dict(self.model, optimizer)
+                      for i, optimizer in enumerate(self.optimizers)})
+        with ckpt.global_expert_views(state, ckpt.expert_parameter_names(self.lightning_module), self.expert_mesh):
+            dcp.load(state, checkpoint_id=path)
+        set_model_state_dict(self.model, state["state_dict"],
                              options=StateDictOptions(strict=self.lightning_module.strict_loading))
-        for optimizer, optimizer_state in zip(self.optimizers, optimizer_states):
-            set_optimizer_state_dict(self.model, optimizer, optimizer_state)
+        for i, optimizer in enumerate(self.optimizers):
+            set_optimizer_state_dict(self.model, optimizer, state[f"optimizer_{i}"])
         # Our own metadata (it pickles the model config), so full unpickling unless the caller forbids it.
         return torch.load(path / ckpt.METADATA_FILE, weights_only=bool(weights_only))

@@ -9,6 +9,7 @@ import json
 import os
 import signal
 import time
+from functools import partial
 from pathlib import Path
 
 import lightning as L
@@ -17,6 +18,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from moe_lightning import MoEConfig, MoELanguageModel, TextDataModule
 from moe_lightning.parallel.comm import CollectiveCounter
+from moe_lightning.optim import WarmupCosineLR
 from moe_lightning.strategy import MoEFSDPStrategy
 
 TINY = dict(vocab_size=320, dim=64, n_layers=3, n_heads=4, n_kv_heads=2, max_seq_len=32, ffn_hidden=128,
@@ -24,10 +26,19 @@ TINY = dict(vocab_size=320, dim=64, n_layers=3, n_heads=4, n_kv_heads=2, max_seq
 
 
 class Record(Callback):
-    """World-mean loss, collective calls/bytes and wall time of every micro-batch."""
+    """World-mean loss, collective calls/bytes and wall time of every micro-batch; gradient norms per step."""
 
-    def __init__(self, counter: CollectiveCounter):
-        self.counter, self.rows = counter, []
+    def __init__(self, counter: CollectiveCounter, replicas: int):
+        self.counter, self.replicas, self.rows, self.grad_norms = counter, replicas, [], []
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        """Global L2 norms of expert and other gradients (each rank's shard, summed, replicas counted once)."""
+        squares = torch.zeros(2)
+        for name, param in pl_module.named_parameters():
+            grad = param.grad.to_local() if hasattr(param.grad, "to_local") else param.grad
+            squares[int(".experts." in name)] += grad.float().pow(2).sum()
+        squares = trainer.strategy.reduce(squares, reduce_op="sum") / self.replicas
+        self.grad_norms.append({"other": squares[0].sqrt().item(), "experts": squares[1].sqrt().item()})
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         self.before, self.start = self.counter.snapshot(), time.perf_counter()
@@ -39,6 +50,27 @@ class Record(Callback):
         self.rows.append({"step": trainer.global_step, "batch": batch_idx, "loss": loss.item(), "seconds": seconds,
                           "calls": {k: v - self.before[0].get(k, 0) for k, v in calls.items()},
                           "bytes": {k: v - self.before[1].get(k, 0) for k, v in nbytes.items()}})
+
+
+class CheckpointedCounts(MoELanguageModel):
+    """Also checkpoints the expert counts not yet applied to the balancing bias (summed over ranks).
+
+    Lightning zeroes gradients (and so updates the bias) on the first micro-batch *after* a step, so a
+    checkpoint taken at a step boundary holds counts the bias has not seen. Proposed for module.py.
+    """
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        super().on_save_checkpoint(checkpoint)
+        pending = self._pending_expert_counts
+        if pending is not None:
+            pending = self.trainer.strategy.reduce(pending.float(), reduce_op="sum").cpu()
+        checkpoint["pending_expert_counts"] = pending
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        super().on_load_checkpoint(checkpoint)
+        pending = checkpoint.get("pending_expert_counts")
+        if pending is not None:  # one rank carries the world's sum, so the next all-reduce is unchanged
+            self._pending_expert_counts = pending if self.trainer.is_global_zero else torch.zeros_like(pending)
 
 
 class KillWhileCommitting(MoEFSDPStrategy):
@@ -81,7 +113,7 @@ def main() -> None:
         kwargs = dict(replicate_size=args.replicate, expert_parallel_size=args.ep, prefetch_depth=args.prefetch)
         strategy = KillWhileCommitting(args.kill_at_save, **kwargs) if args.kill_at_save else MoEFSDPStrategy(**kwargs)
     counter = CollectiveCounter()
-    record = Record(counter)
+    record = Record(counter, args.replicate)
     callbacks = [record]
     if args.ckpt_dir:
         callbacks.append(ModelCheckpoint(dirpath=args.ckpt_dir, filename="{step}", every_n_train_steps=args.every,
@@ -90,12 +122,14 @@ def main() -> None:
                         accumulate_grad_batches=args.accumulate, limit_val_batches=0, num_sanity_val_steps=0,
                         logger=False, enable_progress_bar=False, enable_model_summary=False,
                         enable_checkpointing=bool(args.ckpt_dir), callbacks=callbacks, precision="32-true")
-    model = MoELanguageModel(MoEConfig(**{**TINY, **json.loads(args.config)}))
+    model = CheckpointedCounts(MoEConfig(**{**TINY, **json.loads(args.config)}),
+                             optimizer=partial(torch.optim.AdamW, lr=1e-2, betas=(0.9, 0.95)),
+                             lr_scheduler=partial(WarmupCosineLR, warmup_steps=2))
     data = TextDataModule(source=os.__file__, seq_len=32, batch_size=args.batch_size, val_fraction=0.05)
     with counter.installed():
         trainer.fit(model, data, ckpt_path=args.resume)
     if trainer.is_global_zero:
-        Path(args.out).write_text(json.dumps(record.rows))
+        Path(args.out).write_text(json.dumps({"batches": record.rows, "grad_norms": record.grad_norms}))
 
 
 if __name__ == "__main__":

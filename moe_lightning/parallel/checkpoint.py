@@ -11,6 +11,7 @@ import argparse
 import dataclasses
 import os
 import shutil
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -43,21 +44,31 @@ def _global_expert_view(tensor: DTensor, expert_mesh: DeviceMesh) -> DTensor:
     return DTensor.from_local(tensor.to_local(), expert_mesh, placements, run_check=False, shape=shape, stride=stride)
 
 
-def globalize_experts(state: dict[str, Any], names: set[str], expert_mesh: DeviceMesh | None) -> dict[str, Any]:
-    """A copy of a model or optimizer state dict whose expert entries are global views (shared storage)."""
-    if expert_mesh is None:
-        return state
+@contextmanager
+def global_expert_views(state: dict[str, Any], names: set[str], expert_mesh: DeviceMesh | None):
+    """Within the block, the expert DTensors of a model/optimizer state dict are global views (in place).
 
-    def convert(key: str, value: Any, in_expert: bool) -> Any:
-        if isinstance(value, dict):
-            return {k: convert(k, v, in_expert or k in names) for k, v in value.items()}
-        if isinstance(value, list):
-            return [convert(key, v, in_expert) for v in value]
-        if (in_expert or key in names) and isinstance(value, DTensor) and value.ndim == 3:
-            return _global_expert_view(value, expert_mesh)
-        return value
+    The views share storage with the originals, so a DCP load into them fills the originals; the
+    non-tensor entries (e.g. optimizer hyperparameters) DCP loads into the same containers.
+    """
+    swapped = []
 
-    return convert("", state, False)
+    def visit(container, in_expert: bool) -> None:
+        for key, value in list(container.items() if isinstance(container, dict) else enumerate(container)):
+            expert = in_expert or key in names
+            if isinstance(value, (dict, list)):
+                visit(value, expert)
+            elif expert and isinstance(value, DTensor) and value.ndim == 3:
+                swapped.append((container, key, value))
+                container[key] = _global_expert_view(value, expert_mesh)
+
+    if expert_mesh is not None:
+        visit(state, False)
+    try:
+        yield state
+    finally:
+        for container, key, value in swapped:
+            container[key] = value
 
 
 def commit_directory(partial: Path, path: Path) -> None:
