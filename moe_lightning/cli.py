@@ -9,11 +9,12 @@ from .data import TextDataModule
 from .module import MoELanguageModel
 
 
-class SaveConfigUnlessDevRun(SaveConfigCallback):
-    """Save the resolved config beside the logs, except for ``fast_dev_run`` (no log dir: it would land in cwd)."""
+class SaveConfigBesideLogs(SaveConfigCallback):
+    """Save the resolved config in the logger's folder; without a logger (or in ``fast_dev_run``) skip it
+    rather than drop ``config.yaml`` into the working directory, where a second run would refuse to start."""
 
     def setup(self, trainer, pl_module, stage: str) -> None:
-        if not trainer.fast_dev_run:
+        if trainer.logger is not None and not trainer.fast_dev_run:
             super().setup(trainer, pl_module, stage)
 
 
@@ -45,4 +46,4 @@ def main(argv: list[str] | None = None):
         module_name, function_name = EXTRA_COMMANDS[argv[0]].split(":")
         return getattr(importlib.import_module(module_name), function_name)(argv[1:])
     return MoECLI(MoELanguageModel, TextDataModule, subclass_mode_model=True, subclass_mode_data=True, args=argv,
-                  save_config_callback=SaveConfigUnlessDevRun, save_config_kwargs={"overwrite": False})
+                  save_config_callback=SaveConfigBesideLogs, save_config_kwargs={"overwrite": False})
