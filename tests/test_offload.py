@@ -82,6 +82,40 @@ def test_state_changed_between_forward_and_backward_is_an_error():
         loss.backward()
 
 
+class ScaledBlock(torch.nn.Module):
+    """A block with a second tensor argument: checkpoint saves it too, but only the first is the boundary."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 8)
+
+    def forward(self, x, scale):
+        return x + torch.tanh(self.linear(x)) * scale
+
+
+def test_only_the_first_tensor_argument_is_offloaded():
+    torch.manual_seed(0)
+    layers = torch.nn.ModuleList(ScaledBlock() for _ in range(3))
+    x, scale = torch.randn(4, 8, requires_grad=True), torch.rand(8, requires_grad=True)
+    offload = ActivationOffload(min_offload_bytes=0, blocks=[0, 1, 2])
+
+    def loss():
+        h = x
+        for layer in layers:
+            h = layer(h, scale)
+        return h.square().sum()
+
+    loss().backward()
+    reference = [t.grad.clone() for t in (x, scale)]
+    x.grad = scale.grad = None
+    offload.apply(layers)
+    loss().backward()
+    assert torch.equal(x.grad, reference[0]) and torch.equal(scale.grad, reference[1])
+    assert [f"{k} {i}" for k, i in offload.order] == [
+        "offload 0", "offload 1", "offload 2", "copy_in 2", "copy_in 1", "use 2", "copy_in 0", "use 1", "use 0"]
+    assert offload.bytes_offloaded == 3 * 4 * 8 * 4
+
+
 def test_remove_restores_plain_forward():
     model = MoETransformer(CONFIG)
     offload = ActivationOffload(min_offload_bytes=0)

@@ -117,7 +117,16 @@ class ActivationOffload(L.Callback):
         def offloaded_forward(*args, **kwargs):
             if not torch.is_grad_enabled():
                 return forward(*args, **kwargs)
-            with torch.autograd.graph.saved_tensors_hooks(lambda t: self._pack(index, t), self._unpack):
+            first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+            boundary_input = weakref.ref(first) if first is not None else lambda: None
+            del first
+
+            def pack(tensor: torch.Tensor):
+                # Checkpoint may save more than the input here (older torch also saves an empty marker).
+                # Weak reference: autograd keeps this hook alive with the saved tensor.
+                return self._pack(index, tensor) if tensor is boundary_input() else tensor
+
+            with torch.autograd.graph.saved_tensors_hooks(pack, self._unpack):
                 out = checkpoint(forward, *args, use_reentrant=False, **kwargs)
             boundary = self._generation.get(index)
             if boundary is not None and boundary.offloaded:
@@ -127,7 +136,7 @@ class ActivationOffload(L.Callback):
 
     # ---- saved-tensor hooks ----------------------------------------------------------------------
     def _pack(self, index: int, tensor: torch.Tensor) -> _Boundary:
-        """Called once per block forward, with the block's input (checkpoint saves nothing else here)."""
+        """Called once per block forward, with the block's (first tensor) input."""
         if index in self._packed:  # a new forward began: start a new generation of boundaries
             self._generation, self._packed = weakref.WeakValueDictionary(), set()
             self.order.clear()
@@ -144,7 +153,9 @@ class ActivationOffload(L.Callback):
             self.tensors_offloaded += 1
         return boundary
 
-    def _unpack(self, boundary: _Boundary) -> torch.Tensor:
+    def _unpack(self, boundary: _Boundary | torch.Tensor) -> torch.Tensor:
+        if isinstance(boundary, torch.Tensor):
+            return boundary
         for name, buffer, version in boundary.buffer_versions:
             if buffer._version != version:
                 raise RuntimeError(
