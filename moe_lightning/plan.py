@@ -28,7 +28,6 @@ Throughput: ``tokens/s per GPU = MFU · peak FLOP/s / training FLOPs per token``
 
 import argparse
 import json
-import math
 from dataclasses import asdict, dataclass
 
 import torch
@@ -38,12 +37,10 @@ from .callbacks.throughput import PEAK_BF16_FLOPS, peak_bf16_flops
 from .flops import training_flops_per_token
 from .model import MoEConfig, MoETransformer
 from .optim.grouping import parameter_roles
+from .optim.muon_groups import MUON_ROLES
 from .parallel import MeshLayout
 
 GiB = 2**30
-MUON_ROLES = ("hidden_matrix", "expert_stack")
-
-
 @dataclass
 class Cluster:
     """Hardware and the strategy's mesh sizes (``MoEFSDPStrategy`` arguments; ``None`` shard size = auto)."""
