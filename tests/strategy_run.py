@@ -28,8 +28,8 @@ TINY = dict(vocab_size=320, dim=64, n_layers=3, n_heads=4, n_kv_heads=2, max_seq
 class Record(Callback):
     """World-mean loss, collective calls/bytes and wall time of every micro-batch; gradient norms per step."""
 
-    def __init__(self, counter: CollectiveCounter, replicas: int):
-        self.counter, self.replicas, self.rows, self.grad_norms = counter, replicas, [], []
+    def __init__(self, counter: CollectiveCounter, replicas: int, out: Path):
+        self.counter, self.replicas, self.out, self.rows, self.grad_norms = counter, replicas, out, [], []
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
         """Global L2 norms of expert and other gradients (each rank's shard, summed, replicas counted once)."""
@@ -50,6 +50,8 @@ class Record(Callback):
         self.rows.append({"step": trainer.global_step, "batch": batch_idx, "loss": loss.item(), "seconds": seconds,
                           "calls": {k: v - self.before[0].get(k, 0) for k, v in calls.items()},
                           "bytes": {k: v - self.before[1].get(k, 0) for k, v in nbytes.items()}})
+        if trainer.is_global_zero:  # after every batch: a killed run still reports what it did
+            self.out.write_text(json.dumps({"batches": self.rows, "grad_norms": self.grad_norms}))
 
 
 class CheckpointedCounts(MoELanguageModel):
@@ -74,7 +76,7 @@ class CheckpointedCounts(MoELanguageModel):
 
 
 class KillWhileCommitting(MoEFSDPStrategy):
-    """Dies by SIGKILL after writing checkpoint number ``kill_at_save`` but before committing it."""
+    """Every rank dies by SIGKILL after writing its part of save number ``kill_at_save``, before the commit."""
 
     def __init__(self, kill_at_save: int, **kwargs):
         super().__init__(**kwargs)
@@ -113,7 +115,7 @@ def main() -> None:
         kwargs = dict(replicate_size=args.replicate, expert_parallel_size=args.ep, prefetch_depth=args.prefetch)
         strategy = KillWhileCommitting(args.kill_at_save, **kwargs) if args.kill_at_save else MoEFSDPStrategy(**kwargs)
     counter = CollectiveCounter()
-    record = Record(counter, args.replicate)
+    record = Record(counter, args.replicate, Path(args.out))
     callbacks = [record]
     if args.ckpt_dir:
         callbacks.append(ModelCheckpoint(dirpath=args.ckpt_dir, filename="{step}", every_n_train_steps=args.every,
@@ -128,8 +130,6 @@ def main() -> None:
     data = TextDataModule(source=os.__file__, seq_len=32, batch_size=args.batch_size, val_fraction=0.05)
     with counter.installed():
         trainer.fit(model, data, ckpt_path=args.resume)
-    if trainer.is_global_zero:
-        Path(args.out).write_text(json.dumps({"batches": record.rows, "grad_norms": record.grad_norms}))
 
 
 if __name__ == "__main__":
