@@ -35,6 +35,7 @@ class MoECLI(LightningCLI):
 EXTRA_COMMANDS = {
     "tokenize": "moe_lightning.data:tokenize_main",
     "plan": "moe_lightning.plan:main",
+    "export": "moe_lightning.parallel.checkpoint:export_main",
 }
 
 
