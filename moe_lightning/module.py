@@ -77,8 +77,9 @@ class MoELanguageModel(L.LightningModule):
         self.log("train/tokens_seen", float(self.tokens_seen))
         return loss
 
-    def on_before_zero_grad(self, optimizer) -> None:
-        """After each optimizer step: move the balancing bias using the counts of all ranks."""
+    def on_before_optimizer_step(self, optimizer) -> None:
+        """Once per optimizer step, after every micro-batch's backward: move the balancing bias using the
+        counts of all ranks. (Not earlier: a block recomputed in backward must route as it did in forward.)"""
         if self._pending_expert_counts is None or self.config.bias_update_rate == 0:
             return
         counts_LE = self.trainer.strategy.reduce(self._pending_expert_counts.float(), reduce_op="sum")

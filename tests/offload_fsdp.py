@@ -16,11 +16,10 @@ from moe_lightning import MoEConfig, MoELanguageModel
 from moe_lightning.callbacks import ActivationOffload, ExpertLoadMonitor
 from moe_lightning.strategy import MoEFSDPStrategy
 
-# bias_update_rate=0: MoELanguageModel moves the routing bias in on_before_zero_grad, which Lightning runs
-# between training_step and backward; recomputation would then route differently (ActivationOffload raises).
+# A large bias_update_rate makes routing change every step: recomputation must still match the forward.
 CONFIG = MoEConfig(vocab_size=64, dim=32, n_layers=3, n_heads=4, n_kv_heads=2, max_seq_len=16, ffn_hidden=64,
                    n_dense_layers=1, num_experts=4, top_k=2, expert_hidden=32, aux_loss_coef=0.01,
-                   bias_update_rate=0.0)
+                   bias_update_rate=0.05)
 
 
 class Losses(L.Callback):
