@@ -114,12 +114,12 @@ class RowExchange:
         self.sg, self.device = sg, device
         me = sg.rank
         rows = [sg.rows(m) for m, _ in sg.shapes]
+        self.rows = rows
         self.mine = [k for k, o in enumerate(sg.owners) if o == me]  # matrices this rank orthogonalizes
         # elements this rank sends to each owner, and receives from each rank, in the gather
         self.to_owner = [sum(rows[k][me] * n for k, (o, (_, n)) in enumerate(zip(sg.owners, sg.shapes)) if o == dst)
                          for dst in range(sg.size)]
         self.from_rank = [sum(rows[k][src] * sg.shapes[k][1] for k in self.mine) for src in range(sg.size)]
-        self.rows = rows
         self.work = None
 
     def start_gather(self, shards: list[torch.Tensor]) -> None:
