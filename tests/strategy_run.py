@@ -54,27 +54,6 @@ class Record(Callback):
             self.out.write_text(json.dumps({"batches": self.rows, "grad_norms": self.grad_norms}))
 
 
-class CheckpointedCounts(MoELanguageModel):
-    """Also checkpoints the expert counts not yet applied to the balancing bias (summed over ranks).
-
-    Lightning zeroes gradients (and so updates the bias) on the first micro-batch *after* a step, so a
-    checkpoint taken at a step boundary holds counts the bias has not seen. Proposed for module.py.
-    """
-
-    def on_save_checkpoint(self, checkpoint: dict) -> None:
-        super().on_save_checkpoint(checkpoint)
-        pending = self._pending_expert_counts
-        if pending is not None:
-            pending = self.trainer.strategy.reduce(pending.float(), reduce_op="sum").cpu()
-        checkpoint["pending_expert_counts"] = pending
-
-    def on_load_checkpoint(self, checkpoint: dict) -> None:
-        super().on_load_checkpoint(checkpoint)
-        pending = checkpoint.get("pending_expert_counts")
-        if pending is not None:  # one rank carries the world's sum, so the next all-reduce is unchanged
-            self._pending_expert_counts = pending if self.trainer.is_global_zero else torch.zeros_like(pending)
-
-
 class KillWhileCommitting(MoEFSDPStrategy):
     """Every rank dies by SIGKILL after writing its part of save number ``kill_at_save``, before the commit."""
 
@@ -102,6 +81,7 @@ def main() -> None:
     parser.add_argument("--resume", default=None)
     parser.add_argument("--kill-at-save", type=int, default=0)
     parser.add_argument("--prefetch", type=int, default=1)
+    parser.add_argument("--seq-len", type=int, default=32)
     parser.add_argument("--config", default="{}", help="JSON overrides of the tiny MoEConfig")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
@@ -124,10 +104,10 @@ def main() -> None:
                         accumulate_grad_batches=args.accumulate, limit_val_batches=0, num_sanity_val_steps=0,
                         logger=False, enable_progress_bar=False, enable_model_summary=False,
                         enable_checkpointing=bool(args.ckpt_dir), callbacks=callbacks, precision="32-true")
-    model = CheckpointedCounts(MoEConfig(**{**TINY, **json.loads(args.config)}),
+    model = MoELanguageModel(MoEConfig(**{**TINY, **json.loads(args.config)}),
                              optimizer=partial(torch.optim.AdamW, lr=1e-2, betas=(0.9, 0.95)),
                              lr_scheduler=partial(WarmupCosineLR, warmup_steps=2))
-    data = TextDataModule(source=os.__file__, seq_len=32, batch_size=args.batch_size, val_fraction=0.05)
+    data = TextDataModule(source=os.__file__, seq_len=args.seq_len, batch_size=args.batch_size, val_fraction=0.05)
     with counter.installed():
         trainer.fit(model, data, ckpt_path=args.resume)
 
