@@ -9,6 +9,8 @@ repeats exactly the same arithmetic as the uninterrupted one, so it must match t
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -18,7 +20,7 @@ from moe_lightning import MoEConfig, MoELanguageModel, MoETransformer
 from moe_lightning.parallel import MeshError, MeshLayout
 from moe_lightning.parallel.checkpoint import export_consolidated
 from moe_lightning.strategy import MoEFSDPStrategy
-from tests.distributed import run_ranks
+from tests.distributed import REPO_ROOT, clean_env, run_ranks
 
 RUN = Path(__file__).with_name("strategy_run.py")
 RTOL, RESUME_ATOL = 1e-5, 1e-6
@@ -154,3 +156,13 @@ def test_trainer_fails_on_mesh_before_building_the_model():
     finally:
         os.environ.clear()
         os.environ.update(saved_env)
+
+
+def test_gpu_benchmark_dry_run_runs_every_variant_on_cpu():
+    """benchmarks/gpu_strategy.py stays runnable without a GPU: --dry-run trains each variant on CPU."""
+    out = subprocess.run([sys.executable, str(REPO_ROOT / "benchmarks" / "gpu_strategy.py"), "--dry-run"],
+                         env=clean_env(), cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    assert [(r["unshard_async_op"], r["prefetch_depth"]) for r in rows] == [(False, 1), (False, 2), (True, 1), (True, 2)]
+    assert all(r["tokens_per_s"] > 0 for r in rows)

@@ -1,0 +1,113 @@
+"""MoEFSDPStrategy on one GPU: tokens/s, MFU and allocator behaviour, unshard_async_op off/on x prefetch 1/2.
+
+    python benchmarks/gpu_strategy.py             # one H200, ~5 minutes: each variant in a fresh process
+    python benchmarks/gpu_strategy.py --dry-run   # CPU, tiny shapes, every variant in this process (a test runs it)
+
+Each variant trains the same model (bf16 parameters, fp32 reduction and master weights, AdamW) on
+random tokens for ``--warmup`` + ``--steps`` optimizer steps and prints one JSON line: tokens/s, MFU
+(``moe_lightning.flops.training_flops_per_token`` over the bf16 peak of the GPU, or ``--peak-flops``),
+``max_memory_allocated``/``max_memory_reserved`` in GiB and the allocator's ``num_alloc_retries``.
+One rank still runs every FSDP all-gather and reduce-scatter (copies within the GPU), so what
+``unshard_async_op`` changes about where those buffers are allocated shows here.
+"""
+
+import argparse
+import itertools
+import json
+import subprocess
+import sys
+import time
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import Callback
+from torch.utils.data import DataLoader
+
+from moe_lightning import MoEConfig, MoELanguageModel
+from moe_lightning.callbacks.throughput import peak_bf16_flops
+from moe_lightning.flops import training_flops_per_token
+from moe_lightning.strategy import MoEFSDPStrategy
+
+GPU = dict(config=MoEConfig(vocab_size=32768, dim=1536, n_layers=12, n_heads=12, n_kv_heads=4, max_seq_len=4096,
+                            ffn_hidden=4096, n_dense_layers=1, num_experts=16, top_k=2, expert_hidden=768,
+                            n_shared_experts=1), seq_len=4096, batch_size=2)
+DRY = dict(config=MoEConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=16,
+                            ffn_hidden=64, n_dense_layers=1, num_experts=4, top_k=2, expert_hidden=32),
+           seq_len=16, batch_size=2)
+VARIANTS = [{"unshard_async_op": a, "prefetch_depth": p} for a, p in itertools.product([False, True], [1, 2])]
+GIB = float(1 << 30)
+
+
+class StepTimer(Callback):
+    """Wall time of the optimizer steps after ``warmup`` (synchronised, so it measures finished work)."""
+
+    def __init__(self, warmup: int):
+        self.warmup, self.start, self.seconds = warmup, None, None
+
+    def _sync(self, pl_module):
+        if pl_module.device.type == "cuda":
+            torch.cuda.synchronize(pl_module.device)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if batch_idx == self.warmup:
+            self._sync(pl_module)
+            if pl_module.device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(pl_module.device)
+            self.start = time.perf_counter()
+
+    def on_train_end(self, trainer, pl_module):
+        self._sync(pl_module)
+        self.seconds = time.perf_counter() - self.start
+
+
+def run_variant(variant: dict, shapes: dict, warmup: int, steps: int, peak_flops: float | None) -> dict:
+    config, seq_len, batch_size = shapes["config"], shapes["seq_len"], shapes["batch_size"]
+    cuda = torch.cuda.is_available()
+    torch.manual_seed(0)
+    tokens = torch.randint(0, config.vocab_size, ((warmup + steps) * batch_size, seq_len + 1))
+    timer = StepTimer(warmup)
+    trainer = L.Trainer(accelerator="cuda" if cuda else "cpu", devices=1, strategy=MoEFSDPStrategy(**variant),
+                        max_steps=warmup + steps, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+                        num_sanity_val_steps=0, callbacks=[timer])
+    trainer.fit(MoELanguageModel(config), DataLoader(tokens, batch_size=batch_size))
+    tokens_per_s = steps * batch_size * seq_len / timer.seconds
+    peak = peak_flops or (peak_bf16_flops(torch.cuda.get_device_name()) if cuda else None)
+    result = {**variant, "tokens_per_s": round(tokens_per_s, 1), "step_s": round(timer.seconds / steps, 4),
+              "mfu": round(tokens_per_s * training_flops_per_token(config, seq_len) / peak, 4) if peak else None}
+    if cuda:
+        stats = torch.cuda.memory_stats()
+        result.update(max_allocated_gib=round(torch.cuda.max_memory_allocated() / GIB, 2),
+                      max_reserved_gib=round(torch.cuda.max_memory_reserved() / GIB, 2),
+                      alloc_retries=stats.get("num_alloc_retries", 0))
+    return result
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, all variants in this process")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--peak-flops", type=float, default=None, help="override the GPU's bf16 peak FLOP/s")
+    parser.add_argument("--variant", type=int, default=None, help=argparse.SUPPRESS)  # child process mode
+    args = parser.parse_args(argv)
+    if args.dry_run:
+        results = [run_variant(v, DRY, 1, 1, args.peak_flops) for v in VARIANTS]
+    elif args.variant is not None:
+        results = [run_variant(VARIANTS[args.variant], GPU, args.warmup, args.steps, args.peak_flops)]
+    else:
+        if not torch.cuda.is_available():
+            parser.error("no CUDA device: run with --dry-run on CPU")
+        results = []
+        for i in range(len(VARIANTS)):  # a fresh process per variant: clean allocator and peak statistics
+            cmd = [sys.executable, __file__, "--variant", str(i), "--warmup", str(args.warmup), "--steps",
+                   str(args.steps)] + (["--peak-flops", str(args.peak_flops)] if args.peak_flops else [])
+            out = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True).stdout  # stderr shows
+            results.append(json.loads(out.strip().splitlines()[-1]))
+    for result in results:
+        print(json.dumps(result), flush=True)
+    return results
+
+
+if __name__ == "__main__":
+    main()
