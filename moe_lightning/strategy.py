@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_optimizer_state_dict)
 from torch.distributed.fsdp import (CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy,
                                     fully_shard)
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import DTensor, Shard
 
 from .model import GroupedExperts, MoETransformer
 from .parallel import MeshError, MeshLayout, apply_expert_parallel
@@ -107,6 +107,9 @@ class MoEFSDPStrategy(ModelParallelStrategy):
     def setup(self, trainer) -> None:
         self._parallelize()
         super().setup(trainer)
+        # Lightning clips through the precision plugin with one norm over all gradients, which cannot
+        # combine DTensors of different meshes (dense and expert); the strategy's norm can.
+        self.precision_plugin.clip_grad_by_norm = self.clip_grad_by_norm
 
     def _dtype(self, name: DTypeName, cuda_default: torch.dtype | None) -> torch.dtype | None:
         if name == "auto":
@@ -189,6 +192,32 @@ class MoEFSDPStrategy(ModelParallelStrategy):
                     getattr(module, setter)(ahead)
 
     # ---- training -------------------------------------------------------------------------------
+    @torch.no_grad()
+    def clip_grad_by_norm(self, optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
+        """Scale gradients so their global L2 norm is at most ``max_norm``; returns the norm before clipping.
+
+        Norms are taken per mesh (each DTensor reduces over its own mesh); expert gradients, split over
+        ``ep`` ranks, add their squares over the ``ep`` group.
+        """
+        grads_by_mesh: dict[Any, list[torch.Tensor]] = {}
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                if param.grad is not None:
+                    grads_by_mesh.setdefault(getattr(param.grad, "device_mesh", None), []).append(param.grad)
+        total_sq = torch.zeros((), device=self.root_device)
+        for mesh, grads in grads_by_mesh.items():
+            norm = torch.nn.utils.get_total_norm(grads)
+            norm_sq = (norm.full_tensor() if isinstance(norm, DTensor) else norm).float().square().to(self.root_device)
+            if self.expert_mesh is not None and mesh == MeshLayout.expert_fsdp_mesh(self.expert_mesh):
+                torch.distributed.all_reduce(norm_sq, group=self.expert_mesh["ep"].get_group())
+            total_sq += norm_sq
+        total = total_sq.sqrt()
+        scale = max_norm / (total.item() + 1e-6)
+        if scale < 1:
+            for grads in grads_by_mesh.values():
+                torch._foreach_mul_(grads, scale)
+        return total
+
     @contextmanager
     def block_backward_sync(self) -> Generator:
         """No reduce-scatter (or HSDP all-reduce) on non-final micro-batches of gradient accumulation."""

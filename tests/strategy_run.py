@@ -29,29 +29,36 @@ class Record(Callback):
     """World-mean loss, collective calls/bytes and wall time of every micro-batch; gradient norms per step."""
 
     def __init__(self, counter: CollectiveCounter, replicas: int, out: Path):
-        self.counter, self.replicas, self.out, self.rows, self.grad_norms = counter, replicas, out, [], []
+        self.counter, self.replicas, self.out, self.rows = counter, replicas, out, []
+        self.grad_norms, self.clipped_norms = [], []
 
-    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+    def _norms(self, trainer, pl_module) -> dict[str, float]:
         """Global L2 norms of expert and other gradients (each rank's shard, summed, replicas counted once)."""
         squares = torch.zeros(2)
         for name, param in pl_module.named_parameters():
             grad = param.grad.to_local() if hasattr(param.grad, "to_local") else param.grad
             squares[int(".experts." in name)] += grad.float().pow(2).sum()
         squares = trainer.strategy.reduce(squares, reduce_op="sum") / self.replicas
-        self.grad_norms.append({"other": squares[0].sqrt().item(), "experts": squares[1].sqrt().item()})
+        return {"other": squares[0].sqrt().item(), "experts": squares[1].sqrt().item()}
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self.grad_norms.append(self._norms(trainer, pl_module))  # before gradient clipping
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         self.before, self.start = self.counter.snapshot(), time.perf_counter()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         calls, nbytes = self.counter.snapshot()
+        if (batch_idx + 1) % trainer.accumulate_grad_batches == 0:  # gradients stay until the next zero_grad
+            self.clipped_norms.append(self._norms(trainer, pl_module))
         seconds = time.perf_counter() - self.start
         loss = trainer.strategy.reduce(outputs["loss"].detach().float(), reduce_op="mean")
         self.rows.append({"step": trainer.global_step, "batch": batch_idx, "loss": loss.item(), "seconds": seconds,
                           "calls": {k: v - self.before[0].get(k, 0) for k, v in calls.items()},
                           "bytes": {k: v - self.before[1].get(k, 0) for k, v in nbytes.items()}})
         if trainer.is_global_zero:  # after every batch: a killed run still reports what it did
-            self.out.write_text(json.dumps({"batches": self.rows, "grad_norms": self.grad_norms}))
+            self.out.write_text(json.dumps({"batches": self.rows, "grad_norms": self.grad_norms,
+                                                   "clipped_norms": self.clipped_norms}))
 
 
 class KillWhileCommitting(MoEFSDPStrategy):
@@ -81,7 +88,11 @@ def main() -> None:
     parser.add_argument("--resume", default=None)
     parser.add_argument("--kill-at-save", type=int, default=0)
     parser.add_argument("--prefetch", type=int, default=1)
+    parser.add_argument("--offload", action="store_true", help="cpu_offload=True")
+    parser.add_argument("--keep-gathered", action="store_true", help="reshard_after_forward=False")
+    parser.add_argument("--async-op", action="store_true", help="unshard_async_op=True")
     parser.add_argument("--seq-len", type=int, default=32)
+    parser.add_argument("--clip", type=float, default=None, help="gradient_clip_val")
     parser.add_argument("--config", default="{}", help="JSON overrides of the tiny MoEConfig")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
@@ -92,7 +103,9 @@ def main() -> None:
     if args.strategy == "single":
         strategy = "auto"
     else:
-        kwargs = dict(replicate_size=args.replicate, expert_parallel_size=args.ep, prefetch_depth=args.prefetch)
+        kwargs = dict(replicate_size=args.replicate, expert_parallel_size=args.ep, prefetch_depth=args.prefetch,
+                      cpu_offload=args.offload, reshard_after_forward=not args.keep_gathered,
+                      unshard_async_op=args.async_op)
         strategy = KillWhileCommitting(args.kill_at_save, **kwargs) if args.kill_at_save else MoEFSDPStrategy(**kwargs)
     counter = CollectiveCounter()
     record = Record(counter, args.replicate, Path(args.out))
@@ -103,7 +116,8 @@ def main() -> None:
     trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=args.max_steps,
                         accumulate_grad_batches=args.accumulate, limit_val_batches=0, num_sanity_val_steps=0,
                         logger=False, enable_progress_bar=False, enable_model_summary=False,
-                        enable_checkpointing=bool(args.ckpt_dir), callbacks=callbacks, precision="32-true")
+                        enable_checkpointing=bool(args.ckpt_dir), callbacks=callbacks, precision="32-true",
+                        gradient_clip_val=args.clip)
     model = MoELanguageModel(MoEConfig(**{**TINY, **json.loads(args.config)}),
                              optimizer=partial(torch.optim.AdamW, lr=1e-2, betas=(0.9, 0.95)),
                              lr_scheduler=partial(WarmupCosineLR, warmup_steps=2))

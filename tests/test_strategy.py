@@ -24,7 +24,8 @@ from tests.distributed import REPO_ROOT, clean_env, run_ranks
 
 RUN = Path(__file__).with_name("strategy_run.py")
 RTOL, RESUME_ATOL = 1e-5, 1e-6
-COMMON = ("--accumulate", "2", "--max-steps", "4")  # 4 optimizer steps of 2 micro-batches; global batch 4
+# 4 optimizer steps of 2 micro-batches, global batch 4, gradients clipped to norm 1 (the first steps clip)
+COMMON = ("--accumulate", "2", "--max-steps", "4", "--clip", "1.0")
 
 
 def launch(tmp: Path, name: str, world_size: int, *args: str) -> dict:
@@ -55,7 +56,8 @@ def runs(tmp_path_factory):
     results["ep_resumed"] = launch(tmp, "ep_resumed", 2, "--ep", "2", "--resume", str(tmp / "ep_ckpt" / "last.ckpt"))
     results["one_from_two"] = launch(tmp, "one_from_two", 1, "--batch-size", "4",
                                      "--resume", str(tmp / "ep_ckpt" / "step=2.ckpt"))
-    results["hsdp"] = launch(tmp, "hsdp", 4, "--replicate", "2")
+    results["hsdp"] = launch(tmp, "hsdp", 4, "--replicate", "2",  # and the other sharding options
+                             "--offload", "--keep-gathered", "--async-op", "--prefetch", "2")
     return results
 
 
@@ -65,7 +67,7 @@ def test_fsdp_two_processes_match_one_process(runs):
         assert fsdp == pytest.approx(single, rel=RTOL)
 
 
-def test_hsdp_2x2_matches_one_process(runs):
+def test_hsdp_2x2_with_offload_and_async_unshard_matches_one_process(runs):
     assert losses(runs["hsdp"]) == pytest.approx(losses(runs["single"]), rel=RTOL)
     for hsdp, single in zip(runs["hsdp"]["grad_norms"], runs["single"]["grad_norms"]):
         assert hsdp == pytest.approx(single, rel=RTOL)
@@ -78,6 +80,15 @@ def test_expert_parallel_matches_ep1_losses_and_gradients(runs):
         assert ep["experts"] == pytest.approx(fsdp["experts"], rel=RTOL)
         assert ep["other"] == pytest.approx(fsdp["other"], rel=RTOL)
     assert all(row["calls"].get("all_to_all_single", 0) > 0 for row in runs["ep_killed"]["batches"])
+
+
+def test_gradient_clipping_uses_one_global_norm_across_dense_and_expert_meshes(runs):
+    """Lightning's own clipping (one process) is the reference; the strategy's norm spans both meshes."""
+    for name in ("fsdp", "ep_killed", "hsdp"):
+        for clipped, single in zip(runs[name]["clipped_norms"], runs["single"]["clipped_norms"]):
+            assert clipped == pytest.approx(single, rel=RTOL)
+    first = runs["ep_killed"]["clipped_norms"][0]
+    assert (first["other"] ** 2 + first["experts"] ** 2) ** 0.5 == pytest.approx(1.0, rel=1e-4)
 
 
 def test_accumulation_reduce_scatters_only_on_the_last_micro_batch(runs):
