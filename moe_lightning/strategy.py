@@ -137,7 +137,7 @@ class MoEFSDPStrategy(ModelParallelStrategy):
         offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if self.cpu_offload else OffloadPolicy()
         common = dict(mp_policy=MixedPrecisionPolicy(param_dtype=self._dtype(self.param_dtype, torch.bfloat16),
                                                      reduce_dtype=self._dtype(self.reduce_dtype, torch.float32)),
-                      offload_policy=offload, shard_placement_fn=self._expert_placement(model, expert_mesh.size()))
+                      offload_policy=offload, shard_placement_fn=self._expert_placement(model))
         stages: list[list[nn.Module]] = []
         tied = model.config.tie_embeddings  # a tied embedding/head stays in the root group
         if not tied:
@@ -160,25 +160,12 @@ class MoEFSDPStrategy(ModelParallelStrategy):
                 if isinstance(module, FSDPModule):
                     module._set_unshard_async_op(True)
 
-    def _expert_placement(self, model: MoETransformer, expert_shard_size: int):
-        """Shard expert stacks on the expert dimension when it splits evenly (whole matrices per rank)."""
-        local = model.config.num_experts // self.layout.ep
+    def _expert_placement(self, model: MoETransformer):
+        """``shard_placement_fn``: the layout's choice for expert stacks, FSDP's default for the rest."""
+        placement, message = self.layout.expert_placement(model.config.num_experts)
+        rank_zero_info(f"{type(self).__name__}: {message}")
         expert_params = {id(p) for m in model.modules() if isinstance(m, GroupedExperts) for p in m.parameters()}
-        whole = local % expert_shard_size == 0
-        if whole:
-            rank_zero_info(f"{type(self).__name__}: expert stacks Shard(0): {local} local experts over "
-                           f"{expert_shard_size} expert-shard ranks, {local // expert_shard_size} whole experts per rank.")
-        else:
-            rank_zero_info(f"{type(self).__name__}: expert stacks Shard(1) (fallback): {local} local experts do not "
-                           f"divide over {expert_shard_size} expert-shard ranks, so each expert's output rows are "
-                           f"sharded instead (balanced memory; optimizers needing whole matrices must gather them). "
-                           f"Make expert_shard_size divide num_experts / expert_parallel_size to avoid this.")
-        placement = Shard(0) if whole else Shard(1)
-
-        def place(param: nn.Parameter):
-            return placement if id(param) in expert_params else None
-
-        return place
+        return lambda param: placement if id(param) in expert_params else None
 
     def _set_prefetch(self, stages: list[list[nn.Module]]) -> None:
         """Explicit prefetch: each FSDP unit all-gathers the next ``prefetch_depth`` units of its pass."""

@@ -144,6 +144,16 @@ def test_default_mesh_is_plain_fsdp_over_all_ranks():
     assert MeshLayout.resolve(8, 2, "auto", 2, 8).expert_shard == 2
 
 
+@pytest.mark.parametrize("world, replicate, ep, experts, placement", [
+    (8, 1, 1, 8, 0), (8, 2, 1, 8, 0), (8, 2, 2, 8, 0), (8, 1, 2, 16, 0),  # whole experts per rank
+    (4, 1, 1, 6, 1), (8, 1, 2, 6, 1),  # 6 experts over 4 ranks, 3 local experts over 4 / 2 = 2 ranks
+])
+def test_expert_stacks_shard_on_the_expert_dimension_when_it_divides(world, replicate, ep, experts, placement):
+    chosen, message = MeshLayout.resolve(world, replicate, "auto", ep, experts).expert_placement(experts)
+    assert chosen.dim == placement
+    assert ("fallback" in message) == (placement == 1)
+
+
 def test_strategy_rejects_bad_arguments_at_construction():
     with pytest.raises(MeshError, match="strategy.expert_parallel_size=3 must divide strategy.shard_size=4"):
         MoEFSDPStrategy(shard_size=4, expert_parallel_size=3)

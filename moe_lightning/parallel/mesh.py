@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import Shard
 
 
 class MeshError(ValueError):
@@ -85,6 +86,22 @@ class MeshLayout:
         """``("replicate", "ep", "efsdp")``: the DTensor order that splits experts by ``ep`` first."""
         ranks = torch.arange(self.world_size).view(self.replicate, self.expert_shard, self.ep).transpose(1, 2)
         return DeviceMesh(device_type, ranks, mesh_dim_names=("replicate", "ep", "efsdp"))
+
+    @property
+    def expert_shard_size(self) -> int:
+        """Ranks that FSDP-shard one expert stack: the whole shard group without EP, else ``shard / ep``."""
+        return self.expert_shard if self.ep > 1 else self.shard
+
+    def expert_placement(self, num_experts: int) -> tuple[Shard, str]:
+        """``Shard(0)`` (whole experts per rank) when the local experts divide evenly, else ``Shard(1)``."""
+        local, ranks = num_experts // self.ep, self.expert_shard_size
+        if local % ranks == 0:
+            return Shard(0), (f"expert stacks Shard(0): {local} local experts over {ranks} expert-shard ranks, "
+                              f"{local // ranks} whole experts per rank.")
+        return Shard(1), (f"expert stacks Shard(1) (fallback): {local} local experts do not divide over {ranks} "
+                          f"expert-shard ranks, so each expert's output rows are sharded instead (balanced memory; "
+                          f"optimizers that need whole matrices must gather them). For whole experts per rank make "
+                          f"shard_size / expert_parallel_size divide num_experts / expert_parallel_size.")
 
     @staticmethod
     def expert_fsdp_mesh(expert_mesh: DeviceMesh) -> DeviceMesh:
