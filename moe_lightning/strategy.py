@@ -77,6 +77,10 @@ class MoEFSDPStrategy(ModelParallelStrategy):
         if not isinstance(prefetch_depth, int) or prefetch_depth < 0:
             raise MeshError(f"strategy.prefetch_depth={prefetch_depth!r}: must be an integer >= 0.")
         MeshLayout.check_arguments(replicate_size, shard_size, expert_parallel_size)  # before any launch
+        if not save_distributed_checkpoint and expert_parallel_size > 1:
+            raise MeshError("strategy.save_distributed_checkpoint=False gathers full tensors per rank, which with "
+                            f"expert_parallel_size={expert_parallel_size} hold only local experts: keep sharded "
+                            "checkpoints and export a single file with `moe-lightning export`.")
         self.replicate_size, self.shard_size, self.expert_parallel_size = replicate_size, shard_size, expert_parallel_size
         self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
         self.reshard_after_forward, self.prefetch_depth = reshard_after_forward, prefetch_depth

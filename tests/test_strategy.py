@@ -161,6 +161,8 @@ def test_strategy_rejects_bad_arguments_at_construction():
         MoEFSDPStrategy(param_dtype="bfloat16")
     with pytest.raises(MeshError, match="strategy.prefetch_depth=-1"):
         MoEFSDPStrategy(prefetch_depth=-1)
+    with pytest.raises(MeshError, match="save_distributed_checkpoint=False .* moe-lightning export"):
+        MoEFSDPStrategy(expert_parallel_size=2, save_distributed_checkpoint=False)
 
 
 def test_trainer_fails_on_mesh_before_building_the_model():
