@@ -21,6 +21,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch import nn
 
 from ..model import GroupedExperts
@@ -36,12 +37,18 @@ def expert_parameter_names(module: nn.Module) -> set[str]:
 
 
 def _global_expert_view(tensor: DTensor, expert_mesh: DeviceMesh) -> DTensor:
-    """The same local shard, described on ``(replicate, ep, efsdp)`` with experts split by ``ep`` first."""
+    """The same local shard, described on ``(replicate, ep, efsdp)`` with experts split by ``ep`` first.
+
+    Built like FSDP builds its own DTensors (no ``from_local``), so a shard kept in host memory (CPU
+    offload, ``cpu_offload`` state dicts) is neither copied to the accelerator nor detached from the original.
+    """
     ep = expert_mesh["ep"].size()
-    shape = (tensor.shape[0] * ep, *tensor.shape[1:])
+    shape = torch.Size((tensor.shape[0] * ep, *tensor.shape[1:]))
     stride = torch.empty(shape, device="meta").stride()
-    placements = (Replicate(), Shard(0), tensor.placements[-1])
-    return DTensor.from_local(tensor.to_local(), expert_mesh, placements, run_check=False, shape=shape, stride=stride)
+    spec = DTensorSpec(expert_mesh, (Replicate(), Shard(0), tensor.placements[-1]),
+                       tensor_meta=TensorMeta(shape, stride, tensor.dtype))
+    local = tensor.to_local()
+    return DTensor(local, spec, requires_grad=local.requires_grad)
 
 
 @contextmanager
