@@ -3,7 +3,7 @@
 Every rank also builds the unsharded model and steps a single-process Muon with the same gradients,
 so each rank can compare its sharded result against the single-process one. Prints one JSON line.
 Modes (comma-separated, run in turn): fsdp (1-D mesh), hsdp (replicate x shard), ep (experts sliced over ep ranks, dense FSDP over all),
-experts_only (only expert stacks in Muon), bad_layout (a column-sharded matrix).
+experts_only (only expert stacks in Muon), expert_rows (expert stacks Shard(1): per-expert owners), bad_layout (a column-sharded matrix).
 """
 
 import json
@@ -49,7 +49,8 @@ def build(mode: str, world: int):
             for name, p in list(moe.experts.named_parameters()):  # what an EP strategy does: keep local experts
                 setattr(moe.experts, name, torch.nn.Parameter(p.detach()[ep[0] * e:(ep[0] + 1) * e].clone()))
             fully_shard(moe.experts, mesh=ep_mesh["edp"], shard_placement_fn=experts_dim0)
-    placement = rows_or_cols if mode == "bad_layout" else experts_dim0
+    expert_rows = lambda p: Shard(1) if p.ndim == 3 else None  # noqa: E731 - the strategy's fallback layout
+    placement = {"bad_layout": rows_or_cols, "expert_rows": expert_rows}.get(mode, experts_dim0)
     for block in model.layers:
         fully_shard(block, mesh=mesh, shard_placement_fn=placement)
     fully_shard(model, mesh=mesh)

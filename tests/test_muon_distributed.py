@@ -31,7 +31,7 @@ def run(modes: str, world: int, tmp_path) -> dict[str, list[dict]]:
     return results
 
 
-def check_flexshard(ranks: list[dict], world: int, group_size: int) -> None:
+def check_flexshard(ranks: list[dict], world: int, group_size: int, matrices: int = 21) -> None:
     assert len(ranks) == world
     for r in ranks:
         assert r["max_diff"] <= TOL, r
@@ -40,15 +40,16 @@ def check_flexshard(ranks: list[dict], world: int, group_size: int) -> None:
         assert r["group_sizes"] == [group_size]
         assert r["owners"] == ranks[0]["owners"]  # every rank computed the same owners
     owners, shapes = ranks[0]["owners"][0], ranks[0]["shapes"][0]
-    assert len(owners) == 21 and set(owners) == set(range(group_size))
+    assert len(owners) == matrices and set(owners) == set(range(group_size))
     costs = [newton_schulz_flops(m, n, 5) for m, n in shapes]
     loads = [sum(c for o, c in zip(owners, costs) if o == r) for r in range(group_size)]
     assert max(loads) - min(loads) <= max(costs)  # LPT balance: no rank more than one job ahead
 
 
 def test_two_processes(tmp_path):
-    results = run("fsdp,experts_only,bad_layout", 2, tmp_path)
+    results = run("fsdp,experts_only,expert_rows,bad_layout", 2, tmp_path)
     check_flexshard(results["fsdp"], 2, 2)
+    check_flexshard(results["expert_rows"], 2, 2, matrices=21 + 2 * 3 * 4)  # + every expert of 2 MoE layers
     for r in results["fsdp"]:
         assert r["ckpt_diff"] == 0.0  # DCP-restored optimizer continues bit-identically
     for r in results["experts_only"]:  # expert stacks sharded on dim 0: not one collective, zero bytes

@@ -7,6 +7,8 @@ what each rank holds:
 - row-sharded matrices ``[m, n]`` (``Shard(0)`` on one mesh dim, ``Replicate`` elsewhere, e.g. HSDP)
   get an owner rank in their shard group; the owner receives every rank's rows, orthogonalizes
   and sends each rank its rows back. All matrices of a shard group share one all-to-all each way.
+  Expert stacks row-sharded with ``Shard(1)`` (the strategy's fallback when experts do not divide
+  over the expert-shard ranks) are treated the same way, each expert its own matrix.
 Any other layout raises, naming the parameter and its placement.
 """
 
@@ -30,7 +32,7 @@ class ShardGroup:
     group: dist.ProcessGroup
     size: int
     rank: int
-    indices: list[int] = field(default_factory=list)  # positions in the Muon parameter list
+    indices: list[tuple[int, int | None]] = field(default_factory=list)  # (Muon parameter, expert or None)
     shapes: list[tuple[int, int]] = field(default_factory=list)
     owners: list[int] = field(default_factory=list)
 
@@ -62,15 +64,17 @@ def classify(name: str, p: torch.Tensor) -> tuple[int, int] | None:
         raise FlexShardLayoutError(
             f"Muon parameter {name!r} has placements {p.placements}: FlexShard handles Shard and Replicate "
             f"only ({unsupported} found). Optimize it with AdamW (adamw_patterns) or shard it with plain Shard(0).")
-    if p.ndim == 3:
-        if any(pl.dim != 0 for _, pl in sharded):
-            raise FlexShardLayoutError(
-                f"Muon expert stack {name!r} [E, m, n] has placements {p.placements}: each rank must hold whole "
-                f"experts, so shard it on dim 0 (shard_placement_fn returning Shard(0) for GroupedExperts).")
-        return None
+    row_dim = p.ndim - 2  # rows of each matrix: dim 0 of [m, n], dim 1 of [E, m, n]
+    if p.ndim == 3 and all(pl.dim == 0 for _, pl in sharded):
+        return None  # whole experts on every rank
     if not sharded:
         return None
-    if len(sharded) > 1 or sharded[0][1].dim != 0:
+    if len(sharded) > 1 or sharded[0][1].dim != row_dim:
+        if p.ndim == 3:
+            raise FlexShardLayoutError(
+                f"Muon expert stack {name!r} [E, m, n] has placements {p.placements}: FlexShard needs whole "
+                f"experts per rank (Shard(0), no bytes moved) or rows of every expert on one mesh dim (Shard(1)). "
+                f"Make the expert-shard size divide the local experts so the strategy can use Shard(0).")
         raise FlexShardLayoutError(
             f"Muon matrix {name!r} has placements {p.placements} on mesh {p.device_mesh.mesh_dim_names}: FlexShard "
             f"gathers row shards (Shard(0) on one mesh dim, Replicate elsewhere, e.g. FSDP or HSDP). "
@@ -89,14 +93,15 @@ def plan_shard_groups(names: list[str], params: list[torch.Tensor], ns_steps: in
         mesh_dim, size = where
         pg = p.device_mesh.get_group(mesh_dim)
         sg = groups.setdefault(pg, ShardGroup(pg, size, p.device_mesh.get_local_rank(mesh_dim)))
-        m, n = p.shape
-        if p.to_local().shape[0] != sg.rows(m)[sg.rank]:
+        m, n = p.shape[-2:]
+        local_rows = p.to_local().shape[-2]
+        if local_rows != sg.rows(m)[sg.rank]:
             raise FlexShardLayoutError(
-                f"Muon matrix {name!r}: local shard has {p.to_local().shape[0]} rows, expected "
-                f"{sg.rows(m)[sg.rank]} of {m} (torch.chunk split over {size} ranks); padded or custom "
-                f"Shard(0) layouts are not supported.")
-        sg.indices.append(i)
-        sg.shapes.append((m, n))
+                f"Muon matrix {name!r}: local shard has {local_rows} rows, expected {sg.rows(m)[sg.rank]} of {m} "
+                f"(torch.chunk split over {size} ranks); padded or custom row layouts are not supported.")
+        for e in range(p.shape[0]) if p.ndim == 3 else [None]:
+            sg.indices.append((i, e))
+            sg.shapes.append((m, n))
     for sg in groups.values():
         sg.owners = lpt_owners([newton_schulz_flops(m, n, ns_steps) for m, n in sg.shapes], sg.size)
     return list(groups.values())

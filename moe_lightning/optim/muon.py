@@ -100,33 +100,41 @@ class Muon(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         muon = [(g, p) for g in self.param_groups if g["algorithm"] == "muon" for p in g["params"] if p.grad is not None]
-        if muon:
-            self._muon_step(muon)
-        for group in self.param_groups:
+        finish_muon = self._muon_step(muon) if muon else None
+        for group in self.param_groups:  # while the scatters are in flight
             if group["algorithm"] == "adamw":
                 self._adamw_step(group)
+        if finish_muon is not None:
+            finish_muon()
         return loss
 
-    def _muon_step(self, muon: list[tuple[dict, torch.Tensor]]) -> None:
-        """Momentum on local shards; start row exchanges; local NS meanwhile; then the owned matrices."""
+    def _muon_step(self, muon: list[tuple[dict, torch.Tensor]]):
+        """Momentum on local shards; start row exchanges; local NS meanwhile; NS of owned matrices; start
+        the scatters. Returns the function that waits for them and applies the row-sharded updates."""
         updates = [self._momentum_update(g, p) for g, p in muon]
         device = self._compute_device(_local(muon[0][1]))
         exchanges = []
         for sg in self._shard_groups(muon):
             exchange = RowExchange(sg, comm_device(sg.group, device))
-            exchange.start_gather([updates[i] for i in sg.indices])
+            exchange.start_gather([updates[i] if e is None else updates[i][e] for i, e in sg.indices])
             exchanges.append(exchange)
-        sharded = {i for ex in exchanges for i in ex.sg.indices}
+        sharded = {i for ex in exchanges for i, _ in ex.sg.indices}
         for i, (group, p) in enumerate(muon):
             if i not in sharded:
                 self._apply(group, p, newton_schulz(updates[i].to(device), self._schedule(group), group["eps"]))
         for ex in exchanges:  # NS of every owned matrix first, so all scatters are in flight together
-            ex.start_scatter([newton_schulz(G_MN.to(device), self._schedule(muon[ex.sg.indices[k]][0]),
-                                            muon[ex.sg.indices[k]][0]["eps"])
-                              for G_MN, k in zip(ex.owned_matrices(), ex.mine)])
-        for ex in exchanges:
-            for i, O_rN in zip(ex.sg.indices, ex.local_rows()):
-                self._apply(muon[i][0], muon[i][1], O_rN)
+            groups = [muon[ex.sg.indices[k][0]][0] for k in ex.mine]
+            ex.start_scatter([newton_schulz(G_MN.to(device), self._schedule(group), group["eps"])
+                              for G_MN, group in zip(ex.owned_matrices(), groups)])
+
+        def finish():
+            for ex in exchanges:
+                rows: dict[int, list[torch.Tensor]] = {}
+                for (i, _), O_rN in zip(ex.sg.indices, ex.local_rows()):
+                    rows.setdefault(i, []).append(O_rN)
+                for i, O in rows.items():  # an expert stack's experts come back in order: restack them
+                    self._apply(muon[i][0], muon[i][1], torch.stack(O) if muon[i][1].ndim == 3 else O[0])
+        return finish
 
     def _shard_groups(self, muon):
         """FlexShard plan for this parameter set; placements never change, so plan once."""
