@@ -7,9 +7,13 @@ Select it from YAML::
         class_path: moe_lightning.strategy.MoEFSDPStrategy
         init_args: {replicate_size: 1, expert_parallel_size: 2}
 
-Initialisation: ``configure_model`` builds the model on the CPU of every rank from the same seeded
-RNG (Lightning re-seeds each rank before the build), so the sharded model is bit-identical to a
-one-process run; each rank then keeps only its shards.
+Initialisation, two ways:
+- default: ``configure_model`` builds the whole model on the CPU of every rank from the same seeded RNG
+  (Lightning re-seeds each rank before the build), so the sharded model is bit-identical to a
+  one-process run; each rank then keeps only its shards. Needs the full model in host memory.
+- ``meta_init=True``: the model is built on the meta device, sharded, and only each rank's shards are
+  allocated and filled by ``model.init_weights()`` (see ``_materialize``). Deterministic for a seed and
+  layout, but not equal to a one-process build. For models that do not fit one host.
 """
 
 from collections.abc import Generator
@@ -59,6 +63,7 @@ class MoEFSDPStrategy(ModelParallelStrategy):
         unshard_async_op: All-gather in the compute stream's memory pool instead of a side stream
             (less fragmentation; measured by ``benchmarks/gpu_strategy.py``).
         cpu_offload: Keep sharded parameters, gradients and optimizer state in host memory.
+        meta_init: Build on the meta device and materialise only local shards (see the module docstring).
         save_distributed_checkpoint: Sharded checkpoint directories (``False``: one full file from rank 0).
         process_group_backend: ``nccl``/``gloo``; default from the device.
         timeout: Collective timeout.
@@ -67,7 +72,7 @@ class MoEFSDPStrategy(ModelParallelStrategy):
     def __init__(self, replicate_size: int = 1, shard_size: Union[int, Literal["auto"]] = "auto",
                  expert_parallel_size: int = 1, param_dtype: DTypeName = "auto", reduce_dtype: DTypeName = "auto",
                  reshard_after_forward: bool = True, prefetch_depth: int = 1, unshard_async_op: bool = False,
-                 cpu_offload: bool = False, save_distributed_checkpoint: bool = True,
+                 cpu_offload: bool = False, meta_init: bool = False, save_distributed_checkpoint: bool = True,
                  process_group_backend: Optional[str] = None, timeout: Optional[timedelta] = default_pg_timeout):
         super().__init__(save_distributed_checkpoint=save_distributed_checkpoint,
                          process_group_backend=process_group_backend, timeout=timeout)
@@ -84,7 +89,7 @@ class MoEFSDPStrategy(ModelParallelStrategy):
         self.replicate_size, self.shard_size, self.expert_parallel_size = replicate_size, shard_size, expert_parallel_size
         self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
         self.reshard_after_forward, self.prefetch_depth = reshard_after_forward, prefetch_depth
-        self.unshard_async_op, self.cpu_offload = unshard_async_op, cpu_offload
+        self.unshard_async_op, self.cpu_offload, self.meta_init = unshard_async_op, cpu_offload, meta_init
         self.layout: MeshLayout | None = None
         self.expert_mesh = None
         self._fsdp_root: FSDPModule | None = None
@@ -108,6 +113,11 @@ class MoEFSDPStrategy(ModelParallelStrategy):
                        f"expert_parallel_size={self.layout.ep}.")
 
     # ---- sharding -------------------------------------------------------------------------------
+    @contextmanager
+    def tensor_init_context(self, empty_init: Optional[bool] = None) -> Generator[None, None, None]:
+        with super().tensor_init_context(self.meta_init if empty_init is None else empty_init):
+            yield
+
     def setup(self, trainer) -> None:
         self._parallelize()
         super().setup(trainer)
@@ -129,9 +139,7 @@ class MoEFSDPStrategy(ModelParallelStrategy):
         model = models[0]
         if isinstance(model, FSDPModule):
             return
-        if any(p.device.type == "meta" for p in model.parameters()):
-            raise ValueError(f"{type(self).__name__} builds the model on CPU from the seeded RNG; do not pass "
-                             "empty_init/meta-device initialisation.")
+        on_meta = any(p.device.type == "meta" for p in model.parameters())
         E = model.config.num_experts
         MeshLayout.resolve(self.layout.world_size, self.layout.replicate, self.layout.shard, self.layout.ep, E)
         if self.layout.ep > 1:
@@ -159,10 +167,34 @@ class MoEFSDPStrategy(ModelParallelStrategy):
             stages.append([model.norm])  # one FSDP unit for both; the norm runs first
         self._fsdp_root = fully_shard(model, mesh=dense_mesh, reshard_after_forward=False, **common)
         self._set_prefetch(stages)
+        if on_meta:
+            self._materialize(model)
         if self.unshard_async_op:
             for module in model.modules():
                 if isinstance(module, FSDPModule):
                     module._set_unshard_async_op(True)
+
+    @torch.no_grad()
+    def _materialize(self, model: MoETransformer) -> None:
+        """Allocate the local shards and run ``model.init_weights()`` on them as plain tensors.
+
+        Each shard rank draws from its own seed (``initial seed + shard rank``; HSDP replicas share it),
+        so shards differ and replicas agree, with element-wise initialisers, on CPU and CUDA alike.
+        """
+        model.to_empty(device="cpu" if self.cpu_offload else self.root_device)
+        swapped = []
+        for module in model.modules():
+            for name, param in list(module.named_parameters(recurse=False)):
+                if isinstance(param, DTensor):
+                    swapped.append((module, name, param))
+                    module._parameters[name] = nn.Parameter(param.to_local(), requires_grad=False)
+        try:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(torch.initial_seed() + self.global_rank % self.layout.shard)
+                model.init_weights()
+        finally:
+            for module, name, param in swapped:
+                module._parameters[name] = param
 
     def _expert_placement(self, model: MoETransformer):
         """``shard_placement_fn``: the layout's choice for expert stacks, FSDP's default for the rest."""

@@ -91,6 +91,7 @@ def main() -> None:
     parser.add_argument("--offload", action="store_true", help="cpu_offload=True")
     parser.add_argument("--keep-gathered", action="store_true", help="reshard_after_forward=False")
     parser.add_argument("--async-op", action="store_true", help="unshard_async_op=True")
+    parser.add_argument("--meta-init", action="store_true", help="meta_init=True")
     parser.add_argument("--seq-len", type=int, default=32)
     parser.add_argument("--clip", type=float, default=None, help="gradient_clip_val")
     parser.add_argument("--config", default="{}", help="JSON overrides of the tiny MoEConfig")
@@ -105,7 +106,7 @@ def main() -> None:
     else:
         kwargs = dict(replicate_size=args.replicate, expert_parallel_size=args.ep, prefetch_depth=args.prefetch,
                       cpu_offload=args.offload, reshard_after_forward=not args.keep_gathered,
-                      unshard_async_op=args.async_op)
+                      unshard_async_op=args.async_op, meta_init=args.meta_init)
         strategy = KillWhileCommitting(args.kill_at_save, **kwargs) if args.kill_at_save else MoEFSDPStrategy(**kwargs)
     counter = CollectiveCounter()
     record = Record(counter, args.replicate, Path(args.out))

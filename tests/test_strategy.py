@@ -56,6 +56,8 @@ def runs(tmp_path_factory):
     results["ep_resumed"] = launch(tmp, "ep_resumed", 2, "--ep", "2", "--resume", str(tmp / "ep_ckpt" / "last.ckpt"))
     results["one_from_two"] = launch(tmp, "one_from_two", 1, "--batch-size", "4",
                                      "--resume", str(tmp / "ep_ckpt" / "step=2.ckpt"))
+    results["meta"] = launch(tmp, "meta", 2, "--ep", "2", "--meta-init", "--max-steps", "1", "--every", "1",
+                             "--ckpt-dir", str(tmp / "meta_ckpt"))
     results["hsdp"] = launch(tmp, "hsdp", 4, "--replicate", "2",  # and the other sharding options
                              "--offload", "--keep-gathered", "--async-op", "--prefetch", "2")
     return results
@@ -120,6 +122,22 @@ def test_export_consolidates_a_sharded_checkpoint_for_inference(runs, tmp_path):
     assert exported["state_dict"]["layers.1.ffn.experts.w1_EFD"].shape[0] == model.config.num_experts
     with pytest.raises(FileExistsError, match="--overwrite"):
         export_consolidated(runs["dir"] / "ep_ckpt" / "step=2.ckpt", out)
+
+
+def test_meta_init_materialises_distinct_shards_with_the_model_initialisation(runs, tmp_path):
+    """Built on meta and initialised shard by shard: shards (and ep ranks' experts) are not copies."""
+    exported = torch.load(export_consolidated(runs["dir"] / "meta_ckpt" / "step=1.ckpt", tmp_path / "m.pt"))
+    weights = exported["state_dict"]  # after one AdamW step (lr 5e-3), small next to the init
+    experts, embedding = weights["layers.1.ffn.experts.w1_EFD"], weights["tok_embeddings.weight"]
+
+    def correlation(a, b):
+        return torch.corrcoef(torch.stack([a.flatten(), b.flatten()]))[0, 1].abs().item()
+
+    assert correlation(experts[0], experts[2]) < 0.2 and correlation(experts[1], experts[3]) < 0.2  # ep rank 0 vs 1
+    assert correlation(embedding[:160], embedding[160:]) < 0.2  # shard 0 vs shard 1
+    assert experts.std().item() == pytest.approx(0.02, rel=0.1)  # MoEConfig.init_std
+    assert embedding.std().item() == pytest.approx(1.0, rel=0.1)
+    assert losses(runs["meta"])[0] == pytest.approx(losses(runs["single"])[0], rel=0.05)
 
 
 @pytest.mark.parametrize("world, kwargs, experts, match", [
