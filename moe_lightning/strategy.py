@@ -16,10 +16,10 @@ Initialisation, two ways:
   layout, but not equal to a one-process build. For models that do not fit one host.
 """
 
+import shutil
 from collections.abc import Generator
 from contextlib import contextmanager
 from datetime import timedelta
-import shutil
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
