@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             results.append({"layout": name, "world": world, **measure(world, extra, args, Path(tmp) / "out.json")})
     print(f"dim={args.dim} layers={args.layers} experts={args.experts} seq={args.seq_len} "
           f"global batch={args.global_batch}; MiB per rank per optimizer step")
-    header = f"| layout | ranks | step (s) | " + " | ".join(KINDS) + " | total |"
+    header = "| layout | ranks | step (s) | " + " | ".join(KINDS) + " | total |"
     print(header + "\n" + "|---" * (header.count("|") - 1) + "|")
     for r in results:
         cells = " | ".join(f"{r['MiB'][k]:.2f}" for k in KINDS)
