@@ -135,7 +135,8 @@ def main() -> None:
         r = report["results"]
         print(f"\n{world} processes, {report['muon_params'] / 1e6:.2f}M Muon parameters "
               f"(dim {args.dim}, {args.layers} layers, {args.experts} experts)")
-        print(f"{'set/method':26s} {'step ms':>9s} {'collectives':>12s} {'MB/rank':>9s} {'time ratio':>11s} {'bytes ratio':>12s}")
+        print(f"{'set/method':26s} {'step ms':>9s} {'collectives':>12s} {'MB/rank':>9s} {'time ratio':>11s} "
+              f"{'bytes ratio':>12s}")
         for name, row in r.items():
             base = r[name.split("/")[0] + "/flexshard"]
             print(f"{name:26s} {row['ms']:9.1f} {row['collectives']:12d} {row['MB']:9.3f} "

@@ -41,8 +41,9 @@ def main() -> None:
         logs = REPO / "lightning_logs"
         for config in RUNS.values():
             subprocess.run([sys.executable, "-m", "moe_lightning", "fit", "--config", f"configs/{config}.yaml",
-                            f"--trainer.val_check_interval={args.val_every}", f"--trainer.logger.init_args.save_dir={logs}",
-                            "--trainer.enable_checkpointing=false"], cwd=REPO, check=True)
+                            f"--trainer.val_check_interval={args.val_every}",
+                            f"--trainer.logger.init_args.save_dir={logs}", "--trainer.enable_checkpointing=false"],
+                           cwd=REPO, check=True)
     curves = {label: val_curve(latest_metrics(logs, name)) for label, name in RUNS.items()}
     steps = sorted(set.intersection(*(set(c) for c in curves.values())))
     print(f"{'step':>6s} " + " ".join(f"{label:>8s}" for label in curves) + "  Muon - AdamW")

@@ -2,8 +2,9 @@
 
 Every rank also builds the unsharded model and steps a single-process Muon with the same gradients,
 so each rank can compare its sharded result against the single-process one. Prints one JSON line.
-Modes (comma-separated, run in turn): fsdp (1-D mesh), hsdp (replicate x shard), ep (experts sliced over ep ranks, dense FSDP over all),
-experts_only (only expert stacks in Muon), expert_rows (expert stacks Shard(1): per-expert owners), bad_layout (a column-sharded matrix).
+Modes (comma-separated, run in turn): fsdp (1-D mesh), hsdp (replicate x shard), ep (experts sliced
+over ep ranks, dense FSDP over all), experts_only (only expert stacks in Muon), expert_rows (expert
+stacks Shard(1): per-expert owners), bad_layout (a column-sharded matrix).
 """
 
 import json
@@ -79,7 +80,8 @@ def set_grads(models_eps, step: int) -> None:
     """Identical pseudo-random full gradients on every rank, sharded like each parameter."""
     ref = models_eps[0][0]
     for name, p_ref in ref.named_parameters():
-        g = torch.randn(p_ref.shape, generator=torch.Generator().manual_seed(1000 * step + zlib.crc32(name.encode()) % 997))
+        seed = 1000 * step + zlib.crc32(name.encode()) % 997
+        g = torch.randn(p_ref.shape, generator=torch.Generator().manual_seed(seed))
         p_ref.grad = g
         for model, ep in models_eps[1:]:
             p = model.get_parameter(name)

@@ -8,7 +8,7 @@ from typing import Literal
 import torch
 from torch.distributed.tensor import DTensor
 
-from .flexshard import RowExchange, classify, comm_device, plan_shard_groups
+from .flexshard import RowExchange, comm_device, plan_shard_groups
 from .muon_groups import split_by_algorithm
 from .newton_schulz import coefficient_schedule, newton_schulz
 
@@ -99,7 +99,8 @@ class Muon(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        muon = [(g, p) for g in self.param_groups if g["algorithm"] == "muon" for p in g["params"] if p.grad is not None]
+        muon = [(g, p) for g in self.param_groups if g["algorithm"] == "muon"
+                for p in g["params"] if p.grad is not None]
         finish_muon = self._muon_step(muon) if muon else None
         for group in self.param_groups:  # while the scatters are in flight
             if group["algorithm"] == "adamw":
