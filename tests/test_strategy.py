@@ -207,3 +207,16 @@ def test_gpu_benchmark_dry_run_runs_every_variant_on_cpu():
     rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
     assert [(r["unshard_async_op"], r["prefetch_depth"]) for r in rows] == [(False, 1), (False, 2), (True, 1), (True, 2)]
     assert all(r["tokens_per_s"] > 0 for r in rows)
+
+
+def test_resumable_sampler_keeps_one_global_order_for_any_world_size_and_skips_what_was_consumed():
+    from moe_lightning.data import ResumableSampler
+    data = list(range(100))
+    order = list(ResumableSampler(data, 1, 0, seed=3))
+    ranks = [list(ResumableSampler(data, 2, r, seed=3)) for r in (0, 1)]
+    assert [i for pair in zip(*ranks) for i in pair] == order and sorted(order) == data
+    resumed = ResumableSampler(data, 2, 1, seed=3)
+    resumed.resume_epoch, resumed.resume_samples = 0, 40  # 40 samples consumed by all ranks together
+    assert list(resumed) == order[41::2]
+    resumed.set_epoch(1)  # only the interrupted epoch is shortened
+    assert len(list(resumed)) == 50 and list(resumed) != ranks[1]
