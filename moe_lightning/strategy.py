@@ -171,8 +171,8 @@ class MoEFSDPStrategy(ModelParallelStrategy):
             self._materialize(model)
         if self.unshard_async_op:
             for module in model.modules():
-                if isinstance(module, FSDPModule):
-                    module._set_unshard_async_op(True)
+                if isinstance(module, FSDPModule):  # private in torch <= 2.13; a public name wins if present
+                    (getattr(module, "set_unshard_async_op", None) or module._set_unshard_async_op)(True)
 
     @torch.no_grad()
     def _materialize(self, model: MoETransformer) -> None:
