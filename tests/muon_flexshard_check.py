@@ -4,7 +4,7 @@ Every rank also builds the unsharded model and steps a single-process Muon with 
 so each rank can compare its sharded result against the single-process one. Prints one JSON line.
 Modes (comma-separated, run in turn): fsdp (1-D mesh), hsdp (replicate x shard), ep (experts sliced
 over ep ranks, dense FSDP over all), experts_only (only expert stacks in Muon), expert_rows (expert
-stacks Shard(1): per-expert owners), bad_layout (a column-sharded matrix).
+stacks Shard(1): per-expert owners), offload (FSDP CPUOffloadPolicy), bad_layout (a column-sharded matrix).
 """
 
 import json
@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor.debug import CommDebugMode
 
@@ -52,9 +52,10 @@ def build(mode: str, world: int):
             fully_shard(moe.experts, mesh=ep_mesh["edp"], shard_placement_fn=experts_dim0)
     expert_rows = lambda p: Shard(1) if p.ndim == 3 else None  # noqa: E731 - the strategy's fallback layout
     placement = {"bad_layout": rows_or_cols, "expert_rows": expert_rows}.get(mode, experts_dim0)
+    offload = CPUOffloadPolicy(pin_memory=False) if mode == "offload" else OffloadPolicy()
     for block in model.layers:
-        fully_shard(block, mesh=mesh, shard_placement_fn=placement)
-    fully_shard(model, mesh=mesh)
+        fully_shard(block, mesh=mesh, shard_placement_fn=placement, offload_policy=offload)
+    fully_shard(model, mesh=mesh, offload_policy=offload)
     return model, ep
 
 

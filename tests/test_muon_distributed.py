@@ -47,10 +47,11 @@ def check_flexshard(ranks: list[dict], world: int, group_size: int, matrices: in
 
 
 def test_two_processes(tmp_path):
-    results = run("fsdp,experts_only,expert_rows,bad_layout", 2, tmp_path)
+    results = run("fsdp,experts_only,expert_rows,offload,bad_layout", 2, tmp_path)
     check_flexshard(results["fsdp"], 2, 2)
+    check_flexshard(results["offload"], 2, 2)  # parameters and state kept in host memory by FSDP
     check_flexshard(results["expert_rows"], 2, 2, matrices=21 + 2 * 3 * 4)  # + every expert of 2 MoE layers
-    for r in results["fsdp"]:
+    for r in results["fsdp"] + results["offload"]:
         assert r["ckpt_diff"] == 0.0  # DCP-restored optimizer continues bit-identically
     for r in results["experts_only"]:  # expert stacks sharded on dim 0: not one collective, zero bytes
         assert r["comm_counts"] == [{}] * 3 and r["max_diff"] == 0.0 and r["ckpt_diff"] == 0.0
