@@ -118,8 +118,7 @@ class RowExchange:
     def __init__(self, sg: ShardGroup, device: torch.device):
         self.sg, self.device = sg, device
         me = sg.rank
-        rows = [sg.rows(m) for m, _ in sg.shapes]
-        self.rows = rows
+        self.rows = rows = [sg.rows(m) for m, _ in sg.shapes]
         self.mine = [k for k, o in enumerate(sg.owners) if o == me]  # matrices this rank orthogonalizes
         # elements this rank sends to each owner, and receives from each rank, in the gather
         self.to_owner = [sum(rows[k][me] * n for k, (o, (_, n)) in enumerate(zip(sg.owners, sg.shapes)) if o == dst)
