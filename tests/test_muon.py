@@ -188,7 +188,7 @@ def test_yaml_builds_muon_through_the_module_optimizer_callable(capsys):
         main(["fit", "--config", str(CONFIGS / "tiny-muon.yaml"), "--print_config"])
     printed = yaml.safe_load(capsys.readouterr().out)["model"]["init_args"]["optimizer"]
     assert printed["class_path"] == "moe_lightning.optim.Muon"
-    assert printed["init_args"]["adjust_lr_fn"] == "match_rms_adamw" and printed["init_args"]["ns_steps"] == 5
+    assert printed["init_args"]["adjust_lr_fn"] == "original" and printed["init_args"]["adamw_lr"] == 0.003
     cli = main(["fit", "--config", str(CONFIGS / "tiny-muon.yaml"), "--trainer.fast_dev_run=true",
                 "--model.init_args.optimizer.init_args.adamw_patterns=[layers.0.*]",
                 "--model.init_args.optimizer.init_args.ns_coefficients=polar_express",
