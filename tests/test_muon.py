@@ -68,7 +68,8 @@ def test_batched_expert_ns_equals_per_matrix(shape):
     G_EMN = torch.randn(shape)
     batched = newton_schulz(G_EMN, QUINTIC5).float()
     single = torch.stack([newton_schulz(G_MN, QUINTIC5) for G_MN in G_EMN]).float()
-    assert (batched - single).abs().max() <= 2 ** -8 * single.abs().max()  # observed: bitwise equal on CPU
+    # bitwise equal here; the batched bf16 kernel may accumulate in another order for other batch sizes
+    assert (batched - single).abs().max() <= 2 ** -8 * single.abs().max()
 
 
 def float64_iteration(G: np.ndarray, schedule) -> np.ndarray:
