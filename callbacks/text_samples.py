@@ -27,15 +27,20 @@ class TextSamples(L.Callback):
             raise ValueError(f"TextSamples.every_n_steps={every_n_steps} must be >= 1.")
         self.every_n_steps, self.prompt = every_n_steps, prompt
         self.max_new_tokens, self.temperature, self.seed = max_new_tokens, temperature, seed
+        self._last_sampled_step = 0
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if trainer.global_step % self.every_n_steps == 0 and trainer.global_step > 0:
+        # global_step counts optimizer steps: with gradient accumulation several batches share one.
+        if trainer.global_step % self.every_n_steps == 0:
             self._sample(trainer, pl_module)
 
     def on_train_end(self, trainer, pl_module) -> None:
         self._sample(trainer, pl_module)
 
     def _sample(self, trainer, pl_module) -> None:
+        if trainer.global_step == self._last_sampled_step:
+            return
+        self._last_sampled_step = trainer.global_step
         tokenizer = trainer.datamodule.tokenizer
         prompt_1S = torch.as_tensor(tokenizer.encode(self.prompt), dtype=torch.long, device=pl_module.device)[None]
         generator = torch.Generator(device=pl_module.device).manual_seed(self.seed)

@@ -40,11 +40,12 @@ EXTRA_COMMANDS = {
 
 
 def main(argv: list[str] | None = None):
-    argv = sys.argv[1:] if argv is None else argv
+    """Entry point; ``argv=None`` reads the command line (LightningCLI then parses ``sys.argv`` itself)."""
     if "" not in sys.path and "." not in sys.path:
         sys.path.insert(0, "")  # like `python -m`: class_paths from the user's project resolve from cwd
-    if argv and argv[0] in EXTRA_COMMANDS:
-        module_name, function_name = EXTRA_COMMANDS[argv[0]].split(":")
-        return getattr(importlib.import_module(module_name), function_name)(argv[1:])
+    words = sys.argv[1:] if argv is None else argv
+    if words and words[0] in EXTRA_COMMANDS:
+        module_name, function_name = EXTRA_COMMANDS[words[0]].split(":")
+        return getattr(importlib.import_module(module_name), function_name)(words[1:])
     return MoECLI(MoELanguageModel, TextDataModule, subclass_mode_model=True, subclass_mode_data=True, args=argv,
                   save_config_callback=SaveConfigBesideLogs, save_config_kwargs={"overwrite": False})

@@ -84,6 +84,8 @@ def tokenize_sources(sources: list[str], tokenizer, text_field: str = "text", ma
                 count += len(chunks[-1])
             if max_tokens is not None and count >= max_tokens:
                 break
+        if max_tokens is not None and count >= max_tokens:
+            break
     if len(chunks) == 1:
         tokens = chunks[0]  # keeps a memory-mapped token file mapped
     else:

@@ -59,6 +59,11 @@ class MoELanguageModel(L.LightningModule):
         return torch.stack([m.tokens_per_expert for m in moe_layers]) if moe_layers else None
 
     def on_train_start(self) -> None:
+        uses_aux = self.config.aux_loss_coef > 0 or self.config.z_loss_coef > 0
+        if uses_aux and str(self.trainer.precision).startswith("16"):
+            raise ValueError(f"trainer.precision={self.trainer.precision!r} scales the loss, but the balancing "
+                             "losses enter the gradient unscaled: use bf16-mixed or 32-true, or set "
+                             "model.config.aux_loss_coef and z_loss_coef to 0.")
         for moe in self.model.moe_layers():
             moe.aux_loss_grad_scale = 1.0 / self.trainer.accumulate_grad_batches
 
@@ -74,6 +79,7 @@ class MoELanguageModel(L.LightningModule):
                 self.log("train/aux_loss", torch.stack(aux).sum())
         self.tokens_seen += batch_BS1[:, :-1].numel() * self.trainer.world_size
         self.log("train/loss", loss, prog_bar=True)
+        self.log("train/perplexity", loss.detach().exp())
         self.log("train/tokens_seen", float(self.tokens_seen))
         return loss
 
@@ -95,9 +101,6 @@ class MoELanguageModel(L.LightningModule):
     def on_validation_epoch_end(self) -> None:
         self.log("val/perplexity", self.val_loss_mean.compute().exp())
         self.val_loss_mean.reset()
-
-    def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
-        self.log("train/perplexity", outputs["loss"].detach().exp())
 
     def configure_optimizers(self):
         optimizer = self.optimizer_factory(param_groups(self.model, self.weight_decay))

@@ -195,3 +195,21 @@ def test_greedy_generation_is_deterministic_and_extends_the_prompt():
 def test_invalid_config_names_the_field(overrides, field):
     with pytest.raises(ConfigError, match=f"MoEConfig.{field}"):
         tiny_config(**overrides)
+
+
+def test_expert_widths_grouped_mm_cannot_align_fall_back_to_the_loop():
+    """_grouped_mm needs 16-byte rows; an odd expert_hidden must still train (through the per-expert loop)."""
+    torch.manual_seed(0)
+    model = MoETransformer(tiny_config(expert_hidden=10))
+    tokens = torch.randint(0, 64, (2, 12))
+    logits = model(tokens)
+    torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens.flatten()).backward()
+    assert model.layers[1].ffn.experts.w1_EFD.grad.abs().sum() > 0
+
+
+def test_router_scores_stay_fp32_under_bf16_autocast():
+    router = Router(tiny_config())
+    router.init_weights(std=0.5)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        weights_TK, _, scores_TE, logits_TE = router(torch.randn(8, 32))
+    assert logits_TE.dtype == scores_TE.dtype == weights_TK.dtype == torch.float32

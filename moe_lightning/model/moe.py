@@ -30,7 +30,8 @@ class Router(nn.Module):
 
     def forward(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Returns ``(weights_TK, experts_TK, scores_TE, logits_TE)``; scores and logits in fp32."""
-        logits_TE = F.linear(x_TD.float(), self.gate.weight.float())
+        with torch.autocast(x_TD.device.type, enabled=False):  # fp32 even under bf16-mixed
+            logits_TE = F.linear(x_TD.float(), self.gate.weight.float())
         scores_TE = logits_TE.softmax(-1) if self.score_func == "softmax" else logits_TE.sigmoid()
         selection_TE = scores_TE.detach() + self.expert_bias
         if self.n_groups > 1:
@@ -61,11 +62,21 @@ class Router(nn.Module):
         self.expert_bias.zero_()
 
 
-def _grouped_mm_supported(x: torch.Tensor) -> bool:
-    """``torch._grouped_mm`` runs on CPU (any float) and on CUDA in bf16 on Hopper or newer."""
+def _grouped_mm_supported(x: torch.Tensor, hidden: int) -> bool:
+    """``torch._grouped_mm`` runs on CPU (any float) and on CUDA in bf16 on Hopper or newer, and needs rows
+    of every operand to be multiples of 16 bytes; anything else takes the per-expert loop."""
+    if any(n * x.element_size() % 16 for n in (x.shape[-1], hidden)):
+        return False
     if x.device.type == "cpu":
         return True
     return x.device.type == "cuda" and x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device)[0] >= 9
+
+
+def _autocast_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype autocast would compute matmuls in (``_grouped_mm`` is not on autocast's lists)."""
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return x.dtype
 
 
 class GroupedExperts(nn.Module):
@@ -86,12 +97,14 @@ class GroupedExperts(nn.Module):
         return self.w1_EFD.shape[0]
 
     def forward(self, x_TD: torch.Tensor, tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
-        if not _grouped_mm_supported(x_TD):
+        x_TD = x_TD.to(_autocast_dtype(x_TD))
+        if not _grouped_mm_supported(x_TD, self.w1_EFD.shape[1]):
             return self.forward_loop(x_TD, tokens_per_expert_E)
+        w1, w3, w2 = (w.to(x_TD.dtype).transpose(-2, -1) for w in (self.w1_EFD, self.w3_EFD, self.w2_EDF))
         offsets_E = torch.cumsum(tokens_per_expert_E, dim=0, dtype=torch.int32)
-        gate_TF = torch._grouped_mm(x_TD, self.w1_EFD.transpose(-2, -1), offs=offsets_E)
-        up_TF = torch._grouped_mm(x_TD, self.w3_EFD.transpose(-2, -1), offs=offsets_E)
-        return torch._grouped_mm(F.silu(gate_TF) * up_TF, self.w2_EDF.transpose(-2, -1), offs=offsets_E)
+        gate_TF = torch._grouped_mm(x_TD, w1, offs=offsets_E)
+        up_TF = torch._grouped_mm(x_TD, w3, offs=offsets_E)
+        return torch._grouped_mm(F.silu(gate_TF) * up_TF, w2, offs=offsets_E)
 
     def forward_loop(self, x_TD: torch.Tensor, tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
         """Plain per-expert loop: the reference the grouped path is tested against, and the fallback."""
