@@ -189,7 +189,8 @@ class MoEFSDPStrategy(ModelParallelStrategy):
                     swapped.append((module, name, param))
                     module._parameters[name] = nn.Parameter(param.to_local(), requires_grad=False)
         try:
-            with torch.random.fork_rng(devices=[]):
+            cuda = [self.root_device] if self.root_device.type == "cuda" else []
+            with torch.random.fork_rng(devices=cuda):  # leave every generator as it was, CUDA's included
                 torch.manual_seed(torch.initial_seed() + self.global_rank % self.layout.shard)
                 model.init_weights()
         finally:
@@ -230,7 +231,12 @@ class MoEFSDPStrategy(ModelParallelStrategy):
         total_sq = torch.zeros((), device=self.root_device)
         for mesh, grads in grads_by_mesh.items():
             norm = torch.nn.utils.get_total_norm(grads)
-            norm_sq = (norm.full_tensor() if isinstance(norm, DTensor) else norm).float().square().to(self.root_device)
+            # Reduce on the compute device: with cpu_offload the local norms live in host memory (NCCL rejects them).
+            norm_sq = (norm.to_local() if isinstance(norm, DTensor) else norm).float().square().to(self.root_device)
+            if isinstance(norm, DTensor):
+                for dim, placement in enumerate(norm.placements):
+                    if placement.is_partial():
+                        torch.distributed.all_reduce(norm_sq, group=norm.device_mesh.get_group(dim))
             if self.expert_mesh is not None and mesh == MeshLayout.expert_fsdp_mesh(self.expert_mesh):
                 torch.distributed.all_reduce(norm_sq, group=self.expert_mesh["ep"].get_group())
             total_sq += norm_sq
