@@ -74,7 +74,7 @@ def tokenize_sources(sources: list[str], tokenizer, text_field: str = "text", ma
     for source in sources:
         resolved = resolve_source(source)
         if isinstance(resolved, Path):
-            chunks.append(np.load(resolved, mmap_mode="r"))
+            chunks.append(load_token_file(resolved, tokenizer.vocab_size))
             count += len(chunks[-1])
             continue
         for text in iter_documents(resolved, text_field):
@@ -93,6 +93,21 @@ def tokenize_sources(sources: list[str], tokenizer, text_field: str = "text", ma
     return tokens[:max_tokens] if max_tokens is not None else tokens
 
 
+def _token_file_info(path: Path) -> Path:
+    return path.with_name(path.name + ".json")
+
+
+def load_token_file(path: Path, vocab_size: int) -> np.ndarray:
+    """Memory-map a token file, refusing one written for a different vocabulary (its ids would overflow)."""
+    tokens = np.load(path, mmap_mode="r")
+    info = _token_file_info(path)
+    written_for = json.loads(info.read_text())["vocab_size"] if info.exists() else int(tokens.max()) + 1
+    if written_for > vocab_size:
+        raise ValueError(f"data.source={str(path)!r} holds token ids of a {written_for}-token vocabulary but the "
+                         f"tokenizer has {vocab_size}: pass the tokenizer it was written with as data.tokenizer.")
+    return tokens
+
+
 def write_token_file(sources: list[str], out_path: str, tokenizer_path: str | None = None,
                      text_field: str = "text", overwrite: bool = False) -> Path:
     """Tokenize sources once into a ``.npy`` file that training memory-maps. Written atomically."""
@@ -101,12 +116,14 @@ def write_token_file(sources: list[str], out_path: str, tokenizer_path: str | No
         raise ValueError(f"out={out_path!r}: token files must end in .npy")
     if out.exists() and not overwrite:
         raise FileExistsError(f"out={out_path!r} exists; choose another path or pass --overwrite.")
-    tokens = tokenize_sources(sources, load_tokenizer(tokenizer_path), text_field)
+    tokenizer = load_tokenizer(tokenizer_path)
+    tokens = tokenize_sources(sources, tokenizer, text_field)
     if len(tokens) == 0:
         raise ValueError(f"sources {sources}: no text found, nothing to write.")
     tmp = out.with_name(out.name + ".partial.npy")
     out.parent.mkdir(parents=True, exist_ok=True)
     np.save(tmp, tokens)
+    _token_file_info(out).write_text(json.dumps({"vocab_size": tokenizer.vocab_size, "tokenizer": tokenizer_path}))
     os.replace(tmp, out)
     return out
 

@@ -113,3 +113,13 @@ def test_empty_source_fails_with_a_fix(tmp_path):
 def test_bad_data_arguments_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=f"data.{field}"):
         TextDataModule("stdlib", **kwargs)
+
+
+def test_token_file_from_another_vocabulary_is_refused(corpus, tmp_path):
+    out = write_token_file([str(corpus)], str(tmp_path / "tokens.npy"))
+    (tmp_path / "tokens.npy.json").write_text(json.dumps({"vocab_size": 50000, "tokenizer": "big.json"}))
+    with pytest.raises(ValueError, match="data.tokenizer"):
+        TextDataModule(str(out), seq_len=16).setup()
+    np.save(tmp_path / "foreign.npy", np.array([1, 2, 70000], dtype=np.uint32))  # no info file: ids are checked
+    with pytest.raises(ValueError, match="70001-token vocabulary"):
+        TextDataModule(str(tmp_path / "foreign.npy"), seq_len=1).setup()

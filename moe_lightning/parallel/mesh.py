@@ -87,14 +87,9 @@ class MeshLayout:
         ranks = torch.arange(self.world_size).view(self.replicate, self.expert_shard, self.ep).transpose(1, 2)
         return DeviceMesh(device_type, ranks, mesh_dim_names=("replicate", "ep", "efsdp"))
 
-    @property
-    def expert_shard_size(self) -> int:
-        """Ranks that FSDP-shard one expert stack: the whole shard group without EP, else ``shard / ep``."""
-        return self.expert_shard if self.ep > 1 else self.shard
-
     def expert_placement(self, num_experts: int) -> tuple[Shard, str]:
         """``Shard(0)`` (whole experts per rank) when the local experts divide evenly, else ``Shard(1)``."""
-        local, ranks = num_experts // self.ep, self.expert_shard_size
+        local, ranks = num_experts // self.ep, self.expert_shard
         if local % ranks == 0:
             return Shard(0), (f"expert stacks Shard(0): {local} local experts over {ranks} expert-shard ranks, "
                               f"{local // ranks} whole experts per rank.")
