@@ -34,7 +34,7 @@ import torch
 import yaml
 
 from .callbacks.throughput import PEAK_BF16_FLOPS, peak_bf16_flops
-from .flops import training_flops_per_token
+from .flops import parameter_counts, training_flops_per_token
 from .model import MoEConfig, MoETransformer
 from .optim.grouping import parameter_roles
 from .optim.muon_groups import MUON_ROLES
@@ -150,8 +150,7 @@ def plan(config: MoEConfig, cluster: Cluster, work: Workload) -> dict:
                               cluster.expert_parallel_size, config.num_experts)
     roles, units = count_parameters(config)
     total = sum(roles.values())
-    routed = roles.get("expert_stack", 0)
-    active = total - routed + routed * config.top_k // config.num_experts
+    active = parameter_counts(config)["active"]
     S, tokens = mesh.shard, work.micro_batch * work.seq_len
     muon = sum(roles.get(r, 0) for r in MUON_ROLES) if work.optimizer == "muon" else 0
 
@@ -190,7 +189,8 @@ def plan(config: MoEConfig, cluster: Cluster, work: Workload) -> dict:
     flops_per_token = training_flops_per_token(config, work.seq_len)
     tokens_per_s = work.mfu * cluster.peak_tflops * 1e12 / flops_per_token
     return {
-        "parameters": {"total": total, "active": active, "routed_experts": routed, "by_role": roles},
+        "parameters": {"total": total, "active": active, "routed_experts": roles.get("expert_stack", 0),
+                       "by_role": roles},
         "flops_per_token": flops_per_token,
         "cluster": asdict(cluster) | {"world_size": cluster.world_size, "shard_size": mesh.shard},
         "workload": asdict(work),
