@@ -85,3 +85,21 @@ def test_example_user_callback_runs_from_yaml(tmp_path):
     sections = samples.split("=== step ")[1:]
     assert [s.split(" ")[0] for s in sections] == ["2", "4"]  # every 2 optimizer steps, not per micro-batch
     assert all(s.split("\n", 1)[1].startswith("import ") for s in sections)
+
+
+def test_fast_dev_run_of_the_two_process_config(tmp_path):
+    """configs/tiny-fsdp.yaml launches its own 2 CPU processes; run it as a subprocess (never inside pytest)."""
+    import subprocess
+    import sys
+
+    from tests.distributed import clean_env, free_port
+
+    result = subprocess.run(
+        [sys.executable, "-m", "moe_lightning", "fit", "--config", str(CONFIGS / "tiny-fsdp.yaml"),
+         "--trainer.fast_dev_run=2", "--data.init_args.max_tokens=200000", "--trainer.enable_progress_bar=false"],
+        env=clean_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())), cwd=tmp_path,
+        capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    log = result.stdout + result.stderr
+    assert "1 replica(s) x 2 shard ranks, expert_parallel_size=2" in log
+    assert "`Trainer.fit` stopped: `max_steps=2` reached." in log
