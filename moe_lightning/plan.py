@@ -179,7 +179,8 @@ def plan(config: MoEConfig, cluster: Cluster, work: Workload) -> dict:
         gpu["boundary activations"] = boundary
         gpu.update(transient)
         peak = sum(gpu.values()) - min(working_set, loss_set)  # the two transients never coexist
-        host = (sum(state.values()) if work.cpu_offload else 0) + (config.n_layers * boundary_one if offload else 0)
+        offloaded = (config.n_layers - 1) * boundary_one  # ActivationOffload's default keeps the last block's input
+        host = (sum(state.values()) if work.cpu_offload else 0) + (offloaded if offload else 0)
         fits = peak <= cluster.gpu_memory_gib * GiB and (
             cluster.host_memory_gib is None or host <= cluster.host_memory_gib * GiB)
         variants["with_offload" if offload else "without_offload"] = {
