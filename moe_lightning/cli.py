@@ -39,8 +39,13 @@ EXTRA_COMMANDS = {
 }
 
 
-def main(argv: list[str] | None = None):
-    """Entry point; ``argv=None`` reads the command line (LightningCLI then parses ``sys.argv`` itself)."""
+def main(argv: list[str] | None = None) -> None:
+    """Console entry point (its return value would become the exit status, so it returns nothing)."""
+    run(argv)
+
+
+def run(argv: list[str] | None = None) -> MoECLI | None:
+    """Run a command and return the CLI object (for tests and notebooks); ``argv=None`` reads the command line."""
     if "" not in sys.path and "." not in sys.path:
         sys.path.insert(0, "")  # like `python -m`: class_paths from the user's project resolve from cwd
     words = sys.argv[1:] if argv is None else argv

@@ -177,11 +177,11 @@ trainer:
 
 
 def test_callbacks_come_from_yaml(tmp_path, capsys):
-    from moe_lightning.cli import main
+    from moe_lightning.cli import run
 
     (tmp_path / "callbacks.yaml").write_text(CALLBACKS_YAML)
     with pytest.raises(SystemExit):
-        main(["fit", "--config", "configs/tiny.yaml", "--config", str(tmp_path / "callbacks.yaml"), "--print_config"])
+        run(["fit", "--config", "configs/tiny.yaml", "--config", str(tmp_path / "callbacks.yaml"), "--print_config"])
     printed = capsys.readouterr().out
     for expected in ("moe_lightning.callbacks.MoEThroughputMonitor", "peak_flops: null", "image_every_n_steps: 100",
                      "moe_lightning.callbacks.AllocatorMonitor", "prefetch: 2", "min_offload_bytes: 1048576"):

@@ -6,7 +6,7 @@ import io
 import pytest
 import torch
 
-from moe_lightning.cli import main
+from moe_lightning.cli import run
 from moe_lightning.flops import parameter_counts
 from moe_lightning.model import MoEConfig, MoETransformer
 from moe_lightning.plan import load_model_config
@@ -66,6 +66,6 @@ def test_builds_on_meta_device(name):
 def test_is_valid_lightning_cli_config(name):
     out = io.StringIO()
     with contextlib.redirect_stdout(out), pytest.raises(SystemExit) as exit_info:
-        main(["fit", "--config", str(REPO_ROOT / "configs" / f"{name}.yaml"), "--print_config"])
+        run(["fit", "--config", str(REPO_ROOT / "configs" / f"{name}.yaml"), "--print_config"])
     assert exit_info.value.code in (0, None)
     assert "attention: mla" in out.getvalue()

@@ -12,7 +12,7 @@ import pytest
 import torch
 import yaml
 
-from moe_lightning.cli import main
+from moe_lightning.cli import run
 from moe_lightning.model import MoEConfig, MoETransformer
 from moe_lightning.optim import Muon, muon_param_groups, newton_schulz, param_groups
 from moe_lightning.optim.flexshard import lpt_owners
@@ -186,11 +186,11 @@ def test_lpt_owners_balanced_and_deterministic():
 
 def test_yaml_builds_muon_through_the_module_optimizer_callable(capsys):
     with pytest.raises(SystemExit):
-        main(["fit", "--config", str(CONFIGS / "tiny-muon.yaml"), "--print_config"])
+        run(["fit", "--config", str(CONFIGS / "tiny-muon.yaml"), "--print_config"])
     printed = yaml.safe_load(capsys.readouterr().out)["model"]["init_args"]["optimizer"]
     assert printed["class_path"] == "moe_lightning.optim.Muon"
     assert printed["init_args"]["adjust_lr_fn"] == "original" and printed["init_args"]["adamw_lr"] == 0.003
-    cli = main(["fit", "--config", str(CONFIGS / "tiny-muon.yaml"), "--trainer.fast_dev_run=true",
+    cli = run(["fit", "--config", str(CONFIGS / "tiny-muon.yaml"), "--trainer.fast_dev_run=true",
                 "--model.init_args.optimizer.init_args.adamw_patterns=[layers.0.*]",
                 "--model.init_args.optimizer.init_args.ns_coefficients=polar_express",
                 "--data.init_args.max_tokens=200000", "--trainer.logger=false"])

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from moe_lightning.cli import main
+from moe_lightning.cli import run
 from moe_lightning.flops import training_flops_per_token
 from moe_lightning.model import MoEConfig, MoETransformer
 from moe_lightning.plan import GiB, Cluster, Workload, block_working_set_bytes, count_parameters, plan
@@ -95,7 +95,7 @@ def test_one_trillion_on_384_gh200_matches_the_reference_run():
     out = io.StringIO()
     # GH200: 96 GB HBM3 of which ~95 GiB usable; 120 GB LPDDR5X = 111 GiB of host memory per GPU
     with contextlib.redirect_stdout(out):
-        main(["plan", "--config", ONE_T, "--nodes", "96", "--gpus-per-node", "4", "--gpu-memory", "95",
+        run(["plan", "--config", ONE_T, "--nodes", "96", "--gpus-per-node", "4", "--gpu-memory", "95",
               "--host-memory", "111", "--seq-len", "65536", "--expert-parallel-size", "96", "--cpu-offload",
               "--loss-chunk", "4096", "--optimizer", "muon", "--json"])
     result = json.loads(out.getvalue())
@@ -105,11 +105,11 @@ def test_one_trillion_on_384_gh200_matches_the_reference_run():
 
 
 def test_table_output_and_clear_errors(capsys):
-    main(["plan", "--config", ONE_T, "--nodes", "96", "--gpus-per-node", "4", "--seq-len", "65536"])
+    run(["plan", "--config", ONE_T, "--nodes", "96", "--gpus-per-node", "4", "--seq-len", "65536"])
     table = capsys.readouterr().out
     assert "total 948.35 B   active 37.60 B" in table
     assert "boundary activations 53.4 GiB per GPU" in table
     assert "fits" in table and "tokens/s per GPU" in table
     with pytest.raises(SystemExit):
-        main(["plan", "--config", ONE_T, "--nodes", "96", "--gpus-per-node", "4", "--expert-parallel-size", "5"])
+        run(["plan", "--config", ONE_T, "--nodes", "96", "--gpus-per-node", "4", "--expert-parallel-size", "5"])
     assert "strategy.expert_parallel_size=5 must divide strategy.shard_size=384" in capsys.readouterr().err

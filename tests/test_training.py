@@ -8,7 +8,7 @@ import torch
 import yaml
 
 from moe_lightning import MoEConfig, MoELanguageModel, TextDataModule
-from moe_lightning.cli import main
+from moe_lightning.cli import run
 from moe_lightning.flops import parameter_counts
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
@@ -28,7 +28,7 @@ def cpu_single_process_configs() -> list[str]:
 
 @pytest.mark.parametrize("name", cpu_single_process_configs())
 def test_fast_dev_run_works_for_every_cpu_config(name, tmp_path):
-    cli = main(["fit", "--config", str(CONFIGS / name), "--trainer.fast_dev_run=true",
+    cli = run(["fit", "--config", str(CONFIGS / name), "--trainer.fast_dev_run=true",
                 f"--trainer.default_root_dir={tmp_path}", "--data.init_args.max_tokens=200000"])
     assert cli.trainer.global_step == 1
     assert torch.isfinite(cli.trainer.callback_metrics["train/loss"])
@@ -36,7 +36,7 @@ def test_fast_dev_run_works_for_every_cpu_config(name, tmp_path):
 
 def test_print_config_documents_model_data_and_optimizer_arguments(capsys):
     with pytest.raises(SystemExit) as exit_info:
-        main(["fit", "--config", str(CONFIGS / "tiny.yaml"), "--print_config"])
+        run(["fit", "--config", str(CONFIGS / "tiny.yaml"), "--print_config"])
     assert exit_info.value.code == 0
     printed = yaml.safe_load(capsys.readouterr().out)
     init_args = printed["model"]["init_args"]
@@ -47,7 +47,7 @@ def test_print_config_documents_model_data_and_optimizer_arguments(capsys):
 
 def test_vocab_smaller_than_tokenizer_is_refused_before_training(tmp_path):
     with pytest.raises(ValueError, match="model.config.vocab_size"):
-        main(["fit", "--config", str(CONFIGS / "tiny.yaml"), "--model.init_args.config.vocab_size=200",
+        run(["fit", "--config", str(CONFIGS / "tiny.yaml"), "--model.init_args.config.vocab_size=200",
               f"--trainer.default_root_dir={tmp_path}", "--trainer.fast_dev_run=true"])
 
 
@@ -76,7 +76,7 @@ def test_example_user_callback_runs_from_yaml(tmp_path):
     config.write_text(yaml.safe_dump({"trainer": {"callbacks": [{
         "class_path": "callbacks.text_samples.TextSamples",
         "init_args": {"every_n_steps": 2, "prompt": "import ", "max_new_tokens": 12}}]}}))
-    cli = main(["fit", "--config", str(CONFIGS / "tiny.yaml"), "--config", str(config),
+    cli = run(["fit", "--config", str(CONFIGS / "tiny.yaml"), "--config", str(config),
                 "--trainer.max_steps=4", "--trainer.accumulate_grad_batches=2",
                 f"--trainer.default_root_dir={tmp_path}",
                 f"--trainer.logger.init_args.save_dir={tmp_path}", "--trainer.limit_val_batches=1",
@@ -103,3 +103,17 @@ def test_fast_dev_run_of_the_two_process_config(tmp_path):
     log = result.stdout + result.stderr
     assert "1 replica(s) x 2 shard ranks, expert_parallel_size=2" in log
     assert "`Trainer.fit` stopped: `max_steps=2` reached." in log
+
+
+def test_console_entry_point_exits_zero_after_a_run(tmp_path):
+    """The console script does ``sys.exit(main())``: anything main returned would become a failing exit status."""
+    import subprocess
+    import sys
+
+    from tests.distributed import clean_env
+
+    script = ("import sys; from moe_lightning.cli import main; sys.exit(main(sys.argv[1:]))")
+    result = subprocess.run([sys.executable, "-c", script, "fit", "--config", str(CONFIGS / "tiny.yaml"),
+                             "--trainer.fast_dev_run=true", "--data.init_args.max_tokens=100000"],
+                            env=clean_env(), cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
