@@ -86,12 +86,12 @@ class MoELanguageModel(L.LightningModule):
     def on_before_optimizer_step(self, optimizer) -> None:
         """Once per optimizer step, after every micro-batch's backward: move the balancing bias using the
         counts of all ranks. (Not earlier: a block recomputed in backward must route as it did in forward.)"""
-        if self._pending_expert_counts is None or self.config.bias_update_rate == 0:
+        pending, self._pending_expert_counts = self._pending_expert_counts, None
+        if pending is None or self.config.bias_update_rate == 0:
             return
-        counts_LE = self.trainer.strategy.reduce(self._pending_expert_counts.float(), reduce_op="sum")
+        counts_LE = self.trainer.strategy.reduce(pending.float(), reduce_op="sum")
         for moe, counts_E in zip(self.model.moe_layers(), counts_LE):
             moe.router.update_bias(counts_E, self.config.bias_update_rate)
-        self._pending_expert_counts = None
 
     def validation_step(self, batch_BS1: torch.Tensor, batch_idx: int) -> None:
         loss = self._loss(batch_BS1)
