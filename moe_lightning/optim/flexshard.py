@@ -108,8 +108,11 @@ def plan_shard_groups(names: list[str], params: list[torch.Tensor], ns_steps: in
 
 
 def comm_device(group: dist.ProcessGroup, compute_device: torch.device) -> torch.device:
-    """Device whose tensors the group's backend moves: NCCL needs CUDA, gloo moves host tensors."""
-    return compute_device if "nccl" in str(dist.get_backend(group)) else torch.device("cpu")
+    """Device whose tensors the group's backend moves: NCCL needs CUDA (even when Newton–Schulz runs on the
+    CPU), gloo moves host tensors."""
+    if "nccl" in str(dist.get_backend(group)):
+        return compute_device if compute_device.type == "cuda" else torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 class RowExchange:

@@ -24,6 +24,15 @@ def lr_scale(shape: torch.Size, adjust_lr_fn: str) -> float:
     return math.sqrt(max(1.0, m / n)) if adjust_lr_fn == "original" else 0.2 * math.sqrt(max(m, n))
 
 
+def _training_on_cuda() -> bool:
+    """A GPU run (NCCL process group, or CUDA in use without one), as opposed to CPU training on a GPU host."""
+    if not torch.cuda.is_available():
+        return False
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return "nccl" in str(torch.distributed.get_backend())
+    return torch.cuda.is_initialized()
+
+
 class Muon(torch.optim.Optimizer):
     """Muon (momentum → Newton–Schulz orthogonalization) on hidden matrices, AdamW on everything else.
 
@@ -49,8 +58,8 @@ class Muon(torch.optim.Optimizer):
         adamw_eps: AdamW denominator epsilon.
         muon_patterns: ``fnmatch`` globs of parameter names forced to Muon (matrices or stacks only).
         adamw_patterns: ``fnmatch`` globs of parameter names forced to AdamW.
-        ns_device: Where Newton–Schulz runs; ``None``: the current CUDA device if there is one (even
-            when parameters live in host memory), else the parameter's device.
+        ns_device: Where Newton–Schulz runs; ``None``: the parameter's device, except that host-resident
+            parameters of a GPU run (FSDP CPU offload) are orthogonalized on the current CUDA device.
     """
 
     def __init__(self, params: Iterable, lr: float = 3e-4, momentum: float = 0.95, nesterov: bool = True,
@@ -89,7 +98,7 @@ class Muon(torch.optim.Optimizer):
     def _compute_device(self, like: torch.Tensor) -> torch.device:
         if self.ns_device is not None:
             return self.ns_device
-        if torch.cuda.is_available():
+        if like.device.type == "cpu" and _training_on_cuda():  # FSDP CPU offload: NS still on the GPU
             return torch.device("cuda", torch.cuda.current_device())
         return like.device
 

@@ -55,12 +55,13 @@ class AllToAllTokenDispatcher:
         send_counts_PE = torch.bincount(flat_experts, minlength=local * self.ep).view(self.ep, local)
         recv_counts_PE = torch.empty_like(send_counts_PE)
         dist.all_to_all_single(recv_counts_PE, send_counts_PE, group=self.group)
-        send_splits, recv_splits = send_counts_PE.sum(1).tolist(), recv_counts_PE.sum(1).tolist()
+        send_splits, recv_splits = torch.stack([send_counts_PE.sum(1), recv_counts_PE.sum(1)]).tolist()  # one sync
 
         x_recv = _AllToAll.apply(x_TD[order // K], recv_splits, send_splits, self.group, float(self.ep))
         # Received rows are grouped [source rank][local expert]; the experts want [local expert][source rank].
         expert_of_row = torch.repeat_interleave(
-            torch.arange(local, device=x_TD.device).repeat(self.ep), recv_counts_PE.flatten())
+            torch.arange(local, device=x_TD.device).repeat(self.ep), recv_counts_PE.flatten(),
+            output_size=sum(recv_splits))
         by_expert = expert_of_row.argsort(stable=True)
         y_by_expert = experts(x_recv[by_expert], recv_counts_PE.sum(0))
         y_recv = y_by_expert[by_expert.argsort()]
