@@ -123,20 +123,29 @@ class TokenDispatcher(Protocol):
     """How routed tokens reach their experts and come back. A strategy may replace it (e.g. all-to-all)."""
 
     def __call__(self, x_TD: torch.Tensor, weights_TK: torch.Tensor, experts_TK: torch.Tensor,
-                 experts: GroupedExperts) -> torch.Tensor: ...
+                 tokens_per_expert_E: torch.Tensor, experts: GroupedExperts) -> torch.Tensor: ...
+
+
+def sort_by_expert(x_TD: torch.Tensor, experts_TK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One row per (token, choice), grouped by expert: ``(x_sorted, order, token_of_row)``."""
+    order = experts_TK.flatten().argsort(stable=True)
+    token_of_row = order // experts_TK.shape[1]
+    return x_TD[token_of_row], order, token_of_row
+
+
+def combine_weighted(y_sorted: torch.Tensor, weights_TK: torch.Tensor, order: torch.Tensor,
+                     token_of_row: torch.Tensor, x_TD: torch.Tensor) -> torch.Tensor:
+    """Undo ``sort_by_expert``: weight each expert output and sum it into its token's row."""
+    y_weighted = y_sorted * weights_TK.flatten()[order, None].to(y_sorted.dtype)
+    return x_TD.new_zeros(x_TD.shape).index_add_(0, token_of_row, y_weighted.to(x_TD.dtype))
 
 
 class LocalTokenDispatcher:
     """Single-device dispatch: sort token copies by expert, run the experts, weight and scatter back."""
 
-    def __call__(self, x_TD, weights_TK, experts_TK, experts):
-        T, K = experts_TK.shape
-        flat_experts = experts_TK.flatten()
-        order = flat_experts.argsort(stable=True)
-        tokens_per_expert_E = torch.bincount(flat_experts, minlength=experts.num_experts)
-        y_sorted = experts(x_TD[order // K], tokens_per_expert_E)
-        y_weighted = y_sorted * weights_TK.flatten()[order, None].to(y_sorted.dtype)
-        return x_TD.new_zeros(x_TD.shape).index_add_(0, order // K, y_weighted.to(x_TD.dtype))
+    def __call__(self, x_TD, weights_TK, experts_TK, tokens_per_expert_E, experts):
+        x_sorted, order, token_of_row = sort_by_expert(x_TD, experts_TK)
+        return combine_weighted(experts(x_sorted, tokens_per_expert_E), weights_TK, order, token_of_row, x_TD)
 
 
 class _AttachAuxLoss(torch.autograd.Function):
@@ -183,8 +192,8 @@ class MoELayer(nn.Module):
         B, S, D = x_BSD.shape
         x_TD = x_BSD.reshape(-1, D)
         weights_TK, experts_TK, scores_TE, logits_TE = self.router(x_TD)
-        self.tokens_per_expert = torch.bincount(experts_TK.flatten(), minlength=self.num_experts).detach()
-        y_TD = self.dispatcher(x_TD, weights_TK, experts_TK, self.experts)
+        self.tokens_per_expert = torch.bincount(experts_TK.flatten(), minlength=self.num_experts)
+        y_TD = self.dispatcher(x_TD, weights_TK, experts_TK, self.tokens_per_expert, self.experts)
         if self.shared_experts is not None:
             y_TD = y_TD + self.shared_experts(x_TD)
         y_BSD = y_TD.view(B, S, D)

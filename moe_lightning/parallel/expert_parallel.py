@@ -9,6 +9,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..model import GroupedExperts, MoELayer
+from ..model.moe import combine_weighted, sort_by_expert
 
 
 class _AllToAll(torch.autograd.Function):
@@ -47,17 +48,15 @@ class AllToAllTokenDispatcher:
         self.group = group
         self.ep = dist.get_world_size(group)
 
-    def __call__(self, x_TD, weights_TK, experts_TK, experts: GroupedExperts):
-        T, K = experts_TK.shape
+    def __call__(self, x_TD, weights_TK, experts_TK, tokens_per_expert_E, experts: GroupedExperts):
         local = experts.num_experts
-        flat_experts = experts_TK.flatten()
-        order = flat_experts.argsort(stable=True)
-        send_counts_PE = torch.bincount(flat_experts, minlength=local * self.ep).view(self.ep, local)
+        x_sorted, order, token_of_row = sort_by_expert(x_TD, experts_TK)
+        send_counts_PE = tokens_per_expert_E.view(self.ep, local)
         recv_counts_PE = torch.empty_like(send_counts_PE)
         dist.all_to_all_single(recv_counts_PE, send_counts_PE, group=self.group)
         send_splits, recv_splits = torch.stack([send_counts_PE.sum(1), recv_counts_PE.sum(1)]).tolist()  # one sync
 
-        x_recv = _AllToAll.apply(x_TD[order // K], recv_splits, send_splits, self.group, float(self.ep))
+        x_recv = _AllToAll.apply(x_sorted, recv_splits, send_splits, self.group, float(self.ep))
         # Received rows are grouped [source rank][local expert]; the experts want [local expert][source rank].
         expert_of_row = torch.repeat_interleave(
             torch.arange(local, device=x_TD.device).repeat(self.ep), recv_counts_PE.flatten(),
@@ -66,9 +65,7 @@ class AllToAllTokenDispatcher:
         y_by_expert = experts(x_recv[by_expert], recv_counts_PE.sum(0))
         y_recv = y_by_expert[by_expert.argsort()]
         y_sorted = _AllToAll.apply(y_recv, send_splits, recv_splits, self.group, 1.0 / self.ep)
-
-        y_weighted = y_sorted * weights_TK.flatten()[order, None].to(y_sorted.dtype)
-        return x_TD.new_zeros(x_TD.shape).index_add_(0, order // K, y_weighted.to(x_TD.dtype))
+        return combine_weighted(y_sorted, weights_TK, order, token_of_row, x_TD)
 
 
 @torch.no_grad()
