@@ -24,8 +24,11 @@ def attention_flops_per_token(config: MoEConfig, seq_len: int, causal: bool = Tr
     return flops / 2 if causal else flops
 
 
-def training_flops_per_token(config: MoEConfig, seq_len: int, causal: bool = True) -> float:
-    """``6 × active matmul parameters`` (the embedding lookup is not a matmul) plus attention."""
-    counts = parameter_counts(config)
+def training_flops_per_token(config: MoEConfig, seq_len: int, causal: bool = True,
+                             counts: dict[str, int] | None = None) -> float:
+    """``6 × active matmul parameters`` (the embedding lookup is not a matmul) plus attention.
+
+    ``counts``: ``parameter_counts(config)`` when the caller has it already (it builds a meta model)."""
+    counts = counts or parameter_counts(config)
     matmul_params = counts["active"] - (0 if config.tie_embeddings else counts["embedding"])
     return 6 * matmul_params + attention_flops_per_token(config, seq_len, causal)

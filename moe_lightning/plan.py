@@ -150,7 +150,8 @@ def plan(config: MoEConfig, cluster: Cluster, work: Workload) -> dict:
                               cluster.expert_parallel_size, config.num_experts)
     roles, units = count_parameters(config)
     total = sum(roles.values())
-    active = parameter_counts(config)["active"]
+    counts = parameter_counts(config)
+    active = counts["active"]
     S, tokens = mesh.shard, work.micro_batch * work.seq_len
     muon = sum(roles.get(r, 0) for r in MUON_ROLES) if work.optimizer == "muon" else 0
 
@@ -172,6 +173,7 @@ def plan(config: MoEConfig, cluster: Cluster, work: Workload) -> dict:
         "reduce-scatter buffers": 6 * unit,
         "runtime reserve": work.reserve_gib * GiB,
     }
+    offloaded = (config.n_layers - 1) * boundary_one  # ActivationOffload's default keeps the last block's input
     variants = {}
     for offload in (False, True):
         boundary = min(1 + work.prefetch_depth if offload else config.n_layers, config.n_layers) * boundary_one
@@ -179,7 +181,6 @@ def plan(config: MoEConfig, cluster: Cluster, work: Workload) -> dict:
         gpu["boundary activations"] = boundary
         gpu.update(transient)
         peak = sum(gpu.values()) - min(working_set, loss_set)  # the two transients never coexist
-        offloaded = (config.n_layers - 1) * boundary_one  # ActivationOffload's default keeps the last block's input
         host = (sum(state.values()) if work.cpu_offload else 0) + (offloaded if offload else 0)
         fits = peak <= cluster.gpu_memory_gib * GiB and (
             cluster.host_memory_gib is None or host <= cluster.host_memory_gib * GiB)
@@ -187,7 +188,7 @@ def plan(config: MoEConfig, cluster: Cluster, work: Workload) -> dict:
             "gpu_bytes": {k: int(v) for k, v in gpu.items()}, "gpu_peak_bytes": int(peak),
             "host_bytes": int(host), "fits": fits}
 
-    flops_per_token = training_flops_per_token(config, work.seq_len)
+    flops_per_token = training_flops_per_token(config, work.seq_len, counts=counts)
     tokens_per_s = work.mfu * cluster.peak_tflops * 1e12 / flops_per_token
     return {
         "parameters": {"total": total, "active": active, "routed_experts": roles.get("expert_stack", 0),

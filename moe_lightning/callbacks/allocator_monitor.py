@@ -43,8 +43,10 @@ class AllocatorMonitor(L.Callback):
         self.warned = False
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if pl_module.device.type != "cuda" or not self.interval.due(trainer):
+            return  # read the allocator's ~100 statistics only when a log is due
         stats = read_cuda_memory_stats(pl_module.device)
-        if stats is None or not self.interval.due(trainer):
+        if stats is None:
             return
         retries, ooms = stats.get("num_alloc_retries", 0), stats.get("num_ooms", 0)
         new_retries, new_ooms = retries - self._retries, ooms - self._ooms

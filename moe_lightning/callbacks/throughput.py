@@ -54,6 +54,7 @@ class MoEThroughputMonitor(L.Callback):
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._config = getattr(pl_module, "config", None)
+        self._flops_per_token.clear()  # a reused callback may see another model
         if not isinstance(self._config, MoEConfig):
             raise ValueError(f"MoEThroughputMonitor needs {type(pl_module).__name__}.config to be a MoEConfig "
                              "(the FLOPs count is analytic).")

@@ -127,12 +127,12 @@ class RowExchange:
         self.to_owner = [sum(rows[k][me] * n for k, (o, (_, n)) in enumerate(zip(sg.owners, sg.shapes)) if o == dst)
                          for dst in range(sg.size)]
         self.from_rank = [sum(rows[k][src] * sg.shapes[k][1] for k in self.mine) for src in range(sg.size)]
+        self.gather_order = sorted(range(len(sg.shapes)), key=lambda k: sg.owners[k])  # stable: matrix order per owner
         self.work = None
 
     def start_gather(self, shards: list[torch.Tensor]) -> None:
         """Send each local row shard (bf16, the dtype Newton–Schulz starts from) to its owner."""
-        order = sorted(range(len(shards)), key=lambda k: self.sg.owners[k])  # stable: matrix order per owner
-        send = torch.cat([shards[k].to(self.device, torch.bfloat16).flatten() for k in order]) if order \
+        send = torch.cat([shards[k].to(self.device, torch.bfloat16).flatten() for k in self.gather_order]) if shards \
             else torch.empty(0, dtype=torch.bfloat16, device=self.device)
         self.recv = torch.empty(sum(self.from_rank), dtype=torch.bfloat16, device=self.device)
         self.work = dist.all_to_all_single(self.recv, send, self.from_rank, self.to_owner,
@@ -152,8 +152,8 @@ class RowExchange:
 
     def start_scatter(self, results: list[torch.Tensor]) -> None:
         """Send each rank its rows of the orthogonalized matrices this rank owns."""
-        send = [results[j][sum(self.rows[k][:dst]):sum(self.rows[k][:dst + 1])].flatten()
-                for dst in range(self.sg.size) for j, k in enumerate(self.mine)]
+        rows_by_rank = [result.split(self.rows[k]) for result, k in zip(results, self.mine)]
+        send = [rows[dst].flatten() for dst in range(self.sg.size) for rows in rows_by_rank]
         send = torch.cat(send) if send else torch.empty(0, dtype=torch.bfloat16, device=self.device)
         self.recv = torch.empty(sum(self.to_owner), dtype=torch.bfloat16, device=self.device)
         self.work = dist.all_to_all_single(self.recv, send.to(self.device, torch.bfloat16),

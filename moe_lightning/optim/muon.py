@@ -94,6 +94,7 @@ class Muon(torch.optim.Optimizer):
         super().__init__(groups, defaults)
         self.ns_device = torch.device(ns_device) if ns_device else None
         self._plan = None
+        self._exchange_cache = None
 
     def _compute_device(self, like: torch.Tensor) -> torch.device:
         if self.ns_device is not None:
@@ -123,18 +124,17 @@ class Muon(torch.optim.Optimizer):
         the scatters. Returns the function that waits for them and applies the row-sharded updates."""
         updates = [self._momentum_update(g, p) for g, p in muon]
         device = self._compute_device(_local(muon[0][1]))
-        exchanges = []
-        for sg in self._shard_groups(muon):
-            exchange = RowExchange(sg, comm_device(sg.group, device))
-            exchange.start_gather([updates[i] if e is None else updates[i][e] for i, e in sg.indices])
-            exchanges.append(exchange)
+        exchanges = self._exchanges(muon, device)
+        for ex in exchanges:
+            ex.start_gather([updates[i] if e is None else updates[i][e] for i, e in ex.sg.indices])
         sharded = {i for ex in exchanges for i, _ in ex.sg.indices}
+        schedules = {id(g): self._schedule(g) for g, _ in muon}  # once per group, not per matrix
         for i, (group, p) in enumerate(muon):
             if i not in sharded:
-                self._apply(group, p, newton_schulz(updates[i].to(device), self._schedule(group), group["eps"]))
+                self._apply(group, p, newton_schulz(updates[i].to(device), schedules[id(group)], group["eps"]))
         for ex in exchanges:  # NS of every owned matrix first, so all scatters are in flight together
             groups = [muon[ex.sg.indices[k][0]][0] for k in ex.mine]
-            ex.start_scatter([newton_schulz(G_MN.to(device), self._schedule(group), group["eps"])
+            ex.start_scatter([newton_schulz(G_MN.to(device), schedules[id(group)], group["eps"])
                               for G_MN, group in zip(ex.owned_matrices(), groups)])
 
         def finish():
@@ -154,6 +154,13 @@ class Muon(torch.optim.Optimizer):
             steps = {g["ns_steps"] for g, _ in muon}
             self._plan = (key, plan_shard_groups(names, [p for _, p in muon], max(steps)))
         return self._plan[1]
+
+    def _exchanges(self, muon, device: torch.device) -> list[RowExchange]:
+        """One ``RowExchange`` per shard group, built with the plan (its layout arithmetic is fixed too)."""
+        groups = self._shard_groups(muon)
+        if self._exchange_cache is None or self._exchange_cache[0] is not groups or self._exchange_cache[1] != device:
+            self._exchange_cache = (groups, device, [RowExchange(sg, comm_device(sg.group, device)) for sg in groups])
+        return self._exchange_cache[2]
 
     @staticmethod
     def _name(group: dict, p: torch.Tensor) -> str:
