@@ -15,6 +15,7 @@ import yaml
 
 from moe_lightning import MoEConfig, MoETransformer
 from moe_lightning.model import GroupedExperts
+from moe_lightning.plan import load_model_config
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 
@@ -22,7 +23,7 @@ CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 def load_config(name: str) -> tuple[MoEConfig, int, int]:
     raw = yaml.safe_load((CONFIGS / name).read_text())
     data = raw["data"]["init_args"]
-    return MoEConfig(**raw["model"]["init_args"]["config"]), data["batch_size"], data["seq_len"]
+    return load_model_config(CONFIGS / name), data["batch_size"], data["seq_len"]
 
 
 def tokens_per_second(name: str, steps: int) -> float:

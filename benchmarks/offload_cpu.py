@@ -14,7 +14,8 @@ import torch
 import yaml
 from gpu_offload import run_mode
 
-from moe_lightning.model import MoEConfig, MoETransformer
+from moe_lightning.model import MoETransformer
+from moe_lightning.plan import load_model_config
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -25,7 +26,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     with open(args.config) as f:
         cli_config = yaml.safe_load(f)
-    config = MoEConfig(**cli_config["model"]["init_args"]["config"])
+    config = load_model_config(args.config)
     data = cli_config["data"]["init_args"]
     seq_len, batch_size = data["seq_len"], data["batch_size"]
     torch.manual_seed(0)

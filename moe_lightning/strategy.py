@@ -92,6 +92,7 @@ class MoEFSDPStrategy(ModelParallelStrategy):
         self.unshard_async_op, self.cpu_offload, self.meta_init = unshard_async_op, cpu_offload, meta_init
         self.layout: MeshLayout | None = None
         self.expert_mesh = None
+        self._expert_fsdp_mesh = None  # the sub-mesh that FSDP-shards expert stacks under ep > 1
         self._fsdp_root: FSDPModule | None = None
 
     # ---- mesh -----------------------------------------------------------------------------------
@@ -108,6 +109,7 @@ class MoEFSDPStrategy(ModelParallelStrategy):
         device_type = self.root_device.type
         self._device_mesh = self.layout.dense_mesh(device_type)
         self.expert_mesh = self.layout.expert_mesh(device_type) if self.layout.ep > 1 else None
+        self._expert_fsdp_mesh = MeshLayout.expert_fsdp_mesh(self.expert_mesh) if self.expert_mesh is not None else None
         self.lightning_module._device_mesh = self._device_mesh
         rank_zero_info(f"{type(self).__name__}: {self.layout.replicate} replica(s) x {self.layout.shard} shard ranks, "
                        f"expert_parallel_size={self.layout.ep}.")
@@ -145,7 +147,6 @@ class MoEFSDPStrategy(ModelParallelStrategy):
         if self.layout.ep > 1:
             apply_expert_parallel(model.moe_layers(), self.expert_mesh["ep"].get_group())
         dense_mesh = self._device_mesh
-        expert_mesh = MeshLayout.expert_fsdp_mesh(self.expert_mesh) if self.layout.ep > 1 else dense_mesh
         offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if self.cpu_offload else OffloadPolicy()
         common = dict(mp_policy=MixedPrecisionPolicy(param_dtype=self._dtype(self.param_dtype, torch.bfloat16),
                                                      reduce_dtype=self._dtype(self.reduce_dtype, torch.float32)),
@@ -158,7 +159,7 @@ class MoEFSDPStrategy(ModelParallelStrategy):
         for block in model.layers:
             stage = []
             if self.layout.ep > 1 and block.is_moe:
-                stage.append(fully_shard(block.ffn.experts, mesh=expert_mesh,
+                stage.append(fully_shard(block.ffn.experts, mesh=self._expert_fsdp_mesh,
                                          reshard_after_forward=self.reshard_after_forward, **common))
             stages.append([fully_shard(block, mesh=dense_mesh, reshard_after_forward=self.reshard_after_forward,
                                        **common)] + stage)
@@ -237,7 +238,7 @@ class MoEFSDPStrategy(ModelParallelStrategy):
                 for dim, placement in enumerate(norm.placements):
                     if placement.is_partial():
                         torch.distributed.all_reduce(norm_sq, group=norm.device_mesh.get_group(dim))
-            if self.expert_mesh is not None and mesh == MeshLayout.expert_fsdp_mesh(self.expert_mesh):
+            if self._expert_fsdp_mesh is not None and mesh == self._expert_fsdp_mesh:
                 torch.distributed.all_reduce(norm_sq, group=self.expert_mesh["ep"].get_group())
             total_sq += norm_sq
         total = total_sq.sqrt()

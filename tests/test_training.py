@@ -10,6 +10,7 @@ import yaml
 from moe_lightning import MoEConfig, MoELanguageModel, TextDataModule
 from moe_lightning.cli import run
 from moe_lightning.flops import parameter_counts
+from moe_lightning.plan import load_model_config
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 
@@ -18,10 +19,8 @@ def cpu_single_process_configs() -> list[str]:
     """Every shipped config that one CPU process can run: single device and under 100M parameters."""
     names = []
     for path in sorted(CONFIGS.glob("*.yaml")):
-        config = yaml.safe_load(path.read_text())
-        devices = config.get("trainer", {}).get("devices", 1)
-        model_config = MoEConfig(**config["model"]["init_args"]["config"])
-        if devices in (1, "1") and parameter_counts(model_config)["total"] < 100e6:
+        devices = yaml.safe_load(path.read_text()).get("trainer", {}).get("devices", 1)
+        if devices in (1, "1") and parameter_counts(load_model_config(path))["total"] < 100e6:
             names.append(path.name)
     return names
 

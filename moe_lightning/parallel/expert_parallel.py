@@ -63,7 +63,7 @@ class AllToAllTokenDispatcher:
             output_size=sum(recv_splits))
         by_expert = expert_of_row.argsort(stable=True)
         y_by_expert = experts(x_recv[by_expert], recv_counts_PE.sum(0))
-        y_recv = y_by_expert[by_expert.argsort()]
+        y_recv = torch.empty_like(y_by_expert).index_copy_(0, by_expert, y_by_expert)  # undo without a second sort
         y_sorted = _AllToAll.apply(y_recv, send_splits, recv_splits, self.group, 1.0 / self.ep)
         return combine_weighted(y_sorted, weights_TK, order, token_of_row, x_TD)
 
