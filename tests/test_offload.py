@@ -120,6 +120,7 @@ def test_remove_restores_plain_forward():
     model = MoETransformer(CONFIG)
     offload = ActivationOffload(min_offload_bytes=0)
     offload.apply(model.layers)
+    assert list(model.state_dict()) == list(MoETransformer(CONFIG).state_dict())  # names untouched while applied
     with pytest.raises(RuntimeError, match="already applied"):
         offload.apply(model.layers)
     offload.remove()

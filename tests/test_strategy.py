@@ -63,32 +63,34 @@ def runs(tmp_path_factory):
     return results
 
 
+def assert_all_close(records: list[dict], reference: list[dict], **tolerance) -> None:
+    """Per-step norm dicts equal within tolerance; a missing record fails (zip alone would pass on [])."""
+    assert len(records) == len(reference) > 0
+    for record, expected in zip(records, reference):
+        assert record == pytest.approx(expected, **tolerance)
+
+
 def test_fsdp_two_processes_match_one_process(runs):
     assert losses(runs["fsdp"]) == pytest.approx(losses(runs["single"]), rel=RTOL)
-    for fsdp, single in zip(runs["fsdp"]["grad_norms"], runs["single"]["grad_norms"]):
-        assert fsdp == pytest.approx(single, rel=RTOL)
+    assert_all_close(runs["fsdp"]["grad_norms"], runs["single"]["grad_norms"], rel=RTOL)
 
 
 def test_hsdp_2x2_with_offload_and_async_unshard_matches_one_process(runs):
     assert losses(runs["hsdp"]) == pytest.approx(losses(runs["single"]), rel=RTOL)
-    for hsdp, single in zip(runs["hsdp"]["grad_norms"], runs["single"]["grad_norms"]):
-        assert hsdp == pytest.approx(single, rel=RTOL)
+    assert_all_close(runs["hsdp"]["grad_norms"], runs["single"]["grad_norms"], rel=RTOL)
 
 
 def test_expert_parallel_matches_ep1_losses_and_gradients(runs):
     """Gradient norms catch a wrong expert-gradient scale that AdamW's normalisation would hide in losses."""
     assert losses(runs["ep_killed"]) == pytest.approx(losses(runs["fsdp"]), rel=RTOL)
-    for ep, fsdp in zip(runs["ep_killed"]["grad_norms"], runs["fsdp"]["grad_norms"]):
-        assert ep["experts"] == pytest.approx(fsdp["experts"], rel=RTOL)
-        assert ep["other"] == pytest.approx(fsdp["other"], rel=RTOL)
+    assert_all_close(runs["ep_killed"]["grad_norms"], runs["fsdp"]["grad_norms"], rel=RTOL)
     assert all(row["calls"].get("all_to_all_single", 0) > 0 for row in runs["ep_killed"]["batches"])
 
 
 def test_gradient_clipping_uses_one_global_norm_across_dense_and_expert_meshes(runs):
     """Lightning's own clipping (one process) is the reference; the strategy's norm spans both meshes."""
     for name in ("fsdp", "ep_killed", "hsdp"):
-        for clipped, single in zip(runs[name]["clipped_norms"], runs["single"]["clipped_norms"]):
-            assert clipped == pytest.approx(single, rel=RTOL)
+        assert_all_close(runs[name]["clipped_norms"], runs["single"]["clipped_norms"], rel=RTOL)
     first = runs["ep_killed"]["clipped_norms"][0]
     assert (first["other"] ** 2 + first["experts"] ** 2) ** 0.5 == pytest.approx(1.0, rel=1e-4)
 
@@ -106,10 +108,7 @@ def test_sigkill_while_writing_keeps_last_good_checkpoint_and_resume_continues_e
     killed, resumed = runs["ep_killed"]["batches"], runs["ep_resumed"]["batches"]
     assert [r["batch"] for r in resumed] == [4, 5, 6, 7]  # same data order: the next unseen batches
     assert losses(runs["ep_resumed"]) == pytest.approx(losses(runs["ep_killed"], 4), abs=RESUME_ATOL)
-    resumed_norms, killed_norms = runs["ep_resumed"]["grad_norms"], runs["ep_killed"]["grad_norms"][2:]
-    assert len(resumed_norms) == len(killed_norms)
-    for resumed_norm, killed_norm in zip(resumed_norms, killed_norms):  # approx takes flat dicts, not lists of them
-        assert resumed_norm == pytest.approx(killed_norm, abs=RESUME_ATOL)
+    assert_all_close(runs["ep_resumed"]["grad_norms"], runs["ep_killed"]["grad_norms"][2:], abs=RESUME_ATOL)
     assert len(killed) == 8
 
 
