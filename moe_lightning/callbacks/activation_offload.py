@@ -31,12 +31,13 @@ class _Boundary:
     __slots__ = ("index", "offloaded", "device", "device_tensor", "host_tensor", "copy_done", "generation",
                  "buffer_versions", "__weakref__")
 
-    def __init__(self, index: int, tensor: torch.Tensor, offloaded: bool, generation: "weakref.WeakValueDictionary"):
+    def __init__(self, index: int, tensor: torch.Tensor, offloaded: bool, generation: "weakref.WeakValueDictionary",
+                 buffer_versions: list[tuple[str, torch.Tensor, int]]):
         self.index, self.offloaded, self.device, self.generation = index, offloaded, tensor.device, generation
         self.device_tensor: Optional[torch.Tensor] = tensor
         self.host_tensor: Optional[torch.Tensor] = None
         self.copy_done: Optional[torch.cuda.Event] = None
-        self.buffer_versions: list[tuple[str, torch.Tensor, int]] = []
+        self.buffer_versions = buffer_versions
 
 
 class ActivationOffload(L.Callback):
@@ -143,8 +144,8 @@ class ActivationOffload(L.Callback):
         self._packed.add(index)
         nbytes = tensor.numel() * tensor.element_size()
         offloaded = index in self._offload_indices and nbytes >= self.min_offload_bytes
-        boundary = _Boundary(index, tensor, offloaded, self._generation)
-        boundary.buffer_versions = [(name, buf, buf._version) for name, buf in self._layers[index].named_buffers()]
+        versions = [(name, buf, buf._version) for name, buf in self._layers[index].named_buffers()]
+        boundary = _Boundary(index, tensor, offloaded, self._generation, versions)
         self._generation[index] = boundary
         self.order.append(("offload" if offloaded else "keep", index))
         if offloaded:
@@ -164,16 +165,12 @@ class ActivationOffload(L.Callback):
                     "different experts, wrong gradients). Update such state after backward, e.g. in "
                     "on_before_optimizer_step rather than on_before_zero_grad (Lightning zeroes gradients after "
                     "training_step, before backward).")
-        if boundary.offloaded and boundary.device_tensor is None:
-            self._copy_in(boundary)
-        for ahead in self._next_offloaded(boundary):
-            if ahead.device_tensor is None:
-                self._copy_in(ahead)
+        for needed in [boundary, *self._next_offloaded(boundary)]:  # this input, then the look-ahead
+            if needed.offloaded and needed.device_tensor is None:
+                self._copy_in(needed)
         tensor = boundary.device_tensor
         if boundary.offloaded:
-            if boundary.copy_done is not None:
-                torch.cuda.current_stream(boundary.device).wait_event(boundary.copy_done)
-            boundary.device_tensor, boundary.copy_done = None, None
+            self._release_source(boundary)  # waits for the copy in, then drops our reference
         self.order.append(("use", boundary.index))
         return tensor
 
@@ -193,20 +190,24 @@ class ActivationOffload(L.Callback):
     def _copy_out(self, boundary: _Boundary) -> None:
         """Start device→host; the source stays referenced until ``_release_source`` orders its free."""
         source = boundary.device_tensor
-        side = self._side_stream(source.device)
-        host = torch.empty(source.shape, dtype=source.dtype, device="cpu", pin_memory=side is not None)
-        with torch.no_grad():
-            if side is None:
-                host.copy_(source)
-            else:
-                side.wait_stream(torch.cuda.current_stream(source.device))
-                with torch.cuda.stream(side):
-                    host.copy_(source, non_blocking=True)
-                    boundary.copy_done = side.record_event()
+        host = torch.empty(source.shape, dtype=source.dtype, device="cpu", pin_memory=source.device.type == "cuda")
+        self._copy(boundary, source, host)
         boundary.host_tensor = host
 
+    def _copy(self, boundary: _Boundary, source: torch.Tensor, destination: torch.Tensor) -> None:
+        """Copy on the side stream after the compute stream's pending work; ``copy_done`` marks the end."""
+        side = self._side_stream(boundary.device)
+        with torch.no_grad():
+            if side is None:
+                destination.copy_(source)
+                return
+            side.wait_stream(torch.cuda.current_stream(boundary.device))
+            with torch.cuda.stream(side):
+                destination.copy_(source, non_blocking=True)
+                boundary.copy_done = side.record_event()
+
     def _release_source(self, boundary: _Boundary) -> None:
-        """After the block's forward: order the compute stream after the copy, then drop the device copy."""
+        """Order the compute stream after the boundary's pending copy (out or in), then drop our device reference."""
         if boundary.copy_done is not None:
             torch.cuda.current_stream(boundary.device).wait_event(boundary.copy_done)
             boundary.copy_done = None
@@ -214,17 +215,8 @@ class ActivationOffload(L.Callback):
 
     def _copy_in(self, boundary: _Boundary) -> None:
         """Start host→device into memory allocated on the compute stream."""
-        device = boundary.device
-        side = self._side_stream(device)
-        destination = torch.empty(boundary.host_tensor.shape, dtype=boundary.host_tensor.dtype, device=device)
-        with torch.no_grad():
-            if side is None:
-                destination.copy_(boundary.host_tensor)
-            else:
-                side.wait_stream(torch.cuda.current_stream(device))
-                with torch.cuda.stream(side):
-                    destination.copy_(boundary.host_tensor, non_blocking=True)
-                    boundary.copy_done = side.record_event()
+        destination = torch.empty(boundary.host_tensor.shape, dtype=boundary.host_tensor.dtype, device=boundary.device)
+        self._copy(boundary, boundary.host_tensor, destination)
         boundary.device_tensor = destination
         self.tensors_copied_in += 1
         self.order.append(("copy_in", boundary.index))
