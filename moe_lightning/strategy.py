@@ -281,7 +281,7 @@ class MoEFSDPStrategy(ModelParallelStrategy):
         self.barrier()
         state = {"state_dict": checkpoint.pop("state_dict")}
         state.update({f"optimizer_{i}": o for i, o in enumerate(checkpoint.pop("optimizer_states", []))})
-        with ckpt.global_expert_views(state, ckpt.expert_parameter_names(self.lightning_module), self.expert_mesh):
+        with self._expert_views(state):
             dcp.save(state, checkpoint_id=partial)
         if self.is_global_zero:
             torch.save(checkpoint, partial / ckpt.METADATA_FILE)
@@ -293,6 +293,10 @@ class MoEFSDPStrategy(ModelParallelStrategy):
         if self.is_global_zero:
             ckpt.commit_directory(partial, path)
 
+    def _expert_views(self, state: dict):
+        """Expert stacks seen as global ``[E, ...]`` tensors while DCP saves or loads ``state``."""
+        return ckpt.global_expert_views(state, ckpt.expert_parameter_names(self.lightning_module), self.expert_mesh)
+
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
         """Load a sharded checkpoint written at any world size or ``expert_parallel_size``."""
         path = ckpt.resolve_checkpoint(Path(self.broadcast(str(checkpoint_path))))
@@ -301,7 +305,7 @@ class MoEFSDPStrategy(ModelParallelStrategy):
         state = {"state_dict": get_model_state_dict(self.model)}
         state.update({f"optimizer_{i}": get_optimizer_state_dict(self.model, optimizer)
                       for i, optimizer in enumerate(self.optimizers)})
-        with ckpt.global_expert_views(state, ckpt.expert_parameter_names(self.lightning_module), self.expert_mesh):
+        with self._expert_views(state):
             dcp.load(state, checkpoint_id=path)
         set_model_state_dict(self.model, state["state_dict"],
                              options=StateDictOptions(strict=self.lightning_module.strict_loading))

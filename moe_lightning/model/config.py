@@ -83,10 +83,7 @@ class MoEConfig:
         positive = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "max_seq_len",
                     "ffn_hidden", "num_experts", "top_k", "expert_hidden", "n_expert_groups",
                     "n_limited_groups")
-        for name in positive:
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ConfigError(f"MoEConfig.{name}={value!r}: must be a positive integer.")
+        self._require_positive(positive)
         if self.attention not in ("gqa", "mla"):
             raise ConfigError(f"MoEConfig.attention={self.attention!r}: use 'gqa' or 'mla'.")
         if self.attention == "mla":
@@ -139,11 +136,15 @@ class MoEConfig:
                 f"MoEConfig.n_kv_heads={self.n_kv_heads} must divide n_heads={self.n_heads}: "
                 f"pick n_kv_heads from the divisors of n_heads.")
 
-    def _validate_mla(self) -> None:
-        for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+    def _require_positive(self, names, context: str = "") -> None:
+        for name in names:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
-                raise ConfigError(f"MoEConfig.{name}={value!r}: must be a positive integer for attention='mla'.")
+                raise ConfigError(f"MoEConfig.{name}={value!r}: must be a positive integer{context}.")
+
+    def _validate_mla(self) -> None:
+        self._require_positive(("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"),
+                               " for attention='mla'")
         if not isinstance(self.q_lora_rank, int) or self.q_lora_rank < 0:
             raise ConfigError(f"MoEConfig.q_lora_rank={self.q_lora_rank!r}: must be >= 0 "
                               f"(0 projects queries at full rank).")

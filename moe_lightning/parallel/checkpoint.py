@@ -81,13 +81,18 @@ def global_expert_views(state: dict[str, Any], names: set[str], expert_mesh: Dev
 def commit_directory(partial: Path, path: Path) -> None:
     """Replace ``path`` by the fully written ``partial``; a crash at any point leaves a loadable checkpoint."""
     old = path.with_name(path.name + OLD_SUFFIX)
-    if old.exists():
-        shutil.rmtree(old) if old.is_dir() else old.unlink()
+    _remove(old)
     if path.exists():
         os.replace(path, old)
     os.replace(partial, path)
-    if old.exists():
-        shutil.rmtree(old) if old.is_dir() else old.unlink()
+    _remove(old)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path)
+    elif path.exists():
+        path.unlink()
 
 
 def resolve_checkpoint(path: Path) -> Path:

@@ -17,6 +17,14 @@ class MeshError(ValueError):
     """A parallel size does not fit the world or the model; the message names the argument and the fix."""
 
 
+def _check_ep_divides_shard(shard_size: int, expert_parallel_size: int) -> None:
+    if shard_size % expert_parallel_size:
+        raise MeshError(
+            f"strategy.expert_parallel_size={expert_parallel_size} must divide strategy.shard_size="
+            f"{shard_size} (expert parallelism is carved out of the shard ranks): choose it from "
+            f"{_divisors(shard_size)}.")
+
+
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
@@ -42,11 +50,8 @@ class MeshLayout:
                 raise MeshError(f"strategy.{name}={value!r}: must be a positive integer.")
         if shard_size != "auto" and (not isinstance(shard_size, int) or isinstance(shard_size, bool) or shard_size < 1):
             raise MeshError(f"strategy.shard_size={shard_size!r}: must be a positive integer or 'auto'.")
-        if isinstance(shard_size, int) and shard_size % expert_parallel_size:
-            raise MeshError(
-                f"strategy.expert_parallel_size={expert_parallel_size} must divide strategy.shard_size="
-                f"{shard_size} (expert parallelism is carved out of the shard ranks): choose it from "
-                f"{_divisors(shard_size)}.")
+        if isinstance(shard_size, int):
+            _check_ep_divides_shard(shard_size, expert_parallel_size)
 
     @classmethod
     def resolve(cls, world_size: int, replicate_size: int, shard_size: int | str,
@@ -64,11 +69,7 @@ class MeshLayout:
                 f"strategy.replicate_size={replicate_size} x strategy.shard_size={shard_size} = "
                 f"{replicate_size * shard_size}, but the world size (num_nodes x devices) is {world_size}: "
                 f"make the product equal {world_size}, e.g. shard_size='auto'.")
-        if shard_size % expert_parallel_size:
-            raise MeshError(
-                f"strategy.expert_parallel_size={expert_parallel_size} must divide strategy.shard_size="
-                f"{shard_size} (expert parallelism is carved out of the shard ranks): choose it from "
-                f"{_divisors(shard_size)}.")
+        _check_ep_divides_shard(shard_size, expert_parallel_size)
         if num_experts is not None and num_experts % expert_parallel_size:
             raise MeshError(
                 f"strategy.expert_parallel_size={expert_parallel_size} must divide the model's "
