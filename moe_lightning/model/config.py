@@ -45,6 +45,9 @@ class MoEConfig:
         qk_rope_head_dim: MLA per-head rotary width, decoupled: one rotary key shared by all heads.
         v_head_dim: MLA per-head value width.
         init_std: Standard deviation of the normal weight initialisation.
+        document_masking: Attend only within each document of a packed sequence (documents end at
+            ``eod_token_id``, which belongs to the document it ends); off: plain causal attention.
+        eod_token_id: End-of-document token id (the byte tokenizer's is 256).
     """
 
     vocab_size: int = 320
@@ -78,6 +81,8 @@ class MoEConfig:
     qk_rope_head_dim: int = 16
     v_head_dim: int = 32
     init_std: float = 0.02
+    document_masking: bool = False
+    eod_token_id: int = 256
 
     def __post_init__(self) -> None:
         positive = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "max_seq_len",
@@ -119,6 +124,10 @@ class MoEConfig:
         for name in ("bias_update_rate", "aux_loss_coef", "z_loss_coef"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"MoEConfig.{name}={getattr(self, name)} must be >= 0.")
+        if self.document_masking and (not isinstance(self.eod_token_id, int)
+                                      or not 0 <= self.eod_token_id < self.vocab_size):
+            raise ConfigError(f"MoEConfig.eod_token_id={self.eod_token_id!r} must be a token id in "
+                              f"[0, vocab_size={self.vocab_size}): use the tokenizer's end-of-document id.")
         if self.route_scale <= 0:
             raise ConfigError(f"MoEConfig.route_scale={self.route_scale} must be > 0.")
 

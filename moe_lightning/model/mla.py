@@ -6,9 +6,9 @@ one rotary key per token shared by every head, so the compressed latent itself c
 """
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from .attention import DocumentMask, attend
 from .config import MoEConfig
 from .layers import RMSNorm, apply_rotary, rotary_cos_sin
 
@@ -34,7 +34,7 @@ class MultiHeadLatentAttention(nn.Module):
         self.wo = nn.Linear(self.n_heads * self.v_dim, config.dim, bias=False)
         self.scale = qk_dim ** -0.5
 
-    def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
+    def forward(self, x_BSD: torch.Tensor, mask: DocumentMask | None = None) -> torch.Tensor:
         B, S, _ = x_BSD.shape
         H = self.n_heads
         q_BSX = self.wq_b(self.q_norm(self.wq_a(x_BSD))) if self.q_lora_rank else self.wq(x_BSD)
@@ -47,8 +47,7 @@ class MultiHeadLatentAttention(nn.Module):
         k_nope_BSHN, v_BSHV = kv_BSHX.split([self.nope_dim, self.v_dim], dim=-1)
         q_BSHK = torch.cat([q_nope_BSHN, q_rope_BSHR], dim=-1)
         k_BSHK = torch.cat([k_nope_BSHN, k_rope_BS1R.expand(-1, -1, H, -1)], dim=-1)
-        out_BHSV = F.scaled_dot_product_attention(
-            q_BSHK.transpose(1, 2), k_BSHK.transpose(1, 2), v_BSHV.transpose(1, 2), is_causal=True, scale=self.scale)
+        out_BHSV = attend(q_BSHK.transpose(1, 2), k_BSHK.transpose(1, 2), v_BSHV.transpose(1, 2), mask, self.scale)
         return self.wo(out_BHSV.transpose(1, 2).reshape(B, S, H * self.v_dim))
 
     def init_weights(self, std: float, out_std: float) -> None:
