@@ -12,7 +12,7 @@ from torch import nn
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 from .config import MoEConfig
-from .layers import apply_rotary, rotary_cos_sin
+from .rotary import Rotary, apply_rotary
 
 
 def document_ids(tokens_BS: torch.Tensor, eod_token_id: int, eods_before_B: torch.Tensor | None = None) -> torch.Tensor:
@@ -101,7 +101,7 @@ class GroupedQueryAttention(nn.Module):
     def __init__(self, config: MoEConfig):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.n_kv_heads, config.head_dim
-        self.rope_theta = config.rope_theta
+        self.rotary = Rotary(config, self.head_dim)
         self.wq = nn.Linear(config.dim, self.n_heads * self.head_dim, bias=False)
         self.wk = nn.Linear(config.dim, self.n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(config.dim, self.n_kv_heads * self.head_dim, bias=False)
@@ -112,7 +112,7 @@ class GroupedQueryAttention(nn.Module):
         q_BSHK = self.wq(x_BSD).view(B, S, self.n_heads, self.head_dim)
         k_BSGK = self.wk(x_BSD).view(B, S, self.n_kv_heads, self.head_dim)
         v_BSGK = self.wv(x_BSD).view(B, S, self.n_kv_heads, self.head_dim)
-        cos, sin = rotary_cos_sin(S, self.head_dim, self.rope_theta, device=x_BSD.device)
+        cos, sin = self.rotary.cos_sin(0, S, device=x_BSD.device)
         q_BSHK, k_BSGK = apply_rotary(q_BSHK, cos, sin), apply_rotary(k_BSGK, cos, sin)
         out_BHSK = attend(q_BSHK.transpose(1, 2), k_BSGK.transpose(1, 2), v_BSGK.transpose(1, 2), mask)
         return self.wo(out_BHSK.transpose(1, 2).reshape(B, S, -1))
