@@ -113,7 +113,8 @@ class GroupedQueryAttention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim if per_head else self.n_heads * self.head_dim, config.norm_eps)
             self.k_norm = RMSNorm(self.head_dim if per_head else self.n_kv_heads * self.head_dim, config.norm_eps)
 
-    def forward(self, x_BSD: torch.Tensor, mask: DocumentMask | None = None) -> torch.Tensor:
+    def forward(self, x_BSD: torch.Tensor, mask: DocumentMask | None = None, cache=None) -> torch.Tensor:
+        """``cache`` (a ``kv_cache.LayerCache``): positions continue after the cached ones, keys/values are kept."""
         B, S, _ = x_BSD.shape
         q_BSHK = self.wq(x_BSD).view(B, S, self.n_heads, self.head_dim)
         k_BSGK = self.wk(x_BSD).view(B, S, self.n_kv_heads, self.head_dim)
@@ -125,9 +126,12 @@ class GroupedQueryAttention(nn.Module):
             k_BSGK = self.k_norm(k_BSGK.flatten(2)).view_as(k_BSGK)
         if self.clip_qkv is not None:
             q_BSHK, k_BSGK, v_BSGK = (t.clamp(-self.clip_qkv, self.clip_qkv) for t in (q_BSHK, k_BSGK, v_BSGK))
-        cos, sin = self.rotary.cos_sin(0, S, device=x_BSD.device)
-        q_BSHK, k_BSGK = apply_rotary(q_BSHK, cos, sin), apply_rotary(k_BSGK, cos, sin)
-        out_BHSK = attend(q_BSHK.transpose(1, 2), k_BSGK.transpose(1, 2), v_BSGK.transpose(1, 2), mask)
+        cos, sin = self.rotary.cos_sin(0 if cache is None else cache.length, S, device=x_BSD.device)
+        q_BSHK, k_BTGK = apply_rotary(q_BSHK, cos, sin), apply_rotary(k_BSGK, cos, sin)
+        v_BTGK = v_BSGK
+        if cache is not None:
+            k_BTGK, v_BTGK = cache.append(k_BTGK, v_BTGK)
+        out_BHSK = attend(q_BSHK.transpose(1, 2), k_BTGK.transpose(1, 2), v_BTGK.transpose(1, 2), mask)
         return self.wo(out_BHSK.transpose(1, 2).reshape(B, S, -1))
 
     def init_weights(self, std: float, out_std: float) -> None:
