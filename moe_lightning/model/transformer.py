@@ -111,7 +111,7 @@ class MoETransformer(nn.Module):
         that many steps). Without it every step recomputes the last ``max_seq_len`` tokens. A row that
         produced ``stop_token`` repeats it; the stream ends once every row has.
         """
-        check_sampling(max_new_tokens, temperature, top_k, top_p)
+        check_sampling(max_new_tokens, top_k, top_p)
         window = self.config.max_seq_len
         context_BS = tokens_BS[:, -window:]
         pending_BS = context_BS
@@ -135,7 +135,7 @@ class MoETransformer(nn.Module):
             context_BS = torch.cat([context_BS, pending_BS], dim=1)[:, -window:]
 
 
-def check_sampling(max_new_tokens: int, temperature: float, top_k: int | None, top_p: float | None) -> None:
+def check_sampling(max_new_tokens: int, top_k: int | None, top_p: float | None) -> None:
     if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens={max_new_tokens!r}: must be an integer >= 0.")
     if top_k is not None and (not isinstance(top_k, int) or top_k < 1):
