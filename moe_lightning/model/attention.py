@@ -9,6 +9,7 @@ scores depend only on the distance between query and key, so a document scores a
 import torch
 import torch.nn.functional as F
 from torch import nn
+# FlexAttention and create_block_mask(_compile=...) exist since torch 2.5 (read here in the 2.13 source).
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 from .config import MoEConfig
@@ -33,6 +34,7 @@ class DocumentMask:
     def __init__(self, doc_kv_BT: torch.Tensor):
         self.doc_kv_BT = doc_kv_BT
         self._block_mask: BlockMask | None = None
+        self._dense: dict[int, torch.Tensor] = {}
 
     def mask_mod(self):
         """FlexAttention's predicate for a square ``S == T`` mask (training, prefill); a plain function of
@@ -44,12 +46,14 @@ class DocumentMask:
         return same_document_causal
 
     def dense(self, q_len: int) -> torch.Tensor:
-        """Boolean ``[B, 1, S, T]`` mask (``True`` = attend) for the last ``q_len`` query positions."""
-        T = self.doc_kv_BT.shape[1]
-        q_pos_S = torch.arange(T - q_len, T, device=self.doc_kv_BT.device)
-        causal_ST = q_pos_S[:, None] >= torch.arange(T, device=self.doc_kv_BT.device)
-        same_doc_BST = self.doc_kv_BT[:, T - q_len:, None] == self.doc_kv_BT[:, None, :]
-        return (causal_ST & same_doc_BST)[:, None]
+        """Boolean ``[B, 1, S, T]`` mask (``True`` = attend) for the last ``q_len`` query positions (built once)."""
+        if q_len not in self._dense:
+            T = self.doc_kv_BT.shape[1]
+            q_pos_S = torch.arange(T - q_len, T, device=self.doc_kv_BT.device)
+            causal_ST = q_pos_S[:, None] >= torch.arange(T, device=self.doc_kv_BT.device)
+            same_doc_BST = self.doc_kv_BT[:, T - q_len:, None] == self.doc_kv_BT[:, None, :]
+            self._dense[q_len] = (causal_ST & same_doc_BST)[:, None]
+        return self._dense[q_len]
 
     def block_mask(self) -> BlockMask:
         """FlexAttention block mask, built once (compiled on CUDA, so the ``S x S`` mask never exists)."""
