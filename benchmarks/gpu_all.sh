@@ -13,7 +13,7 @@ mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 start=$SECONDS
 failed=()
-echo "gpu_all: total budget ${budget} s; parts: smoke(90) offload(120) muon(90) strategy(90) memory(30)"
+echo "gpu_all: total budget ${budget} s; parts: smoke(90) offload(100) attention(60) muon(80) strategy(60) memory(30)"
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   python -c "import torch, lightning; print('torch', torch.__version__, 'lightning', lightning.__version__, \
 'gpus', torch.cuda.device_count())"; } 2>&1 | tee "$out/machine.txt"
@@ -34,9 +34,10 @@ part() {  # part NAME BOX_SECONDS COMMAND...: run within min(BOX, budget left), 
 }
 
 part smoke 90 python benchmarks/gpu_smoke.py                     # the 1t-mini path end to end, host syncs
-part offload 120 python benchmarks/gpu_offload.py                # peak memory / tokens/s: off, checkpoint, prefetch
-part muon 90 python benchmarks/muon_gpu_step.py --cases adamw,muon,muon_offload_ns_gpu
-part strategy 90 python benchmarks/gpu_strategy.py               # one variant on 1 GPU; unshard/prefetch on >= 2
+part offload 100 python benchmarks/gpu_offload.py                # peak memory / tokens/s: off, checkpoint, prefetch
+part attention 60 python benchmarks/gpu_attention.py             # FlexAttention document mask vs dense-mask SDPA
+part muon 80 python benchmarks/muon_gpu_step.py --cases adamw,muon,muon_offload_ns_gpu
+part strategy 60 python benchmarks/gpu_strategy.py               # one variant on 1 GPU; unshard/prefetch on >= 2
 part memory 30 python benchmarks/block_memory.py                 # saved bytes per token (CPU-exact, GPU kernels)
 
 echo "gpu_all: done in $((SECONDS - start)) s of ${budget} s"

@@ -45,7 +45,7 @@ def test_gpu_all_runs_every_part_reports_failures_and_exits_nonzero(tmp_path):
     lines = done.stdout.splitlines()
     assert "gpu_all: total budget 420 s" in lines[0]
     parts = [line.split("--- ")[1].split(" ")[0] for line in lines if "--- " in line]
-    assert parts == ["smoke", "offload", "muon", "strategy", "memory"]  # smoke first, then by value
+    assert parts == ["smoke", "offload", "attention", "muon", "strategy", "memory"]  # smoke first, then by value
     assert "gpu_all: FAILED muon (exit 3)" in lines and "gpu_all: ok strategy" in lines
     assert done.returncode == 1 and "FAILED PARTS: muon:exit3" in done.stdout
     assert (tmp_path / "out" / "strategy.log").read_text().strip() == '{"part": "gpu_strategy", "status": "ok"}'
