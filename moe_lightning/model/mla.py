@@ -6,11 +6,12 @@ one rotary key per token shared by every head, so the compressed latent itself c
 """
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from .attention import DocumentMask, attend
 from .config import MoEConfig
-from .layers import RMSNorm, apply_rotary, rotary_cos_sin
+from .layers import RMSNorm
+from .rotary import Rotary, apply_rotary, mla_softmax_scale
 
 
 class MultiHeadLatentAttention(nn.Module):
@@ -18,7 +19,7 @@ class MultiHeadLatentAttention(nn.Module):
 
     def __init__(self, config: MoEConfig):
         super().__init__()
-        self.n_heads, self.rope_theta = config.n_heads, config.rope_theta
+        self.n_heads = config.n_heads
         self.nope_dim, self.rope_dim, self.v_dim = config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
         self.q_lora_rank, self.kv_lora_rank = config.q_lora_rank, config.kv_lora_rank
         qk_dim = self.nope_dim + self.rope_dim
@@ -32,23 +33,23 @@ class MultiHeadLatentAttention(nn.Module):
         self.kv_norm = RMSNorm(self.kv_lora_rank, config.norm_eps)
         self.wkv_b = nn.Linear(self.kv_lora_rank, self.n_heads * (self.nope_dim + self.v_dim), bias=False)
         self.wo = nn.Linear(self.n_heads * self.v_dim, config.dim, bias=False)
-        self.scale = qk_dim ** -0.5
+        self.rotary = Rotary(config, self.rope_dim)
+        self.scale = mla_softmax_scale(config)
 
-    def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
+    def forward(self, x_BSD: torch.Tensor, mask: DocumentMask | None = None) -> torch.Tensor:
         B, S, _ = x_BSD.shape
         H = self.n_heads
         q_BSX = self.wq_b(self.q_norm(self.wq_a(x_BSD))) if self.q_lora_rank else self.wq(x_BSD)
         q_nope_BSHN, q_rope_BSHR = q_BSX.view(B, S, H, -1).split([self.nope_dim, self.rope_dim], dim=-1)
         kv_BSC, k_rope_BSR = self.wkv_a(x_BSD).split([self.kv_lora_rank, self.rope_dim], dim=-1)
-        cos, sin = rotary_cos_sin(S, self.rope_dim, self.rope_theta, device=x_BSD.device)
+        cos, sin = self.rotary.cos_sin(0, S, device=x_BSD.device)
         q_rope_BSHR = apply_rotary(q_rope_BSHR, cos, sin)
         k_rope_BS1R = apply_rotary(k_rope_BSR.unsqueeze(2), cos, sin)
         kv_BSHX = self.wkv_b(self.kv_norm(kv_BSC)).view(B, S, H, -1)
         k_nope_BSHN, v_BSHV = kv_BSHX.split([self.nope_dim, self.v_dim], dim=-1)
         q_BSHK = torch.cat([q_nope_BSHN, q_rope_BSHR], dim=-1)
         k_BSHK = torch.cat([k_nope_BSHN, k_rope_BS1R.expand(-1, -1, H, -1)], dim=-1)
-        out_BHSV = F.scaled_dot_product_attention(
-            q_BSHK.transpose(1, 2), k_BSHK.transpose(1, 2), v_BSHV.transpose(1, 2), is_causal=True, scale=self.scale)
+        out_BHSV = attend(q_BSHK.transpose(1, 2), k_BSHK.transpose(1, 2), v_BSHV.transpose(1, 2), mask, self.scale)
         return self.wo(out_BHSV.transpose(1, 2).reshape(B, S, H * self.v_dim))
 
     def init_weights(self, std: float, out_std: float) -> None:

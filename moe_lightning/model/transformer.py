@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .attention import GroupedQueryAttention
+from .attention import DocumentMask, GroupedQueryAttention, document_ids
 from .config import MoEConfig
 from .layers import RMSNorm, SwiGLU
 from .mla import MultiHeadLatentAttention
@@ -28,8 +28,8 @@ class Block(nn.Module):
         self.is_moe = config.is_moe_layer(layer_id)
         self.ffn = MoELayer(config) if self.is_moe else SwiGLU(config.dim, config.ffn_hidden)
 
-    def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
-        h_BSD = x_BSD + self.attention(self.attention_norm(x_BSD))
+    def forward(self, x_BSD: torch.Tensor, **attention_kwargs) -> torch.Tensor:
+        h_BSD = x_BSD + self.attention(self.attention_norm(x_BSD), **attention_kwargs)
         return h_BSD + self.ffn(self.ffn_norm(h_BSD))
 
 
@@ -50,8 +50,11 @@ class MoETransformer(nn.Module):
 
     def forward(self, tokens_BS: torch.Tensor) -> torch.Tensor:
         h_BSD = self.tok_embeddings(tokens_BS)
+        mask = None
+        if self.config.document_masking:
+            mask = DocumentMask(document_ids(tokens_BS, self.config.eod_token_id))
         for layer in self.layers:
-            h_BSD = layer(h_BSD)
+            h_BSD = layer(h_BSD, mask=mask)
         return self.output(self.norm(h_BSD))
 
     @torch.no_grad()
