@@ -138,16 +138,37 @@ def rope_parameters(hf: dict) -> dict:
 
 
 def rope_fields(hf: dict) -> dict:
-    """Our rotary fields from the config; any scaling type we do not implement is refused."""
+    """Our rotary fields from the config: plain or YaRN (read as transformers reads them); others refused."""
     params = rope_parameters(hf)
-    if params["rope_type"] != "default":
-        raise HFFormatError(f"config.json rope_scaling type {params['rope_type']!r} is not supported (only unscaled "
-                            f"rotary embeddings): remove rope_scaling only if the weights were trained without it.")
-    return {"rope_theta": float(params["rope_theta"])}
+    fields = {"rope_theta": float(params["rope_theta"])}
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise HFFormatError(f"config.json partial_rotary_factor={params['partial_rotary_factor']} is not supported: "
+                            f"every query/key dim is rotated here.")
+    if params["rope_type"] == "default":
+        return fields
+    if params["rope_type"] != "yarn":
+        raise HFFormatError(f"config.json rope_scaling type {params['rope_type']!r} is not supported: only 'yarn' "
+                            f"(or no scaling) is implemented.")
+    original = (params.get("original_max_position_embeddings") or hf.get("original_max_position_embeddings")
+                or hf["max_position_embeddings"])
+    factor = params.get("factor") or hf["max_position_embeddings"] / original
+    return {**fields, "rope_scaling": "yarn", "rope_factor": float(factor), "rope_original_max_seq_len": int(original),
+            "rope_beta_fast": float(params.get("beta_fast") or 32), "rope_beta_slow": float(params.get("beta_slow") or 1),
+            "rope_mscale": float(params.get("mscale") or 0), "rope_mscale_all_dim": float(params.get("mscale_all_dim") or 0),
+            "rope_attention_factor": params.get("attention_factor"), "rope_truncate": bool(params.get("truncate", True))}
 
 
 def rope_to_hf(config: MoEConfig) -> dict:
-    return {"rope_theta": config.rope_theta, "rope_scaling": None}
+    """Top-level ``rope_theta`` + ``rope_scaling``: what released configs use and every reader understands."""
+    if config.rope_scaling != "yarn":
+        return {"rope_theta": config.rope_theta, "rope_scaling": None}
+    scaling = {"type": "yarn", "rope_type": "yarn", "factor": config.rope_factor,
+               "original_max_position_embeddings": config.rope_original_max_seq_len,
+               "beta_fast": config.rope_beta_fast, "beta_slow": config.rope_beta_slow, "mscale": config.rope_mscale,
+               "mscale_all_dim": config.rope_mscale_all_dim, "truncate": config.rope_truncate}
+    if config.rope_attention_factor is not None:
+        scaling["attention_factor"] = config.rope_attention_factor
+    return {"rope_theta": config.rope_theta, "rope_scaling": scaling}
 
 
 def refuse(hf: dict, field: str, bad: Callable[[object], bool], why: str) -> None:
