@@ -1,5 +1,6 @@
 """``from_pretrained`` / ``save_pretrained``, and the in-place fill a sharded model uses to read only its slices."""
 
+import dataclasses
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -28,6 +29,29 @@ def load_config(path: str | Path) -> MoEConfig:
     """The ``MoEConfig`` a Hugging Face directory describes (refusing what the model cannot compute)."""
     hf = read_config(path)
     return family_of(hf).config_from_hf(hf)
+
+
+# Settings of training, not of the released weights: a config given beside ``pretrained`` may change them.
+TRAINING_FIELDS = {"bias_update_rate", "aux_loss_coef", "z_loss_coef", "init_std", "max_seq_len",
+                   "document_masking", "eod_token_id"}
+
+
+def merge_config(path: str | Path, config: MoEConfig | None = None) -> MoEConfig:
+    """The directory's config; fields the user set in ``config`` (those not at their default) are kept if they
+    are training settings and must otherwise agree with the checkpoint."""
+    loaded = load_config(path)
+    if config is None:
+        return loaded
+    changes, default = {}, MoEConfig()  # an instance, so derived defaults (head_dim) count as unset too
+    for field in dataclasses.fields(MoEConfig):
+        mine, theirs = getattr(config, field.name), getattr(loaded, field.name)
+        if mine == getattr(default, field.name) or mine == theirs:
+            continue
+        if field.name not in TRAINING_FIELDS:
+            raise HFFormatError(f"model.config.{field.name}={mine!r} contradicts {str(path)!r} ({theirs!r}): drop it "
+                                f"from the config (only {sorted(TRAINING_FIELDS)} may differ from the checkpoint).")
+        changes[field.name] = mine
+    return dataclasses.replace(loaded, **changes)
 
 
 def _open(path: str | Path, shapes: dict[str, torch.Size]) -> tuple[MoEConfig, dict[str, Source], SafetensorsDir]:
