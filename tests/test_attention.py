@@ -133,3 +133,74 @@ def test_mla_with_yarn_uses_mscale_squared_in_the_softmax():
     scale = 16 ** -0.5 * (0.1 * math.log(40) + 1) ** 2
     expected = attn.wo(explicit_attention(q, k, kv[..., 8:], scale).flatten(2))
     torch.testing.assert_close(attn(x), expected, atol=1e-5, rtol=1e-5)
+
+
+def explicit_gqa(attn: GroupedQueryAttention, x, qk_norm: str, clip: float | None, eps: float):
+    """Float64 recomputation of GQA with QK-norm (over each head, or the whole projection) and clipping."""
+    def rms(t, w):
+        return t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + eps) * w.double()
+
+    B, S, _ = x.shape
+    q, k, v = (lin.weight.double() @ x.double().transpose(1, 2) for lin in (attn.wq, attn.wk, attn.wv))
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, S, heads * 8]
+    if qk_norm == "full":
+        q, k = rms(q, attn.q_norm.weight), rms(k, attn.k_norm.weight)
+    q, k, v = q.view(B, S, 4, 8), k.view(B, S, 2, 8), v.view(B, S, 2, 8)
+    if qk_norm == "head":
+        q, k = rms(q, attn.q_norm.weight), rms(k, attn.k_norm.weight)
+    if clip is not None:
+        q, k, v = q.clamp(-clip, clip), k.clamp(-clip, clip), v.clamp(-clip, clip)
+    cos, sin = Rotary(attn.rotary.config, 8).cos_sin(0, S)
+    q, k = apply_rotary(q, cos.double(), sin.double()), apply_rotary(k, cos.double(), sin.double())
+    out = explicit_attention(q, k.repeat_interleave(2, 2), v.repeat_interleave(2, 2), 8 ** -0.5)
+    return attn.wo(out.flatten(2))
+
+
+@pytest.mark.parametrize("qk_norm, clip", [("head", None), ("full", None), ("none", 0.7), ("full", 0.7)])
+def test_qk_norm_and_clip_qkv_equal_explicit_recomputation(qk_norm, clip):
+    torch.manual_seed(0)
+    config = MoEConfig(**SMALL, qk_norm=qk_norm, clip_qkv=clip, norm_eps=1e-5)
+    attn = GroupedQueryAttention(config)
+    attn.init_weights(0.5, 0.5)
+    expected_norm_widths = {"head": (8, 8), "full": (32, 16)}.get(qk_norm)
+    if expected_norm_widths:  # non-trivial norm weights, so a weight applied to the wrong axis would show
+        assert (attn.q_norm.weight.numel(), attn.k_norm.weight.numel()) == expected_norm_widths
+        with torch.no_grad():
+            attn.q_norm.weight.uniform_(0.5, 1.5)
+            attn.k_norm.weight.uniform_(0.5, 1.5)
+    x = torch.randn(2, 9, 32)
+    out = attn(x)
+    torch.testing.assert_close(out, explicit_gqa(attn, x, qk_norm, clip, 1e-5), atol=1e-5, rtol=1e-5)
+    plain = GroupedQueryAttention(MoEConfig(**SMALL))
+    plain.load_state_dict({n: t for n, t in attn.state_dict().items() if "norm" not in n})
+    assert (plain(x) - out).abs().amax() > 1e-2  # the feature changes the output (0.7 clips ~30 % of q/k/v)
+    if clip is not None:
+        assert (attn.wv(x).abs() > clip).float().mean() > 0.1
+
+
+def test_qk_norm_weights_reset_by_init_weights_and_config_errors():
+    attn = GroupedQueryAttention(MoEConfig(**SMALL, qk_norm="head"))
+    with torch.no_grad():
+        attn.q_norm.weight.fill_(3.0)
+    attn.init_weights(0.02, 0.01)
+    assert torch.equal(attn.q_norm.weight, torch.ones(8))
+    for overrides, message in [(dict(qk_norm="rms"), "qk_norm='rms'"), (dict(clip_qkv=0.0), "clip_qkv=0.0"),
+                               (dict(MLA, qk_norm="head"), "qk_norm='head' applies to attention='gqa' only"),
+                               (dict(MLA, clip_qkv=8.0), "clip_qkv=8.0 applies to attention='gqa' only"),
+                               (dict(MLA, mla_norm_eps=0.0), "mla_norm_eps=0.0")]:
+        with pytest.raises(ConfigError, match=message):
+            MoEConfig(**{**SMALL, **overrides})
+
+
+def test_mla_latent_norms_use_their_own_epsilon():
+    torch.manual_seed(0)
+    x = torch.randn(1, 6, 32) * 1e-3  # tiny latents: eps dominates their RMS, so 1e-2 vs 1e-6 shows in the output
+    default = MultiHeadLatentAttention(MoEConfig(**MLA, norm_eps=1e-2))
+    default.init_weights(0.5, 0.5)
+    own = MultiHeadLatentAttention(MoEConfig(**MLA, norm_eps=1e-2, mla_norm_eps=1e-6))
+    own.load_state_dict(default.state_dict())
+    assert default.q_norm.eps == default.kv_norm.eps == 1e-2 and own.q_norm.eps == own.kv_norm.eps == 1e-6
+    latent = own.wkv_a(x)[..., :12]
+    expected = latent * torch.rsqrt(latent.pow(2).mean(-1, keepdim=True) + 1e-6)
+    torch.testing.assert_close(own.kv_norm(latent), expected, atol=1e-6, rtol=1e-5)
+    assert (default(x) - own(x)).abs().amax() > 1e-2 * own(x).abs().amax()

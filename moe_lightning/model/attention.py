@@ -12,6 +12,7 @@ from torch import nn
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 from .config import MoEConfig
+from .layers import RMSNorm
 from .rotary import Rotary, apply_rotary
 
 
@@ -96,7 +97,7 @@ def attend(q_BHSK: torch.Tensor, k_BGTK: torch.Tensor, v_BGTV: torch.Tensor, mas
 
 
 class GroupedQueryAttention(nn.Module):
-    """``n_heads`` query heads share ``n_kv_heads`` key/value heads; SDPA picks the fused kernel."""
+    """``n_heads`` query heads share ``n_kv_heads`` key/value heads; optional QK-norm and q/k/v clipping."""
 
     def __init__(self, config: MoEConfig):
         super().__init__()
@@ -106,12 +107,24 @@ class GroupedQueryAttention(nn.Module):
         self.wk = nn.Linear(config.dim, self.n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(config.dim, self.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(self.n_heads * self.head_dim, config.dim, bias=False)
+        self.qk_norm, self.clip_qkv = config.qk_norm, config.clip_qkv
+        if self.qk_norm != "none":
+            per_head = self.qk_norm == "head"
+            self.q_norm = RMSNorm(self.head_dim if per_head else self.n_heads * self.head_dim, config.norm_eps)
+            self.k_norm = RMSNorm(self.head_dim if per_head else self.n_kv_heads * self.head_dim, config.norm_eps)
 
     def forward(self, x_BSD: torch.Tensor, mask: DocumentMask | None = None) -> torch.Tensor:
         B, S, _ = x_BSD.shape
         q_BSHK = self.wq(x_BSD).view(B, S, self.n_heads, self.head_dim)
         k_BSGK = self.wk(x_BSD).view(B, S, self.n_kv_heads, self.head_dim)
         v_BSGK = self.wv(x_BSD).view(B, S, self.n_kv_heads, self.head_dim)
+        if self.qk_norm == "head":
+            q_BSHK, k_BSGK = self.q_norm(q_BSHK), self.k_norm(k_BSGK)
+        elif self.qk_norm == "full":
+            q_BSHK = self.q_norm(q_BSHK.flatten(2)).view_as(q_BSHK)
+            k_BSGK = self.k_norm(k_BSGK.flatten(2)).view_as(k_BSGK)
+        if self.clip_qkv is not None:
+            q_BSHK, k_BSGK, v_BSGK = (t.clamp(-self.clip_qkv, self.clip_qkv) for t in (q_BSHK, k_BSGK, v_BSGK))
         cos, sin = self.rotary.cos_sin(0, S, device=x_BSD.device)
         q_BSHK, k_BSGK = apply_rotary(q_BSHK, cos, sin), apply_rotary(k_BSGK, cos, sin)
         out_BHSK = attend(q_BSHK.transpose(1, 2), k_BSGK.transpose(1, 2), v_BSGK.transpose(1, 2), mask)
@@ -121,3 +134,6 @@ class GroupedQueryAttention(nn.Module):
         for linear in (self.wq, self.wk, self.wv):
             nn.init.normal_(linear.weight, std=std)
         nn.init.normal_(self.wo.weight, std=out_std)
+        if self.qk_norm != "none":
+            self.q_norm.init_weights()
+            self.k_norm.init_weights()

@@ -59,6 +59,12 @@ class MoEConfig:
         qk_nope_head_dim: MLA per-head query/key width without rotary embedding.
         qk_rope_head_dim: MLA per-head rotary width, decoupled: one rotary key shared by all heads.
         v_head_dim: MLA per-head value width.
+        qk_norm: GQA query/key RMSNorm before rotary: ``none``, ``head`` (over each head's width, one weight
+            of ``head_dim`` shared by the heads: Qwen3-MoE) or ``full`` (over the whole q and k projections: OLMoE).
+        clip_qkv: GQA: clamp queries and keys (after ``qk_norm``) and values to ``[-clip_qkv, clip_qkv]``
+            (OLMoE); ``None`` disables.
+        mla_norm_eps: Epsilon of MLA's latent RMSNorms (query and key/value latents); ``None`` uses ``norm_eps``
+            (Hugging Face DeepSeek checkpoints use 1e-6 there).
         init_std: Standard deviation of the normal weight initialisation.
         document_masking: Attend only within each document of a packed sequence (documents end at
             ``eod_token_id``, which belongs to the document it ends); off: plain causal attention.
@@ -106,6 +112,9 @@ class MoEConfig:
     qk_nope_head_dim: int = 32
     qk_rope_head_dim: int = 16
     v_head_dim: int = 32
+    qk_norm: Literal["none", "head", "full"] = "none"
+    clip_qkv: Optional[float] = None
+    mla_norm_eps: Optional[float] = None
     init_std: float = 0.02
     document_masking: bool = False
     eod_token_id: int = 256
@@ -159,8 +168,23 @@ class MoEConfig:
             raise ConfigError(f"MoEConfig.eod_token_id={self.eod_token_id!r} must be a token id in "
                               f"[0, vocab_size={self.vocab_size}): use the tokenizer's end-of-document id.")
         self._validate_rope()
+        self._validate_qk()
         if self.route_scale <= 0:
             raise ConfigError(f"MoEConfig.route_scale={self.route_scale} must be > 0.")
+
+    def _validate_qk(self) -> None:
+        if self.qk_norm not in ("none", "head", "full"):
+            raise ConfigError(f"MoEConfig.qk_norm={self.qk_norm!r}: use 'none', 'head' (per head, Qwen3-MoE) or "
+                              "'full' (whole projection, OLMoE).")
+        if self.clip_qkv is not None and not self.clip_qkv > 0:
+            raise ConfigError(f"MoEConfig.clip_qkv={self.clip_qkv}: must be > 0, or None to disable.")
+        if self.attention == "mla":
+            for name, off in (("qk_norm", "none"), ("clip_qkv", None)):
+                if getattr(self, name) != off:
+                    raise ConfigError(f"MoEConfig.{name}={getattr(self, name)!r} applies to attention='gqa' only: "
+                                      f"set {name}: {off if off is not None else 'null'} for MLA.")
+        if self.mla_norm_eps is not None and not self.mla_norm_eps > 0:
+            raise ConfigError(f"MoEConfig.mla_norm_eps={self.mla_norm_eps}: must be > 0, or None for norm_eps.")
 
     def _validate_gqa(self) -> None:
         if self.head_dim is None:

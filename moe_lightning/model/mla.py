@@ -23,14 +23,15 @@ class MultiHeadLatentAttention(nn.Module):
         self.nope_dim, self.rope_dim, self.v_dim = config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
         self.q_lora_rank, self.kv_lora_rank = config.q_lora_rank, config.kv_lora_rank
         qk_dim = self.nope_dim + self.rope_dim
+        latent_eps = config.norm_eps if config.mla_norm_eps is None else config.mla_norm_eps
         if self.q_lora_rank:
             self.wq_a = nn.Linear(config.dim, config.q_lora_rank, bias=False)
-            self.q_norm = RMSNorm(config.q_lora_rank, config.norm_eps)
+            self.q_norm = RMSNorm(config.q_lora_rank, latent_eps)
             self.wq_b = nn.Linear(config.q_lora_rank, self.n_heads * qk_dim, bias=False)
         else:
             self.wq = nn.Linear(config.dim, self.n_heads * qk_dim, bias=False)
         self.wkv_a = nn.Linear(config.dim, self.kv_lora_rank + self.rope_dim, bias=False)
-        self.kv_norm = RMSNorm(self.kv_lora_rank, config.norm_eps)
+        self.kv_norm = RMSNorm(self.kv_lora_rank, latent_eps)
         self.wkv_b = nn.Linear(self.kv_lora_rank, self.n_heads * (self.nope_dim + self.v_dim), bias=False)
         self.wo = nn.Linear(self.n_heads * self.v_dim, config.dim, bias=False)
         self.rotary = Rotary(config, self.rope_dim)
