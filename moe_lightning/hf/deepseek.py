@@ -8,7 +8,7 @@ their best two scores; V2 with softmax, no bias, groups ranked by their best sco
 import torch
 
 from ..model import MoEConfig
-from .mapping import (Copy, HFFormatError, Rows, check_representable, common_config, common_to_hf, expert_sources,
+from .mapping import (field, Copy, HFFormatError, Rows, check_representable, common_config, common_to_hf, expert_sources,
                       half_split_perm, layer_sources, no_bias_slot, outer_sources, refuse, refuse_common,
                       swiglu_sources)
 
@@ -19,21 +19,24 @@ LATENT_NORM_EPS = 1e-6  # transformers builds q_a_layernorm / kv_a_layernorm wit
 def _mla_config(hf: dict) -> dict:
     refuse_common(hf)
     refuse(hf, "moe_layer_freq", lambda v: v not in (None, 1), "only every block after first_k_dense_replace is MoE")
-    refuse(hf, "rms_norm_eps", lambda v: v != LATENT_NORM_EPS,
-           f"the model uses one epsilon for every norm, and DeepSeek's latent norms use {LATENT_NORM_EPS}")
     fields = common_config(hf)
-    fields.update(head_dim=None, n_kv_heads=hf["num_attention_heads"], attention="mla",
+    fields.update(head_dim=None, mla_norm_eps=LATENT_NORM_EPS, n_kv_heads=hf["num_attention_heads"], attention="mla",
                   q_lora_rank=hf.get("q_lora_rank") or 0, kv_lora_rank=hf["kv_lora_rank"],
                   qk_nope_head_dim=hf["qk_nope_head_dim"], qk_rope_head_dim=hf["qk_rope_head_dim"],
                   v_head_dim=hf["v_head_dim"], ffn_hidden=hf["intermediate_size"],
-                  n_dense_layers=hf.get("first_k_dense_replace") or 0, num_experts=hf["n_routed_experts"],
+                  n_dense_layers=hf.get("first_k_dense_replace") or 0, num_experts=field(hf, "n_routed_experts", "num_local_experts"),
                   top_k=hf["num_experts_per_tok"], expert_hidden=hf["moe_intermediate_size"],
                   n_shared_experts=hf.get("n_shared_experts") or 0, route_scale=float(hf.get("routed_scaling_factor", 1.0)))
     return fields
 
 
 def _mla_to_hf(config: MoEConfig, architecture: str, model_type: str) -> dict:
-    check_representable(config, architecture, attention="mla", norm_eps=LATENT_NORM_EPS)
+    check_representable(config, architecture, attention="mla")
+    latent_eps = config.norm_eps if config.mla_norm_eps is None else config.mla_norm_eps
+    if latent_eps != LATENT_NORM_EPS:
+        raise HFFormatError(f"MoEConfig.mla_norm_eps={config.mla_norm_eps} (latent norms use {latent_eps}) cannot be "
+                            f"written as {architecture}, whose latent norms always use {LATENT_NORM_EPS}: set "
+                            f"mla_norm_eps={LATENT_NORM_EPS}.")
     dense = config.n_layers - config.n_moe_layers
     if any(config.is_moe_layer(i) != (i >= dense) for i in range(config.n_layers)):
         raise HFFormatError(f"MoEConfig.dense_layers={config.dense_layers} cannot be written as {architecture}, whose "

@@ -171,6 +171,14 @@ def rope_to_hf(config: MoEConfig) -> dict:
     return {"rope_theta": config.rope_theta, "rope_scaling": scaling}
 
 
+def field(hf: dict, *names: str):
+    """The first of ``names`` config.json has (transformers renames some on save, e.g. ``num_local_experts``)."""
+    for name in names:
+        if hf.get(name) is not None:
+            return hf[name]
+    raise HFFormatError(f"config.json lacks {' / '.join(names)}: the file is incomplete for this architecture.")
+
+
 def refuse(hf: dict, field: str, bad: Callable[[object], bool], why: str) -> None:
     if bad(hf.get(field)):
         raise HFFormatError(f"config.json {field}={hf.get(field)!r} is not supported: {why}.")

@@ -1,7 +1,7 @@
 """Mixtral: GQA with half-split rotary, softmax top-k routing renormalised over the chosen experts, every block MoE."""
 
 from ..model import MoEConfig
-from .mapping import (Copy, check_representable, common_config, common_to_hf, expert_sources, gqa_sources,
+from .mapping import (field, Copy, check_representable, common_config, common_to_hf, expert_sources, gqa_sources,
                       layer_sources, no_bias_slot, outer_sources, refuse_common)
 
 
@@ -12,13 +12,13 @@ class Mixtral:
     def config_from_hf(hf: dict) -> MoEConfig:
         refuse_common(hf)
         return MoEConfig(**common_config(hf), ffn_hidden=hf["intermediate_size"], n_dense_layers=0,
-                         num_experts=hf["num_local_experts"], top_k=hf["num_experts_per_tok"],
+                         num_experts=field(hf, "num_local_experts", "num_experts"), top_k=hf["num_experts_per_tok"],
                          expert_hidden=hf["intermediate_size"], n_shared_experts=0, score_func="softmax",
                          route_norm=True, route_scale=1.0, attention="gqa")
 
     @classmethod
     def config_to_hf(cls, config: MoEConfig) -> dict:
-        check_representable(config, cls.ARCHITECTURE, attention="gqa", n_moe_layers=config.n_layers,
+        check_representable(config, cls.ARCHITECTURE, attention="gqa", qk_norm="none", clip_qkv=None, n_moe_layers=config.n_layers,
                             n_shared_experts=0, score_func="softmax", route_norm=True, route_scale=1.0,
                             n_expert_groups=1)
         return {**common_to_hf(config, cls.ARCHITECTURE, cls.MODEL_TYPE), "num_key_value_heads": config.n_kv_heads,

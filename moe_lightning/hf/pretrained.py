@@ -13,8 +13,10 @@ from .deepseek import DeepseekV2, DeepseekV3
 from .files import SafetensorsDir, read_config, write_directory
 from .mapping import Absent, HFFormatError, Source
 from .mixtral import Mixtral
+from .olmoe import Olmoe
+from .qwen3_moe import Qwen3Moe
 
-FAMILIES = {family.ARCHITECTURE: family for family in (Mixtral, DeepseekV3, DeepseekV2)}
+FAMILIES = {family.ARCHITECTURE: family for family in (Mixtral, Qwen3Moe, Olmoe, DeepseekV3, DeepseekV2)}
 
 
 def family_of(hf: dict):
