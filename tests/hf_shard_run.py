@@ -1,7 +1,7 @@
 """Load a Hugging Face directory under MoEFSDPStrategy (launched as real ranks by tests/test_hf.py).
 
 Each rank writes JSON: whether every parameter (gathered to global tensors) equals a one-process
-``hf.from_pretrained``, the checkpoint keys it read, and the bytes it read against the checkpoint's total.
+``hf.from_pretrained``, the bytes it read per checkpoint key; then a sharded checkpoint of the loaded model is saved.
 """
 
 import argparse
@@ -14,7 +14,7 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from moe_lightning import MoELanguageModel, TextDataModule, hf
+from moe_lightning import MoEConfig, MoELanguageModel, TextDataModule, hf
 from moe_lightning.hf import files
 from moe_lightning.strategy import MoEFSDPStrategy
 
@@ -60,6 +60,7 @@ def main() -> None:
     parser.add_argument("--pretrained", required=True)
     parser.add_argument("--ep", type=int, default=2)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--ckpt", required=True, help="sharded checkpoint written after loading")
     args = parser.parse_args()
     torch.set_num_threads(1)
     L.seed_everything(0, verbose=False)
@@ -71,8 +72,11 @@ def main() -> None:
                         num_sanity_val_steps=0, logger=False, enable_progress_bar=False, enable_model_summary=False,
                         enable_checkpointing=False, precision="32-true",
                         callbacks=[Compare(reference, Path(f"{args.out}.{rank}"))])
-    model = MoELanguageModel(pretrained=args.pretrained, optimizer=partial(torch.optim.AdamW, lr=1e-3))
+    # lr 0 and no bias updates: the checkpoint written after fit must hold exactly the loaded weights
+    model = MoELanguageModel(MoEConfig(bias_update_rate=0.0), pretrained=args.pretrained,
+                             optimizer=partial(torch.optim.AdamW, lr=0.0))
     trainer.fit(model, TextDataModule(source=os.__file__, seq_len=16, batch_size=2, val_fraction=0.05))
+    trainer.save_checkpoint(args.ckpt)
 
 
 if __name__ == "__main__":
