@@ -122,6 +122,19 @@ def test_bfloat16_checkpoint_keeps_its_dtype_bitwise(tmp_path):
     assert set(original) == set(written) and all(torch.equal(original[k], written[k]) for k in original)
 
 
+@torch.no_grad()
+def test_deepseek_half_split_rope_rows_are_reordered(tmp_path):
+    """``rope_interleave: false`` rotates half-split pairs of the rope dims: import re-orders those rows only."""
+    ref = build_reference("deepseek_v3")
+    ref.config.rope_interleave = False
+    ref.save_pretrained(tmp_path / "src")
+    ours = hf.from_pretrained(tmp_path / "src", dtype=torch.float32)
+    torch.testing.assert_close(ours(tokens()), ref(tokens()).logits, atol=1e-4, rtol=0)
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(hf.save_pretrained(ours, tmp_path / "out")).eval()
+    assert reloaded.config.rope_interleave  # written in our (interleaved) layout, and says so
+    torch.testing.assert_close(reloaded(tokens()).logits, ours(tokens()), atol=1e-4, rtol=0)
+
+
 # Each changes one mapped feature and must change the logits: the test configs really exercise it.
 FEATURES = [("deepseek_v3", dict(rope_scaling="none", rope_factor=1.0)), ("qwen3_moe", dict(rope_scaling="none", rope_factor=1.0)),
             ("deepseek_v3", dict(n_expert_groups=1, n_limited_groups=1)), ("deepseek_v3", dict(group_score="max")),
@@ -245,6 +258,23 @@ def test_module_starts_from_pretrained_weights(family):
         MoELanguageModel(MoEConfig(dim=64), pretrained=str(path))
 
 
+def test_cli_fit_from_pretrained_uses_its_tokenizer(tmp_path):
+    tokenizers = pytest.importorskip("tokenizers")
+    path = tmp_path / "mixtral"
+    build_reference("mixtral").save_pretrained(path)
+    words = {w: i for i, w in enumerate(["[UNK]", "def", "return", "import", "self", "if", "for", "in", "=", "("])}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(words, unk_token="[UNK]"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tok.save(str(path / "tokenizer.json"))
+    run = cli.run(["fit", "--model=moe_lightning.MoELanguageModel", f"--model.init_args.pretrained={path}",
+                   "--data=moe_lightning.TextDataModule", f"--data.init_args.source={shutil.__file__}",
+                   "--data.init_args.seq_len=16", "--data.init_args.batch_size=2", "--trainer.fast_dev_run=true",
+                   "--trainer.accelerator=cpu", "--trainer.enable_progress_bar=false",
+                   f"--trainer.default_root_dir={tmp_path}"])
+    assert run.datamodule.tokenizer.vocab_size == len(words) + 1  # the directory's tokenizer, not bytes
+    assert run.model.config == hf.load_config(path) and run.trainer.global_step == 1
+
+
 def test_convert_both_directions_is_bitwise(family, tmp_path):
     name, ref, path = family
     cli.run(["convert", str(path), "--out", str(tmp_path / "model.pt")])
@@ -280,3 +310,7 @@ def test_export_sharded_checkpoint_to_hf_is_bitwise(sharded_load):
     cli.run(["export", str(tmp / "sharded.ckpt"), "--hf", "--out", str(tmp / "exported")])
     original, exported = safetensors_of(tmp / "hf"), safetensors_of(tmp / "exported")
     assert set(exported) == set(original) and all(torch.equal(exported[k], original[k]) for k in original)
+    cli.run(["export", str(tmp / "sharded.ckpt"), "--out", str(tmp / "model.pt")])  # without --hf: one .pt file
+    state = torch.load(tmp / "model.pt", weights_only=False)["state_dict"]
+    assert torch.equal(state["layers.1.ffn.router.expert_bias"],
+                       original["model.layers.1.mlp.gate.e_score_correction_bias"])
