@@ -9,6 +9,7 @@ scores depend only on the distance between query and key, so a document scores a
 import torch
 import torch.nn.functional as F
 from torch import nn
+# FlexAttention and create_block_mask(_compile=...) exist since torch 2.5 (read here in the 2.13 source).
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 from .config import MoEConfig
@@ -33,6 +34,7 @@ class DocumentMask:
     def __init__(self, doc_kv_BT: torch.Tensor):
         self.doc_kv_BT = doc_kv_BT
         self._block_mask: BlockMask | None = None
+        self._dense: dict[int, torch.Tensor] = {}
 
     def mask_mod(self):
         """FlexAttention's predicate for a square ``S == T`` mask (training, prefill); a plain function of
@@ -44,12 +46,14 @@ class DocumentMask:
         return same_document_causal
 
     def dense(self, q_len: int) -> torch.Tensor:
-        """Boolean ``[B, 1, S, T]`` mask (``True`` = attend) for the last ``q_len`` query positions."""
-        T = self.doc_kv_BT.shape[1]
-        q_pos_S = torch.arange(T - q_len, T, device=self.doc_kv_BT.device)
-        causal_ST = q_pos_S[:, None] >= torch.arange(T, device=self.doc_kv_BT.device)
-        same_doc_BST = self.doc_kv_BT[:, T - q_len:, None] == self.doc_kv_BT[:, None, :]
-        return (causal_ST & same_doc_BST)[:, None]
+        """Boolean ``[B, 1, S, T]`` mask (``True`` = attend) for the last ``q_len`` query positions (built once)."""
+        if q_len not in self._dense:
+            T = self.doc_kv_BT.shape[1]
+            q_pos_S = torch.arange(T - q_len, T, device=self.doc_kv_BT.device)
+            causal_ST = q_pos_S[:, None] >= torch.arange(T, device=self.doc_kv_BT.device)
+            same_doc_BST = self.doc_kv_BT[:, T - q_len:, None] == self.doc_kv_BT[:, None, :]
+            self._dense[q_len] = (causal_ST & same_doc_BST)[:, None]
+        return self._dense[q_len]
 
     def block_mask(self) -> BlockMask:
         """FlexAttention block mask, built once (compiled on CUDA, so the ``S x S`` mask never exists)."""
@@ -113,7 +117,8 @@ class GroupedQueryAttention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim if per_head else self.n_heads * self.head_dim, config.norm_eps)
             self.k_norm = RMSNorm(self.head_dim if per_head else self.n_kv_heads * self.head_dim, config.norm_eps)
 
-    def forward(self, x_BSD: torch.Tensor, mask: DocumentMask | None = None) -> torch.Tensor:
+    def forward(self, x_BSD: torch.Tensor, mask: DocumentMask | None = None, cache=None) -> torch.Tensor:
+        """``cache`` (a ``kv_cache.LayerCache``): positions continue after the cached ones, keys/values are kept."""
         B, S, _ = x_BSD.shape
         q_BSHK = self.wq(x_BSD).view(B, S, self.n_heads, self.head_dim)
         k_BSGK = self.wk(x_BSD).view(B, S, self.n_kv_heads, self.head_dim)
@@ -125,9 +130,12 @@ class GroupedQueryAttention(nn.Module):
             k_BSGK = self.k_norm(k_BSGK.flatten(2)).view_as(k_BSGK)
         if self.clip_qkv is not None:
             q_BSHK, k_BSGK, v_BSGK = (t.clamp(-self.clip_qkv, self.clip_qkv) for t in (q_BSHK, k_BSGK, v_BSGK))
-        cos, sin = self.rotary.cos_sin(0, S, device=x_BSD.device)
-        q_BSHK, k_BSGK = apply_rotary(q_BSHK, cos, sin), apply_rotary(k_BSGK, cos, sin)
-        out_BHSK = attend(q_BSHK.transpose(1, 2), k_BSGK.transpose(1, 2), v_BSGK.transpose(1, 2), mask)
+        cos, sin = self.rotary.cos_sin(0 if cache is None else cache.length, S, device=x_BSD.device)
+        q_BSHK, k_BTGK = apply_rotary(q_BSHK, cos, sin), apply_rotary(k_BSGK, cos, sin)
+        v_BTGK = v_BSGK
+        if cache is not None:
+            k_BTGK, v_BTGK = cache.append(k_BTGK, v_BTGK)
+        out_BHSK = attend(q_BSHK.transpose(1, 2), k_BTGK.transpose(1, 2), v_BTGK.transpose(1, 2), mask)
         return self.wo(out_BHSK.transpose(1, 2).reshape(B, S, -1))
 
     def init_weights(self, std: float, out_std: float) -> None:
