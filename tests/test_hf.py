@@ -17,6 +17,7 @@ transformers = pytest.importorskip("transformers")
 from moe_lightning import MoEConfig, MoELanguageModel, cli, hf  # noqa: E402
 from moe_lightning.flops import parameter_counts  # noqa: E402
 from moe_lightning.hf import HFFormatError  # noqa: E402
+from moe_lightning.hf.files import SafetensorsDir  # noqa: E402
 from moe_lightning.model import ConfigError, MoETransformer  # noqa: E402
 
 from .distributed import REPO_ROOT, run_ranks  # noqa: E402
@@ -133,6 +134,35 @@ def test_deepseek_half_split_rope_rows_are_reordered(tmp_path):
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(hf.save_pretrained(ours, tmp_path / "out")).eval()
     assert reloaded.config.rope_interleave  # written in our (interleaved) layout, and says so
     torch.testing.assert_close(reloaded(tokens()).logits, ours(tokens()), atol=1e-4, rtol=0)
+
+
+@torch.no_grad()
+def test_tied_embeddings_load_tied_and_save_without_lm_head(tmp_path):
+    config_cls, model_cls, kwargs = FAMILIES["olmoe"]
+    torch.manual_seed(0)
+    ref = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**COMMON, **kwargs, tie_word_embeddings=True))
+    ref.eval().save_pretrained(tmp_path / "src")
+    ours = hf.from_pretrained(tmp_path / "src", dtype=torch.float32)
+    assert ours.output.weight is ours.tok_embeddings.weight
+    torch.testing.assert_close(ours(tokens()), ref(tokens()).logits, atol=1e-4, rtol=0)
+    assert "lm_head.weight" not in safetensors_of(hf.save_pretrained(ours, tmp_path / "out"))
+
+
+def test_any_region_reads_as_that_slice_of_the_whole(family):
+    """What a shard reads (rows of re-ordered q/k, some experts and columns) equals slicing the full tensor."""
+    name, ref, path = family
+    hf_config = json.loads((path / "config.json").read_text())
+    arch = hf.FAMILIES[hf_config["architectures"][0]]
+    config = arch.config_from_hf(hf_config)
+    with torch.device("meta"):
+        shapes = {k: t.shape for k, t in MoETransformer(config).state_dict().items()}
+    files, generator = SafetensorsDir(path), torch.Generator().manual_seed(0)
+    for tensor_name, source in arch.sources(config, hf_config).items():
+        whole = source.read(files.get, tuple(slice(0, n) for n in shapes[tensor_name]))
+        starts = [int(torch.randint(0, n, (), generator=generator)) for n in whole.shape]
+        region = tuple(slice(lo, int(torch.randint(lo + 1, n + 1, (), generator=generator)))
+                       for lo, n in zip(starts, whole.shape))
+        assert torch.equal(source.read(files.get, region), whole[region]), tensor_name
 
 
 # Each changes one mapped feature and must change the logits: the test configs really exercise it.

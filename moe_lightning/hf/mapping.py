@@ -232,9 +232,8 @@ def common_to_hf(config: MoEConfig, architecture: str, model_type: str) -> dict:
 
 def outer_sources(config: MoEConfig) -> dict[str, Source]:
     """Embedding, final norm and head (a tied head is the embedding)."""
-    out = {"tok_embeddings.weight": Copy("model.embed_tokens.weight"), "norm.weight": Copy("model.norm.weight"),
-           "output.weight": Copy("model.embed_tokens.weight" if config.tie_embeddings else "lm_head.weight")}
-    return out
+    return {"tok_embeddings.weight": Copy("model.embed_tokens.weight"), "norm.weight": Copy("model.norm.weight"),
+            "output.weight": Copy("model.embed_tokens.weight" if config.tie_embeddings else "lm_head.weight")}
 
 
 def gqa_sources(config: MoEConfig, p: str, half_split: bool) -> dict[str, Source]:

@@ -56,7 +56,7 @@ def merge_config(path: str | Path, config: MoEConfig | None = None) -> MoEConfig
     return dataclasses.replace(loaded, **changes)
 
 
-def _open(path: str | Path, shapes: dict[str, torch.Size]) -> tuple[MoEConfig, dict[str, Source], SafetensorsDir]:
+def _checked(path: str | Path, shapes: dict[str, torch.Size]) -> tuple[MoEConfig, dict[str, Source], SafetensorsDir]:
     """Config, the source of every tensor, and the files; every name, key and shape checked before any read."""
     hf = read_config(path)
     family = family_of(hf)
@@ -101,7 +101,7 @@ def fill_state_dict(state: dict[str, torch.Tensor], path: str | Path) -> None:
     Plain tensors are read whole; a DTensor reads only its local region: a row shard only its rows, an
     expert shard only the per-expert tensors of its experts. This is the seam a sharding strategy calls.
     """
-    _, sources, files = _open(path, {name: t.shape for name, t in state.items()})
+    _, sources, files = _checked(path, {name: t.shape for name, t in state.items()})
     for name, tensor in state.items():
         local, index = _local_region(tensor)
         if local.numel():
@@ -119,7 +119,7 @@ def from_pretrained(path: str | Path, dtype: torch.dtype | None = None) -> MoETr
     with torch.device("meta"):
         model = MoETransformer(config)
     shapes = {name: t.shape for name, t in model.state_dict().items()}
-    _, sources, files = _open(path, shapes)
+    _, sources, files = _checked(path, shapes)
     state = {}
     for name, shape in shapes.items():
         tensor = sources[name].read(files.get, tuple(slice(0, s) for s in shape))
