@@ -313,6 +313,12 @@ def test_convert_both_directions_is_bitwise(family, tmp_path):
     cli.run(["convert", str(tmp_path / "model.pt"), "--out", str(tmp_path / "back")])
     original, back = safetensors_of(path), safetensors_of(tmp_path / "back")
     assert set(back) == set(original) and all(torch.equal(back[k], original[k]) for k in original)
+    lightning_ckpt = {"state_dict": {f"model.{k}": v for k, v in payload["state_dict"].items()},
+                      "hyper_parameters": {"config": MoEConfig(**payload["config"])}}  # as Lightning saves it
+    torch.save(lightning_ckpt, tmp_path / "last.ckpt")
+    cli.run(["export", str(tmp_path / "last.ckpt"), "--hf", "--out", str(tmp_path / "exported")])
+    exported = safetensors_of(tmp_path / "exported")
+    assert set(exported) == set(original) and all(torch.equal(exported[k], original[k]) for k in original)
 
 
 @pytest.fixture(scope="module")

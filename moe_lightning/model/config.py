@@ -33,7 +33,7 @@ class MoEConfig:
         rope_attention_factor: YaRN: explicit cos/sin factor; ``None`` derives it from the fields above.
         rope_truncate: YaRN: round the ramp's ends to whole dims (HF ``truncate``, default true).
         norm_eps: RMSNorm epsilon.
-        ffn_hidden: Hidden width of the dense SwiGLU FFN used by the first ``n_dense_layers`` blocks.
+        ffn_hidden: Hidden width of the dense SwiGLU FFN of the dense blocks.
         n_dense_layers: How many leading blocks use a dense FFN instead of MoE.
         dense_layers: Indices of the blocks with a dense FFN, in any pattern (Qwen3's ``mlp_only_layers`` /
             ``decoder_sparse_step``); when given it replaces ``n_dense_layers``, which must then be left at 0.
