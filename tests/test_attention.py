@@ -4,9 +4,6 @@ import math
 
 import pytest
 import torch
-from transformers import DeepseekV3Config, Qwen3MoeConfig
-from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention, DeepseekV3RotaryEmbedding
-from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeRotaryEmbedding
 
 from moe_lightning.model import ConfigError, MoEConfig
 from moe_lightning.model.attention import GroupedQueryAttention
@@ -47,6 +44,9 @@ def assert_tables_match(rotary: Rotary, hf_rotary, rot_dim):
 
 
 def test_yarn_equals_transformers_for_deepseek_v3_factor_40():
+    pytest.importorskip("transformers")
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention, DeepseekV3RotaryEmbedding
     hf_config = DeepseekV3Config(hidden_size=64, num_attention_heads=2, qk_rope_head_dim=64, qk_nope_head_dim=128,
                                  v_head_dim=128, kv_lora_rank=32, q_lora_rank=48, max_position_embeddings=163840,
                                  rope_parameters=V3_HF)
@@ -67,6 +67,9 @@ def test_yarn_equals_transformers_for_deepseek_v3_factor_40():
 
 
 def test_yarn_equals_transformers_for_qwen3_with_the_cos_sin_factor():
+    pytest.importorskip("transformers")
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeRotaryEmbedding
     hf_config = Qwen3MoeConfig(hidden_size=64, num_attention_heads=2, head_dim=32, max_position_embeddings=131072,
                                rope_parameters=QWEN_HF)
     config = MoEConfig(**SMALL, head_dim=32, **QWEN_YARN)
@@ -101,6 +104,9 @@ def explicit_attention(q_BSHK, k_BSHK, v_BSHV, scale):
 
 @pytest.mark.parametrize("yarn", [V3_YARN, QWEN_YARN])
 def test_gqa_with_yarn_equals_explicit_attention_on_transformers_tables(yarn):
+    pytest.importorskip("transformers")
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeRotaryEmbedding
     torch.manual_seed(0)
     config = MoEConfig(**SMALL, **{**yarn, "rope_original_max_seq_len": 16})  # short original context: ramp matters
     hf_params = {**(V3_HF if yarn is V3_YARN else QWEN_HF), "original_max_position_embeddings": 16}
