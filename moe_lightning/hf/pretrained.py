@@ -88,7 +88,7 @@ def _checked(path: str | Path, shapes: dict[str, torch.Size]) -> tuple[MoEConfig
 def _local_region(tensor: torch.Tensor) -> tuple[torch.Tensor, tuple[slice, ...]]:
     """This rank's part of ``tensor`` and where it sits in the global tensor."""
     if isinstance(tensor, DTensor):
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset  # torch >= 2.4
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset  # private; here since torch 2.5
         shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
         return tensor.to_local(), tuple(slice(o, o + s) for o, s in zip(offset, shape))
     return tensor, tuple(slice(0, s) for s in tensor.shape)
