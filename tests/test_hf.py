@@ -140,7 +140,8 @@ def test_deepseek_half_split_rope_rows_are_reordered(tmp_path):
 def test_tied_embeddings_load_tied_and_save_without_lm_head(tmp_path):
     config_cls, model_cls, kwargs = FAMILIES["olmoe"]
     torch.manual_seed(0)
-    ref = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**COMMON, **kwargs, tie_word_embeddings=True))
+    hf_config = getattr(transformers, config_cls)(**COMMON, **kwargs, tie_word_embeddings=True)
+    ref = getattr(transformers, model_cls)(hf_config)
     ref.eval().save_pretrained(tmp_path / "src")
     ours = hf.from_pretrained(tmp_path / "src", dtype=torch.float32)
     assert ours.output.weight is ours.tok_embeddings.weight
@@ -166,7 +167,8 @@ def test_any_region_reads_as_that_slice_of_the_whole(family):
 
 
 # Each changes one mapped feature and must change the logits: the test configs really exercise it.
-FEATURES = [("deepseek_v3", dict(rope_scaling="none", rope_factor=1.0)), ("qwen3_moe", dict(rope_scaling="none", rope_factor=1.0)),
+FEATURES = [("deepseek_v3", dict(rope_scaling="none", rope_factor=1.0)),
+            ("qwen3_moe", dict(rope_scaling="none", rope_factor=1.0)),
             ("deepseek_v3", dict(n_expert_groups=1, n_limited_groups=1)), ("deepseek_v3", dict(group_score="max")),
             ("deepseek_v2", dict(group_score="top2_sum")), ("deepseek_v3", dict(route_scale=1.0)),
             ("olmoe", dict(clip_qkv=None)), ("qwen3_moe", dict(route_norm=False)), ("deepseek_v3", "zero bias")]
@@ -222,7 +224,8 @@ def _edited_copy(src: Path, dst: Path, **changes) -> Path:
 
 @pytest.mark.parametrize("name,changes,message", [
     ("mixtral", dict(architectures=["LlamaForCausalLM"]), "architectures"),
-    ("mixtral", dict(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6}), "rope_scaling type 'linear'"),
+    ("mixtral", dict(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6}),
+     "rope_scaling type 'linear'"),
     ("mixtral", dict(hidden_act="gelu"), "hidden_act"),
     ("mixtral", dict(sliding_window=4096), "sliding_window"),
     ("qwen3_moe", dict(use_sliding_window=True), "use_sliding_window"),

@@ -8,8 +8,8 @@ their best two scores; V2 with softmax, no bias, groups ranked by their best sco
 import torch
 
 from ..model import MoEConfig
-from .mapping import (field, Copy, HFFormatError, Rows, check_representable, common_config, common_to_hf, expert_sources,
-                      half_split_perm, layer_sources, no_bias_slot, outer_sources, refuse, refuse_common,
+from .mapping import (Copy, HFFormatError, Rows, check_representable, common_config, common_to_hf, expert_sources,
+                      field, half_split_perm, layer_sources, no_bias_slot, outer_sources, refuse, refuse_common,
                       swiglu_sources)
 
 V3, V2 = "DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM"
@@ -24,9 +24,10 @@ def _mla_config(hf: dict) -> dict:
                   q_lora_rank=hf.get("q_lora_rank") or 0, kv_lora_rank=hf["kv_lora_rank"],
                   qk_nope_head_dim=hf["qk_nope_head_dim"], qk_rope_head_dim=hf["qk_rope_head_dim"],
                   v_head_dim=hf["v_head_dim"], ffn_hidden=hf["intermediate_size"],
-                  n_dense_layers=hf.get("first_k_dense_replace") or 0, num_experts=field(hf, "n_routed_experts", "num_local_experts"),
-                  top_k=hf["num_experts_per_tok"], expert_hidden=hf["moe_intermediate_size"],
-                  n_shared_experts=hf.get("n_shared_experts") or 0, route_scale=float(hf.get("routed_scaling_factor", 1.0)))
+                  n_dense_layers=hf.get("first_k_dense_replace") or 0,
+                  num_experts=field(hf, "n_routed_experts", "num_local_experts"), top_k=hf["num_experts_per_tok"],
+                  expert_hidden=hf["moe_intermediate_size"], n_shared_experts=hf.get("n_shared_experts") or 0,
+                  route_scale=float(hf.get("routed_scaling_factor", 1.0)))
     return fields
 
 
@@ -97,7 +98,8 @@ class DeepseekV3:
     @staticmethod
     def config_from_hf(hf: dict) -> MoEConfig:
         refuse(hf, "scoring_func", lambda v: v not in (None, "sigmoid"), "DeepSeek-V3 routes with sigmoid scores")
-        refuse(hf, "topk_method", lambda v: v not in (None, "noaux_tc"), "DeepSeek-V3 routes with topk_method='noaux_tc'")
+        refuse(hf, "topk_method", lambda v: v not in (None, "noaux_tc"),
+               "DeepSeek-V3 routes with topk_method='noaux_tc'")
         return MoEConfig(**_mla_config(hf), score_func="sigmoid", route_norm=bool(hf.get("norm_topk_prob", True)),
                          n_expert_groups=hf.get("n_group") or 1, n_limited_groups=hf.get("topk_group") or 1,
                          group_score="top2_sum")

@@ -153,9 +153,12 @@ def rope_fields(hf: dict) -> dict:
                 or hf["max_position_embeddings"])
     factor = params.get("factor") or hf["max_position_embeddings"] / original
     return {**fields, "rope_scaling": "yarn", "rope_factor": float(factor), "rope_original_max_seq_len": int(original),
-            "rope_beta_fast": float(params.get("beta_fast") or 32), "rope_beta_slow": float(params.get("beta_slow") or 1),
-            "rope_mscale": float(params.get("mscale") or 0), "rope_mscale_all_dim": float(params.get("mscale_all_dim") or 0),
-            "rope_attention_factor": params.get("attention_factor"), "rope_truncate": bool(params.get("truncate", True))}
+            "rope_beta_fast": float(params.get("beta_fast") or 32),
+            "rope_beta_slow": float(params.get("beta_slow") or 1),
+            "rope_mscale": float(params.get("mscale") or 0),  # transformers treats a missing mscale as off
+            "rope_mscale_all_dim": float(params.get("mscale_all_dim") or 0),
+            "rope_attention_factor": params.get("attention_factor"),
+            "rope_truncate": bool(params.get("truncate", True))}
 
 
 def rope_to_hf(config: MoEConfig) -> dict:

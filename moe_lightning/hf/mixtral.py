@@ -1,7 +1,7 @@
 """Mixtral: GQA with half-split rotary, softmax top-k routing renormalised over the chosen experts, every block MoE."""
 
 from ..model import MoEConfig
-from .mapping import (field, Copy, check_representable, common_config, common_to_hf, expert_sources, gqa_sources,
+from .mapping import (Copy, check_representable, common_config, common_to_hf, expert_sources, field, gqa_sources,
                       layer_sources, no_bias_slot, outer_sources, refuse_common)
 
 
@@ -18,9 +18,9 @@ class Mixtral:
 
     @classmethod
     def config_to_hf(cls, config: MoEConfig) -> dict:
-        check_representable(config, cls.ARCHITECTURE, attention="gqa", qk_norm="none", clip_qkv=None, n_moe_layers=config.n_layers,
-                            n_shared_experts=0, score_func="softmax", route_norm=True, route_scale=1.0,
-                            n_expert_groups=1)
+        check_representable(config, cls.ARCHITECTURE, attention="gqa", qk_norm="none", clip_qkv=None,
+                            n_moe_layers=config.n_layers, n_shared_experts=0, score_func="softmax", route_norm=True,
+                            route_scale=1.0, n_expert_groups=1)
         return {**common_to_hf(config, cls.ARCHITECTURE, cls.MODEL_TYPE), "num_key_value_heads": config.n_kv_heads,
                 "head_dim": config.head_dim, "intermediate_size": config.expert_hidden,
                 "num_local_experts": config.num_experts, "num_experts_per_tok": config.top_k, "sliding_window": None}

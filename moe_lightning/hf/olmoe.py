@@ -2,8 +2,8 @@
 softmax routing, every block MoE."""
 
 from ..model import MoEConfig
-from .mapping import (field, check_representable, common_config, common_to_hf, gqa_sources, layer_sources, outer_sources,
-                      refuse_common)
+from .mapping import (check_representable, common_config, common_to_hf, field, gqa_sources, layer_sources,
+                      outer_sources, refuse_common)
 from .qwen3_moe import qk_norm_sources, router_and_experts
 
 

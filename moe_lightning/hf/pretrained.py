@@ -64,7 +64,8 @@ def _checked(path: str | Path, shapes: dict[str, torch.Size]) -> tuple[MoEConfig
     sources = family.sources(config, hf)
     if set(shapes) != set(sources):
         raise HFFormatError(f"the model's tensors {sorted(set(shapes) ^ set(sources))[:6]} do not match a "
-                            f"{family.ARCHITECTURE} of this config.json: build the model from hf.load_config({str(path)!r}).")
+                            f"{family.ARCHITECTURE} of this config.json: build the model from "
+                            f"hf.load_config({str(path)!r}).")
     files = SafetensorsDir(path)
     wanted = {key for source in sources.values() for key in source.keys()}
     present = files.keys()
@@ -88,7 +89,7 @@ def _checked(path: str | Path, shapes: dict[str, torch.Size]) -> tuple[MoEConfig
 def _local_region(tensor: torch.Tensor) -> tuple[torch.Tensor, tuple[slice, ...]]:
     """This rank's part of ``tensor`` and where it sits in the global tensor."""
     if isinstance(tensor, DTensor):
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset  # private; here since torch 2.5
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset  # private, since 2.5
         shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
         return tensor.to_local(), tuple(slice(o, o + s) for o, s in zip(offset, shape))
     return tensor, tuple(slice(0, s) for s in tensor.shape)

@@ -1,8 +1,8 @@
 """Qwen3-MoE: GQA with half-split rotary and per-head QK-norm, softmax routing, dense blocks in any pattern."""
 
 from ..model import MoEConfig
-from .mapping import (field, Copy, Rows, check_representable, common_config, common_to_hf, expert_sources, gqa_sources,
-                      half_split_perm, layer_sources, no_bias_slot, outer_sources, refuse_common)
+from .mapping import (Copy, Rows, check_representable, common_config, common_to_hf, expert_sources, field,
+                      gqa_sources, half_split_perm, layer_sources, no_bias_slot, outer_sources, refuse_common)
 
 
 def qk_norm_sources(p: str, q_heads: int, k_heads: int, head_dim: int) -> dict:
@@ -26,7 +26,8 @@ class Qwen3Moe:
         L, step, only = hf["num_hidden_layers"], hf.get("decoder_sparse_step", 1), set(hf.get("mlp_only_layers") or [])
         dense = [i for i in range(L) if i in only or (i + 1) % step]  # transformers' rule for which blocks are MoE
         return MoEConfig(**common_config(hf), ffn_hidden=hf["intermediate_size"], n_dense_layers=0,
-                         dense_layers=dense or None, num_experts=field(hf, "num_experts", "num_local_experts"), top_k=hf["num_experts_per_tok"],
+                         dense_layers=dense or None, num_experts=field(hf, "num_experts", "num_local_experts"),
+                         top_k=hf["num_experts_per_tok"],
                          expert_hidden=hf["moe_intermediate_size"], n_shared_experts=0, score_func="softmax",
                          route_norm=bool(hf.get("norm_topk_prob", False)), route_scale=1.0, attention="gqa",
                          qk_norm="head")
