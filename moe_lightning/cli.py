@@ -2,6 +2,7 @@
 
 import importlib
 import sys
+from pathlib import Path
 
 from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
 
@@ -24,6 +25,15 @@ class MoECLI(LightningCLI):
     def add_arguments_to_parser(self, parser) -> None:
         parser.set_defaults({"trainer.precision": "32-true"})
 
+    def before_instantiate_classes(self) -> None:
+        """A pretrained directory's ``tokenizer.json`` becomes the data's tokenizer unless one is set."""
+        config = self.config[self.subcommand] if self.subcommand else self.config
+        pretrained = config.get("model.init_args.pretrained")
+        tokenizer = Path(pretrained or "") / "tokenizer.json"
+        if pretrained and "data.init_args.tokenizer" in config and config.get("data.init_args.tokenizer") is None \
+                and tokenizer.is_file():
+            config["data.init_args.tokenizer"] = str(tokenizer)
+
     def before_fit(self) -> None:
         vocab = self.datamodule.vocab_size
         if self.model.config.vocab_size < vocab:
@@ -39,7 +49,8 @@ class MoECLI(LightningCLI):
 EXTRA_COMMANDS = {
     "tokenize": "moe_lightning.data:tokenize_main",
     "plan": "moe_lightning.plan:main",
-    "export": "moe_lightning.parallel.checkpoint:export_main",
+    "export": "moe_lightning.hf.convert:export_main",  # --hf writes Hugging Face; otherwise checkpoint.export_main
+    "convert": "moe_lightning.hf.convert:convert_main",
 }
 
 

@@ -163,7 +163,7 @@ def plan(config: MoEConfig, cluster: Cluster, work: Workload) -> dict:
     boundary_one = 2 * tokens * config.dim
     unit = max(dense + routed_part / cluster.expert_parallel_size for dense, routed_part in units)
     working_set = max(block_working_set_bytes(config, tokens, moe=m)
-                      for m, n in ((True, config.n_moe_layers), (False, config.n_dense_layers)) if n)
+                      for m, n in ((True, config.n_moe_layers), (False, config.n_layers - config.n_moe_layers)) if n)
     loss_set = 12 * config.vocab_size * min(work.loss_chunk or tokens, tokens)
 
     transient = {

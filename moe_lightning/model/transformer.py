@@ -27,7 +27,7 @@ class Block(nn.Module):
         self.attention_norm = RMSNorm(config.dim, config.norm_eps)
         self.attention = build_attention(config)
         self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
-        self.is_moe = layer_id >= config.n_dense_layers
+        self.is_moe = config.is_moe_layer(layer_id)
         self.ffn = MoELayer(config) if self.is_moe else SwiGLU(config.dim, config.ffn_hidden)
 
     def forward(self, x_BSD: torch.Tensor, **attention_kwargs) -> torch.Tensor:
