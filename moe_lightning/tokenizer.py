@@ -1,5 +1,6 @@
 """Tokenizers: byte-level by default (nothing to download), a ``tokenizers`` JSON file as an option."""
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -30,14 +31,28 @@ class HFTokenizer:
         except ImportError as err:
             raise ImportError("tokenizer: a JSON tokenizer needs `pip install tokenizers`.") from err
         self._tok = Tokenizer.from_file(path)
-        self.vocab_size = self._tok.get_vocab_size() + 1
-        self.eos_id = self.vocab_size - 1
+        eos_id = self._tok.token_to_id(eos) if (eos := _declared_eos_token(Path(path))) else None
+        if eos_id is not None:  # a released model's tokenizer: its own end-of-sequence token ends documents
+            self.vocab_size, self.eos_id = self._tok.get_vocab_size(), eos_id
+        else:  # a tokenizer trained without one: one more id, after the vocabulary
+            self.vocab_size = self._tok.get_vocab_size() + 1
+            self.eos_id = self.vocab_size - 1
 
     def encode(self, text: str) -> np.ndarray:
         return np.asarray(self._tok.encode(text).ids, dtype=np.uint32)
 
     def decode(self, ids) -> str:
         return self._tok.decode([int(i) for i in ids if int(i) != self.eos_id])
+
+
+def _declared_eos_token(path: Path) -> str | None:
+    """The ``eos_token`` that a Hugging Face model directory declares beside its ``tokenizer.json``
+    (``tokenizer_config.json``, a string or ``{"content": ...}``); ``None`` if there is none."""
+    config = path.with_name("tokenizer_config.json")
+    if not config.is_file():
+        return None
+    eos = json.loads(config.read_text()).get("eos_token")
+    return eos.get("content") if isinstance(eos, dict) else eos
 
 
 def load_tokenizer(path: str | None):
