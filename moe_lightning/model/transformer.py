@@ -48,11 +48,14 @@ class MoETransformer(nn.Module):
         if self.tok_embeddings.weight.device.type != "meta":
             self.init_weights()
 
-    def forward(self, tokens_BS: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens_BS: torch.Tensor, *, return_hidden: bool = False) -> torch.Tensor:
+        """Logits ``[B, S, V]``, or with ``return_hidden`` the final-normed hidden states ``[B, S, D]`` (for a
+        loss that applies ``self.output`` itself, e.g. chunk by chunk)."""
         h_BSD = self.tok_embeddings(tokens_BS)
         for layer in self.layers:
             h_BSD = layer(h_BSD)
-        return self.output(self.norm(h_BSD))
+        h_BSD = self.norm(h_BSD)
+        return h_BSD if return_hidden else self.output(h_BSD)
 
     @torch.no_grad()
     def init_weights(self) -> None:
