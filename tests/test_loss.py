@@ -164,6 +164,20 @@ def test_training_with_accumulation_offload_and_validation_equals_unchunked(tmp_
         torch.testing.assert_close(q, p, rtol=1e-4, atol=1e-5, msg=name)  # after 3 AdamW steps
 
 
+def test_validation_uses_the_chunked_loss(tmp_path):
+    """No operator in a validation run builds the [4 x 32, 300] logits (the unchunked run does)."""
+    largest = {}
+    for chunk in (None, 7):
+        trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                            enable_model_summary=False, limit_val_batches=1, default_root_dir=tmp_path)
+        with LargestTensor() as mode:
+            metrics = trainer.validate(tiny_module(chunk), TextDataModule(os.__file__, seq_len=32, batch_size=4),
+                                       verbose=False)[0]
+        largest[chunk] = mode.numel
+        assert metrics["val/loss"] > 0
+    assert largest[None] == 4 * 32 * 300 > largest[7]
+
+
 @pytest.fixture(scope="module")
 def fsdp_runs(tmp_path_factory):
     """2 gloo ranks, FSDP2 via MoEFSDPStrategy, 2 accumulated micro-batches per step, clipping on."""
