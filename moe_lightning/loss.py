@@ -11,8 +11,8 @@ The head weight enters the graph once, as one input of one autograd node, whatev
 under FSDP2 the norm + head unit is gathered once when the final norm runs (it is not resharded after
 forward) and its gradient is reduced once, after the norm's backward. The head module itself never runs;
 torch 2.13 completes such a partly-run FSDP group at the root's post-forward (checked on 2 gloo ranks in
-tests/test_loss.py). Older FSDP2 code read for torch <= 2.12 instead warns once that a module of the
-group did not run forward and resets the group after backward (not run here: no such torch installed).
+tests/test_loss.py). Earlier FSDP2 sources lack that step; read, not run (only 2.13 is installed here),
+they warn once that a module of the group did not run forward and reset the group after backward.
 """
 
 import torch
