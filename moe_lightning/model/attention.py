@@ -9,12 +9,22 @@ scores depend only on the distance between query and key, so a document scores a
 import torch
 import torch.nn.functional as F
 from torch import nn
-# FlexAttention and create_block_mask(_compile=...) exist since torch 2.5 (read here in the 2.13 source).
+# FlexAttention, create_block_mask and torch.compiler.is_compiling exist in torch >= 2.5; torch.compile of
+# create_block_mask is what 2.13 recommends instead of its deprecated ``_compile=True``.
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 from .config import MoEConfig
 from .layers import RMSNorm
 from .rotary import Rotary, apply_rotary
+
+# Compiled lazily at the first CUDA call: fused kernels, and the block mask never builds the S x S mask.
+_create_block_mask_compiled = torch.compile(create_block_mask)
+_flex_attention_compiled = torch.compile(flex_attention)
+
+
+def _compiled_on_cuda(eager_fn, compiled_fn, device: torch.device):
+    """The compiled function on CUDA; the plain one elsewhere, or inside a compiled region (which traces it)."""
+    return compiled_fn if device.type == "cuda" and not torch.compiler.is_compiling() else eager_fn
 
 
 def document_ids(tokens_BS: torch.Tensor, eod_token_id: int, eods_before_B: torch.Tensor | None = None) -> torch.Tensor:
@@ -24,59 +34,52 @@ def document_ids(tokens_BS: torch.Tensor, eod_token_id: int, eods_before_B: torc
     return doc_BS if eods_before_B is None else doc_BS + eods_before_B[:, None]
 
 
-class DocumentMask:
-    """Which keys each query sees: same document, not in the future. Built once per forward, shared by all blocks.
+def dense_mask(doc_kv_BT: torch.Tensor, q_len: int) -> torch.Tensor:
+    """Boolean ``[B, 1, S, T]`` mask (``True`` = attend) of the last ``q_len`` of the ``T`` positions."""
+    T = doc_kv_BT.shape[1]
+    q_pos_S = torch.arange(T - q_len, T, device=doc_kv_BT.device)
+    causal_ST = q_pos_S[:, None] >= torch.arange(T, device=doc_kv_BT.device)
+    same_doc_BST = doc_kv_BT[:, T - q_len:, None] == doc_kv_BT[:, None, :]
+    return (causal_ST & same_doc_BST)[:, None]
 
-    ``doc_kv_BT`` holds the document ids of all ``T`` keys (with a KV cache: cached ones first); the ``S``
-    queries are the last ``S`` of those positions.
+
+def document_mask_mod(doc_BT: torch.Tensor):
+    """FlexAttention's predicate for a square ``S == T`` mask; a plain function of four indices."""
+    def same_document_causal(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (doc_BT[b, q_idx] == doc_BT[b, kv_idx])
+    return same_document_causal
+
+
+def document_block_mask(doc_BT: torch.Tensor) -> BlockMask:
+    """FlexAttention block mask of a square document mask (one per batch row, shared by the heads)."""
+    B, T = doc_BT.shape
+    build = _compiled_on_cuda(create_block_mask, _create_block_mask_compiled, doc_BT.device)
+    return build(document_mask_mod(doc_BT), B, None, T, T, device=doc_BT.device)
+
+
+class DocumentMask:
+    """Which keys each query sees: same document, not in the future. Built once per forward, outside the
+    blocks (so a compiled block only reads it), and shared by all of them.
+
+    ``doc_kv_BT`` holds the document ids of all ``T`` keys (with a KV cache: cached ones first); the ``q_len``
+    queries (default ``T``) are the last of those positions. ``flex`` (default: on CUDA when ``q_len == T``)
+    builds FlexAttention's block mask, otherwise the exact boolean mask for SDPA is built.
     """
 
-    def __init__(self, doc_kv_BT: torch.Tensor):
-        self.doc_kv_BT = doc_kv_BT
-        self._block_mask: BlockMask | None = None
-        self._dense: dict[int, torch.Tensor] = {}
-
-    def mask_mod(self):
-        """FlexAttention's predicate for a square ``S == T`` mask (training, prefill); a plain function of
-        four indices, as ``create_block_mask`` requires."""
-        doc_BT = self.doc_kv_BT
-
-        def same_document_causal(b, h, q_idx, kv_idx):
-            return (q_idx >= kv_idx) & (doc_BT[b, q_idx] == doc_BT[b, kv_idx])
-        return same_document_causal
-
-    def dense(self, q_len: int) -> torch.Tensor:
-        """Boolean ``[B, 1, S, T]`` mask (``True`` = attend) for the last ``q_len`` query positions (built once)."""
-        if q_len not in self._dense:
-            T = self.doc_kv_BT.shape[1]
-            q_pos_S = torch.arange(T - q_len, T, device=self.doc_kv_BT.device)
-            causal_ST = q_pos_S[:, None] >= torch.arange(T, device=self.doc_kv_BT.device)
-            same_doc_BST = self.doc_kv_BT[:, T - q_len:, None] == self.doc_kv_BT[:, None, :]
-            self._dense[q_len] = (causal_ST & same_doc_BST)[:, None]
-        return self._dense[q_len]
-
-    def block_mask(self) -> BlockMask:
-        """FlexAttention block mask, built once (compiled on CUDA, so the ``S x S`` mask never exists)."""
-        if self._block_mask is None:
-            B, T = self.doc_kv_BT.shape
-            device = self.doc_kv_BT.device
-            self._block_mask = create_block_mask(self.mask_mod(), B, None, T, T, device=device,
-                                                 _compile=device.type == "cuda")
-        return self._block_mask
+    def __init__(self, doc_kv_BT: torch.Tensor, q_len: int | None = None, flex: bool | None = None):
+        T = doc_kv_BT.shape[1]
+        self.doc_kv_BT, self.q_len = doc_kv_BT, T if q_len is None else q_len
+        flex = doc_kv_BT.is_cuda and self.q_len == T if flex is None else flex
+        if flex and self.q_len != T:
+            raise ValueError(f"DocumentMask(flex=True) needs q_len == T (training, prefill); got {self.q_len} of {T}.")
+        self.block_mask: BlockMask | None = document_block_mask(doc_kv_BT) if flex else None
+        self.dense_B1ST: torch.Tensor | None = None if flex else dense_mask(doc_kv_BT, self.q_len)
 
 
-_compiled_flex_attention = None
-
-
-def flex_attend(q_BHSK, k_BGSK, v_BGSV, mask: DocumentMask, scale: float | None) -> torch.Tensor:
-    """FlexAttention with the document block mask; compiled on CUDA (fused kernel), eager elsewhere (tests)."""
-    global _compiled_flex_attention
-    kernel = flex_attention
-    if q_BHSK.is_cuda:
-        if _compiled_flex_attention is None:
-            _compiled_flex_attention = torch.compile(flex_attention)
-        kernel = _compiled_flex_attention
-    return kernel(q_BHSK, k_BGSK, v_BGSV, block_mask=mask.block_mask(), scale=scale,
+def flex_attend(q_BHSK, k_BGSK, v_BGSV, block_mask: BlockMask, scale: float | None) -> torch.Tensor:
+    """FlexAttention with a block mask; compiled on CUDA (fused kernel), eager elsewhere (tests)."""
+    kernel = _compiled_on_cuda(flex_attention, _flex_attention_compiled, q_BHSK.device)
+    return kernel(q_BHSK, k_BGSK, v_BGSV, block_mask=block_mask, scale=scale,
                   enable_gqa=q_BHSK.shape[1] != k_BGSK.shape[1])
 
 
@@ -84,19 +87,34 @@ def attend(q_BHSK: torch.Tensor, k_BGTK: torch.Tensor, v_BGTV: torch.Tensor, mas
            scale: float | None = None) -> torch.Tensor:
     """Causal attention of the ``S`` queries (the last ``S`` of ``T`` positions) over ``T`` keys: the kernel choice.
 
-    - no document mask, ``S == T`` or a single query: SDPA's own causal flag (fused kernels);
-    - document mask on CUDA, ``S == T``: FlexAttention with a block mask (never builds ``S x S``);
-    - otherwise (CPU, or queries after cached keys): SDPA with an exact boolean mask.
+    - no document mask, ``S == T``: SDPA's own causal flag (fused kernels);
+    - document mask with a block mask (CUDA, ``S == T``): FlexAttention (never builds ``S x S``);
+    - a document mask without one (CPU): SDPA with the exact boolean mask;
+    - queries after cached keys (decoding): each key head's ``H / G`` query heads are folded into its query
+      axis, so no kernel copies the keys per query head (SDPA's ``enable_gqa`` may: the math kernel does).
+
+    q, k and v reach the kernel in one dtype: autocast's when enabled (FlexAttention is not an autocast op, and
+    a QK-norm with fp32 weights returns fp32 q/k), else v's.
     """
-    S, T = q_BHSK.shape[2], k_BGTK.shape[2]
-    gqa = q_BHSK.shape[1] != k_BGTK.shape[1]
-    if mask is None and S in (1, T):
-        return F.scaled_dot_product_attention(q_BHSK, k_BGTK, v_BGTV, is_causal=S == T, scale=scale, enable_gqa=gqa)
-    if mask is not None and q_BHSK.is_cuda and S == T:
-        return flex_attend(q_BHSK, k_BGTK, v_BGTV, mask, scale)
-    if mask is None:  # queries after cached keys, one document
-        mask = DocumentMask(torch.zeros(q_BHSK.shape[0], T, dtype=torch.long, device=q_BHSK.device))
-    return F.scaled_dot_product_attention(q_BHSK, k_BGTK, v_BGTV, attn_mask=mask.dense(S), scale=scale,
+    B, H, S, K = q_BHSK.shape
+    G, T = k_BGTK.shape[1], k_BGTK.shape[2]
+    device = q_BHSK.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else v_BGTV.dtype
+    q_BHSK, k_BGTK, v_BGTV = q_BHSK.to(dtype), k_BGTK.to(dtype), v_BGTV.to(dtype)
+    if S < T:
+        mask_B1ST = None if mask is None and S == 1 else (
+            mask.dense_B1ST if mask is not None else dense_mask(k_BGTK.new_zeros(B, T, dtype=torch.long), S))
+        q_BGXK = q_BHSK.reshape(B, G, H // G * S, K)  # row r * S + s: query s of head g * H/G + r
+        if mask_B1ST is not None and S > 1:
+            mask_B1ST = mask_B1ST.repeat(1, 1, H // G, 1)
+        out_BGXV = F.scaled_dot_product_attention(q_BGXK, k_BGTK, v_BGTV, attn_mask=mask_B1ST, scale=scale)
+        return out_BGXV.view(B, H, S, -1)
+    gqa = H != G
+    if mask is None:
+        return F.scaled_dot_product_attention(q_BHSK, k_BGTK, v_BGTV, is_causal=True, scale=scale, enable_gqa=gqa)
+    if mask.block_mask is not None:
+        return flex_attend(q_BHSK, k_BGTK, v_BGTV, mask.block_mask, scale)
+    return F.scaled_dot_product_attention(q_BHSK, k_BGTK, v_BGTV, attn_mask=mask.dense_B1ST, scale=scale,
                                           enable_gqa=gqa)
 
 
@@ -117,8 +135,10 @@ class GroupedQueryAttention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim if per_head else self.n_heads * self.head_dim, config.norm_eps)
             self.k_norm = RMSNorm(self.head_dim if per_head else self.n_kv_heads * self.head_dim, config.norm_eps)
 
-    def forward(self, x_BSD: torch.Tensor, mask: DocumentMask | None = None, cache=None) -> torch.Tensor:
-        """``cache`` (a ``kv_cache.LayerCache``): positions continue after the cached ones, keys/values are kept."""
+    def forward(self, x_BSD: torch.Tensor, mask: DocumentMask | None = None, cache=None,
+                cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """``cache`` (a ``kv_cache.LayerCache``): positions continue after the cached ones, keys/values are kept.
+        ``cos_sin``: this forward's rotary tables (``MoETransformer`` computes them once for all layers)."""
         B, S, _ = x_BSD.shape
         q_BSHK = self.wq(x_BSD).view(B, S, self.n_heads, self.head_dim)
         k_BSGK = self.wk(x_BSD).view(B, S, self.n_kv_heads, self.head_dim)
@@ -130,7 +150,7 @@ class GroupedQueryAttention(nn.Module):
             k_BSGK = self.k_norm(k_BSGK.flatten(2)).view_as(k_BSGK)
         if self.clip_qkv is not None:
             q_BSHK, k_BSGK, v_BSGK = (t.clamp(-self.clip_qkv, self.clip_qkv) for t in (q_BSHK, k_BSGK, v_BSGK))
-        cos, sin = self.rotary.cos_sin(0 if cache is None else cache.length, S, device=x_BSD.device)
+        cos, sin = cos_sin or self.rotary.cos_sin(0 if cache is None else cache.length, S, device=x_BSD.device)
         q_BSHK, k_BTGK = apply_rotary(q_BSHK, cos, sin), apply_rotary(k_BSGK, cos, sin)
         v_BTGK = v_BSGK
         if cache is not None:

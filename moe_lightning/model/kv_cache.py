@@ -1,4 +1,5 @@
-"""KV cache for generation: what each attention layer keeps per position, preallocated to ``max_seq_len``.
+"""KV cache for generation: what each attention layer keeps per position, preallocated to a capacity (at most
+``max_seq_len``; ``generate`` asks for no more than the prompt and the new tokens need).
 
 GQA keeps rotated keys and values (``2 · n_kv_heads · head_dim`` numbers per token and layer); MLA keeps its
 normalised compressed latent and the shared rotary key (``kv_lora_rank + qk_rope_head_dim``), the reason MLA

@@ -37,14 +37,16 @@ class MultiHeadLatentAttention(nn.Module):
         self.rotary = Rotary(config, self.rope_dim)
         self.scale = mla_softmax_scale(config)
 
-    def forward(self, x_BSD: torch.Tensor, mask: DocumentMask | None = None, cache=None) -> torch.Tensor:
-        """``cache`` (a ``kv_cache.LayerCache``) keeps the normalised latent and the rotated shared key."""
+    def forward(self, x_BSD: torch.Tensor, mask: DocumentMask | None = None, cache=None,
+                cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """``cache`` (a ``kv_cache.LayerCache``) keeps the normalised latent and the rotated shared key.
+        ``cos_sin``: this forward's rotary tables (``MoETransformer`` computes them once for all layers)."""
         B, S, _ = x_BSD.shape
         H = self.n_heads
         q_BSX = self.wq_b(self.q_norm(self.wq_a(x_BSD))) if self.q_lora_rank else self.wq(x_BSD)
         q_nope_BSHN, q_rope_BSHR = q_BSX.view(B, S, H, -1).split([self.nope_dim, self.rope_dim], dim=-1)
         kv_BSC, k_rope_BSR = self.wkv_a(x_BSD).split([self.kv_lora_rank, self.rope_dim], dim=-1)
-        cos, sin = self.rotary.cos_sin(0 if cache is None else cache.length, S, device=x_BSD.device)
+        cos, sin = cos_sin or self.rotary.cos_sin(0 if cache is None else cache.length, S, device=x_BSD.device)
         q_rope_BSHR = apply_rotary(q_rope_BSHR, cos, sin)
         k_rope_BSR = apply_rotary(k_rope_BSR.unsqueeze(2), cos, sin).squeeze(2)
         latent_BSC = self.kv_norm(kv_BSC)
@@ -63,7 +65,8 @@ class MultiHeadLatentAttention(nn.Module):
         """Attention over cached latents without expanding them to per-head keys and values.
 
         ``wkv_b`` is absorbed: ``q_nope · (W_k c) = (W_kᵀ q_nope) · c`` and ``Σ p (W_v c) = W_v (Σ p c)``, so
-        every head attends over the same ``[latent, rotary key]`` of width C + R (one shared key head).
+        every head attends over the same ``[latent, rotary key]`` of width C + R (one shared key head, which
+        ``attend`` never copies per head).
         """
         B, S, H, _ = q_nope_BSHN.shape
         w_HXC = self.wkv_b.weight.to(q_nope_BSHN.dtype).view(H, self.nope_dim + self.v_dim, self.kv_lora_rank)

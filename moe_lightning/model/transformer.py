@@ -13,6 +13,7 @@ from .kv_cache import KVCache
 from .layers import RMSNorm, SwiGLU
 from .mla import MultiHeadLatentAttention
 from .moe import MoELayer
+from .rotary import Rotary
 
 
 def build_attention(config: MoEConfig) -> nn.Module:
@@ -44,6 +45,7 @@ class MoETransformer(nn.Module):
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
         self.layers = nn.ModuleList(Block(config, i) for i in range(config.n_layers))
         self.norm = RMSNorm(config.dim, config.norm_eps)
+        self.rotary = Rotary(config, config.qk_rope_head_dim if config.attention == "mla" else config.head_dim)
         self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
@@ -54,17 +56,26 @@ class MoETransformer(nn.Module):
                 return_hidden: bool = False) -> torch.Tensor:
         """Logits ``[B, S, V]``, or with ``return_hidden`` the final-normed hidden states ``[B, S, D]`` (for a
         loss that applies ``self.output`` itself, e.g. chunk by chunk). With ``cache`` the tokens continue the
-        cached positions, which it then holds."""
-        if cache is not None and cache.length + tokens_BS.shape[1] > cache.capacity:
-            raise ValueError(f"KV cache holds {cache.capacity} positions (max_seq_len); {cache.length} are cached "
-                             f"and {tokens_BS.shape[1]} more were given: start a new cache from the latest tokens.")
+        cached positions, which it then holds.
+
+        What every block shares is built here once, outside the blocks (a compiled block only reads it): the
+        rotary tables and the attention mask (with FlexAttention, its block mask)."""
+        B, S = tokens_BS.shape
+        start = 0 if cache is None else cache.length
+        if cache is not None and start + S > cache.capacity:
+            raise ValueError(f"KV cache holds {cache.capacity} positions; {start} are cached and {S} more were "
+                             f"given: start a new cache from the latest tokens.")
         h_BSD = self.tok_embeddings(tokens_BS)
         mask = None
         if self.config.document_masking:
             eod = self.config.eod_token_id
-            mask = DocumentMask(document_ids(tokens_BS, eod) if cache is None else cache.document_ids(tokens_BS, eod))
+            mask = DocumentMask(document_ids(tokens_BS, eod) if cache is None else cache.document_ids(tokens_BS, eod),
+                                q_len=S)
+        elif start > 0 and S > 1:  # several queries after cached keys: causal offset mask, one document
+            mask = DocumentMask(tokens_BS.new_zeros(B, start + S), q_len=S)
+        cos_sin = self.rotary.cos_sin(start, S, device=tokens_BS.device)
         for i, layer in enumerate(self.layers):
-            h_BSD = layer(h_BSD, mask=mask, cache=None if cache is None else cache.layers[i])
+            h_BSD = layer(h_BSD, mask=mask, cache=None if cache is None else cache.layers[i], cos_sin=cos_sin)
         h_BSD = self.norm(h_BSD)
         return h_BSD if return_hidden else self.output(h_BSD)
 
@@ -98,7 +109,12 @@ class MoETransformer(nn.Module):
     def generate(self, tokens_BS: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
                  top_k: int | None = None, generator: torch.Generator | None = None, *, top_p: float | None = None,
                  stop_token: int | None = None, use_cache: bool = True) -> torch.Tensor:
-        """Prompt and continuation ``[B, S + new]`` (see ``generate_stream``; fewer new tokens if all rows stop)."""
+        """Prompt and continuation ``[B, S + new]`` (see ``generate_stream``; fewer new tokens if all rows stop).
+
+        The model sees at most ``max_seq_len`` tokens: a longer prompt is cut to its newest ``max_seq_len``, and
+        with the KV cache, once prompt + generated tokens pass ``max_seq_len`` generation restarts from the
+        newest ``max_seq_len // 2`` tokens (everything older is forgotten), then again each time it fills.
+        """
         new = list(self.generate_stream(tokens_BS, max_new_tokens, temperature, top_k, generator, top_p=top_p,
                                         stop_token=stop_token, use_cache=use_cache))
         return torch.cat([tokens_BS, *(next_B[:, None].to(tokens_BS.dtype) for next_B in new)], dim=1)
@@ -119,15 +135,15 @@ class MoETransformer(nn.Module):
         window = self.config.max_seq_len
         context_BS = tokens_BS[:, -window:]
         pending_BS = context_BS
-        cache = KVCache(len(self.layers), window) if use_cache else None
+        # the last sampled token is never fed: a cache holds at most prompt + max_new_tokens - 1 positions
+        cache = KVCache(len(self.layers), min(window, context_BS.shape[1] + max_new_tokens - 1)) if use_cache else None
         stopped_B = torch.zeros(tokens_BS.shape[0], dtype=torch.bool, device=tokens_BS.device)
         for _ in range(max_new_tokens):
-            if cache is None:
-                logits_BV = self(context_BS)[:, -1]
-            else:
-                if cache.length + pending_BS.shape[1] > window:
-                    cache, pending_BS = KVCache(len(self.layers), window), context_BS[:, -max(window // 2, 1):]
-                logits_BV = self(pending_BS, cache=cache)[:, -1]
+            if cache is not None and cache.length + pending_BS.shape[1] > cache.capacity:  # only when it is full
+                cache, pending_BS = KVCache(len(self.layers), window), context_BS[:, -max(window // 2, 1):]
+            # the head runs on the last position only: prefill never builds [B, S, V] logits
+            h_BSD = self(context_BS if cache is None else pending_BS, cache=cache, return_hidden=True)
+            logits_BV = self.output(h_BSD[:, -1])
             next_B = sample_next(logits_BV.float(), temperature, top_k, top_p, generator)
             if stop_token is not None:
                 next_B = next_B.masked_fill(stopped_B, stop_token)
