@@ -98,7 +98,7 @@ def attend(q_BHSK: torch.Tensor, k_BGTK: torch.Tensor, v_BGTV: torch.Tensor, mas
     """
     B, H, S, K = q_BHSK.shape
     G, T = k_BGTK.shape[1], k_BGTK.shape[2]
-    device = q_BHSK.device.type
+    device = q_BHSK.device.type  # is_autocast_enabled/get_autocast_dtype(device) exist since torch 2.4
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else v_BGTV.dtype
     q_BHSK, k_BGTK, v_BGTV = q_BHSK.to(dtype), k_BGTK.to(dtype), v_BGTV.to(dtype)
     if S < T:
