@@ -1,5 +1,6 @@
 """The LightningModule: builds the model late, computes the loss, balances experts, logs what matters."""
 
+import dataclasses
 from functools import partial
 
 import lightning as L
@@ -31,6 +32,8 @@ class MoELanguageModel(L.LightningModule):
                  lr_scheduler: LRSchedulerCallable = partial(WarmupCosineLR, warmup_steps=100),
                  weight_decay: float = 0.1):
         super().__init__()
+        if isinstance(config, dict):  # rebuilt from a checkpoint's hyperparameters (load_from_checkpoint)
+            config = MoEConfig(**config)
         self.config = config if config is not None else MoEConfig()
         self.optimizer_factory, self.lr_scheduler_factory = optimizer, lr_scheduler
         self.weight_decay = weight_decay
@@ -89,7 +92,9 @@ class MoELanguageModel(L.LightningModule):
         pending, self._pending_expert_counts = self._pending_expert_counts, None
         if pending is None or self.config.bias_update_rate == 0:
             return
-        counts_LE = self.trainer.strategy.reduce(pending.float(), reduce_op="sum")
+        counts_LE = pending.float()
+        if torch.distributed.is_initialized():  # Lightning's strategy.reduce would add a barrier every step
+            torch.distributed.all_reduce(counts_LE)
         for moe, counts_E in zip(self.model.moe_layers(), counts_LE):
             moe.router.update_bias(counts_E, self.config.bias_update_rate)
 
@@ -110,7 +115,11 @@ class MoELanguageModel(L.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
+        """Plain data only (loaded with ``weights_only=True``): the config as a dict."""
         checkpoint["tokens_seen"] = self.tokens_seen
+        hparams = checkpoint.get("hyper_parameters", {})
+        if dataclasses.is_dataclass(hparams.get("config")):
+            hparams["config"] = dataclasses.asdict(hparams["config"])
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         self.tokens_seen = checkpoint.get("tokens_seen", 0)
