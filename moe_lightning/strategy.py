@@ -132,7 +132,8 @@ class MoEFSDPStrategy(ModelParallelStrategy):
         self.expert_mesh = None
         self._expert_fsdp_mesh = None  # the sub-mesh that FSDP-shards expert stacks under ep > 1
         self._fsdp_root: FSDPModule | None = None
-        self.checkpointer = ckpt.ShardedCheckpointer(async_save=async_checkpoint)
+        self.async_checkpoint, self._fitting = async_checkpoint, False  # background saves only inside fit
+        self.checkpointer = ckpt.ShardedCheckpointer()
 
     # ---- mesh -----------------------------------------------------------------------------------
     @property
@@ -304,7 +305,8 @@ class MoEFSDPStrategy(ModelParallelStrategy):
         state = {"state_dict": checkpoint.pop("state_dict")}
         state.update({f"optimizer_{i}": o for i, o in enumerate(checkpoint.pop("optimizer_states", []))})
         self.checkpointer.save(state, checkpoint, Path(self.broadcast(str(filepath))),
-                               ckpt.expert_parameter_names(self.lightning_module), self.expert_mesh)
+                               ckpt.expert_parameter_names(self.lightning_module), self.expert_mesh,
+                               background=self.async_checkpoint and self._fitting)
 
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
         """A sharded checkpoint written at any world size or ``expert_parallel_size``, or a single file.
@@ -333,12 +335,17 @@ class MoEFSDPStrategy(ModelParallelStrategy):
             self.checkpointer.wait()
         super().remove_checkpoint(filepath)
 
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        self._fitting = True
+
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_start(batch, batch_idx)
         self.checkpointer.poll()  # commit a finished background save, or raise its error
 
     def on_train_end(self) -> None:
         super().on_train_end()
+        self._fitting = False
         self.checkpointer.wait()
         self.barrier()  # the last checkpoint is visible to every rank when fit returns
 

@@ -35,6 +35,7 @@ class Record(Callback):
         self.counter, self.replicas, self.out, self.rows = counter, replicas, out, []
         self.grad_norms, self.clipped_norms = [], []
         self.barriers, self.clip_host_reads = 0, 0
+        self.last_end = None  # end of the previous batch: the gap to the next start holds checkpoint saves
 
     @contextmanager
     def counting_barriers(self):
@@ -89,6 +90,7 @@ class Record(Callback):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         self.before, self.barriers_before, self.start = self.counter.snapshot(), self.barriers, time.perf_counter()
+        self.gap = None if self.last_end is None else self.start - self.last_end
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         calls, nbytes = self.counter.snapshot()
@@ -98,7 +100,7 @@ class Record(Callback):
         seconds = time.perf_counter() - self.start
         loss = self._sum(outputs["loss"].detach().float().clone()) / trainer.world_size
         self.rows.append({"step": trainer.global_step, "batch": batch_idx, "loss": loss.item(), "seconds": seconds,
-                          "barriers": barriers,
+                          "barriers": barriers, "gap_before_s": self.gap,
                           "calls": {k: v - self.before[0].get(k, 0) for k, v in calls.items()},
                           "bytes": {k: v - self.before[1].get(k, 0) for k, v in nbytes.items()}})
         if trainer.is_global_zero:  # after every batch: a killed run still reports what it did
@@ -106,14 +108,15 @@ class Record(Callback):
                                             "clipped_norms": self.clipped_norms,
                                             "clip_host_reads": self.clip_host_reads,
                                             "barriers_total": self.barriers}))
+        self.last_end = time.perf_counter()
 
 
 class KillWhileWriting(ShardedCheckpointer):
     """Every rank dies by SIGKILL once it has written its shards of save number ``kill_at_save``: before DCP's
     finish step and the commit; with asynchronous saves, in the background thread while training goes on."""
 
-    def __init__(self, kill_at_save: int, async_save: bool):
-        super().__init__(async_save)
+    def __init__(self, kill_at_save: int):
+        super().__init__()
         self.kill_at_save, self.saves = kill_at_save, 0
 
     def storage_writer(self, partial):
@@ -140,6 +143,7 @@ def main() -> None:
     parser.add_argument("--ckpt-dir", default=None)
     parser.add_argument("--every", type=int, default=2)
     parser.add_argument("--resume", default=None)
+    parser.add_argument("--no-save-last", action="store_true", help="ModelCheckpoint(save_last=False)")
     parser.add_argument("--kill-at-save", type=int, default=0)
     parser.add_argument("--prefetch", type=int, default=1)
     parser.add_argument("--offload", action="store_true", help="cpu_offload=True")
@@ -164,7 +168,7 @@ def main() -> None:
                       unshard_async_op=args.async_op, meta_init=args.meta_init, async_checkpoint=args.async_checkpoint)
         strategy = MoEFSDPStrategy(**kwargs)
         if args.kill_at_save:
-            strategy.checkpointer = KillWhileWriting(args.kill_at_save, args.async_checkpoint)
+            strategy.checkpointer = KillWhileWriting(args.kill_at_save)
     counter = CollectiveCounter()
     record = Record(counter, args.replicate, Path(args.out))
     if args.strategy == "fsdp":
@@ -172,7 +176,7 @@ def main() -> None:
     callbacks = [record]
     if args.ckpt_dir:
         callbacks.append(ModelCheckpoint(dirpath=args.ckpt_dir, filename="{step}", every_n_train_steps=args.every,
-                                         save_top_k=-1, save_last=True))
+                                         save_top_k=-1, save_last=not args.no_save_last))
     trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=args.max_steps,
                         accumulate_grad_batches=args.accumulate, limit_val_batches=0, num_sanity_val_steps=0,
                         logger=False, enable_progress_bar=False, enable_model_summary=False,

@@ -317,7 +317,7 @@ class BlockingCheckpointer(ShardedCheckpointer):
     next write raise after waiting."""
 
     def __init__(self):
-        super().__init__(async_save=True)
+        super().__init__()
         self.release, self.started, self.fail = threading.Event(), threading.Event(), False
 
     def storage_writer(self, partial):
@@ -344,7 +344,7 @@ def test_async_save_returns_before_writing_and_commits_what_it_staged(tmp_path):
     checkpointer, path = BlockingCheckpointer(), tmp_path / "a.ckpt"
     weight = torch.randn(4, 3)
     staged = weight.clone()
-    checkpointer.save({"w": weight}, {"global_step": 1}, path, set(), None)
+    checkpointer.save({"w": weight}, {"global_step": 1}, path, set(), None, background=True)
     assert checkpointer.started.wait(timeout=60)  # the write runs in the background, blocked...
     assert not path.exists() and checkpointer.pending_path == path  # ...and nothing is visible yet
     weight.add_(1.0)  # training goes on and changes the parameters in place
@@ -359,9 +359,9 @@ def test_async_save_returns_before_writing_and_commits_what_it_staged(tmp_path):
 
 def test_second_async_save_waits_for_the_first(tmp_path):
     checkpointer = BlockingCheckpointer()
-    checkpointer.save({"w": torch.ones(4, 3)}, {}, tmp_path / "first", set(), None)
+    checkpointer.save({"w": torch.ones(4, 3)}, {}, tmp_path / "first", set(), None, background=True)
     second = threading.Thread(target=checkpointer.save, args=({"w": torch.full((4, 3), 2.0)}, {},
-                                                              tmp_path / "second", set(), None))
+                                                              tmp_path / "second", set(), None, True))
     second.start()
     second.join(timeout=1.0)
     assert second.is_alive() and not (tmp_path / "second.partial").exists()  # still waiting for the first
@@ -374,10 +374,10 @@ def test_second_async_save_waits_for_the_first(tmp_path):
 def test_failed_async_save_raises_at_the_next_poll_and_keeps_the_previous_checkpoint(tmp_path):
     checkpointer, path = BlockingCheckpointer(), tmp_path / "last.ckpt"
     checkpointer.release.set()
-    checkpointer.save({"w": torch.ones(4, 3)}, {}, path, set(), None)
+    checkpointer.save({"w": torch.ones(4, 3)}, {}, path, set(), None, background=True)
     checkpointer.wait()
     checkpointer.fail = True
-    checkpointer.save({"w": torch.zeros(4, 3)}, {}, path, set(), None)
+    checkpointer.save({"w": torch.zeros(4, 3)}, {}, path, set(), None, background=True)
     with pytest.raises(CheckpointError, match=r"Asynchronous checkpoint .*last.ckpt failed .*disk full"):
         while True:  # what the strategy does at every training batch
             checkpointer.poll()

@@ -150,14 +150,13 @@ class ShardedCheckpointer:
     succeeded: DCP's finish step gathers all ranks' write results on rank 0 before writing ``.metadata``, and
     a failure on any rank fails the save on all. A crash at any point leaves the previous checkpoint.
 
-    With ``async_save`` the state is copied to host memory and ``save`` returns; a background thread writes
-    it, coordinating over its own gloo group so that its collectives never interleave with training's. The
-    commit happens at the first ``poll`` (every training batch), ``wait`` or ``save`` after the write ends;
-    a failed write raises there. One save at a time: ``save`` first waits for the previous one.
+    With ``background=True`` the state is copied to host memory and ``save`` returns; a thread writes it,
+    coordinating over its own gloo group so that its collectives never interleave with training's. The commit
+    happens at the first ``poll`` (every training batch), ``wait`` or ``save`` after the write ends; a failed
+    write raises there. One save at a time: ``save`` first waits for the previous one.
     """
 
-    def __init__(self, async_save: bool = False):
-        self.async_save = async_save
+    def __init__(self):
         self._pending: tuple[Future, Path, Path] | None = None  # (write, partial directory, final path)
         self._group: dist.ProcessGroup | None = None
 
@@ -174,7 +173,7 @@ class ShardedCheckpointer:
         return _HostCopyWriter(partial)
 
     def save(self, state: dict[str, Any], metadata: dict[str, Any], path: Path, expert_names: set[str],
-             expert_mesh: DeviceMesh | None) -> None:
+             expert_mesh: DeviceMesh | None, background: bool = False) -> None:
         """Write ``state`` (DCP, every rank) and ``metadata`` (rank 0, plain data) as the directory ``path``."""
         self.wait()
         partial = path.with_name(path.name + PARTIAL_SUFFIX)
@@ -190,7 +189,7 @@ class ShardedCheckpointer:
         self._barrier()  # nobody writes into the directory while rank 0 clears it
         writer = self.storage_writer(partial)
         with global_expert_views(state, expert_names, expert_mesh):
-            if not self.async_save:
+            if not background:
                 dcp.save(state, storage_writer=writer)
             else:
                 if self._group is None and dist.is_initialized():
@@ -198,7 +197,7 @@ class ShardedCheckpointer:
                 # Returns once the writer has staged (copied) every tensor; the write runs in a thread.
                 self._pending = (dcp.async_save(state, storage_writer=writer, process_group=self._group),
                                  partial, path)
-        if not self.async_save:
+        if not background:
             self._commit(partial, path)
             self._barrier()
 
