@@ -429,3 +429,11 @@ def test_single_file_checkpoint_is_plain_data_and_the_cli_resumes_from_it(tmp_pa
     assert MoELanguageModel.load_from_checkpoint(path).config == MoEConfig(**config)
     cli = run(["fit", *common, "--trainer.max_steps=2", f"--ckpt_path={path}"])
     assert cli.trainer.global_step == 2 and cli.model.config == MoEConfig(**config)
+
+
+def test_saving_metadata_that_is_not_plain_data_fails_before_writing(tmp_path):
+    marker = tmp_path / "code_ran"
+    with pytest.raises(CheckpointError, match=r"metadata for .*x.ckpt must be plain data .*it names"):
+        ShardedCheckpointer().save({"w": torch.ones(2)}, {"extra": WritesMarker(marker)}, tmp_path / "x.ckpt",
+                                   set(), None)
+    assert list(tmp_path.iterdir()) == []  # no directory, no marker

@@ -11,6 +11,7 @@ Loading never runs code from a file: metadata is plain data (the model config as
 """
 
 import argparse
+import io
 import os
 import pickle
 import re
@@ -42,7 +43,7 @@ class CheckpointError(RuntimeError):
     """A checkpoint could not be written, or would not be read safely; the message names the path."""
 
 
-def load_metadata(path: Path) -> dict[str, Any]:
+def load_metadata(path: Path | io.BytesIO) -> dict[str, Any]:
     """A ``torch.save`` file of plain data (tensors, numbers, strings, containers); never unpickles a class."""
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
@@ -50,7 +51,7 @@ def load_metadata(path: Path) -> dict[str, Any]:
         raise unsafe_file_error(path, error) from None
 
 
-def unsafe_file_error(path: Path, error: pickle.UnpicklingError) -> CheckpointError:
+def unsafe_file_error(path: Path | io.BytesIO, error: pickle.UnpicklingError) -> CheckpointError:
     found = re.search(r"GLOBAL (\S+)", str(error))
     reason = f"it names {found.group(1)}" if found else str(error).strip().split("\n")[0][:200]
     return CheckpointError(
@@ -177,15 +178,17 @@ class ShardedCheckpointer:
         """Write ``state`` (DCP, every rank) and ``metadata`` (rank 0, plain data) as the directory ``path``."""
         self.wait()
         partial = path.with_name(path.name + PARTIAL_SUFFIX)
+        buffer = io.BytesIO()
+        torch.save(metadata, buffer)
+        try:  # on every rank (each holds the same metadata): fail now, not at resume days later
+            load_metadata(io.BytesIO(buffer.getvalue()))
+        except CheckpointError as error:
+            raise CheckpointError(f"Checkpoint metadata for {path} must be plain data (a callback or the "
+                                  f"LightningModule stored an object in it): {error}") from None
         if self._is_rank_zero():
             remove(partial)  # left behind by a run killed while writing
             partial.mkdir(parents=True)
-            torch.save(metadata, partial / METADATA_FILE)
-            try:  # fail now, not at resume days later
-                load_metadata(partial / METADATA_FILE)
-            except CheckpointError as error:
-                raise CheckpointError(f"Checkpoint metadata for {path} must be plain data (a callback or the "
-                                      f"LightningModule stored an object in it): {error}") from None
+            (partial / METADATA_FILE).write_bytes(buffer.getvalue())
         self._barrier()  # nobody writes into the directory while rank 0 clears it
         writer = self.storage_writer(partial)
         with global_expert_views(state, expert_names, expert_mesh):
@@ -216,7 +219,8 @@ class ShardedCheckpointer:
             write.result()
         except (Exception, dcp.api.CheckpointException) as error:  # the latter is a BaseException
             raise CheckpointError(f"Asynchronous checkpoint {path} failed while writing ({error!r}): it was not "
-                                  f"committed (its files stay in {partial}); earlier checkpoints are intact.") from error
+                                  f"committed (its files stay in {partial}); earlier checkpoints are intact."
+                                  ) from error
         self._commit(partial, path)
 
     @property
