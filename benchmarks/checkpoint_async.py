@@ -1,13 +1,13 @@
 """How long the training loop is blocked per sharded checkpoint: synchronous vs asynchronous saves.
 
-    python benchmarks/checkpoint_async.py                  # 2 CPU processes, ~1-2 minutes on 2 cores
-    python benchmarks/checkpoint_async.py --dim 384 --steps 8
+    python benchmarks/checkpoint_async.py                  # 2 CPU processes, ~2-3 minutes on 2 busy cores
+    python benchmarks/checkpoint_async.py --dim 384 --steps 11
 
 Real processes (the strategy tests' run script), a checkpoint every ``--every`` optimizer steps without
 ``save_last`` (with it, the second save of a step waits for the first). "Blocked" is the time between the end
-of a saving batch and the start of the next one, minus the same gap after a batch that saves nothing; the last
-save of the run is left out (fit waits for it). "Step after save" is the next batch's own time: the background
-write competes with it for the CPU cores, which a GPU run would not see.
+of a saving batch and the start of the next one, minus the same gap after a batch that saves nothing (an odd
+step count puts no save on the last step, which fit waits for). "Step after save" is the next batch's own
+time: on CPU the background write competes with it for the cores.
 """
 
 import argparse
