@@ -320,11 +320,11 @@ class MoEFSDPStrategy(ModelParallelStrategy):
                 return super().load_checkpoint(path, weights_only=True)
             except pickle.UnpicklingError as error:
                 raise ckpt.unsafe_file_error(path, error) from None
+        metadata = ckpt.load_metadata(path / ckpt.METADATA_FILE)  # refuse an unsafe file before any tensor
         state = {"state_dict": get_model_state_dict(self.model)}
         state.update({f"optimizer_{i}": get_optimizer_state_dict(self.model, optimizer)
                       for i, optimizer in enumerate(self.optimizers)})
-        metadata = self.checkpointer.load(path, state, ckpt.expert_parameter_names(self.lightning_module),
-                                          self.expert_mesh)
+        self.checkpointer.load(path, state, ckpt.expert_parameter_names(self.lightning_module), self.expert_mesh)
         set_model_state_dict(self.model, state["state_dict"],
                              options=StateDictOptions(strict=self.lightning_module.strict_loading))
         for i, optimizer in enumerate(self.optimizers):

@@ -405,10 +405,12 @@ def test_resume_and_export_refuse_a_checkpoint_that_would_run_code(runs, tmp_pat
     torch.save({"state_dict": {}, "extra": WritesMarker(marker)}, evil_file)
     with pytest.raises(CheckpointError, match=r"Refusing to load .*evil.ckpt/meta.pt.*could run code"):
         export_consolidated(evil_dir, tmp_path / "out.pt")
-    for target in (evil_dir, evil_file):
-        with pytest.raises(RuntimeError) as failed:
-            launch(tmp_path, "evil", 1, "--resume", str(target))
-        assert "CheckpointError: Refusing to load" in str(failed.value) and str(target) in str(failed.value)
+    with pytest.raises(RuntimeError) as failed:  # resume through Trainer.fit, in a real (one-rank) run
+        launch(tmp_path, "evil", 1, "--resume", str(evil_file))
+    assert f"CheckpointError: Refusing to load {evil_file}" in str(failed.value)
+    # Trainer.fit resumes through this call; for a directory it refuses before it needs the model
+    with pytest.raises(CheckpointError, match=r"Refusing to load .*evil.ckpt/meta.pt.*it names"):
+        MoEFSDPStrategy().load_checkpoint(evil_dir)
     assert not marker.exists() and not (tmp_path / "out.pt").exists()
     torch.load(evil_file, weights_only=False)  # the planted file really would have run code
     assert marker.exists()

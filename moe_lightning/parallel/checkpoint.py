@@ -231,14 +231,11 @@ class ShardedCheckpointer:
         if self._is_rank_zero():
             commit_directory(partial, path)
 
-    def load(self, path: Path, state: dict[str, Any], expert_names: set[str],
-             expert_mesh: DeviceMesh | None) -> dict[str, Any]:
-        """Fill ``state`` in place from the directory ``path``; returns its metadata (read first, safely)."""
+    def load(self, path: Path, state: dict[str, Any], expert_names: set[str], expert_mesh: DeviceMesh | None) -> None:
+        """Fill ``state`` in place from the directory ``path`` (read its metadata with ``load_metadata``)."""
         self.wait()
-        metadata = load_metadata(path / METADATA_FILE)
         with global_expert_views(state, expert_names, expert_mesh):
             dcp.load(state, checkpoint_id=path)
-        return metadata
 
 
 def export_consolidated(checkpoint: str | Path, out: str | Path, dtype: torch.dtype | None = None,
