@@ -1,5 +1,6 @@
 """The LightningModule: builds the model late, computes the loss, balances experts, logs what matters."""
 
+import dataclasses
 from functools import partial
 
 import lightning as L
@@ -40,6 +41,8 @@ class MoELanguageModel(L.LightningModule):
         if loss_chunk_size is not None and (not isinstance(loss_chunk_size, int) or loss_chunk_size < 1):
             raise ValueError(f"model.loss_chunk_size={loss_chunk_size!r}: must be a positive integer (tokens per "
                              "chunk, e.g. 4096) or null for the unchunked loss.")
+        if isinstance(config, dict):  # rebuilt from a checkpoint's hyperparameters (load_from_checkpoint)
+            config = MoEConfig(**config)
         if pretrained is not None:
             config = hf.merge_config(pretrained, config)  # before save_hyperparameters, which records it
         self.pretrained, self._pretrained_filled = pretrained, False
@@ -121,7 +124,9 @@ class MoELanguageModel(L.LightningModule):
         pending, self._pending_expert_counts = self._pending_expert_counts, None
         if pending is None or self.config.bias_update_rate == 0:
             return
-        counts_LE = self.trainer.strategy.reduce(pending.float(), reduce_op="sum")
+        counts_LE = pending.float()
+        if torch.distributed.is_initialized():  # Lightning's strategy.reduce would add a barrier every step
+            torch.distributed.all_reduce(counts_LE)
         for moe, counts_E in zip(self.model.moe_layers(), counts_LE):
             moe.router.update_bias(counts_E, self.config.bias_update_rate)
 
@@ -142,7 +147,11 @@ class MoELanguageModel(L.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
+        """Plain data only (loaded with ``weights_only=True``): the config as a dict."""
         checkpoint["tokens_seen"] = self.tokens_seen
+        hparams = checkpoint.get("hyper_parameters", {})
+        if dataclasses.is_dataclass(hparams.get("config")):
+            hparams["config"] = dataclasses.asdict(hparams["config"])
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         self.tokens_seen = checkpoint.get("tokens_seen", 0)

@@ -16,7 +16,8 @@ Initialisation, two ways:
   layout, but not equal to a one-process build. For models that do not fit one host.
 """
 
-import shutil
+import math
+import pickle
 from collections.abc import Generator
 from contextlib import contextmanager
 from datetime import timedelta
@@ -24,11 +25,11 @@ from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
 import torch
-import torch.distributed.checkpoint as dcp
+import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.strategies import ModelParallelStrategy
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                      get_optimizer_state_dict, set_model_state_dict,
@@ -43,6 +44,38 @@ from .parallel import checkpoint as ckpt
 
 DTypeName = Literal["auto", "bf16", "fp16", "fp32"]
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+@torch.no_grad()
+def clip_grads_(grads: list[torch.Tensor], max_norm: float, device: torch.device) -> torch.Tensor:
+    """Clip (possibly sharded) gradients to a global L2 norm of ``max_norm``; returns the norm before clipping.
+
+    Each rank sums the squares of its local shards and divides by how many ranks hold the same values (the
+    sizes of the ``Replicate`` mesh dims: HSDP replicas); one all-reduce over the world on ``device`` then
+    gives the global squared norm, dense and expert meshes together (the ``ep`` split of expert stacks is
+    outside their DTensor mesh, so its ranks add up as they should). No DTensor collective runs on host
+    tensors (NCCL rejects those under ``cpu_offload``), and nothing is read back to the host: the scale
+    stays a tensor. (With ``cpu_offload`` the host still waits for it, since the host scales the gradients.)
+    """
+    groups: dict[tuple[torch.device, int], list[torch.Tensor]] = {}  # (device, copies) -> local shards
+    for grad in grads:
+        if isinstance(grad, DTensor):
+            copies = math.prod(grad.device_mesh.size(d) for d, p in enumerate(grad.placements) if p.is_replicate())
+            grad = grad.to_local()  # under no_grad: the shard itself, no copy
+        else:
+            copies = dist.get_world_size() if dist.is_initialized() else 1
+        groups.setdefault((grad.device, copies), []).append(grad)
+    total_sq = torch.zeros((), device=device)
+    for (_, copies), local in groups.items():
+        norms = torch._foreach_norm(local)  # fp32 for fp32 shards (FSDP keeps gradients in the sharded dtype)
+        total_sq += (torch.stack(norms).float().square().sum() / copies).to(device)
+    if dist.is_initialized():
+        dist.all_reduce(total_sq)
+    total = total_sq.sqrt()
+    scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for (grad_device, _), local in groups.items():
+        torch._foreach_mul_(local, scale.to(grad_device))
+    return total
 
 
 class MoEFSDPStrategy(ModelParallelStrategy):
@@ -65,6 +98,8 @@ class MoEFSDPStrategy(ModelParallelStrategy):
         cpu_offload: Keep sharded parameters, gradients and optimizer state in host memory.
         meta_init: Build on the meta device and materialise only local shards (see the module docstring).
         save_distributed_checkpoint: Sharded checkpoint directories (``False``: one full file from rank 0).
+        async_checkpoint: Copy the state to host memory and write the sharded checkpoint in the background
+            while training goes on (at most one save in flight; a failed save raises at the next batch).
         process_group_backend: ``nccl``/``gloo``; default from the device.
         timeout: Collective timeout.
     """
@@ -73,7 +108,8 @@ class MoEFSDPStrategy(ModelParallelStrategy):
                  expert_parallel_size: int = 1, param_dtype: DTypeName = "auto", reduce_dtype: DTypeName = "auto",
                  reshard_after_forward: bool = True, prefetch_depth: int = 1, unshard_async_op: bool = False,
                  cpu_offload: bool = False, meta_init: bool = False, save_distributed_checkpoint: bool = True,
-                 process_group_backend: Optional[str] = None, timeout: Optional[timedelta] = default_pg_timeout):
+                 async_checkpoint: bool = False, process_group_backend: Optional[str] = None,
+                 timeout: Optional[timedelta] = default_pg_timeout):
         super().__init__(save_distributed_checkpoint=save_distributed_checkpoint,
                          process_group_backend=process_group_backend, timeout=timeout)
         for name, value in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)):
@@ -86,6 +122,9 @@ class MoEFSDPStrategy(ModelParallelStrategy):
             raise MeshError("strategy.save_distributed_checkpoint=False gathers full tensors per rank, which with "
                             f"expert_parallel_size={expert_parallel_size} hold only local experts: keep sharded "
                             "checkpoints and export a single file with `moe-lightning export`.")
+        if async_checkpoint and not save_distributed_checkpoint:
+            raise MeshError("strategy.async_checkpoint=True writes sharded checkpoints in the background: keep "
+                            "strategy.save_distributed_checkpoint=True.")
         self.replicate_size, self.shard_size, self.expert_parallel_size = replicate_size, shard_size, expert_parallel_size
         self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
         self.reshard_after_forward, self.prefetch_depth = reshard_after_forward, prefetch_depth
@@ -94,6 +133,8 @@ class MoEFSDPStrategy(ModelParallelStrategy):
         self.expert_mesh = None
         self._expert_fsdp_mesh = None  # the sub-mesh that FSDP-shards expert stacks under ep > 1
         self._fsdp_root: FSDPModule | None = None
+        self.async_checkpoint, self._fitting = async_checkpoint, False  # background saves only inside fit
+        self.checkpointer = ckpt.ShardedCheckpointer()
 
     # ---- mesh -----------------------------------------------------------------------------------
     @property
@@ -170,13 +211,26 @@ class MoEFSDPStrategy(ModelParallelStrategy):
             stages.append([model.norm])  # one FSDP unit for both; the norm runs first
         self._fsdp_root = fully_shard(model, mesh=dense_mesh, reshard_after_forward=False, **common)
         self._set_prefetch(stages)
-        if on_meta:
+        if on_meta:  # (otherwise fully_shard has moved the buffers to the mesh's device)
             self._materialize(model)
             self._fill_pretrained()
         if self.unshard_async_op:
             for module in model.modules():
                 if isinstance(module, FSDPModule):  # private in torch <= 2.13; a public name wins if present
                     (getattr(module, "set_unshard_async_op", None) or module._set_unshard_async_op)(True)
+
+    @property
+    def param_device(self) -> torch.device:
+        """Where sharded parameters, their gradients and the optimizer state live (buffers: ``root_device``)."""
+        return torch.device("cpu") if self.cpu_offload else self.root_device
+
+    def _buffers_to_compute_device(self, model: nn.Module) -> None:
+        """Buffers (e.g. the router's ``expert_bias``) are read by the forward pass: keep them by the compute,
+        also under ``cpu_offload``, where ``to_empty`` put them in host memory with the parameters."""
+        for module in model.modules():
+            for name, buffer in module._buffers.items():
+                if buffer is not None and buffer.device != self.root_device:
+                    module._buffers[name] = buffer.to(self.root_device)
 
     @torch.no_grad()
     def _materialize(self, model: MoETransformer) -> None:
@@ -185,7 +239,8 @@ class MoEFSDPStrategy(ModelParallelStrategy):
         Each shard rank draws from its own seed (``initial seed + shard rank``; HSDP replicas share it),
         so shards differ and replicas agree, with element-wise initialisers, on CPU and CUDA alike.
         """
-        model.to_empty(device="cpu" if self.cpu_offload else self.root_device)
+        model.to_empty(device=self.param_device)
+        self._buffers_to_compute_device(model)
         swapped = []
         for module in model.modules():
             for name, param in list(module.named_parameters(recurse=False)):
@@ -228,36 +283,10 @@ class MoEFSDPStrategy(ModelParallelStrategy):
                     getattr(module, setter)(ahead)
 
     # ---- training -------------------------------------------------------------------------------
-    @torch.no_grad()
     def clip_grad_by_norm(self, optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
-        """Scale gradients so their global L2 norm is at most ``max_norm``; returns the norm before clipping.
-
-        Norms are taken per mesh (each DTensor reduces over its own mesh); expert gradients, split over
-        ``ep`` ranks, add their squares over the ``ep`` group.
-        """
-        grads_by_mesh: dict[Any, list[torch.Tensor]] = {}
-        for group in optimizer.param_groups:
-            for param in group["params"]:
-                if param.grad is not None:
-                    grads_by_mesh.setdefault(getattr(param.grad, "device_mesh", None), []).append(param.grad)
-        total_sq = torch.zeros((), device=self.root_device)
-        for mesh, grads in grads_by_mesh.items():
-            norm = torch.nn.utils.get_total_norm(grads)
-            # Reduce on the compute device: with cpu_offload the local norms live in host memory (NCCL rejects them).
-            norm_sq = (norm.to_local() if isinstance(norm, DTensor) else norm).float().square().to(self.root_device)
-            if isinstance(norm, DTensor):
-                for dim, placement in enumerate(norm.placements):
-                    if placement.is_partial():
-                        torch.distributed.all_reduce(norm_sq, group=norm.device_mesh.get_group(dim))
-            if self._expert_fsdp_mesh is not None and mesh == self._expert_fsdp_mesh:
-                torch.distributed.all_reduce(norm_sq, group=self.expert_mesh["ep"].get_group())
-            total_sq += norm_sq
-        total = total_sq.sqrt()
-        scale = max_norm / (total.item() + 1e-6)
-        if scale < 1:
-            for grads in grads_by_mesh.values():
-                torch._foreach_mul_(grads, scale)
-        return total
+        """Scale gradients so their global L2 norm is at most ``max_norm``; returns the norm before clipping."""
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        return clip_grads_(grads, max_norm, self.root_device)
 
     @contextmanager
     def block_backward_sync(self) -> Generator:
@@ -278,49 +307,67 @@ class MoEFSDPStrategy(ModelParallelStrategy):
             if not isinstance(child, MoETransformer):
                 child.to(self.root_device)
 
-    # ---- checkpoints ----------------------------------------------------------------------------
+    # ---- checkpoints (the I/O lives in parallel/checkpoint.py) ----------------------------------
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None) -> None:
-        """Write into ``<path>.partial`` on all ranks, then rename over ``path``: never a half-written checkpoint."""
+        """A sharded directory, visible only once complete (see ``ShardedCheckpointer``)."""
         if not self._save_distributed_checkpoint:
             return super().save_checkpoint(checkpoint, filepath, storage_options)
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__}.save_checkpoint(storage_options=...) is not supported.")
-        path = Path(self.broadcast(str(filepath)))
-        partial = path.with_name(path.name + ckpt.PARTIAL_SUFFIX)
-        if self.is_global_zero and partial.exists():
-            shutil.rmtree(partial)  # left behind by a run killed while writing
-        self.barrier()
         state = {"state_dict": checkpoint.pop("state_dict")}
         state.update({f"optimizer_{i}": o for i, o in enumerate(checkpoint.pop("optimizer_states", []))})
-        with self._expert_views(state):
-            dcp.save(state, checkpoint_id=partial)
-        if self.is_global_zero:
-            torch.save(checkpoint, partial / ckpt.METADATA_FILE)
-        self.barrier()
-        self._commit(partial, path)
-        self.barrier()
-
-    def _commit(self, partial: Path, path: Path) -> None:
-        if self.is_global_zero:
-            ckpt.commit_directory(partial, path)
-
-    def _expert_views(self, state: dict):
-        """Expert stacks seen as global ``[E, ...]`` tensors while DCP saves or loads ``state``."""
-        return ckpt.global_expert_views(state, ckpt.expert_parameter_names(self.lightning_module), self.expert_mesh)
+        self.checkpointer.save(state, checkpoint, Path(self.broadcast(str(filepath))),
+                               ckpt.expert_parameter_names(self.lightning_module), self.expert_mesh,
+                               background=self.async_checkpoint and self._fitting)
 
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        """Load a sharded checkpoint written at any world size or ``expert_parallel_size``."""
+        """A sharded checkpoint written at any world size or ``expert_parallel_size``, or a single file.
+
+        Always ``weights_only``: checkpoints hold plain data only, and loading one never runs code from it.
+        """
         path = ckpt.resolve_checkpoint(Path(self.broadcast(str(checkpoint_path))))
         if not (path / ckpt.METADATA_FILE).is_file():
-            return super().load_checkpoint(path, weights_only)
+            try:
+                return super().load_checkpoint(path, weights_only=True)
+            except pickle.UnpicklingError as error:
+                raise ckpt.unsafe_file_error(path, error) from None
+        metadata = ckpt.load_metadata(path / ckpt.METADATA_FILE)  # refuse an unsafe file before any tensor
         state = {"state_dict": get_model_state_dict(self.model)}
         state.update({f"optimizer_{i}": get_optimizer_state_dict(self.model, optimizer)
                       for i, optimizer in enumerate(self.optimizers)})
-        with self._expert_views(state):
-            dcp.load(state, checkpoint_id=path)
+        self.checkpointer.load(path, state, ckpt.expert_parameter_names(self.lightning_module), self.expert_mesh)
         set_model_state_dict(self.model, state["state_dict"],
                              options=StateDictOptions(strict=self.lightning_module.strict_loading))
         for i, optimizer in enumerate(self.optimizers):
             set_optimizer_state_dict(self.model, optimizer, state[f"optimizer_{i}"])
-        # Our own metadata (it pickles the model config), so full unpickling unless the caller forbids it.
-        return torch.load(path / ckpt.METADATA_FILE, weights_only=bool(weights_only))
+        return metadata
+
+    def remove_checkpoint(self, filepath: _PATH) -> None:
+        if self.checkpointer.pending_path == Path(filepath):
+            self.checkpointer.wait()
+        super().remove_checkpoint(filepath)
+
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        self._fitting = True
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+        self.checkpointer.poll()  # commit a finished background save, or raise its error
+
+    def on_train_end(self) -> None:
+        super().on_train_end()
+        self._fitting = False
+        self.checkpointer.wait()
+        self.barrier()  # the last checkpoint is visible to every rank when fit returns
+
+    def on_exception(self, exception: BaseException) -> None:
+        try:  # a save started before the failure holds a consistent state: finish it
+            self.checkpointer.wait()
+        except ckpt.CheckpointError as error:
+            rank_zero_warn(str(error))
+        super().on_exception(exception)
+
+    def teardown(self) -> None:
+        self.checkpointer.wait()
+        super().teardown()

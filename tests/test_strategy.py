@@ -9,17 +9,20 @@ repeats exactly the same arithmetic as the uninterrupted one, so it must match t
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 
 from moe_lightning import MoEConfig, MoELanguageModel, MoETransformer
 from moe_lightning.parallel import MeshError, MeshLayout
-from moe_lightning.parallel.checkpoint import export_consolidated
-from moe_lightning.strategy import MoEFSDPStrategy
+from moe_lightning.parallel.checkpoint import CheckpointError, ShardedCheckpointer, export_consolidated
+from moe_lightning.strategy import MoEFSDPStrategy, clip_grads_
 from tests.distributed import REPO_ROOT, clean_env, run_ranks
 
 RUN = Path(__file__).with_name("strategy_run.py")
@@ -48,16 +51,26 @@ def runs(tmp_path_factory):
     results = {"dir": tmp}
     results["single"] = launch(tmp, "single", 1, "--strategy", "single", "--batch-size", "4")
     results["fsdp"] = launch(tmp, "fsdp", 2, "--ckpt-dir", str(tmp / "fsdp_ckpt"))
-    with pytest.raises(RuntimeError, match=r"rank 1 \(exit -9\)"):  # SIGKILL while committing step 4
+    with pytest.raises(RuntimeError, match=r"exit -9"):  # SIGKILL after writing step 4, before the commit
         launch(tmp, "ep_killed", 2, "--ep", "2", "--ckpt-dir", str(tmp / "ep_ckpt"), "--kill-at-save", "3")
     results["ep_killed"] = json.loads((tmp / "ep_killed.json").read_text())
-    results["ep_last_after_kill"] = torch.load(tmp / "ep_ckpt" / "last.ckpt" / "meta.pt", weights_only=False)
+    results["ep_last_after_kill"] = torch.load(tmp / "ep_ckpt" / "last.ckpt" / "meta.pt", weights_only=True)
     results["ep_partial_left"] = (tmp / "ep_ckpt" / "step=4.ckpt.partial").is_dir()
     results["ep_resumed"] = launch(tmp, "ep_resumed", 2, "--ep", "2", "--resume", str(tmp / "ep_ckpt" / "last.ckpt"))
     results["one_from_two"] = launch(tmp, "one_from_two", 1, "--batch-size", "4",
                                      "--resume", str(tmp / "ep_ckpt" / "step=2.ckpt"))
     results["meta"] = launch(tmp, "meta", 2, "--ep", "2", "--meta-init", "--max-steps", "1", "--every", "1",
                              "--ckpt-dir", str(tmp / "meta_ckpt"))
+    # Asynchronous saves: SIGKILL while last.ckpt of step 2 is written in the background (training goes on),
+    # then resume from the step-2 checkpoint, itself saving asynchronously.
+    with pytest.raises(RuntimeError, match=r"exit -9"):
+        launch(tmp, "async_killed", 2, "--ep", "2", "--async-checkpoint", "--ckpt-dir", str(tmp / "async_ckpt"),
+               "--kill-at-save", "2")
+    results["async_killed"] = json.loads((tmp / "async_killed.json").read_text())
+    results["async_dir_after_kill"] = sorted(p.name for p in (tmp / "async_ckpt").iterdir())
+    results["async_resumed"] = launch(tmp, "async_resumed", 2, "--ep", "2", "--async-checkpoint",
+                                      "--ckpt-dir", str(tmp / "async_ckpt"),
+                                      "--resume", str(tmp / "async_ckpt" / "step=2.ckpt"))
     results["hsdp"] = launch(tmp, "hsdp", 4, "--replicate", "2",  # and the other sharding options
                              "--offload", "--keep-gathered", "--async-op", "--prefetch", "2")
     return results
@@ -110,6 +123,31 @@ def test_sigkill_while_writing_keeps_last_good_checkpoint_and_resume_continues_e
     assert losses(runs["ep_resumed"]) == pytest.approx(losses(runs["ep_killed"], 4), abs=RESUME_ATOL)
     assert_all_close(runs["ep_resumed"]["grad_norms"], runs["ep_killed"]["grad_norms"][2:], abs=RESUME_ATOL)
     assert len(killed) == 8
+
+
+def test_asynchronous_checkpoints_survive_sigkill_mid_write_and_resume_exactly(runs):
+    ckpt_dir = runs["dir"] / "async_ckpt"
+    # killed while last.ckpt was being written: only the complete step-2 checkpoint is visible
+    assert runs["async_dir_after_kill"] == ["last.ckpt.partial", "step=2.ckpt"]
+    killed = runs["async_killed"]["batches"]
+    assert len(killed) >= 4  # trained through step 2 before dying; losses as with synchronous saves
+    assert losses(runs["async_killed"]) == pytest.approx(losses(runs["ep_killed"])[:len(killed)], abs=RESUME_ATOL)
+    resumed = runs["async_resumed"]["batches"]
+    assert [r["batch"] for r in resumed] == [4, 5, 6, 7]
+    assert losses(runs["async_resumed"]) == pytest.approx(losses(runs["ep_killed"], 4), abs=RESUME_ATOL)
+    # fit waited for its last background save: committed, nothing left half-written
+    assert sorted(p.name for p in ckpt_dir.iterdir()) == ["last.ckpt", "step=2.ckpt", "step=4.ckpt"]
+    assert torch.load(ckpt_dir / "last.ckpt" / "meta.pt", weights_only=True)["global_step"] == 4
+    assert (ckpt_dir / "step=4.ckpt" / ".metadata").is_file()
+
+
+def test_training_steps_issue_no_barrier_and_clipping_reads_nothing_back_to_the_host(runs):
+    """The balancing-bias counts are all-reduced without Lightning's barrier; the clip scale stays a tensor
+    (the hsdp run clips CPU-offloaded DTensor gradients)."""
+    for name in ("fsdp", "ep_killed", "hsdp"):
+        assert [row["barriers"] for row in runs[name]["batches"]] == [0] * 8
+        assert runs[name]["clip_host_reads"] == 0
+    assert runs["ep_killed"]["barriers_total"] > 0  # the counter sees barriers: those of checkpoint saves
 
 
 def test_resume_two_processes_with_ep2_onto_one_process(runs):
@@ -222,3 +260,182 @@ def test_resumable_sampler_keeps_one_global_order_for_any_world_size_and_skips_w
     assert list(resumed) == order[41::2]
     resumed.set_epoch(1)  # only the interrupted epoch is shortened
     assert len(list(resumed)) == 50 and list(resumed) != ranks[1]
+
+
+# ---- in one process: clipping, buffer placement, checkpoint I/O ------------------------------------
+
+@pytest.mark.parametrize("max_norm", [0.5, 100.0])  # clips / leaves the gradients as they are
+def test_clip_matches_torch_clip_grad_norm_without_reading_back_to_the_host(max_norm, monkeypatch):
+    """Reference: ``torch.nn.utils.clip_grad_norm_`` on copies (fp32; same sums in another order: 1e-6)."""
+    torch.manual_seed(0)
+    grads = [torch.randn(7, 5), torch.randn(3, 4, 2), torch.randn(11)]
+    reference = [g.clone().requires_grad_() for g in grads]
+    for r, g in zip(reference, grads):
+        r.grad = g.clone()
+    expected = torch.nn.utils.clip_grad_norm_(reference, max_norm)
+    for name in ("item", "tolist", "cpu"):
+        monkeypatch.setattr(torch.Tensor, name, lambda *a, _n=name, **k: pytest.fail(f"Tensor.{_n} in the clip"))
+    total = clip_grads_(grads, max_norm, torch.device("cpu"))
+    monkeypatch.undo()
+    assert total.item() == pytest.approx(expected.item(), rel=1e-6) and total.item() > 1.0
+    for g, r in zip(grads, reference):
+        torch.testing.assert_close(g, r.grad, rtol=1e-6, atol=0)
+
+
+@pytest.fixture
+def one_rank_group():
+    torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_meta_init_with_cpu_offload_puts_buffers_by_the_compute_and_shards_in_host_memory(one_rank_group):
+    """CPU cannot show CUDA vs host, so the meta device stands in for the compute device: buffers (the
+    router's ``expert_bias``) must follow the compute device, sharded parameters the offload policy (host)."""
+    config = MoEConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, num_experts=4, expert_hidden=32, ffn_hidden=64)
+    module = MoELanguageModel(config)
+    with torch.device("meta"):
+        module.configure_model()
+    strategy = MoEFSDPStrategy(meta_init=True, cpu_offload=True)
+    strategy.parallel_devices = [torch.device("meta")]  # the stand-in compute device
+    strategy._lightning_module = module
+    strategy.layout = MeshLayout.resolve(1, 1, "auto", 1, config.num_experts)
+    strategy._device_mesh = strategy.layout.dense_mesh("cpu")
+    strategy._parallelize()
+    buffers = dict(module.model.named_buffers())
+    assert any(name.endswith("router.expert_bias") for name in buffers)
+    assert {name: b.device.type for name, b in buffers.items()} == {name: "meta" for name in buffers}
+    params = dict(module.model.named_parameters())
+    assert {name: p.to_local().device.type for name, p in params.items()} == {name: "cpu" for name in params}
+    assert strategy.param_device == torch.device("cpu")
+
+
+class BlockingCheckpointer(ShardedCheckpointer):
+    """Each write waits for ``release`` (so a test controls when the background write ends); ``fail`` makes the
+    next write raise after waiting."""
+
+    def __init__(self):
+        super().__init__()
+        self.release, self.started, self.fail = threading.Event(), threading.Event(), False
+
+    def storage_writer(self, partial):
+        writer, fail = super().storage_writer(partial), self.fail
+        write = writer.write_data
+
+        def blocked(plan, planner):
+            self.started.set()
+            assert self.release.wait(timeout=60)
+            if fail:
+                raise OSError("disk full")
+            return write(plan, planner)
+        writer.write_data = blocked
+        return writer
+
+
+def load_weight(path: Path) -> torch.Tensor:
+    state = {"w": torch.zeros(4, 3)}
+    dcp.load(state, checkpoint_id=path)
+    return state["w"]
+
+
+def test_async_save_returns_before_writing_and_commits_what_it_staged(tmp_path):
+    checkpointer, path = BlockingCheckpointer(), tmp_path / "a.ckpt"
+    weight = torch.randn(4, 3)
+    staged = weight.clone()
+    checkpointer.save({"w": weight}, {"global_step": 1}, path, set(), None, background=True)
+    assert checkpointer.started.wait(timeout=60)  # the write runs in the background, blocked...
+    assert not path.exists() and checkpointer.pending_path == path  # ...and nothing is visible yet
+    weight.add_(1.0)  # training goes on and changes the parameters in place
+    checkpointer.poll()
+    assert not path.exists()
+    checkpointer.release.set()
+    checkpointer.wait()
+    assert path.is_dir() and not path.with_name("a.ckpt.partial").exists()
+    torch.testing.assert_close(load_weight(path), staged, rtol=0, atol=0)  # the state at save time
+    assert torch.load(path / "meta.pt", weights_only=True) == {"global_step": 1}
+
+
+def test_second_async_save_waits_for_the_first(tmp_path):
+    checkpointer = BlockingCheckpointer()
+    checkpointer.save({"w": torch.ones(4, 3)}, {}, tmp_path / "first", set(), None, background=True)
+    second = threading.Thread(target=checkpointer.save, args=({"w": torch.full((4, 3), 2.0)}, {},
+                                                              tmp_path / "second", set(), None, True))
+    second.start()
+    second.join(timeout=1.0)
+    assert second.is_alive() and not (tmp_path / "second.partial").exists()  # still waiting for the first
+    checkpointer.release.set()
+    second.join(timeout=60)
+    checkpointer.wait()
+    assert load_weight(tmp_path / "first").eq(1).all() and load_weight(tmp_path / "second").eq(2).all()
+
+
+def test_failed_async_save_raises_at_the_next_poll_and_keeps_the_previous_checkpoint(tmp_path):
+    checkpointer, path = BlockingCheckpointer(), tmp_path / "last.ckpt"
+    checkpointer.release.set()
+    checkpointer.save({"w": torch.ones(4, 3)}, {}, path, set(), None, background=True)
+    checkpointer.wait()
+    checkpointer.fail = True
+    checkpointer.save({"w": torch.zeros(4, 3)}, {}, path, set(), None, background=True)
+    with pytest.raises(CheckpointError, match=r"Asynchronous checkpoint .*last.ckpt failed .*disk full"):
+        while True:  # what the strategy does at every training batch
+            checkpointer.poll()
+    checkpointer.poll()  # reported once
+    assert load_weight(path).eq(1).all()
+
+
+class WritesMarker:
+    """Unpickling this calls ``open(marker, "w")``, which creates the marker file: code run from a checkpoint."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return open, (str(self.marker), "w")
+
+
+def test_resume_and_export_refuse_a_checkpoint_that_would_run_code(runs, tmp_path):
+    marker = tmp_path / "code_ran"
+    evil_dir, evil_file = tmp_path / "evil.ckpt", tmp_path / "evil_single.ckpt"
+    shutil.copytree(runs["dir"] / "ep_ckpt" / "step=2.ckpt", evil_dir)
+    meta = torch.load(evil_dir / "meta.pt", weights_only=True)
+    meta["hyper_parameters"]["extra"] = WritesMarker(marker)
+    torch.save(meta, evil_dir / "meta.pt")
+    torch.save({"state_dict": {}, "extra": WritesMarker(marker)}, evil_file)
+    with pytest.raises(CheckpointError, match=r"Refusing to load .*evil.ckpt/meta.pt.*could run code"):
+        export_consolidated(evil_dir, tmp_path / "out.pt")
+    with pytest.raises(RuntimeError) as failed:  # resume through Trainer.fit, in a real (one-rank) run
+        launch(tmp_path, "evil", 1, "--resume", str(evil_file))
+    assert f"CheckpointError: Refusing to load {evil_file}" in str(failed.value)
+    # Trainer.fit resumes through this call; for a directory it refuses before it needs the model
+    with pytest.raises(CheckpointError, match=r"Refusing to load .*evil.ckpt/meta.pt.*it names"):
+        MoEFSDPStrategy().load_checkpoint(evil_dir)
+    assert not marker.exists() and not (tmp_path / "out.pt").exists()
+    torch.load(evil_file, weights_only=False)  # the planted file really would have run code
+    assert marker.exists()
+
+
+def test_single_file_checkpoint_is_plain_data_and_the_cli_resumes_from_it(tmp_path):
+    """LightningCLI re-parses the model's hyperparameters from a single file: the config dict must parse."""
+    from moe_lightning.cli import run
+    common = ["--config", str(REPO_ROOT / "configs" / "tiny.yaml"), f"--trainer.default_root_dir={tmp_path}",
+              "--trainer.logger=false", "--trainer.limit_val_batches=0", "--trainer.enable_progress_bar=false",
+              "--data.init_args.max_tokens=100000", "--data.init_args.batch_size=2",
+              "--model.init_args.config.n_layers=2"]
+    path = tmp_path / "one.ckpt"
+    run(["fit", *common, "--trainer.max_steps=1", "--trainer.enable_checkpointing=false"]).trainer.save_checkpoint(path)
+    checkpoint = torch.load(path, weights_only=True)
+    config = checkpoint["hyper_parameters"]["config"]
+    assert isinstance(config, dict) and config["n_layers"] == 2
+    assert MoELanguageModel.load_from_checkpoint(path).config == MoEConfig(**config)
+    cli = run(["fit", *common, "--trainer.max_steps=2", f"--ckpt_path={path}"])
+    assert cli.trainer.global_step == 2 and cli.model.config == MoEConfig(**config)
+
+
+def test_saving_metadata_that_is_not_plain_data_fails_before_writing(tmp_path):
+    marker = tmp_path / "code_ran"
+    with pytest.raises(CheckpointError, match=r"metadata for .*x.ckpt must be plain data .*it names"):
+        ShardedCheckpointer().save({"w": torch.ones(2)}, {"extra": WritesMarker(marker)}, tmp_path / "x.ckpt",
+                                   set(), None)
+    assert list(tmp_path.iterdir()) == []  # no directory, no marker

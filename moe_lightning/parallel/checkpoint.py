@@ -1,23 +1,31 @@
-"""Sharded checkpoints: atomic directory commits, expert-parallel global views, single-file export.
+"""All checkpoint I/O: sharded saves (sync or in the background) committed atomically, safe metadata, export.
 
 With expert parallelism each rank's FSDP DTensor for an expert stack only covers its ``E / ep``
 experts, so two ``ep`` ranks would write different data under the same name. Before saving (and
 loading), those tensors are re-described, without copying, as DTensors on the full expert mesh
 with the ``ep`` split included: the checkpoint always holds global ``[E, ...]`` stacks and can be
 loaded at any world size or ``ep``.
+
+Loading never runs code from a file: metadata is plain data (the model config as a dict) and is read with
+``torch.load(weights_only=True)``.
 """
 
 import argparse
-import dataclasses
+import io
 import os
+import pickle
+import re
 import shutil
+from concurrent.futures import Future
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -29,6 +37,27 @@ from ..model import GroupedExperts
 METADATA_FILE = "meta.pt"  # Lightning's name for the non-tensor part of a sharded checkpoint
 PARTIAL_SUFFIX = ".partial"
 OLD_SUFFIX = ".old"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written, or would not be read safely; the message names the path."""
+
+
+def load_metadata(path: Path | io.BytesIO) -> dict[str, Any]:
+    """A ``torch.save`` file of plain data (tensors, numbers, strings, containers); never unpickles a class."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as error:
+        raise unsafe_file_error(path, error) from None
+
+
+def unsafe_file_error(path: Path | io.BytesIO, error: pickle.UnpicklingError) -> CheckpointError:
+    found = re.search(r"GLOBAL (\S+)", str(error))
+    reason = f"it names {found.group(1)}" if found else str(error).strip().split("\n")[0][:200]
+    return CheckpointError(
+        f"Refusing to load {path}: it holds pickled objects other than plain data, and unpickling them could run "
+        f"code from the file ({reason}). Checkpoints written by moe_lightning hold only plain data; load only "
+        "files you trust, and re-save a trusted old one with its objects converted to dicts.")
 
 
 def expert_parameter_names(module: nn.Module) -> set[str]:
@@ -81,14 +110,14 @@ def global_expert_views(state: dict[str, Any], names: set[str], expert_mesh: Dev
 def commit_directory(partial: Path, path: Path) -> None:
     """Replace ``path`` by the fully written ``partial``; a crash at any point leaves a loadable checkpoint."""
     old = path.with_name(path.name + OLD_SUFFIX)
-    _remove(old)
+    remove(old)
     if path.exists():
         os.replace(path, old)
     os.replace(partial, path)
-    _remove(old)
+    remove(old)
 
 
-def _remove(path: Path) -> None:
+def remove(path: Path) -> None:
     if path.is_dir():
         shutil.rmtree(path)
     elif path.exists():
@@ -105,6 +134,110 @@ def resolve_checkpoint(path: Path) -> Path:
     return path
 
 
+class _HostCopyWriter(FileSystemWriter):
+    """Stages for ``async_save`` by copying every tensor into new host memory. (Older torch staged with
+    ``.to("cpu")``, which leaves a tensor already in host memory shared with training while it is written.)"""
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        staged = _create_cpu_state_dict(state_dict)
+        return _copy_state_dict(state_dict, staged, type_check=False)
+
+
+class ShardedCheckpointer:
+    """Writes and reads sharded checkpoint directories; a directory that exists is complete.
+
+    Every rank writes its shards with DCP into ``<path>.partial``, which already holds rank 0's ``meta.pt``;
+    rank 0 renames it over ``path`` once its DCP save has returned. That return means every rank's write
+    succeeded: DCP's finish step gathers all ranks' write results on rank 0 before writing ``.metadata``, and
+    a failure on any rank fails the save on all. A crash at any point leaves the previous checkpoint.
+
+    With ``background=True`` the state is copied to host memory and ``save`` returns; a thread writes it,
+    coordinating over its own gloo group so that its collectives never interleave with training's. The commit
+    happens at the first ``poll`` (every training batch), ``wait`` or ``save`` after the write ends; a failed
+    write raises there. One save at a time: ``save`` first waits for the previous one.
+    """
+
+    def __init__(self):
+        self._pending: tuple[Future, Path, Path] | None = None  # (write, partial directory, final path)
+        self._group: dist.ProcessGroup | None = None
+
+    @staticmethod
+    def _is_rank_zero() -> bool:
+        return not dist.is_initialized() or dist.get_rank() == 0
+
+    @staticmethod
+    def _barrier() -> None:
+        if dist.is_initialized():
+            dist.barrier()
+
+    def storage_writer(self, partial: Path) -> FileSystemWriter:
+        return _HostCopyWriter(partial)
+
+    def save(self, state: dict[str, Any], metadata: dict[str, Any], path: Path, expert_names: set[str],
+             expert_mesh: DeviceMesh | None, background: bool = False) -> None:
+        """Write ``state`` (DCP, every rank) and ``metadata`` (rank 0, plain data) as the directory ``path``."""
+        self.wait()
+        partial = path.with_name(path.name + PARTIAL_SUFFIX)
+        buffer = io.BytesIO()
+        torch.save(metadata, buffer)
+        try:  # on every rank (each holds the same metadata): fail now, not at resume days later
+            load_metadata(io.BytesIO(buffer.getvalue()))
+        except CheckpointError as error:
+            raise CheckpointError(f"Checkpoint metadata for {path} must be plain data (a callback or the "
+                                  f"LightningModule stored an object in it): {error}") from None
+        if self._is_rank_zero():
+            remove(partial)  # left behind by a run killed while writing
+            partial.mkdir(parents=True)
+            (partial / METADATA_FILE).write_bytes(buffer.getvalue())
+        self._barrier()  # nobody writes into the directory while rank 0 clears it
+        writer = self.storage_writer(partial)
+        with global_expert_views(state, expert_names, expert_mesh):
+            if not background:
+                dcp.save(state, storage_writer=writer)
+            else:
+                if self._group is None and dist.is_initialized():
+                    self._group = dist.new_group(backend="gloo")
+                # Returns once the writer has staged (copied) every tensor; the write runs in a thread.
+                self._pending = (dcp.async_save(state, storage_writer=writer, process_group=self._group),
+                                 partial, path)
+        if not background:
+            self._commit(partial, path)
+            self._barrier()
+
+    def poll(self) -> None:
+        """Commit a background save that has finished, or raise its error; never blocks."""
+        if self._pending is not None and self._pending[0].done():
+            self.wait()
+
+    def wait(self) -> None:
+        """Block until the background save (if any) is written, then commit it; raise if it failed."""
+        if self._pending is None:
+            return
+        write, partial, path = self._pending
+        self._pending = None
+        try:
+            write.result()
+        except (Exception, dcp.api.CheckpointException) as error:  # the latter is a BaseException
+            raise CheckpointError(f"Asynchronous checkpoint {path} failed while writing ({error!r}): it was not "
+                                  f"committed (its files stay in {partial}); earlier checkpoints are intact."
+                                  ) from error
+        self._commit(partial, path)
+
+    @property
+    def pending_path(self) -> Path | None:
+        return self._pending[2] if self._pending is not None else None
+
+    def _commit(self, partial: Path, path: Path) -> None:
+        if self._is_rank_zero():
+            commit_directory(partial, path)
+
+    def load(self, path: Path, state: dict[str, Any], expert_names: set[str], expert_mesh: DeviceMesh | None) -> None:
+        """Fill ``state`` in place from the directory ``path`` (read its metadata with ``load_metadata``)."""
+        self.wait()
+        with global_expert_views(state, expert_names, expert_mesh):
+            dcp.load(state, checkpoint_id=path)
+
+
 def export_consolidated(checkpoint: str | Path, out: str | Path, dtype: torch.dtype | None = None,
                         overwrite: bool = False) -> Path:
     """Write a sharded checkpoint's model weights as one ``torch.save`` file, in one process, no GPUs.
@@ -117,6 +250,7 @@ def export_consolidated(checkpoint: str | Path, out: str | Path, dtype: torch.dt
         raise FileExistsError(f"out={str(out)!r} exists; choose another path or pass --overwrite.")
     if not (src / METADATA_FILE).is_file():
         raise ValueError(f"checkpoint={str(src)!r} is not a sharded checkpoint directory (no {METADATA_FILE}).")
+    hparams = load_metadata(src / METADATA_FILE).get("hyper_parameters", {})  # before reading any tensor
     prefix = "state_dict.model."
     tensors = {key: torch.empty(meta.size, dtype=meta.properties.dtype)
                for key, meta in FileSystemReader(src).read_metadata().state_dict_metadata.items()
@@ -125,10 +259,7 @@ def export_consolidated(checkpoint: str | Path, out: str | Path, dtype: torch.dt
     dcp.load(state, checkpoint_id=src, no_dist=True)
     weights = {key[len("model."):]: t.to(dtype) if dtype is not None and t.is_floating_point() else t
                for key, t in state["state_dict"].items()}
-    hparams = torch.load(src / METADATA_FILE, weights_only=False).get("hyper_parameters", {})
-    config = hparams.get("config")
-    payload = {"config": dataclasses.asdict(config) if dataclasses.is_dataclass(config) else config,
-               "state_dict": weights}
+    payload = {"config": hparams.get("config"), "state_dict": weights}
     partial = out.with_name(out.name + PARTIAL_SUFFIX)
     out.parent.mkdir(parents=True, exist_ok=True)
     torch.save(payload, partial)
