@@ -113,6 +113,10 @@ class MoECLI(LightningCLI):
         if self.model.config.vocab_size < vocab:
             raise ValueError(f"model.config.vocab_size={self.model.config.vocab_size} is smaller than the "
                              f"tokenizer's {vocab} tokens: set model.config.vocab_size >= {vocab}.")
+        eos_id = getattr(getattr(self.datamodule, "tokenizer", None), "eos_id", None)
+        if self.model.config.document_masking and eos_id is not None and self.model.config.eod_token_id != eos_id:
+            raise ValueError(f"model.config.eod_token_id={self.model.config.eod_token_id} is not the tokenizer's "
+                             f"end-of-document id {eos_id}: set model.config.eod_token_id: {eos_id}.")
 
 
 # Commands beside LightningCLI's subcommands: name -> "module:function(argv)", imported only when used.

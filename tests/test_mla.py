@@ -10,7 +10,7 @@ from torch.utils.data import DataLoader
 from moe_lightning import MoELanguageModel
 from moe_lightning.flops import attention_flops_per_token
 from moe_lightning.model import ConfigError, MoEConfig, MoETransformer
-from moe_lightning.model.layers import apply_rotary, rotary_cos_sin
+from moe_lightning.model.rotary import Rotary, apply_rotary
 from moe_lightning.model.mla import MultiHeadLatentAttention
 
 MLA = dict(attention="mla", vocab_size=64, dim=48, n_layers=2, n_heads=3, max_seq_len=16, ffn_hidden=64,
@@ -49,7 +49,7 @@ def test_matches_explicit_attention():
     q = attn.wq_b(attn.q_norm(attn.wq_a(x))).view(2, S, H, 12)
     latent, k_rope = attn.wkv_a(x).split([12, 4], dim=-1)
     kv = attn.wkv_b(attn.kv_norm(latent)).view(2, S, H, 14)
-    cos, sin = rotary_cos_sin(S, 4, 10000.0)
+    cos, sin = Rotary(attn.rotary.config, 4).cos_sin(0, S)
     q = torch.cat([q[..., :8], apply_rotary(q[..., 8:], cos, sin)], -1)
     k_rope = apply_rotary(k_rope[:, :, None], cos, sin)
     heads = []

@@ -21,6 +21,17 @@ class MoEConfig:
         head_dim: Per-head width; ``None`` means ``dim // n_heads``.
         max_seq_len: Longest sequence the rotary table covers.
         rope_theta: Rotary base frequency.
+        rope_scaling: Rotary scaling rule: ``none`` or ``yarn`` (context extension; the ``rope_*`` fields below).
+        rope_factor: YaRN context-extension factor (DeepSeek-V3 publishes 40).
+        rope_original_max_seq_len: YaRN: the context the model was first trained at (HF
+            ``original_max_position_embeddings``; DeepSeek-V3: 4096). Required with ``yarn``.
+        rope_beta_fast: YaRN: dims turning more than this many times over the original context are kept.
+        rope_beta_slow: YaRN: dims turning fewer times than this are interpolated by ``rope_factor``.
+        rope_mscale: YaRN: numerator multiplier of the cos/sin attention factor (with ``rope_mscale_all_dim``).
+        rope_mscale_all_dim: YaRN: denominator multiplier of the cos/sin factor and, for MLA, the softmax
+            scale factor ``(0.1 · rope_mscale_all_dim · ln(rope_factor) + 1)²``; 0 disables both.
+        rope_attention_factor: YaRN: explicit cos/sin factor; ``None`` derives it from the fields above.
+        rope_truncate: YaRN: round the ramp's ends to whole dims (HF ``truncate``, default true).
         norm_eps: RMSNorm epsilon.
         ffn_hidden: Hidden width of the dense SwiGLU FFN used by the first ``n_dense_layers`` blocks.
         n_dense_layers: How many leading blocks use a dense FFN instead of MoE.
@@ -44,7 +55,16 @@ class MoEConfig:
         qk_nope_head_dim: MLA per-head query/key width without rotary embedding.
         qk_rope_head_dim: MLA per-head rotary width, decoupled: one rotary key shared by all heads.
         v_head_dim: MLA per-head value width.
+        qk_norm: GQA query/key RMSNorm before rotary: ``none``, ``head`` (over each head's width, one weight
+            of ``head_dim`` shared by the heads: Qwen3-MoE) or ``full`` (over the whole q and k projections: OLMoE).
+        clip_qkv: GQA: clamp queries and keys (after ``qk_norm``) and values to ``[-clip_qkv, clip_qkv]``
+            (OLMoE); ``None`` disables.
+        mla_norm_eps: Epsilon of MLA's latent RMSNorms (query and key/value latents); ``None`` uses ``norm_eps``
+            (Hugging Face DeepSeek checkpoints use 1e-6 there).
         init_std: Standard deviation of the normal weight initialisation.
+        document_masking: Attend only within each document of a packed sequence (documents end at
+            ``eod_token_id``, which belongs to the document it ends); off: plain causal attention.
+        eod_token_id: End-of-document token id (the byte tokenizer's is 256).
     """
 
     vocab_size: int = 320
@@ -55,6 +75,15 @@ class MoEConfig:
     head_dim: Optional[int] = None
     max_seq_len: int = 256
     rope_theta: float = 10000.0
+    rope_scaling: Literal["none", "yarn"] = "none"
+    rope_factor: float = 1.0
+    rope_original_max_seq_len: Optional[int] = None
+    rope_beta_fast: float = 32.0
+    rope_beta_slow: float = 1.0
+    rope_mscale: float = 1.0
+    rope_mscale_all_dim: float = 0.0
+    rope_attention_factor: Optional[float] = None
+    rope_truncate: bool = True
     norm_eps: float = 1e-5
     ffn_hidden: int = 768
     n_dense_layers: int = 1
@@ -77,7 +106,12 @@ class MoEConfig:
     qk_nope_head_dim: int = 32
     qk_rope_head_dim: int = 16
     v_head_dim: int = 32
+    qk_norm: Literal["none", "head", "full"] = "none"
+    clip_qkv: Optional[float] = None
+    mla_norm_eps: Optional[float] = None
     init_std: float = 0.02
+    document_masking: bool = False
+    eod_token_id: int = 256
 
     def __post_init__(self) -> None:
         positive = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "max_seq_len",
@@ -119,8 +153,28 @@ class MoEConfig:
         for name in ("bias_update_rate", "aux_loss_coef", "z_loss_coef"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"MoEConfig.{name}={getattr(self, name)} must be >= 0.")
+        if self.document_masking and (not isinstance(self.eod_token_id, int)
+                                      or not 0 <= self.eod_token_id < self.vocab_size):
+            raise ConfigError(f"MoEConfig.eod_token_id={self.eod_token_id!r} must be a token id in "
+                              f"[0, vocab_size={self.vocab_size}): use the tokenizer's end-of-document id.")
+        self._validate_rope()
+        self._validate_qk()
         if self.route_scale <= 0:
             raise ConfigError(f"MoEConfig.route_scale={self.route_scale} must be > 0.")
+
+    def _validate_qk(self) -> None:
+        if self.qk_norm not in ("none", "head", "full"):
+            raise ConfigError(f"MoEConfig.qk_norm={self.qk_norm!r}: use 'none', 'head' (per head, Qwen3-MoE) or "
+                              "'full' (whole projection, OLMoE).")
+        if self.clip_qkv is not None and not self.clip_qkv > 0:
+            raise ConfigError(f"MoEConfig.clip_qkv={self.clip_qkv}: must be > 0, or None to disable.")
+        if self.attention == "mla":
+            for name, off in (("qk_norm", "none"), ("clip_qkv", None)):
+                if getattr(self, name) != off:
+                    raise ConfigError(f"MoEConfig.{name}={getattr(self, name)!r} applies to attention='gqa' only: "
+                                      f"set {name}: {off if off is not None else 'null'} for MLA.")
+        if self.mla_norm_eps is not None and not self.mla_norm_eps > 0:
+            raise ConfigError(f"MoEConfig.mla_norm_eps={self.mla_norm_eps}: must be > 0, or None for norm_eps.")
 
     def _validate_gqa(self) -> None:
         if self.head_dim is None:
@@ -135,6 +189,31 @@ class MoEConfig:
             raise ConfigError(
                 f"MoEConfig.n_kv_heads={self.n_kv_heads} must divide n_heads={self.n_heads}: "
                 f"pick n_kv_heads from the divisors of n_heads.")
+
+    def _validate_rope(self) -> None:
+        if self.rope_scaling not in ("none", "yarn"):
+            raise ConfigError(f"MoEConfig.rope_scaling={self.rope_scaling!r}: use 'none' or 'yarn'.")
+        if self.rope_scaling == "none":
+            if self.rope_factor != 1.0:
+                raise ConfigError(f"MoEConfig.rope_factor={self.rope_factor} has no effect with rope_scaling='none': "
+                                  "set rope_scaling: yarn, or leave rope_factor at 1.0.")
+            return
+        if not self.rope_factor >= 1.0:
+            raise ConfigError(f"MoEConfig.rope_factor={self.rope_factor} must be >= 1 for rope_scaling='yarn' "
+                              "(it extends the context by that factor).")
+        if not isinstance(self.rope_original_max_seq_len, int) or self.rope_original_max_seq_len < 1:
+            raise ConfigError(f"MoEConfig.rope_original_max_seq_len={self.rope_original_max_seq_len!r}: "
+                              "rope_scaling='yarn' needs the pre-extension context length (HF "
+                              "original_max_position_embeddings), a positive integer.")
+        if not 0 < self.rope_beta_slow < self.rope_beta_fast:
+            raise ConfigError(f"MoEConfig.rope_beta_fast={self.rope_beta_fast}, rope_beta_slow={self.rope_beta_slow}: "
+                              "need 0 < rope_beta_slow < rope_beta_fast (defaults 1 and 32).")
+        for name in ("rope_mscale", "rope_mscale_all_dim"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"MoEConfig.{name}={getattr(self, name)} must be >= 0.")
+        if self.rope_attention_factor is not None and not self.rope_attention_factor > 0:
+            raise ConfigError(f"MoEConfig.rope_attention_factor={self.rope_attention_factor} must be > 0, "
+                              "or None to derive it from rope_factor.")
 
     def _require_positive(self, names, context: str = "") -> None:
         for name in names:

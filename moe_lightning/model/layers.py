@@ -1,4 +1,4 @@
-"""Small building blocks shared by attention and FFN code: RMSNorm, rotary embeddings, SwiGLU."""
+"""Small building blocks shared by attention and FFN code: RMSNorm, SwiGLU (rotary embeddings: ``rotary.py``)."""
 
 import torch
 import torch.nn.functional as F
@@ -18,22 +18,6 @@ class RMSNorm(nn.Module):
 
     def init_weights(self) -> None:
         nn.init.ones_(self.weight)
-
-
-def rotary_cos_sin(seq_len: int, rot_dim: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables ``[seq_len, rot_dim // 2]`` in fp32, computed on demand (meta-device friendly)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, rot_dim, 2, device=device, dtype=torch.float32) / rot_dim))
-    angles_SR = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
-    return angles_SR.cos(), angles_SR.sin()
-
-
-def apply_rotary(x_BSHR: torch.Tensor, cos_SR: torch.Tensor, sin_SR: torch.Tensor) -> torch.Tensor:
-    """Rotate interleaved pairs ``(x[2i], x[2i+1])`` of the last dim by position-dependent angles."""
-    x_pairs = x_BSHR.float().unflatten(-1, (-1, 2))
-    x_even, x_odd = x_pairs[..., 0], x_pairs[..., 1]
-    cos, sin = cos_SR[:, None, :], sin_SR[:, None, :]
-    rotated = torch.stack((x_even * cos - x_odd * sin, x_even * sin + x_odd * cos), dim=-1)
-    return rotated.flatten(-2).type_as(x_BSHR)
 
 
 class SwiGLU(nn.Module):

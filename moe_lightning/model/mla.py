@@ -6,11 +6,12 @@ one rotary key per token shared by every head, so the compressed latent itself c
 """
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from .attention import DocumentMask, attend
 from .config import MoEConfig
-from .layers import RMSNorm, apply_rotary, rotary_cos_sin
+from .layers import RMSNorm
+from .rotary import Rotary, apply_rotary, mla_softmax_scale
 
 
 class MultiHeadLatentAttention(nn.Module):
@@ -18,38 +19,61 @@ class MultiHeadLatentAttention(nn.Module):
 
     def __init__(self, config: MoEConfig):
         super().__init__()
-        self.n_heads, self.rope_theta = config.n_heads, config.rope_theta
+        self.n_heads = config.n_heads
         self.nope_dim, self.rope_dim, self.v_dim = config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
         self.q_lora_rank, self.kv_lora_rank = config.q_lora_rank, config.kv_lora_rank
         qk_dim = self.nope_dim + self.rope_dim
+        latent_eps = config.norm_eps if config.mla_norm_eps is None else config.mla_norm_eps
         if self.q_lora_rank:
             self.wq_a = nn.Linear(config.dim, config.q_lora_rank, bias=False)
-            self.q_norm = RMSNorm(config.q_lora_rank, config.norm_eps)
+            self.q_norm = RMSNorm(config.q_lora_rank, latent_eps)
             self.wq_b = nn.Linear(config.q_lora_rank, self.n_heads * qk_dim, bias=False)
         else:
             self.wq = nn.Linear(config.dim, self.n_heads * qk_dim, bias=False)
         self.wkv_a = nn.Linear(config.dim, self.kv_lora_rank + self.rope_dim, bias=False)
-        self.kv_norm = RMSNorm(self.kv_lora_rank, config.norm_eps)
+        self.kv_norm = RMSNorm(self.kv_lora_rank, latent_eps)
         self.wkv_b = nn.Linear(self.kv_lora_rank, self.n_heads * (self.nope_dim + self.v_dim), bias=False)
         self.wo = nn.Linear(self.n_heads * self.v_dim, config.dim, bias=False)
-        self.scale = qk_dim ** -0.5
+        self.rotary = Rotary(config, self.rope_dim)
+        self.scale = mla_softmax_scale(config)
 
-    def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
+    def forward(self, x_BSD: torch.Tensor, mask: DocumentMask | None = None, cache=None) -> torch.Tensor:
+        """``cache`` (a ``kv_cache.LayerCache``) keeps the normalised latent and the rotated shared key."""
         B, S, _ = x_BSD.shape
         H = self.n_heads
         q_BSX = self.wq_b(self.q_norm(self.wq_a(x_BSD))) if self.q_lora_rank else self.wq(x_BSD)
         q_nope_BSHN, q_rope_BSHR = q_BSX.view(B, S, H, -1).split([self.nope_dim, self.rope_dim], dim=-1)
         kv_BSC, k_rope_BSR = self.wkv_a(x_BSD).split([self.kv_lora_rank, self.rope_dim], dim=-1)
-        cos, sin = rotary_cos_sin(S, self.rope_dim, self.rope_theta, device=x_BSD.device)
+        cos, sin = self.rotary.cos_sin(0 if cache is None else cache.length, S, device=x_BSD.device)
         q_rope_BSHR = apply_rotary(q_rope_BSHR, cos, sin)
-        k_rope_BS1R = apply_rotary(k_rope_BSR.unsqueeze(2), cos, sin)
-        kv_BSHX = self.wkv_b(self.kv_norm(kv_BSC)).view(B, S, H, -1)
+        k_rope_BSR = apply_rotary(k_rope_BSR.unsqueeze(2), cos, sin).squeeze(2)
+        latent_BSC = self.kv_norm(kv_BSC)
+        if cache is not None:
+            latent_BTC, k_rope_BTR = cache.append(latent_BSC, k_rope_BSR)
+            if latent_BTC.shape[1] > S:  # decoding after cached positions
+                return self._attend_latent(q_nope_BSHN, q_rope_BSHR, latent_BTC, k_rope_BTR, mask)
+        kv_BSHX = self.wkv_b(latent_BSC).view(B, S, H, -1)
         k_nope_BSHN, v_BSHV = kv_BSHX.split([self.nope_dim, self.v_dim], dim=-1)
         q_BSHK = torch.cat([q_nope_BSHN, q_rope_BSHR], dim=-1)
-        k_BSHK = torch.cat([k_nope_BSHN, k_rope_BS1R.expand(-1, -1, H, -1)], dim=-1)
-        out_BHSV = F.scaled_dot_product_attention(
-            q_BSHK.transpose(1, 2), k_BSHK.transpose(1, 2), v_BSHV.transpose(1, 2), is_causal=True, scale=self.scale)
+        k_BSHK = torch.cat([k_nope_BSHN, k_rope_BSR.unsqueeze(2).expand(-1, -1, H, -1)], dim=-1)
+        out_BHSV = attend(q_BSHK.transpose(1, 2), k_BSHK.transpose(1, 2), v_BSHV.transpose(1, 2), mask, self.scale)
         return self.wo(out_BHSV.transpose(1, 2).reshape(B, S, H * self.v_dim))
+
+    def _attend_latent(self, q_nope_BSHN, q_rope_BSHR, latent_BTC, k_rope_BTR, mask) -> torch.Tensor:
+        """Attention over cached latents without expanding them to per-head keys and values.
+
+        ``wkv_b`` is absorbed: ``q_nope · (W_k c) = (W_kᵀ q_nope) · c`` and ``Σ p (W_v c) = W_v (Σ p c)``, so
+        every head attends over the same ``[latent, rotary key]`` of width C + R (one shared key head).
+        """
+        B, S, H, _ = q_nope_BSHN.shape
+        w_HXC = self.wkv_b.weight.to(q_nope_BSHN.dtype).view(H, self.nope_dim + self.v_dim, self.kv_lora_rank)
+        w_k_HNC, w_v_HVC = w_HXC.split([self.nope_dim, self.v_dim], dim=1)
+        q_latent_BSHC = torch.einsum("bshn,hnc->bshc", q_nope_BSHN, w_k_HNC)
+        q_BHSK = torch.cat([q_latent_BSHC, q_rope_BSHR.type_as(q_latent_BSHC)], dim=-1).transpose(1, 2)
+        k_B1TK = torch.cat([latent_BTC, k_rope_BTR.type_as(latent_BTC)], dim=-1).unsqueeze(1)
+        out_BHSC = attend(q_BHSK, k_B1TK, latent_BTC.unsqueeze(1), mask, self.scale)
+        out_BSHV = torch.einsum("bhsc,hvc->bshv", out_BHSC, w_v_HVC)
+        return self.wo(out_BSHV.reshape(B, S, H * self.v_dim))
 
     def init_weights(self, std: float, out_std: float) -> None:
         for module in self.children():

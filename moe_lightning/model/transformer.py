@@ -1,13 +1,15 @@
 """The decoder-only MoE transformer, readable top to bottom. No distributed code lives here."""
 
 import math
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .attention import GroupedQueryAttention
+from .attention import DocumentMask, GroupedQueryAttention, document_ids
 from .config import MoEConfig
+from .kv_cache import KVCache
 from .layers import RMSNorm, SwiGLU
 from .mla import MultiHeadLatentAttention
 from .moe import MoELayer
@@ -28,8 +30,8 @@ class Block(nn.Module):
         self.is_moe = layer_id >= config.n_dense_layers
         self.ffn = MoELayer(config) if self.is_moe else SwiGLU(config.dim, config.ffn_hidden)
 
-    def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
-        h_BSD = x_BSD + self.attention(self.attention_norm(x_BSD))
+    def forward(self, x_BSD: torch.Tensor, **attention_kwargs) -> torch.Tensor:
+        h_BSD = x_BSD + self.attention(self.attention_norm(x_BSD), **attention_kwargs)
         return h_BSD + self.ffn(self.ffn_norm(h_BSD))
 
 
@@ -48,10 +50,18 @@ class MoETransformer(nn.Module):
         if self.tok_embeddings.weight.device.type != "meta":
             self.init_weights()
 
-    def forward(self, tokens_BS: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens_BS: torch.Tensor, *, cache: KVCache | None = None) -> torch.Tensor:
+        """Logits ``[B, S, V]``. With ``cache`` the tokens continue the cached positions, which it then holds."""
+        if cache is not None and cache.length + tokens_BS.shape[1] > cache.capacity:
+            raise ValueError(f"KV cache holds {cache.capacity} positions (max_seq_len); {cache.length} are cached "
+                             f"and {tokens_BS.shape[1]} more were given: start a new cache from the latest tokens.")
         h_BSD = self.tok_embeddings(tokens_BS)
-        for layer in self.layers:
-            h_BSD = layer(h_BSD)
+        mask = None
+        if self.config.document_masking:
+            eod = self.config.eod_token_id
+            mask = DocumentMask(document_ids(tokens_BS, eod) if cache is None else cache.document_ids(tokens_BS, eod))
+        for i, layer in enumerate(self.layers):
+            h_BSD = layer(h_BSD, mask=mask, cache=None if cache is None else cache.layers[i])
         return self.output(self.norm(h_BSD))
 
     @torch.no_grad()
@@ -82,18 +92,70 @@ class MoETransformer(nn.Module):
 
     @torch.no_grad()
     def generate(self, tokens_BS: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
-                 top_k: int | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
-        """Sample continuations autoregressively (no KV cache: recomputes the cropped context)."""
+                 top_k: int | None = None, generator: torch.Generator | None = None, *, top_p: float | None = None,
+                 stop_token: int | None = None, use_cache: bool = True) -> torch.Tensor:
+        """Prompt and continuation ``[B, S + new]`` (see ``generate_stream``; fewer new tokens if all rows stop)."""
+        new = list(self.generate_stream(tokens_BS, max_new_tokens, temperature, top_k, generator, top_p=top_p,
+                                        stop_token=stop_token, use_cache=use_cache))
+        return torch.cat([tokens_BS, *(next_B[:, None].to(tokens_BS.dtype) for next_B in new)], dim=1)
+
+    @torch.no_grad()
+    def generate_stream(self, tokens_BS: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
+                        top_k: int | None = None, generator: torch.Generator | None = None, *,
+                        top_p: float | None = None, stop_token: int | None = None,
+                        use_cache: bool = True) -> Iterator[torch.Tensor]:
+        """Yield each next token ``[B]`` as it is sampled (``temperature <= 0``: greedy).
+
+        The model sees at most ``max_seq_len`` tokens. With the KV cache (default) each step feeds one token;
+        when the cache is full it is rebuilt from the newest ``max_seq_len // 2`` tokens (one prefill per
+        that many steps). Without it every step recomputes the last ``max_seq_len`` tokens. A row that
+        produced ``stop_token`` repeats it; the stream ends once every row has.
+        """
+        check_sampling(max_new_tokens, top_k, top_p)
+        window = self.config.max_seq_len
+        context_BS = tokens_BS[:, -window:]
+        pending_BS = context_BS
+        cache = KVCache(len(self.layers), window) if use_cache else None
+        stopped_B = torch.zeros(tokens_BS.shape[0], dtype=torch.bool, device=tokens_BS.device)
         for _ in range(max_new_tokens):
-            context_BS = tokens_BS[:, -self.config.max_seq_len:]
-            logits_BV = self(context_BS)[:, -1].float()
-            if temperature <= 0:
-                next_B1 = logits_BV.argmax(-1, keepdim=True)
+            if cache is None:
+                logits_BV = self(context_BS)[:, -1]
             else:
-                logits_BV = logits_BV / temperature
-                if top_k is not None:
-                    kth_B1 = logits_BV.topk(min(top_k, logits_BV.shape[-1])).values[:, -1:]
-                    logits_BV = logits_BV.masked_fill(logits_BV < kth_B1, float("-inf"))
-                next_B1 = torch.multinomial(F.softmax(logits_BV, -1), 1, generator=generator)
-            tokens_BS = torch.cat([tokens_BS, next_B1.to(tokens_BS.dtype)], dim=1)
-        return tokens_BS
+                if cache.length + pending_BS.shape[1] > window:
+                    cache, pending_BS = KVCache(len(self.layers), window), context_BS[:, -max(window // 2, 1):]
+                logits_BV = self(pending_BS, cache=cache)[:, -1]
+            next_B = sample_next(logits_BV.float(), temperature, top_k, top_p, generator)
+            if stop_token is not None:
+                next_B = next_B.masked_fill(stopped_B, stop_token)
+                stopped_B |= next_B == stop_token
+            yield next_B
+            if stop_token is not None and bool(stopped_B.all()):
+                return
+            pending_BS = next_B[:, None].to(tokens_BS.dtype)
+            context_BS = torch.cat([context_BS, pending_BS], dim=1)[:, -window:]
+
+
+def check_sampling(max_new_tokens: int, top_k: int | None, top_p: float | None) -> None:
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens={max_new_tokens!r}: must be an integer >= 0.")
+    if top_k is not None and (not isinstance(top_k, int) or top_k < 1):
+        raise ValueError(f"top_k={top_k!r}: must be a positive integer, or None to keep every token.")
+    if top_p is not None and not 0 < top_p <= 1:
+        raise ValueError(f"top_p={top_p!r}: must be in (0, 1], or None to keep every token.")
+
+
+def sample_next(logits_BV: torch.Tensor, temperature: float = 1.0, top_k: int | None = None,
+                top_p: float | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Next token ``[B]``: argmax at ``temperature <= 0``, else sampled from the top-k, then top-p (nucleus) set."""
+    if temperature <= 0:
+        return logits_BV.argmax(-1)
+    logits_BV = logits_BV / temperature
+    if top_k is not None:
+        kth_B1 = logits_BV.topk(min(top_k, logits_BV.shape[-1])).values[:, -1:]
+        logits_BV = logits_BV.masked_fill(logits_BV < kth_B1, float("-inf"))
+    if top_p is not None:
+        sorted_BV, order_BV = logits_BV.sort(-1, descending=True)
+        probs_BV = sorted_BV.softmax(-1)
+        outside_BV = probs_BV.cumsum(-1) - probs_BV >= top_p  # mass before a token already reaches top_p
+        logits_BV = logits_BV.scatter(-1, order_BV, sorted_BV.masked_fill(outside_BV, float("-inf")))
+    return torch.multinomial(F.softmax(logits_BV, -1), 1, generator=generator)[:, 0]

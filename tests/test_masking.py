@@ -1,0 +1,184 @@
+"""Document masking for packed sequences: document ids, the kernels' masks, isolation of documents, offload."""
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.flex_attention import create_mask
+
+from moe_lightning import MoELanguageModel
+from moe_lightning.callbacks import ActivationOffload
+from moe_lightning.cli import MoECLI
+from moe_lightning.model import ConfigError, MoEConfig, MoETransformer
+from moe_lightning.model.attention import DocumentMask, attend, document_ids, flex_attend
+
+EOD = 63
+# init_std 0.3 gives O(1) attention logits and routing scores (0.02 would make attention nearly uniform).
+BASE = dict(vocab_size=64, dim=32, n_layers=3, n_heads=4, n_kv_heads=2, max_seq_len=32, ffn_hidden=64,
+            n_dense_layers=1, num_experts=4, top_k=2, expert_hidden=16, eod_token_id=EOD, init_std=0.3)
+MLA = dict(attention="mla", q_lora_rank=12, kv_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6)
+KINDS = {"gqa": {}, "mla": MLA}
+
+
+def model_for(kind: str, masking: bool = True) -> MoETransformer:
+    torch.manual_seed(0)
+    return MoETransformer(MoEConfig(**BASE, **KINDS[kind], document_masking=masking)).eval()
+
+
+def packed(lengths: list[int], seed: int = 1) -> torch.Tensor:
+    """One row of documents of the given lengths, each ending with EOD (the last one possibly unfinished)."""
+    g = torch.Generator().manual_seed(seed)
+    docs = [torch.cat([torch.randint(0, EOD, (n - 1,), generator=g), torch.tensor([EOD])]) for n in lengths]
+    return torch.cat(docs)[None]
+
+
+def test_document_ids_put_each_eod_in_the_document_it_ends():
+    tokens = torch.tensor([[5, EOD, 7, 8, EOD, EOD, 9], [EOD, 1, 2, 3, 4, 5, 6]])
+    assert document_ids(tokens, EOD).tolist() == [[0, 0, 1, 1, 1, 2, 3], [0, 1, 1, 1, 1, 1, 1]]
+    # continuing after 4 cached tokens (one EOD among them in each row) gives the same ids
+    assert document_ids(tokens[:, 4:], EOD, torch.tensor([1, 1])).tolist() == [[1, 2, 3], [1, 1, 1]]
+
+
+def test_dense_mask_is_causal_within_documents_and_flex_predicate_agrees():
+    doc_BT = document_ids(torch.tensor([[1, EOD, 2, 3, EOD, 4, 5, 6], [1, 2, 3, 4, 5, 6, 7, EOD]]), EOD)
+    mask = DocumentMask(doc_BT)
+    dense = mask.dense(8)[:, 0]
+    for b in range(2):
+        for q in range(8):
+            for k in range(8):
+                assert dense[b, q, k] == (k <= q and doc_BT[b, q] == doc_BT[b, k])
+    # FlexAttention's predicate, evaluated on the full grid by torch itself, gives exactly the same mask
+    assert torch.equal(create_mask(mask.mask_mod(), 2, 1, 8, 8, device="cpu")[:, 0], dense)
+    # the last queries after cached keys: rows of the full mask
+    assert torch.equal(mask.dense(3)[:, 0], dense[:, 5:])
+
+
+@pytest.mark.parametrize("heads, qk_dim, v_dim", [((4, 2), 8, 8), ((3, 3), 12, 6)])
+def test_flex_path_equals_sdpa_path(heads, qk_dim, v_dim):
+    """The CUDA branch's kernel (FlexAttention with our block mask; eager on CPU) equals the CPU branch."""
+    torch.manual_seed(0)
+    B, S = 2, 40
+    tokens = torch.randint(0, EOD, (B, S))
+    tokens[0, [6, 7, 25]] = EOD
+    tokens[1, [0, 39]] = EOD
+    mask = DocumentMask(document_ids(tokens, EOD))
+    q = torch.randn(B, heads[0], S, qk_dim)
+    k, v = torch.randn(B, heads[1], S, qk_dim), torch.randn(B, heads[1], S, v_dim)
+    sdpa_out = attend(q, k, v, mask, scale=0.4)
+    flex_out = flex_attend(q, k, v, mask, scale=0.4)
+    torch.testing.assert_close(flex_out, sdpa_out, atol=1e-5, rtol=1e-5)  # fp32 softmax rounding
+    # both equal an explicit float64 masked softmax
+    kk = k.double().repeat_interleave(heads[0] // heads[1], 1)
+    vv = v.double().repeat_interleave(heads[0] // heads[1], 1)
+    scores = (q.double() @ kk.transpose(-1, -2) * 0.4).masked_fill(~mask.dense(S), -math.inf)
+    torch.testing.assert_close(sdpa_out.double(), scores.softmax(-1) @ vv, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["gqa", "mla"])
+def test_changing_an_earlier_document_leaves_later_documents_unchanged(kind):
+    tokens = packed([7, 5, 9])
+    changed = tokens.clone()
+    changed[0, :6] = (changed[0, :6] + 1) % EOD  # first document's text, not its EOD
+    first_end = 7
+    with torch.no_grad():
+        masked, masked_changed = model_for(kind)(tokens), model_for(kind)(changed)
+        plain, plain_changed = model_for(kind, False)(tokens), model_for(kind, False)(changed)
+    # later documents see none of the change: equal up to the rounding of batched matmuls (sizes identical)
+    torch.testing.assert_close(masked_changed[:, first_end:], masked[:, first_end:], atol=1e-5, rtol=0)
+    assert (masked_changed[:, :first_end] - masked[:, :first_end]).abs().amax() > 1e-2
+    # without masking the later documents' logits move: the test would catch a mask that does nothing
+    assert (plain_changed[:, first_end:] - plain[:, first_end:]).abs().amax(-1).min() > 1e-3
+
+
+@pytest.mark.parametrize("kind", ["gqa", "mla"])
+def test_packed_logits_equal_each_document_run_alone(kind):
+    lengths = [6, 10, 4, 12]
+    tokens = packed(lengths)
+    with torch.no_grad():
+        logits = model_for(kind)(tokens)
+        alone = model_for(kind, False)  # same weights (same seed), plain causal attention
+        expected = torch.cat([alone(doc) for doc in tokens.split(lengths, dim=1)], dim=1)
+    # rotary positions differ (packed vs from 0); scores agree up to fp32 rounding of the rotations
+    torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_validation_loss_uses_the_mask():
+    lengths = [9, 8]
+    batch = torch.cat([packed(lengths, seed=2), torch.tensor([[EOD]])], dim=1)  # inputs 17 tokens, targets shifted
+    module = MoELanguageModel(MoEConfig(**BASE, document_masking=True))
+    torch.manual_seed(0)
+    module.configure_model()
+    alone = model_for("gqa", False)
+    module.model.load_state_dict(alone.state_dict())
+    module.model.eval()
+    with torch.no_grad():
+        loss = module._loss(batch)
+        inputs, targets = batch[:, :-1], batch[:, 1:]
+        logits = torch.cat([alone(doc) for doc in inputs.split(lengths, dim=1)], dim=1)
+        expected = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        unmasked = F.cross_entropy(alone(inputs).flatten(0, 1), targets.flatten())
+    torch.testing.assert_close(loss, expected, atol=1e-5, rtol=1e-5)
+    assert abs(unmasked - expected) > 1e-3
+
+
+@pytest.mark.parametrize("kind", ["gqa", "mla"])
+def test_generation_continues_only_the_last_document(kind):
+    prompt = packed([8, 5], seed=3)[:, :-1]  # an earlier document, then an unfinished one
+    other = prompt.clone()
+    other[0, :7] = (other[0, :7] + 5) % EOD
+    model = model_for(kind)
+    out, out_other = model.generate(prompt, 8, temperature=0), model.generate(other, 8, temperature=0)
+    alone = model.generate(prompt[:, 8:], 8, temperature=0)
+    assert torch.equal(out[:, 12:], out_other[:, 12:]) and torch.equal(out[:, 12:], alone[:, 4:])
+    plain = model_for(kind, False)
+    assert not torch.equal(plain.generate(prompt, 8, temperature=0)[:, 12:],
+                           plain.generate(other, 8, temperature=0)[:, 12:])
+
+
+def train_step(offload: ActivationOffload | None):
+    model = model_for("mla").train()
+    if offload is not None:
+        offload.apply(model.layers)
+    tokens = torch.cat([packed([7, 5, 9], seed=4), packed([12, 9], seed=5)])
+    loss = F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+
+def test_activation_offload_with_masking_is_bit_identical_and_offloads_only_block_inputs():
+    ref_loss, ref_grads = train_step(None)
+    offload = ActivationOffload(prefetch=1, min_offload_bytes=0, blocks=[0, 1, 2])
+    loss, grads = train_step(offload)
+    assert torch.equal(loss, ref_loss)
+    assert all(torch.equal(grads[n], ref_grads[n]) for n in ref_grads)
+    # one hidden-state tensor [2, 20, 32] fp32 per block: the document ids/mask were never offloaded
+    assert offload.tensors_offloaded == 3 and offload.bytes_offloaded == 3 * 2 * 20 * 32 * 4
+
+
+def test_eod_token_id_is_validated_when_masking():
+    with pytest.raises(ConfigError, match="MoEConfig.eod_token_id=64"):
+        MoEConfig(**{**BASE, "eod_token_id": 64}, document_masking=True)
+    MoEConfig(**{**BASE, "eod_token_id": 64})  # unused without masking
+
+
+def test_fit_refuses_an_eod_id_that_is_not_the_tokenizers():
+    cli = SimpleNamespace(datamodule=SimpleNamespace(vocab_size=64, tokenizer=SimpleNamespace(eos_id=256)),
+                          model=SimpleNamespace(config=MoEConfig(**BASE, document_masking=True)))
+    with pytest.raises(ValueError, match="model.config.eod_token_id=63 .* set model.config.eod_token_id: 256"):
+        MoECLI.before_fit(cli)
+    cli.datamodule.tokenizer.eos_id = EOD
+    MoECLI.before_fit(cli)
+
+
+def test_gpu_attention_benchmark_dry_run_compares_flex_with_the_dense_mask():
+    """benchmarks/gpu_attention.py stays runnable without a GPU: its CPU path checks both shapes."""
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu_attention.py"
+    spec = importlib.util.spec_from_file_location("gpu_attention", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    report = module.main(["--dry-run"])
+    assert set(report) == {"gqa", "mla"} and all(r["max_diff"] < 1e-5 for r in report.values())
