@@ -10,9 +10,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from .model import MoETransformer
+from .model.transformer import check_sampling
 
 
 @dataclass
@@ -27,44 +27,21 @@ class Sampling:
     seed: int = 0
 
     def __post_init__(self):
-        checks = [("max_new_tokens", self.max_new_tokens >= 1, ">= 1"), ("temperature", self.temperature >= 0, ">= 0"),
-                  ("top_k", self.top_k is None or self.top_k >= 1, ">= 1"),
-                  ("top_p", self.top_p is None or 0 < self.top_p <= 1, "in (0, 1]")]
-        for name, ok, rule in checks:
-            if not ok:
-                raise ValueError(f"{name}={getattr(self, name)!r}: must be {rule}.")
+        check_sampling(self.max_new_tokens, self.top_k, self.top_p)
+        if self.temperature < 0:
+            raise ValueError(f"temperature={self.temperature!r}: must be >= 0 (0 = greedy).")
 
 
-def sample_next(logits_BV: torch.Tensor, sampling: Sampling, generator: torch.Generator | None) -> torch.Tensor:
-    """``[B, 1]`` next tokens from last-position logits."""
-    logits_BV = logits_BV.float()
-    if sampling.temperature == 0:
-        return logits_BV.argmax(-1, keepdim=True)
-    logits_BV = logits_BV / sampling.temperature
-    if sampling.top_k is not None:
-        kth_B1 = logits_BV.topk(min(sampling.top_k, logits_BV.shape[-1])).values[:, -1:]
-        logits_BV = logits_BV.masked_fill(logits_BV < kth_B1, float("-inf"))
-    if sampling.top_p is not None:  # smallest set of most likely tokens whose probability reaches top_p
-        sorted_BV, order_BV = logits_BV.sort(-1, descending=True)
-        before_BV = sorted_BV.softmax(-1).cumsum(-1) - sorted_BV.softmax(-1)  # mass strictly above each token
-        drop_sorted_BV = before_BV >= sampling.top_p
-        drop_BV = torch.empty_like(drop_sorted_BV).scatter_(-1, order_BV, drop_sorted_BV)
-        logits_BV = logits_BV.masked_fill(drop_BV, float("-inf"))
-    return torch.multinomial(F.softmax(logits_BV, -1), 1, generator=generator)
-
-
-@torch.no_grad()
 def stream(model: MoETransformer, prompt_1S: torch.Tensor, sampling: Sampling, eod_id: int) -> Iterator[int]:
-    """Yield new token ids one by one (context cropped to ``max_seq_len``; stops at end-of-document if asked)."""
+    """New token ids one by one, from the model's KV-cached ``generate_stream``; the end-of-document token that
+    stops a sample is not yielded."""
     generator = torch.Generator(prompt_1S.device).manual_seed(sampling.seed)
-    tokens_1S = prompt_1S
-    for _ in range(sampling.max_new_tokens):
-        next_11 = sample_next(model(tokens_1S[:, -model.config.max_seq_len:])[:, -1], sampling, generator)
-        token = int(next_11)
-        if sampling.stop_at_eod and token == eod_id:
+    stop_token = eod_id if sampling.stop_at_eod else None
+    for next_1 in model.generate_stream(prompt_1S, sampling.max_new_tokens, sampling.temperature, sampling.top_k,
+                                        generator, top_p=sampling.top_p, stop_token=stop_token):
+        if int(next_1) == stop_token:
             return
-        yield token
-        tokens_1S = torch.cat([tokens_1S, next_11.to(tokens_1S.dtype)], dim=1)
+        yield int(next_1)
 
 
 def encode_prompt(tokenizer, text: str, device: torch.device | str) -> torch.Tensor:

@@ -52,14 +52,18 @@ class TrainingCurves(L.Callback):
         if self._clock is not None and now > self._clock[0] and tokens > self._clock[1]:
             self._add("tokens/s", tokens, (tokens - self._clock[1]) / trainer.world_size / (now - self._clock[0]))
         self._clock = (now, tokens)
-        for callback in trainer.callbacks:  # its windows, each added once
+        self._collect_expert_window(trainer)
+        if self.plot_every_n_steps and trainer.global_step % self.plot_every_n_steps == 0:
+            self.draw(trainer)
+
+    def _collect_expert_window(self, trainer: L.Trainer) -> None:
+        """The ExpertLoadMonitor's latest window, once (it may run after this callback in the same step)."""
+        for callback in trainer.callbacks:
             if isinstance(callback, ExpertLoadMonitor) and callback.last_tokens_seen is not None \
                     and callback.last_tokens_seen > max((t for t, _ in self.history.get("dead experts", [])),
                                                         default=-1.0):
                 self._add("dead experts", callback.last_tokens_seen, callback.last_metrics["expert_load/dead_fraction"])
                 self._add("routing entropy", callback.last_tokens_seen, callback.last_metrics["expert_load/entropy"])
-        if self.plot_every_n_steps and trainer.global_step % self.plot_every_n_steps == 0:
-            self.draw(trainer)
 
     def on_validation_end(self, trainer, pl_module) -> None:
         if not trainer.sanity_checking and "val/loss" in trainer.callback_metrics:
@@ -105,6 +109,7 @@ class TrainingCurves(L.Callback):
     def draw(self, trainer: L.Trainer) -> None:
         if not trainer.is_global_zero:
             return
+        self._collect_expert_window(trainer)
         fig = self.figure(trainer.global_step)
         self.path = Path(trainer.log_dir or trainer.default_root_dir) / "training_curves.png"
         self.path.parent.mkdir(parents=True, exist_ok=True)
