@@ -97,7 +97,8 @@ class TrainingCurves(L.Callback):
             if len(names) > 1:
                 ax.legend()
             if title == "dead experts":  # a share: 0 at the bottom even when nothing died
-                ax.set_ylim(0, max([0.1] + [1.1 * v for _, v in self.history.get("dead experts", [])]))
+                top = max([0.1] + [1.1 * v for _, v in self.history.get("dead experts", [])])
+                ax.set_ylim(-0.02 * top, top)
             ax.xaxis.set_major_formatter(EngFormatter())
             ax.set_title(title)
             ax.set_xlabel("tokens seen")
