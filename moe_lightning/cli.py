@@ -24,6 +24,7 @@ COMMANDS = {
     "tokenize": "pre-tokenize a corpus into a memory-mapped .npy token file",
     "plan": "memory and speed plan of a config on a cluster, without GPUs",
     "export": "write any checkpoint as one inference file that records its tokenizer",
+    "convert": "Hugging Face folder <-> single-file checkpoint",
 }
 
 
@@ -129,8 +130,10 @@ EXTRA_COMMANDS = {
 
 
 def print_commands() -> None:
-    width = max(map(len, COMMANDS))
-    lines = [f"  {name:<{width}}  {line}" for name, line in COMMANDS.items()]
+    """Every command this install has (``convert`` comes with ``moe_lightning.hf``)."""
+    names = [name for name in COMMANDS if name in EXTRA_COMMANDS or name in MoECLI.subcommands()]
+    width = max(map(len, names))
+    lines = [f"  {name:<{width}}  {COMMANDS[name]}" for name in names]
     print("usage: moe-lightning COMMAND [options]   (moe-lightning COMMAND --help for its options)\n\n"
           "Train Mixture-of-Experts language models with Lightning.\n\ncommands:\n" + "\n".join(lines))
 

@@ -1,4 +1,4 @@
-"""Any checkpoint the package writes → model weights, config and tokenizer: one loader for ``generate`` and ``export``.
+"""Any checkpoint the package writes → weights, config and tokenizer: one loader for ``generate`` and ``export``.
 
 Kinds, told apart by what is on disk:
 - a sharded directory written by ``MoEFSDPStrategy`` (``meta.pt`` + DCP shards), read in one process;
@@ -12,6 +12,7 @@ The tokenizer comes from the checkpoint itself: ``TextDataModule.state_dict`` re
 import argparse
 import dataclasses
 import importlib.util
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -90,6 +91,23 @@ class Loaded:
     kind: str
 
 
+def hf_tokenizer(path: Path) -> HFTokenizer:
+    """A Hugging Face folder's ``tokenizer.json``, its end-of-document id taken from ``tokenizer_config.json``'s
+    ``eos_token`` (ours, one past the vocabulary, would not exist in the model)."""
+    if not (path / "tokenizer.json").is_file():
+        raise FileNotFoundError(f"checkpoint={str(path)!r}: a Hugging Face folder without tokenizer.json; copy the "
+                                "model's tokenizer.json into it.")
+    tokenizer = HFTokenizer(str(path / "tokenizer.json"))
+    config_file = path / "tokenizer_config.json"
+    eos = json.loads(config_file.read_text()).get("eos_token") if config_file.is_file() else None
+    eos_id = tokenizer.token_id(eos["content"] if isinstance(eos, dict) else eos) if eos else None
+    if eos_id is None:
+        raise ValueError(f"checkpoint={str(path)!r}: tokenizer_config.json names no eos_token known to "
+                         "tokenizer.json; add it there.")
+    tokenizer.eos_id = eos_id
+    return tokenizer
+
+
 def load_model(checkpoint: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> Loaded:
     """A ready-to-sample model (eval mode) and the tokenizer its run used."""
     path = Path(checkpoint)
@@ -99,10 +117,8 @@ def load_model(checkpoint: str | Path, device: str | torch.device = "cpu", dtype
                               "moe_lightning.hf: update moe_lightning.")
         from .hf import from_pretrained
 
-        model = from_pretrained(path)
-        tokenizer_json = path / "tokenizer.json"
-        tokenizer = HFTokenizer(str(tokenizer_json)) if tokenizer_json.is_file() else ByteTokenizer()
-        return Loaded(model.to(device=device, dtype=dtype).eval(), tokenizer, "hf")
+        model = from_pretrained(path, dtype=dtype).to(device).eval()
+        return Loaded(model, hf_tokenizer(path), "hf")
     ckpt = read_checkpoint(path)
     with torch.device(device):
         model = MoETransformer(MoEConfig(**ckpt.config))

@@ -51,6 +51,9 @@ class HFTokenizer:
     def decode(self, ids) -> str:
         return self._tok.decode([int(i) for i in ids if int(i) != self.eos_id])
 
+    def token_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
 
 def load_tokenizer(path: str | None):
     return ByteTokenizer() if path is None else HFTokenizer(path)

@@ -30,7 +30,8 @@ def train_bpe(path: Path, corpus: Path) -> None:
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.train([str(corpus)], trainers.BpeTrainer(vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    bpe = trainers.BpeTrainer(vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train([str(corpus)], bpe)
     tokenizer.save(str(path))
 
 
@@ -199,3 +200,19 @@ def test_export_without_a_tokenizer_record_falls_back_to_bytes(run_dir, tmp_path
     del payload["tokenizer"]  # an export from before tokenizers were recorded
     torch.save(payload, tmp_path / "old.pt")
     assert isinstance(load_model(tmp_path / "old.pt").tokenizer, ByteTokenizer)
+
+
+def test_hf_folder_tokenizer_ends_documents_with_the_models_own_eos(run_dir, tmp_path):
+    from tokenizers import Tokenizer
+
+    from moe_lightning.loading import hf_tokenizer
+
+    tok = Tokenizer.from_str(run_dir["tokenizer_json"])
+    tok.add_special_tokens(["<|endoftext|>"])
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": {"content": "<|endoftext|>"}}))
+    tokenizer = hf_tokenizer(tmp_path)
+    assert tokenizer.eos_id == tok.token_to_id("<|endoftext|>") == tok.get_vocab_size() - 1  # inside the vocab
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<unknown>"}))
+    with pytest.raises(ValueError, match="eos_token"):
+        hf_tokenizer(tmp_path)
