@@ -80,10 +80,12 @@ def summarize(results: dict[str, dict]) -> dict:
     for mode in ("prefetch0", "prefetch1", "prefetch2"):
         row = {}
         for base in ("off", "checkpoint"):
+            if mode not in results or base not in results:
+                continue
             row[f"throughput_vs_{base}"] = results[mode]["tokens_per_s"] / results[base]["tokens_per_s"]
             if results[mode]["peak_gib"] is not None:
                 row[f"peak_memory_vs_{base}"] = results[mode]["peak_gib"] / results[base]["peak_gib"]
-        if "peak_memory_vs_off" in row and mode != "prefetch0":
+        if "peak_memory_vs_off" in row and "throughput_vs_off" in row and mode != "prefetch0":
             row["targets_met"] = row["peak_memory_vs_off"] <= 0.6 and row["throughput_vs_off"] >= 0.9
         summary[mode] = row
     return summary
@@ -110,13 +112,25 @@ def main(argv: list[str] | None = None) -> dict:
     with torch.device(device):
         model = MoETransformer(config).to(dtype)
     tokens_BS = torch.randint(0, config.vocab_size, (args.batch_size, seq_len + 1), device=device)
-    results = {}
+    results, failed = {}, []
     for mode, kwargs in MODES.items():
-        results[mode] = run_mode(model, tokens_BS, kwargs, warmup, steps, min_bytes)
+        try:
+            results[mode] = run_mode(model, tokens_BS, kwargs, warmup, steps, min_bytes)
+        except Exception as error:  # e.g. out of memory: report it, free what it held, measure the others
+            failed.append(mode)
+            print(json.dumps({"mode": mode, "status": "failed", "error": f"{type(error).__name__}: {error}"[:800]}),
+                  flush=True)
+            model.zero_grad(set_to_none=True)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            continue
         print(json.dumps({"mode": mode, **results[mode]}), flush=True)
     report = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-              "seq_len": seq_len, "batch_size": args.batch_size, "summary": summarize(results), "results": results}
+              "seq_len": seq_len, "batch_size": args.batch_size, "summary": summarize(results), "results": results,
+              "failed": failed}
     print(json.dumps({"summary": report["summary"]}, indent=1))
+    if failed and not args.dry_run:
+        raise SystemExit(f"gpu_offload: failed modes: {', '.join(failed)}")
     return report
 
 

@@ -1,19 +1,25 @@
-"""MoEFSDPStrategy on one GPU: tokens/s, MFU and allocator behaviour, unshard_async_op off/on x prefetch 1/2.
+"""MoEFSDPStrategy on the GPUs of one machine: tokens/s, MFU and allocator behaviour per variant.
 
-    python benchmarks/gpu_strategy.py             # one H200, ~5 minutes: each variant in a fresh process
+    python benchmarks/gpu_strategy.py             # every variant in a fresh process, each in its own time box
     python benchmarks/gpu_strategy.py --dry-run   # CPU, tiny shapes, every variant in this process (a test runs it)
 
 Each variant trains the same model (bf16 parameters, fp32 reduction and master weights, AdamW) on
-random tokens for ``--warmup`` + ``--steps`` optimizer steps and prints one JSON line: tokens/s, MFU
-(``moe_lightning.flops.training_flops_per_token`` over the bf16 peak of the GPU, or ``--peak-flops``),
-``max_memory_allocated``/``max_memory_reserved`` in GiB and the allocator's ``num_alloc_retries``.
-One rank still runs every FSDP all-gather and reduce-scatter (copies within the GPU), so what
-``unshard_async_op`` changes about where those buffers are allocated shows here.
+random tokens for ``--warmup`` + ``--steps`` optimizer steps and prints one JSON line as soon as it ends:
+tokens/s per device, MFU (``moe_lightning.flops.training_flops_per_token`` over the bf16 peak of the GPU, or
+``--peak-flops``), ``max_memory_allocated``/``max_memory_reserved`` in GiB and the allocator's
+``num_alloc_retries``. A variant that fails or runs out of time prints a JSON line saying so and the
+others still run; the exit status is non-zero if any failed.
+
+At world size 1 FSDP2 does no all-gather at all (``unshard`` returns early), so ``unshard_async_op`` and
+``prefetch_depth`` cannot change anything on one GPU: there only the default variant runs, and the
+output says why. With two or more GPUs every variant of ``unshard_async_op`` x ``prefetch_depth`` runs.
 """
 
 import argparse
 import itertools
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -60,20 +66,25 @@ class StepTimer(Callback):
         self.seconds = time.perf_counter() - self.start
 
 
-def run_variant(variant: dict, shapes: dict, warmup: int, steps: int, peak_flops: float | None) -> dict:
+def run_variant(variant: dict, shapes: dict, warmup: int, steps: int, peak_flops: float | None,
+                devices: int = 1) -> dict | None:
+    """Train one variant; returns its result on global rank 0 (``None`` on the other ranks)."""
     config, seq_len, batch_size = shapes["config"], shapes["seq_len"], shapes["batch_size"]
     cuda = torch.cuda.is_available()
     torch.manual_seed(0)
-    tokens = torch.randint(0, config.vocab_size, ((warmup + steps) * batch_size, seq_len + 1))
+    tokens = torch.randint(0, config.vocab_size, ((warmup + steps) * batch_size * devices, seq_len + 1))
     timer = StepTimer(warmup)
-    trainer = L.Trainer(accelerator="cuda" if cuda else "cpu", devices=1, strategy=MoEFSDPStrategy(**variant),
+    trainer = L.Trainer(accelerator="cuda" if cuda else "cpu", devices=devices, strategy=MoEFSDPStrategy(**variant),
                         max_steps=warmup + steps, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
                         num_sanity_val_steps=0, callbacks=[timer])
     trainer.fit(MoELanguageModel(config), DataLoader(tokens, batch_size=batch_size))
-    tokens_per_s = steps * batch_size * seq_len / timer.seconds
+    if not trainer.is_global_zero:
+        return None
+    tokens_per_s = steps * batch_size * seq_len / timer.seconds  # per device
     peak = peak_flops or (peak_bf16_flops(torch.cuda.get_device_name()) if cuda else None)
-    result = {**variant, "tokens_per_s": round(tokens_per_s, 1), "step_s": round(timer.seconds / steps, 4),
+    result = {**variant, "devices": devices, "tokens_per_s": round(tokens_per_s, 1),
+              "step_s": round(timer.seconds / steps, 4),
               "mfu": round(tokens_per_s * training_flops_per_token(config, seq_len) / peak, 4) if peak else None}
     if cuda:
         stats = torch.cuda.memory_stats()
@@ -83,29 +94,60 @@ def run_variant(variant: dict, shapes: dict, warmup: int, steps: int, peak_flops
     return result
 
 
+def run_child(index: int, args, timeout: float) -> dict:
+    """One variant in a fresh process (clean allocator and peak statistics); never raises."""
+    cmd = [sys.executable, __file__, "--variant", str(index), "--devices", str(args.devices), "--warmup",
+           str(args.warmup), "--steps", str(args.steps)] + (["--peak-flops", str(args.peak_flops)] if args.peak_flops else [])
+    child = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        stdout, stderr = child.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(child.pid, signal.SIGKILL)  # the whole group: Lightning's launcher starts one process per GPU
+        child.communicate()
+        return {**VARIANTS[index], "status": "timeout", "timeout_s": round(timeout)}
+    lines = [line for line in stdout.splitlines() if line.startswith("{")]
+    if child.returncode != 0 or not lines:
+        return {**VARIANTS[index], "status": "failed", "exit": child.returncode, "stderr_tail": stderr[-1500:]}
+    return {**json.loads(lines[-1]), "status": "ok"}
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, all variants in this process")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--devices", type=int, default=None, help="GPUs to use (default: all visible)")
+    parser.add_argument("--budget", type=float, default=85.0, help="seconds for all variants together")
     parser.add_argument("--peak-flops", type=float, default=None, help="override the GPU's bf16 peak FLOP/s")
     parser.add_argument("--variant", type=int, default=None, help=argparse.SUPPRESS)  # child process mode
     args = parser.parse_args(argv)
     if args.dry_run:
         results = [run_variant(v, DRY, 1, 1, args.peak_flops) for v in VARIANTS]
-    elif args.variant is not None:
-        results = [run_variant(VARIANTS[args.variant], GPU, args.warmup, args.steps, args.peak_flops)]
-    else:
-        if not torch.cuda.is_available():
-            parser.error("no CUDA device: run with --dry-run on CPU")
-        results = []
-        for i in range(len(VARIANTS)):  # a fresh process per variant: clean allocator and peak statistics
-            cmd = [sys.executable, __file__, "--variant", str(i), "--warmup", str(args.warmup), "--steps",
-                   str(args.steps)] + (["--peak-flops", str(args.peak_flops)] if args.peak_flops else [])
-            out = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True).stdout  # stderr shows
-            results.append(json.loads(out.strip().splitlines()[-1]))
-    for result in results:
-        print(json.dumps(result), flush=True)
+        for result in results:
+            print(json.dumps(result), flush=True)
+        return results
+    if args.variant is not None:
+        result = run_variant(VARIANTS[args.variant], GPU, args.warmup, args.steps, args.peak_flops, args.devices)
+        if result is not None:
+            print(json.dumps(result), flush=True)
+        return [result]
+    if not torch.cuda.is_available():
+        parser.error("no CUDA device: run with --dry-run on CPU")
+    args.devices = args.devices or torch.cuda.device_count()
+    indices = list(range(len(VARIANTS)))
+    if args.devices == 1:
+        print(json.dumps({"note": "1 GPU: FSDP2 does no all-gather at world size 1, so unshard_async_op and "
+                                  "prefetch_depth change nothing here; running the default variant only. "
+                                  "Measure them with >= 2 GPUs."}), flush=True)
+        indices = [0]
+    deadline = time.monotonic() + args.budget
+    results = []
+    for position, i in enumerate(indices):
+        share = (deadline - time.monotonic()) / (len(indices) - position)  # what is left, split evenly
+        results.append(run_child(i, args, max(share, 1.0)))
+        print(json.dumps(results[-1]), flush=True)
+    if any(r["status"] != "ok" for r in results):
+        raise SystemExit(1)
     return results
 
 

@@ -40,45 +40,59 @@ def timed(fn, device: torch.device) -> float:
     return 1e3 * (time.perf_counter() - start)
 
 
-def run_case(name: str, config: MoEConfig, make_opt, args, device: torch.device, param_device: torch.device,
-             warmup: int, steps: int):
+def build(config: MoEConfig, device: torch.device, dtype: torch.dtype) -> MoETransformer:
+    """Build on the meta device and materialise straight on ``device``: no full-size CPU init to wait for."""
+    with torch.device("meta"):
+        model = MoETransformer(config)
+    model.to_empty(device=device).to(dtype)
+    model.init_weights()
+    return model
+
+
+def run_case(name: str, config: MoEConfig, make_opt, args, device: torch.device, offloaded: bool,
+             warmup: int, steps: int) -> dict:
+    """Median fwd+bwd and optimizer-step times. ``offloaded``: parameters, gradients and optimizer state live in
+    (pinned) host memory, as under FSDP CPU offload; each step copies parameters in and gradients out."""
     torch.manual_seed(0)
-    with torch.device(param_device):
-        model = MoETransformer(config).to(torch.bfloat16 if device.type == "cuda" else torch.float32)
-    compute = model if param_device == device else None
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    compute = build(config, device, dtype)
+    if offloaded:  # the optimizer's copy in host memory; the compute copy is built once, outside the timing
+        pin = device.type == "cuda"
+        host = build(config, torch.device("cpu"), dtype)
+        for p in host.parameters():
+            p.data = p.data.pin_memory() if pin else p.data
+            p.grad = torch.empty_like(p.data, pin_memory=pin)
+        model = host
+    else:
+        model = compute
     opt = make_opt(param_groups(model, 0.1))
     tokens = torch.randint(0, config.vocab_size, (args.batch, args.seq + 1), device=device)
 
     def fwd_bwd():
-        if compute is None:  # offloaded: copy params in, compute, copy grads back (what offload costs too)
-            gpu = MoETransformer(config).to(device=device, dtype=next(model.parameters()).dtype) \
-                if not hasattr(fwd_bwd, "gpu") else fwd_bwd.gpu
-            fwd_bwd.gpu = gpu
+        if offloaded:
             with torch.no_grad():
-                for p_gpu, p in zip(gpu.parameters(), model.parameters()):
-                    p_gpu.copy_(p, non_blocking=True)
-            target = gpu
-        else:
-            target = model
-        logits = target(tokens[:, :-1])
+                for p_dev, p in zip(compute.parameters(), model.parameters()):
+                    p_dev.copy_(p, non_blocking=True)
+        logits = compute(tokens[:, :-1])
         F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten()).backward()
-        if compute is None:
-            for p_gpu, p in zip(target.parameters(), model.parameters()):
-                p.grad = p_gpu.grad.to(param_device)
-                p_gpu.grad = None
+        if offloaded:
+            for p_dev, p in zip(compute.parameters(), model.parameters()):
+                p.grad.copy_(p_dev.grad, non_blocking=True)
+                p_dev.grad = None
 
     fb, st = [], []
     for i in range(warmup + steps):
         t_fb = timed(fwd_bwd, device)
         t_st = timed(opt.step, device)
-        opt.zero_grad(set_to_none=True)
+        if not offloaded:  # the offloaded case reuses its pinned gradient buffers
+            opt.zero_grad(set_to_none=True)
         if i >= warmup:
             fb.append(t_fb)
             st.append(t_st)
     fb_ms, st_ms = statistics.median(fb), statistics.median(st)
-    print(json.dumps({"case": name, "fwd_bwd_ms": round(fb_ms, 2), "step_ms": round(st_ms, 2),
-                      "step_fraction": round(st_ms / (fb_ms + st_ms), 4),
-                      "params_M": round(sum(p.numel() for p in model.parameters()) / 1e6, 1)}), flush=True)
+    return {"case": name, "fwd_bwd_ms": round(fb_ms, 2), "step_ms": round(st_ms, 2),
+            "step_fraction": round(st_ms / (fb_ms + st_ms), 4),
+            "params_M": round(sum(p.numel() for p in model.parameters()) / 1e6, 1)}
 
 
 def main() -> None:
@@ -105,12 +119,21 @@ def main() -> None:
         "muon_offload_ns_gpu": (lambda g: Muon(g, lr=3e-4, ns_device=str(device)), cpu),
         "muon_offload_ns_cpu": (lambda g: Muon(g, lr=3e-4, ns_device="cpu"), cpu),
     }
+    failed = []
     for name in args.cases.split(","):
         make_opt, param_device = cases[name]
         # NS of a 16B-class stack on host cores takes minutes: one untimed-warm-up-free step is enough
         warmup, steps = (0, 1) if name.endswith("ns_cpu") else (args.warmup, args.steps)
-        run_case(name, config, make_opt, args, device, param_device, warmup, steps)
-
+        try:
+            result = run_case(name, config, make_opt, args, device, param_device != device, warmup, steps)
+        except Exception as error:  # report it and measure the other cases
+            failed.append(name)
+            result = {"case": name, "status": "failed", "error": f"{type(error).__name__}: {error}"[:800]}
+        print(json.dumps(result), flush=True)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    if failed:
+        raise SystemExit(f"muon_gpu_step: failed cases: {', '.join(failed)}")
 
 if __name__ == "__main__":
     main()

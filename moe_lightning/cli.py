@@ -109,6 +109,15 @@ class MoECLI(LightningCLI):
                 f.write(json.dumps({**record, "completion": tokenizer.decode(ids)}, ensure_ascii=False) + "\n")
         print(f"wrote {len(records)} continuations to {target}")
 
+    def before_instantiate_classes(self) -> None:
+        """A pretrained directory's ``tokenizer.json`` becomes the data's tokenizer unless one is set."""
+        config = self.config[self.subcommand] if self.subcommand else self.config
+        pretrained = config.get("model.init_args.pretrained")
+        tokenizer = Path(pretrained or "") / "tokenizer.json"
+        if pretrained and "data.init_args.tokenizer" in config and config.get("data.init_args.tokenizer") is None \
+                and tokenizer.is_file():
+            config["data.init_args.tokenizer"] = str(tokenizer)
+
     def before_fit(self) -> None:
         vocab = self.datamodule.vocab_size
         if self.model.config.vocab_size < vocab:
@@ -125,7 +134,8 @@ EXTRA_COMMANDS = {
     "generate": "moe_lightning.generate:main",
     "tokenize": "moe_lightning.data:tokenize_main",
     "plan": "moe_lightning.plan:main",
-    "export": "moe_lightning.loading:export_main",
+    "export": "moe_lightning.hf.convert:export_main",  # --hf writes Hugging Face; otherwise loading.export_main
+    "convert": "moe_lightning.hf.convert:convert_main",
 }
 
 

@@ -4,21 +4,20 @@ Kinds, told apart by what is on disk:
 - a sharded directory written by ``MoEFSDPStrategy`` (``meta.pt`` + DCP shards), read in one process;
 - a single-file Lightning ``.ckpt`` (``state_dict`` with ``model.`` keys, ``hyper_parameters``);
 - an exported ``.pt`` (``{"config", "state_dict", "tokenizer"}``, written by ``export``);
-- a Hugging Face directory (``config.json``), through ``moe_lightning.hf.from_pretrained`` when installed.
+- a Hugging Face directory (``config.json`` + safetensors), through ``moe_lightning.hf.from_pretrained``.
 
 The tokenizer comes from the checkpoint itself: ``TextDataModule.state_dict`` records it on every save.
 """
 
 import argparse
 import dataclasses
-import importlib.util
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from .hf import from_pretrained
 from .model import MoEConfig, MoETransformer
 from .parallel.checkpoint import METADATA_FILE, PARTIAL_SUFFIX, read_sharded_weights, resolve_checkpoint
 from .tokenizer import ByteTokenizer, HFTokenizer, tokenizer_from_spec
@@ -91,34 +90,15 @@ class Loaded:
     kind: str
 
 
-def hf_tokenizer(path: Path) -> HFTokenizer:
-    """A Hugging Face folder's ``tokenizer.json``, its end-of-document id taken from ``tokenizer_config.json``'s
-    ``eos_token`` (ours, one past the vocabulary, would not exist in the model)."""
-    if not (path / "tokenizer.json").is_file():
-        raise FileNotFoundError(f"checkpoint={str(path)!r}: a Hugging Face folder without tokenizer.json; copy the "
-                                "model's tokenizer.json into it.")
-    tokenizer = HFTokenizer(str(path / "tokenizer.json"))
-    config_file = path / "tokenizer_config.json"
-    eos = json.loads(config_file.read_text()).get("eos_token") if config_file.is_file() else None
-    eos_id = tokenizer.token_id(eos["content"] if isinstance(eos, dict) else eos) if eos else None
-    if eos_id is None:
-        raise ValueError(f"checkpoint={str(path)!r}: tokenizer_config.json names no eos_token known to "
-                         "tokenizer.json; add it there.")
-    tokenizer.eos_id = eos_id
-    return tokenizer
-
-
 def load_model(checkpoint: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> Loaded:
     """A ready-to-sample model (eval mode) and the tokenizer its run used."""
     path = Path(checkpoint)
     if path.is_dir() and folder_kind(path) == "hf":
-        if importlib.util.find_spec("moe_lightning.hf") is None:
-            raise ImportError(f"checkpoint={str(path)!r} is a Hugging Face folder, but this install has no "
-                              "moe_lightning.hf: update moe_lightning.")
-        from .hf import from_pretrained
-
+        if not (path / "tokenizer.json").is_file():
+            raise FileNotFoundError(f"checkpoint={str(path)!r}: a Hugging Face folder without tokenizer.json; copy "
+                                    "the model's tokenizer.json (and tokenizer_config.json) into it.")
         model = from_pretrained(path, dtype=dtype).to(device).eval()
-        return Loaded(model, hf_tokenizer(path), "hf")
+        return Loaded(model, HFTokenizer(str(path / "tokenizer.json")), "hf")
     ckpt = read_checkpoint(path)
     with torch.device(device):
         model = MoETransformer(MoEConfig(**ckpt.config))

@@ -8,7 +8,9 @@ import torch.nn.functional as F
 import torchmetrics
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 
+from . import hf
 from .generate import stream
+from .loss import chunked_cross_entropy
 from .model import MoEConfig, MoETransformer
 from .optim import WarmupCosineLR, param_groups
 
@@ -26,15 +28,25 @@ class MoELanguageModel(L.LightningModule):
             ``param_names``); built in ``configure_optimizers`` so it sees the sharded parameters.
         lr_scheduler: Builds the per-step LR schedule from the optimizer.
         weight_decay: Decoupled weight decay for matrices (never norms, biases, embeddings).
+        pretrained: A Hugging Face model directory to start from: its ``config.json`` gives the model (``config``
+            may only change training settings) and its safetensors the weights, read by each rank for its shards.
+        loss_chunk_size: Tokens per chunk of the output head + cross-entropy (``moe_lightning.loss``), so
+            the ``[tokens, vocab]`` logits never exist at once; ``None``: one full-logits cross-entropy.
     """
 
     def __init__(self, config: MoEConfig | None = None, optimizer: OptimizerCallable = default_optimizer,
                  lr_scheduler: LRSchedulerCallable = partial(WarmupCosineLR, warmup_steps=100),
-                 weight_decay: float = 0.1):
+                 weight_decay: float = 0.1, pretrained: str | None = None, loss_chunk_size: int | None = None):
         super().__init__()
+        if loss_chunk_size is not None and (not isinstance(loss_chunk_size, int) or loss_chunk_size < 1):
+            raise ValueError(f"model.loss_chunk_size={loss_chunk_size!r}: must be a positive integer (tokens per "
+                             "chunk, e.g. 4096) or null for the unchunked loss.")
+        if pretrained is not None:
+            config = hf.merge_config(pretrained, config)  # before save_hyperparameters, which records it
+        self.pretrained, self._pretrained_filled = pretrained, False
         self.config = config if config is not None else MoEConfig()
         self.optimizer_factory, self.lr_scheduler_factory = optimizer, lr_scheduler
-        self.weight_decay = weight_decay
+        self.weight_decay, self.loss_chunk_size = weight_decay, loss_chunk_size
         self.model: MoETransformer | None = None
         self.save_hyperparameters(ignore=["optimizer", "lr_scheduler"])
         self.tokens_seen = 0
@@ -45,14 +57,34 @@ class MoELanguageModel(L.LightningModule):
         """Build once; under ``trainer.init_module(empty_init=True)`` this lands on the meta device."""
         if self.model is None:
             self.model = MoETransformer(self.config)
+            if self.pretrained is not None and not self.model.tok_embeddings.weight.is_meta:
+                self.fill_pretrained(self.model.state_dict(prefix="model."))
+
+    def fill_pretrained(self, state: dict[str, torch.Tensor]) -> None:
+        """Copy the ``pretrained`` weights into ``state`` (this module's state dict, plain or sharded, in place).
+
+        Strategies that build the model on the meta device call this after sharding, so each rank reads
+        only its own slices."""
+        hf.fill_state_dict({k[len("model."):]: t for k, t in state.items() if k.startswith("model.")}, self.pretrained)
+        self._pretrained_filled = True
+
+    def on_fit_start(self) -> None:
+        if self.pretrained is not None and not self._pretrained_filled:
+            raise RuntimeError(f"model.pretrained={self.pretrained!r} was never loaded: the strategy built the model "
+                               "on the meta device without calling fill_pretrained; use MoEFSDPStrategy or a "
+                               "strategy that builds the model on a real device.")
 
     def forward(self, tokens_BS: torch.Tensor) -> torch.Tensor:
         return self.model(tokens_BS)
 
     def _loss(self, batch_BS1: torch.Tensor) -> torch.Tensor:
         inputs_BS, targets_BS = batch_BS1[:, :-1], batch_BS1[:, 1:]
-        logits_BSV = self.model(inputs_BS)
-        return F.cross_entropy(logits_BSV.flatten(0, 1).float(), targets_BS.flatten())
+        if self.loss_chunk_size is None:
+            logits_BSV = self.model(inputs_BS)
+            return F.cross_entropy(logits_BSV.flatten(0, 1).float(), targets_BS.flatten())
+        h_BSD = self.model(inputs_BS, return_hidden=True)  # called as the module: FSDP's root hooks run
+        return chunked_cross_entropy(h_BSD.flatten(0, 1), self.model.output.weight, targets_BS.flatten(),
+                                     self.loss_chunk_size)
 
     def expert_counts(self) -> torch.Tensor | None:
         """``[moe_layers, experts]`` token counts of the last forward."""

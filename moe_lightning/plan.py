@@ -1,5 +1,9 @@
 """``moe-lightning plan``: will a config fit the cluster, and how fast could it train? Decide before queueing.
 
+It plans the run the YAML describes: the trainer's nodes and devices, ``MoEFSDPStrategy``'s mesh sizes,
+``cpu_offload`` and ``prefetch_depth``, whether ``ActivationOffload`` is among the callbacks (and its
+``prefetch``), the optimizer (Muon or AdamW, by ``class_path``), the model's ``loss_chunk_size`` and the
+data's ``batch_size`` and ``seq_len``; command-line flags override any of them.
 Everything is counted on the meta device (no memory allocated) and priced with the formulas below.
 Notation: P parameters, S FSDP shard-group size (``--shard-size``), b micro-batch, s sequence length,
 d model dim, L layers, V vocabulary, K top-k; bytes are per GPU unless stated.
@@ -9,15 +13,17 @@ d model dim, L layers, V vocabulary, K top-k; bytes are per GPU unless stated.
 - Optimizer state: AdamW ``8·P / S`` (two fp32 moments). Muon ``(4·P_muon + 8·P_adamw) / S``: one fp32
   momentum for block matrices and expert stacks, AdamW's two for embedding, head, router and norms.
   ``--cpu-offload`` moves these three to host memory (FSDP2 ``CPUOffloadPolicy``).
-- Boundary activations: ``L · b · s · d · 2`` (bf16 input of every checkpointed block). Offloaded, they
-  live in host memory and the GPU keeps ``(1 + prefetch)`` of them: the block in backward and those
-  being copied back.
+- Boundary activations: ``L · b · s · d · 2`` (bf16 input of every checkpointed block). Offloaded
+  (``ActivationOffload``), they live in host memory and the GPU keeps ``(1 + offload prefetch)`` of them:
+  the block in backward and those being copied back.
 - Block recompute working set: what one block's recomputed forward saves for its backward
   (see ``block_working_set_bytes``); the largest block counts.
-- Loss working set: ``12 · V`` bytes per token of a loss chunk (fp32 log-softmax output, its gradient
-  and the fp32 logit gradient); ``--loss-chunk`` models a chunked loss. It is transient like the
-  block working set, so the peak takes the larger of the two.
-- All-gather buffers: ``(1 + prefetch) · 2 · U`` with U the largest unit's gathered parameters
+- Loss working set: unchunked, ``12 · V`` bytes per token (fp32 logits, log-softmax output and logit
+  gradient). Chunked (``moe_lightning.loss``, chunk c): at most ``8 · V`` per token of one chunk (fp32
+  logits and the log-sum-exp temporary; backward rebuilds the logit gradient in place) plus ``6 · V · d``
+  (the head gradient's fp32 accumulator and one chunk's bf16 contribution). Transient like the block
+  working set, so the peak takes the larger of the two.
+- All-gather buffers: ``(1 + prefetch_depth) · 2 · U`` with U the largest unit's gathered parameters
   (a block's dense parameters plus its routed experts divided by the expert-parallel size).
 - Reduce-scatter buffers: ``6 · U`` (the unsharded bf16 gradient and its fp32 reduce copy).
 - Runtime reserve: CUDA context, communicator buffers and allocator slack (``--reserve``).
@@ -28,7 +34,8 @@ Throughput: ``tokens/s per GPU = MFU · peak FLOP/s / training FLOPs per token``
 
 import argparse
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
+from typing import Any
 
 import torch
 import yaml
@@ -76,12 +83,17 @@ class Workload:
     loss_chunk: int | None = None
     mfu: float = 0.3
     reserve_gib: float = 3.0
+    activation_offload: bool = False  # the variant whose fit is the verdict (both are priced)
+    offload_prefetch: int = 1
 
     def __post_init__(self) -> None:
         if self.optimizer not in ("adamw", "muon"):
             raise ValueError(f"--optimizer={self.optimizer!r}: use 'adamw' or 'muon'.")
-        if self.micro_batch < 1 or self.seq_len < 1 or self.prefetch_depth < 0:
-            raise ValueError("--micro-batch and --seq-len must be >= 1 and --prefetch-depth >= 0.")
+        if self.micro_batch < 1 or self.seq_len < 1 or self.prefetch_depth < 0 or self.offload_prefetch < 0:
+            raise ValueError("--micro-batch and --seq-len must be >= 1, --prefetch-depth and --offload-prefetch "
+                             ">= 0.")
+        if self.loss_chunk is not None and self.loss_chunk < 1:
+            raise ValueError(f"--loss-chunk={self.loss_chunk}: must be >= 1 (0 on the command line: unchunked).")
         if not 0 < self.mfu <= 1:
             raise ValueError(f"--mfu={self.mfu} must be in (0, 1].")
 
@@ -94,6 +106,48 @@ def load_model_config(path: str) -> MoEConfig:
     if fields is None:
         raise ValueError(f"{path}: no model.init_args.config section with MoEConfig fields.")
     return MoEConfig(**fields)
+
+
+def _class_name(entry: Any) -> str:
+    return str(entry.get("class_path", "")).rsplit(".", 1)[-1] if isinstance(entry, dict) else ""
+
+
+def read_run_config(path: str) -> dict[str, Any]:
+    """What a LightningCLI YAML says about the plan's inputs, keyed by ``Cluster``/``Workload`` field names.
+
+    Only values the file sets are returned (``activation_offload`` always: the callback is there or not);
+    ``optimizer`` is ``adamw``/``muon``, or the class path when it is neither.
+    """
+    with open(path) as f:
+        data = yaml.safe_load(f) or {}
+    trainer, found = data.get("trainer") or {}, {}
+    for key, name in (("num_nodes", "nodes"), ("devices", "gpus_per_node")):
+        if isinstance(trainer.get(key), int):
+            found[name] = trainer[key]
+    strategy = trainer.get("strategy")
+    if _class_name(strategy) == "MoEFSDPStrategy":
+        args = strategy.get("init_args") or {}
+        for key in ("replicate_size", "shard_size", "expert_parallel_size", "cpu_offload", "prefetch_depth"):
+            if key in args:
+                found[key] = None if args[key] == "auto" else args[key]
+    callbacks = trainer.get("callbacks") or []
+    offload = [c for c in (callbacks if isinstance(callbacks, list) else [callbacks])
+               if _class_name(c) == "ActivationOffload"]
+    found["activation_offload"] = bool(offload)
+    if offload and "prefetch" in (offload[0].get("init_args") or {}):
+        found["offload_prefetch"] = offload[0]["init_args"]["prefetch"]
+    model = (data.get("model") or {}).get("init_args") or {}
+    if "loss_chunk_size" in model:
+        found["loss_chunk"] = model["loss_chunk_size"]
+    if isinstance(model.get("optimizer"), dict):
+        name = _class_name(model["optimizer"])
+        found["optimizer"] = {"Muon": "muon", "AdamW": "adamw", "Adam": "adamw"}.get(
+            name, model["optimizer"].get("class_path"))
+    datamodule = (data.get("data") or {}).get("init_args") or {}
+    for key, name in (("batch_size", "micro_batch"), ("seq_len", "seq_len")):
+        if key in datamodule:
+            found[name] = datamodule[key]
+    return found
 
 
 def count_parameters(config: MoEConfig) -> tuple[dict[str, int], list[tuple[int, int]]]:
@@ -163,8 +217,10 @@ def plan(config: MoEConfig, cluster: Cluster, work: Workload) -> dict:
     boundary_one = 2 * tokens * config.dim
     unit = max(dense + routed_part / cluster.expert_parallel_size for dense, routed_part in units)
     working_set = max(block_working_set_bytes(config, tokens, moe=m)
-                      for m, n in ((True, config.n_moe_layers), (False, config.n_dense_layers)) if n)
-    loss_set = 12 * config.vocab_size * min(work.loss_chunk or tokens, tokens)
+                      for m, n in ((True, config.n_moe_layers), (False, config.n_layers - config.n_moe_layers)) if n)
+    V = config.vocab_size
+    loss_set = 12 * V * tokens if work.loss_chunk is None else \
+        8 * V * min(work.loss_chunk, tokens) + 6 * V * config.dim
 
     transient = {
         "block recompute working set": working_set,
@@ -176,17 +232,20 @@ def plan(config: MoEConfig, cluster: Cluster, work: Workload) -> dict:
     offloaded = (config.n_layers - 1) * boundary_one  # ActivationOffload's default keeps the last block's input
     variants = {}
     for offload in (False, True):
-        boundary = min(1 + work.prefetch_depth if offload else config.n_layers, config.n_layers) * boundary_one
+        boundary = min(1 + work.offload_prefetch if offload else config.n_layers, config.n_layers) * boundary_one
         gpu = {} if work.cpu_offload else dict(state)
         gpu["boundary activations"] = boundary
         gpu.update(transient)
         peak = sum(gpu.values()) - min(working_set, loss_set)  # the two transients never coexist
-        host = (sum(state.values()) if work.cpu_offload else 0) + (offloaded if offload else 0)
+        host_rows = dict(state) if work.cpu_offload else {}
+        host_rows["boundary activations (offloaded)"] = offloaded if offload else 0
+        host = sum(host_rows.values())
         fits = peak <= cluster.gpu_memory_gib * GiB and (
             cluster.host_memory_gib is None or host <= cluster.host_memory_gib * GiB)
         variants["with_offload" if offload else "without_offload"] = {
             "gpu_bytes": {k: int(v) for k, v in gpu.items()}, "gpu_peak_bytes": int(peak),
-            "host_bytes": int(host), "fits": fits}
+            "host_bytes_by_row": {k: int(v) for k, v in host_rows.items()}, "host_bytes": int(host), "fits": fits}
+    configured = "with_offload" if work.activation_offload else "without_offload"
 
     flops_per_token = training_flops_per_token(config, work.seq_len, counts=counts)
     tokens_per_s = work.mfu * cluster.peak_tflops * 1e12 / flops_per_token
@@ -198,6 +257,8 @@ def plan(config: MoEConfig, cluster: Cluster, work: Workload) -> dict:
         "workload": asdict(work),
         "boundary_activations_bytes": config.n_layers * boundary_one,
         "memory": variants,
+        "configured": configured,  # the variant the workload runs
+        "fits": variants[configured]["fits"],
         "tokens_per_s_per_gpu": tokens_per_s,
         "tokens_per_s_total": tokens_per_s * cluster.world_size,
     }
@@ -206,6 +267,9 @@ def plan(config: MoEConfig, cluster: Cluster, work: Workload) -> dict:
 def format_plan(result: dict) -> str:
     p, c, w = result["parameters"], result["cluster"], result["workload"]
     without, with_ = result["memory"]["without_offload"], result["memory"]["with_offload"]
+    chunk = f"loss chunk {w['loss_chunk']:,}" if w["loss_chunk"] else "unchunked loss"
+    offload = f"activation offload on (prefetch {w['offload_prefetch']})" if w["activation_offload"] \
+        else "activation offload off"
     lines = [
         f"parameters        total {p['total'] / 1e9:,.2f} B   active {p['active'] / 1e9:,.2f} B",
         f"training FLOPs    {result['flops_per_token'] / 1e9:,.1f} GFLOP per token at seq_len {w['seq_len']:,}",
@@ -213,17 +277,28 @@ def format_plan(result: dict) -> str:
         f"{c['gpu_memory_gib']:g} GiB each; mesh replicate_size={c['replicate_size']} shard_size={c['shard_size']} "
         f"ep={c['expert_parallel_size']}",
         f"workload          micro_batch {w['micro_batch']} x seq_len {w['seq_len']:,}, optimizer {w['optimizer']}, "
-        f"cpu_offload {'on' if w['cpu_offload'] else 'off'}, prefetch {w['prefetch_depth']}",
-        "",
-        f"{'per-GPU memory (GiB)':<32}{'no act. offload':>16}{'act. offload':>14}",
+        f"cpu_offload {'on' if w['cpu_offload'] else 'off'}, prefetch_depth {w['prefetch_depth']}, {chunk}, "
+        f"{offload}",
     ]
-    for name in without["gpu_bytes"]:
-        lines.append(f"{name:<32}{without['gpu_bytes'][name] / GiB:>16.2f}{with_['gpu_bytes'][name] / GiB:>14.2f}")
+    for origin in ("config", "flag", "default"):
+        names = [f"{k}={v}" for k, (v, o) in result.get("inputs", {}).items() if o == origin]
+        if names:
+            lines.append(f"{'from ' + origin + 's' if origin != 'config' else 'from the config':<18}{' '.join(names)}")
+    mark = {"without_offload": ("*", ""), "with_offload": ("", "*")}[result["configured"]]
+    lines += ["", f"{'per-GPU memory (GiB)':<36}{'no act. offload' + mark[0]:>18}{'act. offload' + mark[1]:>15}"]
+    rows = [(name, without["gpu_bytes"][name], with_["gpu_bytes"][name]) for name in without["gpu_bytes"]]
+    rows.append(("peak (larger working set only)", without["gpu_peak_bytes"], with_["gpu_peak_bytes"]))
+    rows += [(f"host: {name}", without["host_bytes_by_row"][name], with_["host_bytes_by_row"][name])
+             for name in without["host_bytes_by_row"]]
+    rows.append(("host memory per GPU", without["host_bytes"], with_["host_bytes"]))
+    lines += [f"{name:<36}{a / GiB:>17.2f}{b / GiB:>15.2f}" for name, a, b in rows]
+    lines.append(f"{'fits':<36}{_yes(without['fits']):>17}{_yes(with_['fits']):>15}")
+    chosen = result["memory"][result["configured"]]
+    host = (f"host {chosen['host_bytes'] / GiB:.2f} of {c['host_memory_gib']:g} GiB" if c["host_memory_gib"]
+            else f"host {chosen['host_bytes'] / GiB:.2f} GiB not checked (pass --host-memory)")
     lines += [
-        f"{'peak (larger working set only)':<32}{without['gpu_peak_bytes'] / GiB:>16.2f}"
-        f"{with_['gpu_peak_bytes'] / GiB:>14.2f}",
-        f"{'host memory per GPU':<32}{without['host_bytes'] / GiB:>16.2f}{with_['host_bytes'] / GiB:>14.2f}",
-        f"{'fits':<32}{_yes(without['fits']):>16}{_yes(with_['fits']):>14}",
+        f"{'verdict':<18}{'fits' if result['fits'] else 'does NOT fit'} as configured (* column, {offload}): "
+        f"GPU peak {chosen['gpu_peak_bytes'] / GiB:.2f} of {c['gpu_memory_gib']:g} GiB, {host}",
         "",
         f"boundary activations {result['boundary_activations_bytes'] / GiB:.1f} GiB per GPU "
         f"(in host memory with activation offload)",
@@ -237,28 +312,59 @@ def _yes(flag: bool) -> str:
     return "yes" if flag else "NO"
 
 
+# Inputs a config can set and a flag can override (``Cluster`` and ``Workload`` field names = flag names).
+PLANNED = ("nodes", "gpus_per_node", "replicate_size", "shard_size", "expert_parallel_size", "micro_batch",
+           "seq_len", "optimizer", "cpu_offload", "prefetch_depth", "loss_chunk", "activation_offload",
+           "offload_prefetch")
+
+
+def planned_inputs(args: argparse.Namespace, config: MoEConfig) -> dict[str, tuple[Any, str]]:
+    """Each planned input with where it came from: ``flag``, ``config`` or ``default``."""
+    from_config = read_run_config(args.config)
+    defaults = {f.name: f.default for f in fields(Cluster) + fields(Workload)}
+    defaults["seq_len"] = config.max_seq_len
+    inputs = {}
+    for name in PLANNED:
+        if getattr(args, name) is not None:
+            inputs[name] = (getattr(args, name), "flag")
+        elif name in from_config:
+            inputs[name] = (from_config[name], "config")
+        else:  # a missing seq_len is the model's max_seq_len: that is the config too
+            inputs[name] = (defaults[name], "config" if name == "seq_len" else "default")
+    if inputs["loss_chunk"] == (0, "flag"):
+        inputs["loss_chunk"] = (None, "flag")
+    optimizer, origin = inputs["optimizer"]
+    if optimizer not in ("adamw", "muon"):
+        raise ValueError(f"{args.config}: model.init_args.optimizer {optimizer} is neither AdamW nor Muon; pass "
+                         "--optimizer adamw or --optimizer muon to price its state like one of them.")
+    return inputs
+
+
 def main(argv: list[str]) -> None:
-    parser = argparse.ArgumentParser(prog="moe-lightning plan", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="moe-lightning plan", description=__doc__.split("\n")[0],
+                                     epilog="Flags without a default here take the config's value.")
     parser.add_argument("--config", required=True, help="LightningCLI YAML with model.init_args.config")
-    parser.add_argument("--nodes", type=int, default=1)
-    parser.add_argument("--gpus-per-node", type=int, default=8)
+    parser.add_argument("--nodes", type=int, help="default: trainer.num_nodes, else 1")
+    parser.add_argument("--gpus-per-node", type=int, help="default: trainer.devices, else 8")
     parser.add_argument("--gpu-memory", type=float, default=80.0, help="GiB per GPU")
     parser.add_argument("--host-memory", type=float, default=None, help="host GiB per GPU (checked if given)")
     parser.add_argument("--gpu", default="H100", help=f"GPU model for the peak FLOP/s: {', '.join(PEAK_BF16_FLOPS)}")
     parser.add_argument("--peak-tflops", type=float, default=None, help="dense bf16 peak per GPU (overrides --gpu)")
-    parser.add_argument("--replicate-size", type=int, default=1, help="HSDP replicas")
-    parser.add_argument("--shard-size", type=int, default=None, help="FSDP shard-group size (default: all GPUs "
-                        "of a replica)")
-    parser.add_argument("--expert-parallel-size", type=int, default=1, help="ranks of a shard group splitting "
-                        "the experts")
-    parser.add_argument("--micro-batch", type=int, default=1)
-    parser.add_argument("--seq-len", type=int, default=None, help="default: the config's max_seq_len")
-    parser.add_argument("--optimizer", choices=("adamw", "muon"), default="adamw")
-    parser.add_argument("--cpu-offload", action="store_true", help="FSDP keeps parameters, gradients and "
-                        "optimizer state in host memory")
-    parser.add_argument("--prefetch-depth", type=int, default=1, help="blocks gathered and activations "
-                        "reloaded ahead")
-    parser.add_argument("--loss-chunk", type=int, default=None, help="tokens per loss chunk (default: all)")
+    parser.add_argument("--replicate-size", type=int, help="HSDP replicas")
+    parser.add_argument("--shard-size", type=int, help="FSDP shard-group size (default: all GPUs of a replica)")
+    parser.add_argument("--expert-parallel-size", type=int, help="ranks of a shard group splitting the experts")
+    parser.add_argument("--micro-batch", type=int, help="sequences per GPU per step (default: data.batch_size)")
+    parser.add_argument("--seq-len", type=int, help="default: data.seq_len, else the model's max_seq_len")
+    parser.add_argument("--optimizer", choices=("adamw", "muon"), help="default: the config's optimizer class")
+    parser.add_argument("--cpu-offload", action=argparse.BooleanOptionalAction, help="FSDP keeps parameters, "
+                        "gradients and optimizer state in host memory")
+    parser.add_argument("--prefetch-depth", type=int, help="FSDP units all-gathered ahead")
+    parser.add_argument("--loss-chunk", type=int, help="tokens per loss chunk (default: model.loss_chunk_size; "
+                        "0: unchunked)")
+    parser.add_argument("--activation-offload", action=argparse.BooleanOptionalAction, help="the variant whose "
+                        "fit is the verdict (default: whether ActivationOffload is among the callbacks)")
+    parser.add_argument("--offload-prefetch", type=int, help="ActivationOffload's prefetch (default: the "
+                        "callback's, else 1)")
     parser.add_argument("--mfu", type=float, default=0.3, help="assumed model FLOPs utilization")
     parser.add_argument("--reserve", type=float, default=3.0, help="GiB kept for CUDA context and slack")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -269,11 +375,13 @@ def main(argv: list[str]) -> None:
                      f"pass --peak-tflops.")
     try:
         config = load_model_config(args.config)
-        cluster = Cluster(args.nodes, args.gpus_per_node, args.gpu_memory, args.host_memory, peak,
-                          args.replicate_size, args.shard_size, args.expert_parallel_size)
-        work = Workload(args.micro_batch, args.seq_len or config.max_seq_len, args.optimizer, args.cpu_offload,
-                        args.prefetch_depth, args.loss_chunk, args.mfu, args.reserve)
-        result = plan(config, cluster, work)
+        inputs = planned_inputs(args, config)
+        values = {name: value for name, (value, _) in inputs.items()}
+        cluster = Cluster(gpu_memory_gib=args.gpu_memory, host_memory_gib=args.host_memory, peak_tflops=peak,
+                          **{f.name: values[f.name] for f in fields(Cluster) if f.name in values})
+        work = Workload(mfu=args.mfu, reserve_gib=args.reserve,
+                        **{f.name: values[f.name] for f in fields(Workload) if f.name in values})
+        result = plan(config, cluster, work) | {"inputs": inputs}
     except (ValueError, OSError) as e:
         parser.error(str(e))
     print(json.dumps(result, indent=2) if args.json else format_plan(result))

@@ -117,7 +117,9 @@ class MoEFSDPStrategy(ModelParallelStrategy):
     # ---- sharding -------------------------------------------------------------------------------
     @contextmanager
     def tensor_init_context(self, empty_init: Optional[bool] = None) -> Generator[None, None, None]:
-        with super().tensor_init_context(self.meta_init if empty_init is None else empty_init):
+        # Pretrained weights are read per shard after sharding (fill_pretrained), so never build them in full.
+        pretrained = getattr(self.lightning_module, "pretrained", None) is not None
+        with super().tensor_init_context((self.meta_init or pretrained) if empty_init is None else empty_init):
             yield
 
     def setup(self, trainer) -> None:
@@ -170,6 +172,7 @@ class MoEFSDPStrategy(ModelParallelStrategy):
         self._set_prefetch(stages)
         if on_meta:
             self._materialize(model)
+            self._fill_pretrained()
         if self.unshard_async_op:
             for module in model.modules():
                 if isinstance(module, FSDPModule):  # private in torch <= 2.13; a public name wins if present
@@ -197,6 +200,14 @@ class MoEFSDPStrategy(ModelParallelStrategy):
         finally:
             for module, name, param in swapped:
                 module._parameters[name] = param
+
+    def _fill_pretrained(self) -> None:
+        """Let the module copy released weights into the shards (it knows the format; we know the layout)."""
+        fill = getattr(self.lightning_module, "fill_pretrained", None)
+        if fill is None or getattr(self.lightning_module, "pretrained", None) is None:
+            return
+        with self._expert_views(self.lightning_module.state_dict(keep_vars=True)) as state:
+            fill(state)
 
     def _expert_placement(self, model: MoETransformer):
         """``shard_placement_fn``: the layout's choice for expert stacks, FSDP's default for the rest."""

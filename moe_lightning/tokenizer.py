@@ -1,6 +1,7 @@
 """Tokenizers: byte-level by default (nothing to download), a ``tokenizers`` JSON file as an option."""
 
 import hashlib
+import json
 from pathlib import Path
 
 import numpy as np
@@ -25,8 +26,8 @@ class ByteTokenizer:
 class HFTokenizer:
     """A trained ``tokenizers`` JSON file (install the ``tokenizers`` extra)."""
 
-    def __init__(self, path: str, content: str | None = None):
-        """``content`` (the JSON text, as recorded in a checkpoint) wins over reading ``path``."""
+    def __init__(self, path: str, content: str | None = None, eos_token: str | None = None):
+        """``content`` and ``eos_token`` (as a checkpoint recorded them) stand in for the files."""
         if content is None and not Path(path).is_file():
             raise FileNotFoundError(f"tokenizer={path!r}: no such file; pass a tokenizers JSON file or omit it "
                                     "for the byte-level tokenizer.")
@@ -36,13 +37,18 @@ class HFTokenizer:
             raise ImportError("tokenizer: a JSON tokenizer needs `pip install tokenizers`.") from err
         self.path = path
         self.content = Path(path).read_text(encoding="utf-8") if content is None else content
+        self.eos_token = _declared_eos_token(Path(path)) if content is None else eos_token
         self._tok = Tokenizer.from_str(self.content)
-        self.vocab_size = self._tok.get_vocab_size() + 1
-        self.eos_id = self.vocab_size - 1
+        eos_id = self._tok.token_to_id(self.eos_token) if self.eos_token else None
+        if eos_id is not None:  # a released model's tokenizer: its own end-of-sequence token ends documents
+            self.vocab_size, self.eos_id = self._tok.get_vocab_size(), eos_id
+        else:  # a tokenizer trained without one: one more id, after the vocabulary
+            self.vocab_size = self._tok.get_vocab_size() + 1
+            self.eos_id = self.vocab_size - 1
 
     def spec(self) -> dict:
-        """The whole JSON travels with the checkpoint: generation works where the file is gone."""
-        return {"kind": "tokenizers", "path": self.path, "json": self.content,
+        """The whole JSON travels with the checkpoint: generation works where the files are gone."""
+        return {"kind": "tokenizers", "path": self.path, "json": self.content, "eos_token": self.eos_token,
                 "sha256": hashlib.sha256(self.content.encode("utf-8")).hexdigest()}
 
     def encode(self, text: str) -> np.ndarray:
@@ -51,8 +57,15 @@ class HFTokenizer:
     def decode(self, ids) -> str:
         return self._tok.decode([int(i) for i in ids if int(i) != self.eos_id])
 
-    def token_id(self, token: str) -> int | None:
-        return self._tok.token_to_id(token)
+
+def _declared_eos_token(path: Path) -> str | None:
+    """The ``eos_token`` that a Hugging Face model directory declares beside its ``tokenizer.json``
+    (``tokenizer_config.json``, a string or ``{"content": ...}``); ``None`` if there is none."""
+    config = path.with_name("tokenizer_config.json")
+    if not config.is_file():
+        return None
+    eos = json.loads(config.read_text()).get("eos_token")
+    return eos.get("content") if isinstance(eos, dict) else eos
 
 
 def load_tokenizer(path: str | None):
@@ -64,5 +77,5 @@ def tokenizer_from_spec(spec: dict):
     if spec.get("kind") == "bytes":
         return ByteTokenizer()
     if spec.get("kind") == "tokenizers":
-        return HFTokenizer(spec["path"], content=spec["json"])
+        return HFTokenizer(spec["path"], content=spec["json"], eos_token=spec.get("eos_token"))
     raise ValueError(f"tokenizer spec {spec!r}: unknown kind (expected 'bytes' or 'tokenizers').")

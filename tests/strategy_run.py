@@ -95,6 +95,7 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=32)
     parser.add_argument("--clip", type=float, default=None, help="gradient_clip_val")
     parser.add_argument("--config", default="{}", help="JSON overrides of the tiny MoEConfig")
+    parser.add_argument("--loss-chunk", type=int, default=None, help="MoELanguageModel(loss_chunk_size=...)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 
@@ -121,7 +122,7 @@ def main() -> None:
                         gradient_clip_val=args.clip)
     model = MoELanguageModel(MoEConfig(**{**TINY, **json.loads(args.config)}),
                              optimizer=partial(torch.optim.AdamW, lr=1e-2, betas=(0.9, 0.95)),
-                             lr_scheduler=partial(WarmupCosineLR, warmup_steps=2))
+                             lr_scheduler=partial(WarmupCosineLR, warmup_steps=2), loss_chunk_size=args.loss_chunk)
     data = TextDataModule(source=os.__file__, seq_len=args.seq_len, batch_size=args.batch_size, val_fraction=0.05)
     with counter.installed():
         trainer.fit(model, data, ckpt_path=args.resume)

@@ -15,7 +15,7 @@ from moe_lightning.generate import Sampling, complete, stream
 from moe_lightning.generate import main as generate_main
 from moe_lightning.loading import export_checkpoint, load_model, read_checkpoint
 from moe_lightning.strategy import MoEFSDPStrategy
-from moe_lightning.tokenizer import ByteTokenizer, HFTokenizer
+from moe_lightning.tokenizer import ByteTokenizer, HFTokenizer, tokenizer_from_spec
 
 # init_std 0.3: O(1) logits, so greedy text depends on every weight (near-uniform logits would hide a mix-up)
 CONFIG = dict(vocab_size=320, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=32, ffn_hidden=48,
@@ -202,17 +202,18 @@ def test_export_without_a_tokenizer_record_falls_back_to_bytes(run_dir, tmp_path
     assert isinstance(load_model(tmp_path / "old.pt").tokenizer, ByteTokenizer)
 
 
-def test_hf_folder_tokenizer_ends_documents_with_the_models_own_eos(run_dir, tmp_path):
+def test_declared_eos_token_is_recorded_and_restored(run_dir, tmp_path):
+    """A released model's tokenizer ends documents with its own eos token (tokenizer_config.json): the spec
+    carries that choice, so the rebuilt tokenizer has the same ids without either file."""
     from tokenizers import Tokenizer
-
-    from moe_lightning.loading import hf_tokenizer
 
     tok = Tokenizer.from_str(run_dir["tokenizer_json"])
     tok.add_special_tokens(["<|endoftext|>"])
     tok.save(str(tmp_path / "tokenizer.json"))
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": {"content": "<|endoftext|>"}}))
-    tokenizer = hf_tokenizer(tmp_path)
-    assert tokenizer.eos_id == tok.token_to_id("<|endoftext|>") == tok.get_vocab_size() - 1  # inside the vocab
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<unknown>"}))
-    with pytest.raises(ValueError, match="eos_token"):
-        hf_tokenizer(tmp_path)
+    spec = HFTokenizer(str(tmp_path / "tokenizer.json")).spec()
+    (tmp_path / "tokenizer.json").unlink()
+    (tmp_path / "tokenizer_config.json").unlink()
+    restored = tokenizer_from_spec(spec)
+    assert restored.eos_id == tok.token_to_id("<|endoftext|>") == tok.get_vocab_size() - 1  # inside the vocab
+    assert restored.vocab_size == tok.get_vocab_size()

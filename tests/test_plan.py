@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+import yaml
 
 from moe_lightning.cli import run
 from moe_lightning.flops import training_flops_per_token
@@ -22,6 +23,7 @@ ROLES = {"embedding": 2048, "head": 2048, "norm": 2 * 64 + 32, "router": 128, "e
          "hidden_matrix": 2 * ATTENTION + 4608 + 1536}
 TOTAL = sum(ROLES.values())
 ONE_T = str(REPO_ROOT / "configs" / "1t.yaml")
+SIXTEEN_B = str(REPO_ROOT / "configs" / "16b.yaml")
 
 
 def tiny_plan(**workload):
@@ -56,7 +58,7 @@ def test_memory_formulas_adamw_and_muon():
 
 
 def test_cpu_and_activation_offload_move_bytes_to_host():
-    result = tiny_plan(cpu_offload=True, prefetch_depth=0)
+    result = tiny_plan(cpu_offload=True, offload_prefetch=0)  # ActivationOffload(prefetch=0)
     without, with_ = result["memory"]["without_offload"], result["memory"]["with_offload"]
     assert "gradients (fp32)" not in without["gpu_bytes"]
     assert without["host_bytes"] == 16 * TOTAL // 4
@@ -105,11 +107,104 @@ def test_one_trillion_on_384_gh200_matches_the_reference_run():
 
 
 def test_table_output_and_clear_errors(capsys):
-    run(["plan", "--config", ONE_T, "--nodes", "96", "--gpus-per-node", "4", "--seq-len", "65536"])
+    run(["plan", "--config", ONE_T, "--gpu-memory", "95", "--host-memory", "111"])
     table = capsys.readouterr().out
     assert "total 948.35 B   active 37.60 B" in table
+    assert "96 x 4 GPUs = 384" in table and "ep=96" in table  # trainer.num_nodes, devices and the strategy's ep
     assert "boundary activations 53.4 GiB per GPU" in table
-    assert "fits" in table and "tokens/s per GPU" in table
+    rows = ["boundary activations", "block recompute working set", "loss working set", "all-gather buffers (bf16)",
+            "reduce-scatter buffers", "runtime reserve", "peak (larger working set only)",
+            "host: sharded parameters (fp32)", "host: gradients (fp32)", "host: optimizer state (adamw)",
+            "host: boundary activations (offloaded)", "host memory per GPU", "fits"]
+    assert all(any(line.startswith(row + " ") for line in table.splitlines()) for row in rows)
+    # 1t.yaml runs ActivationOffload with FSDP CPU offload: that column is the verdict, and it fits
+    assert "act. offload*" in table and "verdict           fits as configured" in table
+    assert "tokens/s per GPU" in table
     with pytest.raises(SystemExit):
-        run(["plan", "--config", ONE_T, "--nodes", "96", "--gpus-per-node", "4", "--expert-parallel-size", "5"])
+        run(["plan", "--config", ONE_T, "--expert-parallel-size", "5"])
     assert "strategy.expert_parallel_size=5 must divide strategy.shard_size=384" in capsys.readouterr().err
+
+
+def write_config(tmp_path, **sections) -> str:
+    """A LightningCLI YAML around the TINY model, with the given trainer/model/data sections merged in."""
+    data = {"trainer": sections.get("trainer", {}),
+            "model": {"init_args": {"config": {k: getattr(TINY, k) for k in (
+                "vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "max_seq_len", "ffn_hidden",
+                "n_dense_layers", "num_experts", "top_k", "expert_hidden", "n_shared_experts")},
+                **sections.get("model", {})}},
+            "data": {"init_args": sections.get("data", {})}}
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return str(path)
+
+
+def plan_json(capsys, *argv: str) -> dict:
+    run(["plan", *argv, "--json"])
+    return json.loads(capsys.readouterr().out)
+
+
+RUN_CONFIG = dict(
+    trainer={"num_nodes": 2, "devices": 2,
+             "strategy": {"class_path": "moe_lightning.strategy.MoEFSDPStrategy",
+                          "init_args": {"replicate_size": 2, "expert_parallel_size": 2, "cpu_offload": True,
+                                        "prefetch_depth": 2}},
+             "callbacks": [{"class_path": "moe_lightning.callbacks.MoEThroughputMonitor"},
+                           {"class_path": "moe_lightning.callbacks.ActivationOffload", "init_args": {"prefetch": 0}}]},
+    model={"loss_chunk_size": 5, "optimizer": {"class_path": "moe_lightning.optim.Muon", "init_args": {"lr": 0.02}}},
+    data={"batch_size": 3, "seq_len": 12})
+
+
+def test_plan_of_a_yaml_uses_the_configs_mesh_offload_batch_chunk_and_optimizer(tmp_path, capsys):
+    result = plan_json(capsys, "--config", write_config(tmp_path, **RUN_CONFIG))
+    c, w = result["cluster"], result["workload"]
+    assert (c["nodes"], c["gpus_per_node"], c["replicate_size"], c["shard_size"], c["expert_parallel_size"]) == \
+        (2, 2, 2, 2, 2)
+    assert (w["micro_batch"], w["seq_len"], w["optimizer"], w["cpu_offload"], w["prefetch_depth"]) == \
+        (3, 12, "muon", True, 2)
+    assert (w["loss_chunk"], w["activation_offload"], w["offload_prefetch"]) == (5, True, 0)
+    assert [name for name, (_, origin) in result["inputs"].items() if origin != "config"] == ["shard_size"]
+    # and the numbers follow: shard group of 2, 36 tokens, chunked loss, 1 + 0 boundary blocks kept on the GPU
+    gpu, host = result["memory"]["with_offload"]["gpu_bytes"], result["memory"]["with_offload"]["host_bytes"]
+    assert gpu["loss working set"] == 8 * 64 * 5 + 6 * 64 * 32
+    assert gpu["boundary activations"] == 36 * 32 * 2
+    muon = ROLES["hidden_matrix"] + ROLES["expert_stack"]
+    assert host == (8 * TOTAL + 4 * muon + 8 * (TOTAL - muon)) // 2 + 36 * 32 * 2  # state / 2 + block 0's input
+    largest_unit = 64 + ATTENTION + 128 + 1536 + 6144 // 2
+    assert gpu["all-gather buffers (bf16)"] == 3 * 2 * largest_unit  # prefetch_depth 2
+    assert result["configured"] == "with_offload" and result["fits"] == result["memory"]["with_offload"]["fits"]
+
+
+def test_flags_override_the_config(tmp_path, capsys):
+    result = plan_json(capsys, "--config", write_config(tmp_path, **RUN_CONFIG), "--expert-parallel-size", "1",
+                       "--micro-batch", "1", "--seq-len", "16", "--no-cpu-offload", "--no-activation-offload",
+                       "--loss-chunk", "0", "--optimizer", "adamw", "--prefetch-depth", "0")
+    c, w = result["cluster"], result["workload"]
+    assert c["expert_parallel_size"] == 1 and c["replicate_size"] == 2  # overridden / still the config's
+    assert (w["micro_batch"], w["seq_len"], w["cpu_offload"], w["loss_chunk"], w["optimizer"]) == \
+        (1, 16, False, None, "adamw")
+    assert result["inputs"]["expert_parallel_size"] == [1, "flag"]
+    assert result["inputs"]["replicate_size"] == [2, "config"]
+    gpu = result["memory"]["without_offload"]["gpu_bytes"]
+    assert gpu["loss working set"] == 12 * 64 * 16  # unchunked over all 16 tokens
+    assert gpu["optimizer state (adamw)"] == 8 * TOTAL // 2
+    assert result["configured"] == "without_offload"
+
+
+def test_sixteen_b_config_plans_its_expert_parallelism_and_batch(capsys):
+    """Before: ep=1 and micro-batch 1 while the config runs ep=8 and batch 4."""
+    result = plan_json(capsys, "--config", SIXTEEN_B)
+    assert result["cluster"]["expert_parallel_size"] == 8 and result["cluster"]["world_size"] == 8
+    assert (result["workload"]["micro_batch"], result["workload"]["seq_len"]) == (4, 4096)
+    assert result["workload"]["loss_chunk"] == 4096 and not result["workload"]["activation_offload"]
+    run(["plan", "--config", SIXTEEN_B, "--gpu-memory", "40"])
+    table = capsys.readouterr().out
+    assert "from the config   gpus_per_node=8 expert_parallel_size=8 micro_batch=4" in table
+    assert "from flags" not in table
+
+
+def test_an_optimizer_plan_cannot_price_is_refused(tmp_path, capsys):
+    path = write_config(tmp_path, model={"optimizer": {"class_path": "torch.optim.SGD"}})
+    with pytest.raises(SystemExit):
+        run(["plan", "--config", path])
+    assert "torch.optim.SGD is neither AdamW nor Muon; pass --optimizer adamw" in capsys.readouterr().err
+    assert plan_json(capsys, "--config", path, "--optimizer", "adamw")["workload"]["optimizer"] == "adamw"

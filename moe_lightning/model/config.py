@@ -33,8 +33,10 @@ class MoEConfig:
         rope_attention_factor: YaRN: explicit cos/sin factor; ``None`` derives it from the fields above.
         rope_truncate: YaRN: round the ramp's ends to whole dims (HF ``truncate``, default true).
         norm_eps: RMSNorm epsilon.
-        ffn_hidden: Hidden width of the dense SwiGLU FFN used by the first ``n_dense_layers`` blocks.
+        ffn_hidden: Hidden width of the dense SwiGLU FFN of the dense blocks.
         n_dense_layers: How many leading blocks use a dense FFN instead of MoE.
+        dense_layers: Indices of the blocks with a dense FFN, in any pattern (Qwen3's ``mlp_only_layers`` /
+            ``decoder_sparse_step``); when given it replaces ``n_dense_layers``, which must then be left at 0.
         num_experts: Routed experts per MoE layer.
         top_k: Routed experts chosen per token.
         expert_hidden: Hidden width of each routed (and shared) expert.
@@ -44,6 +46,8 @@ class MoEConfig:
         route_scale: Multiplier applied to the (renormalized) top-k weights.
         n_expert_groups: Split experts into this many groups for group-limited routing (1 disables).
         n_limited_groups: Each token may only pick experts from this many groups.
+        group_score: How groups are ranked: ``top2_sum`` of their best two scores (DeepSeek-V3) or ``max``,
+            their best score (DeepSeek-V2's ``group_limited_greedy``).
         bias_update_rate: Step size of the aux-loss-free balancing bias (0 disables the update).
         aux_loss_coef: Coefficient of the sequence-level load-balancing loss (0 disables).
         z_loss_coef: Coefficient of the router z-loss (0 disables).
@@ -87,6 +91,7 @@ class MoEConfig:
     norm_eps: float = 1e-5
     ffn_hidden: int = 768
     n_dense_layers: int = 1
+    dense_layers: Optional[list[int]] = None
     num_experts: int = 8
     top_k: int = 2
     expert_hidden: int = 256
@@ -96,6 +101,7 @@ class MoEConfig:
     route_scale: float = 1.0
     n_expert_groups: int = 1
     n_limited_groups: int = 1
+    group_score: Literal["top2_sum", "max"] = "top2_sum"
     bias_update_rate: float = 1e-3
     aux_loss_coef: float = 0.0
     z_loss_coef: float = 0.0
@@ -128,6 +134,8 @@ class MoEConfig:
             raise ConfigError(
                 f"MoEConfig.n_dense_layers={self.n_dense_layers} must be between 0 and "
                 f"n_layers={self.n_layers}.")
+        if self.dense_layers is not None:
+            self._validate_dense_layers()
         if self.top_k > self.num_experts:
             raise ConfigError(
                 f"MoEConfig.top_k={self.top_k} exceeds num_experts={self.num_experts}: "
@@ -147,6 +155,8 @@ class MoEConfig:
             raise ConfigError(
                 f"MoEConfig.top_k={self.top_k} exceeds the {experts_reachable} experts reachable in "
                 f"n_limited_groups={self.n_limited_groups} groups: raise n_limited_groups.")
+        if self.group_score not in ("top2_sum", "max"):
+            raise ConfigError(f"MoEConfig.group_score={self.group_score!r}: use 'top2_sum' or 'max'.")
         if self.score_func not in ("softmax", "sigmoid"):
             raise ConfigError(
                 f"MoEConfig.score_func={self.score_func!r}: use 'softmax' or 'sigmoid'.")
@@ -189,6 +199,21 @@ class MoEConfig:
             raise ConfigError(
                 f"MoEConfig.n_kv_heads={self.n_kv_heads} must divide n_heads={self.n_heads}: "
                 f"pick n_kv_heads from the divisors of n_heads.")
+
+    def _validate_dense_layers(self) -> None:
+        if self.n_dense_layers:
+            raise ConfigError(f"MoEConfig.dense_layers={self.dense_layers} and n_dense_layers={self.n_dense_layers} "
+                              f"both say which blocks are dense: set n_dense_layers=0 (or drop dense_layers).")
+        if (not isinstance(self.dense_layers, (list, tuple)) or len(set(self.dense_layers)) != len(self.dense_layers)
+                or not all(isinstance(i, int) and 0 <= i < self.n_layers for i in self.dense_layers)):
+            raise ConfigError(f"MoEConfig.dense_layers={self.dense_layers!r}: must be distinct block indices in "
+                              f"[0, n_layers={self.n_layers}).")
+        self.dense_layers = sorted(self.dense_layers)
+
+    def is_moe_layer(self, layer_id: int) -> bool:
+        if self.dense_layers is not None:
+            return layer_id not in self.dense_layers
+        return layer_id >= self.n_dense_layers
 
     def _validate_rope(self) -> None:
         if self.rope_scaling not in ("none", "yarn"):
@@ -233,7 +258,7 @@ class MoEConfig:
 
     @property
     def n_moe_layers(self) -> int:
-        return self.n_layers - self.n_dense_layers
+        return sum(map(self.is_moe_layer, range(self.n_layers)))
 
     @property
     def attention_head_dims(self) -> tuple[int, int]:

@@ -25,6 +25,7 @@ class Router(nn.Module):
         self.num_experts, self.top_k = config.num_experts, config.top_k
         self.score_func, self.route_norm, self.route_scale = config.score_func, config.route_norm, config.route_scale
         self.n_groups, self.n_limited_groups = config.n_expert_groups, config.n_limited_groups
+        self.group_score = config.group_score
         self.gate = nn.Linear(config.dim, config.num_experts, bias=False)
         self.register_buffer("expert_bias", torch.zeros(config.num_experts, dtype=torch.float32))
 
@@ -43,9 +44,9 @@ class Router(nn.Module):
         return weights_TK * self.route_scale, experts_TK, scores_TE, logits_TE
 
     def _mask_unselected_groups(self, selection_TE: torch.Tensor) -> torch.Tensor:
-        """Group-limited routing: keep the ``n_limited_groups`` groups with the best top-2 score sum."""
+        """Group-limited routing: keep the ``n_limited_groups`` groups with the best top-2 score sum (or best score)."""
         grouped_TGe = selection_TE.unflatten(-1, (self.n_groups, -1))
-        top_in_group = min(2, grouped_TGe.shape[-1])
+        top_in_group = 1 if self.group_score == "max" else min(2, grouped_TGe.shape[-1])
         group_score_TG = grouped_TGe.topk(top_in_group, dim=-1).values.sum(-1)
         keep_TG = torch.zeros_like(group_score_TG, dtype=torch.bool)
         keep_TG.scatter_(-1, group_score_TG.topk(self.n_limited_groups, dim=-1).indices, True)

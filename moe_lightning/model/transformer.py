@@ -27,7 +27,7 @@ class Block(nn.Module):
         self.attention_norm = RMSNorm(config.dim, config.norm_eps)
         self.attention = build_attention(config)
         self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
-        self.is_moe = layer_id >= config.n_dense_layers
+        self.is_moe = config.is_moe_layer(layer_id)
         self.ffn = MoELayer(config) if self.is_moe else SwiGLU(config.dim, config.ffn_hidden)
 
     def forward(self, x_BSD: torch.Tensor, **attention_kwargs) -> torch.Tensor:
@@ -50,8 +50,11 @@ class MoETransformer(nn.Module):
         if self.tok_embeddings.weight.device.type != "meta":
             self.init_weights()
 
-    def forward(self, tokens_BS: torch.Tensor, *, cache: KVCache | None = None) -> torch.Tensor:
-        """Logits ``[B, S, V]``. With ``cache`` the tokens continue the cached positions, which it then holds."""
+    def forward(self, tokens_BS: torch.Tensor, *, cache: KVCache | None = None,
+                return_hidden: bool = False) -> torch.Tensor:
+        """Logits ``[B, S, V]``, or with ``return_hidden`` the final-normed hidden states ``[B, S, D]`` (for a
+        loss that applies ``self.output`` itself, e.g. chunk by chunk). With ``cache`` the tokens continue the
+        cached positions, which it then holds."""
         if cache is not None and cache.length + tokens_BS.shape[1] > cache.capacity:
             raise ValueError(f"KV cache holds {cache.capacity} positions (max_seq_len); {cache.length} are cached "
                              f"and {tokens_BS.shape[1]} more were given: start a new cache from the latest tokens.")
@@ -62,7 +65,8 @@ class MoETransformer(nn.Module):
             mask = DocumentMask(document_ids(tokens_BS, eod) if cache is None else cache.document_ids(tokens_BS, eod))
         for i, layer in enumerate(self.layers):
             h_BSD = layer(h_BSD, mask=mask, cache=None if cache is None else cache.layers[i])
-        return self.output(self.norm(h_BSD))
+        h_BSD = self.norm(h_BSD)
+        return h_BSD if return_hidden else self.output(h_BSD)
 
     @torch.no_grad()
     def init_weights(self) -> None:

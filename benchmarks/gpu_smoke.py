@@ -1,0 +1,157 @@
+"""The flagship path on one CUDA device, in under 90 s: configs/1t-mini.yaml's model and every optimization.
+
+    python benchmarks/gpu_smoke.py              # one GPU: meta init, CPU offload, activation offload, chunked
+                                                # loss, document masking, Muon (Newton-Schulz on the GPU), clipping
+    python benchmarks/gpu_smoke.py --dry-run    # the same code on CPU, 2 steps (a test runs it)
+
+Reads the model, strategy, ActivationOffload, Muon, loss chunk, clipping and sequence length from the YAML
+(expert parallelism needs two ranks, so one device runs ``expert_parallel_size=1``), trains on random tokens
+with an end-of-document token every few hundred positions, asserts every loss is finite, and prints one
+JSON line per step as it ends, then a summary: step time, peak allocated/reserved memory, and every host
+sync that one steady-state step performs (``torch.cuda.set_sync_debug_mode("warn")``, with the frame of this
+package or Lightning that caused it). No jsonargparse needed.
+"""
+
+import argparse
+import json
+import math
+import sys
+import time
+import traceback
+import warnings
+from functools import partial
+from pathlib import Path
+
+import lightning as L
+import torch
+import yaml
+from torch.utils.data import DataLoader
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from moe_lightning import MoEConfig, MoELanguageModel  # noqa: E402
+from moe_lightning.callbacks import ActivationOffload  # noqa: E402
+from moe_lightning.optim import Muon  # noqa: E402
+from moe_lightning.strategy import MoEFSDPStrategy  # noqa: E402
+
+CONFIG = Path(__file__).resolve().parent.parent / "configs" / "1t-mini.yaml"
+GIB = float(1 << 30)
+
+
+def callback_args(config: dict, name: str) -> dict:
+    for entry in config["trainer"].get("callbacks", []):
+        if entry["class_path"].endswith(name):
+            return entry.get("init_args", {})
+    raise ValueError(f"{CONFIG}: no {name} among trainer.callbacks")
+
+
+def packed_tokens(n: int, seq_len: int, vocab: int, eod: int, doc_len: int) -> torch.Tensor:
+    """Random byte tokens with an end-of-document token every ``doc_len`` positions (varied by one per row)."""
+    tokens = torch.randint(0, min(vocab, eod), (n, seq_len + 1))
+    for row in range(n):
+        tokens[row, doc_len + row % 7::doc_len] = eod
+    return tokens
+
+
+def _frame_of_interest(stack: list[traceback.FrameSummary]) -> str:
+    """The innermost frame in this package (else Lightning, else the last one): where the sync came from."""
+    for marker in ("moe_lightning", "lightning"):
+        for frame in reversed(stack):
+            if marker in frame.filename and "warnings" not in frame.filename:
+                return f"{Path(frame.filename).name}:{frame.lineno} {frame.name}: {(frame.line or '').strip()}"
+    frame = stack[-1]
+    return f"{Path(frame.filename).name}:{frame.lineno} {frame.name}"
+
+
+class SmokeProbe(L.Callback):
+    """Step times, the finite-loss check, and where step ``probe_step`` syncs with the host (CUDA only)."""
+
+    def __init__(self, probe_step: int):
+        self.probe_step, self.rows, self.sync_sites = probe_step, [], []
+        self._start, self._warnings = None, None
+
+    def _sync(self, pl_module):
+        if pl_module.device.type == "cuda":
+            torch.cuda.synchronize(pl_module.device)
+
+    def _show(self, message, category, filename, lineno, file=None, line=None):
+        """Sync warnings come from C++ during an op: the Python stack at this moment says who called it."""
+        if "synchroniz" in str(message):
+            self.sync_sites.append(_frame_of_interest(traceback.extract_stack()[:-1]))
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self._sync(pl_module)
+        self._start = time.perf_counter()
+        if batch_idx == self.probe_step and pl_module.device.type == "cuda":
+            self._warnings = warnings.catch_warnings()  # restores filters and showwarning on exit
+            self._warnings.__enter__()
+            warnings.simplefilter("always")
+            warnings.showwarning = self._show
+            torch.cuda.set_sync_debug_mode("warn")
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if self._warnings is not None:
+            torch.cuda.set_sync_debug_mode(0)
+            self._warnings.__exit__(None, None, None)
+            self._warnings = None
+        self._sync(pl_module)
+        loss = float(outputs["loss"])
+        row = {"step": batch_idx, "loss": round(loss, 4), "step_s": round(time.perf_counter() - self._start, 3)}
+        if pl_module.device.type == "cuda":
+            row["max_allocated_gib"] = round(torch.cuda.max_memory_allocated() / GIB, 3)
+        print(json.dumps(row), flush=True)
+        self.rows.append(row)
+        if not math.isfinite(loss):
+            raise RuntimeError(f"gpu_smoke: non-finite loss {loss} at step {batch_idx}")
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dry-run", action="store_true", help="CPU, 2 steps: checks the script end to end")
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--seq-len", type=int, default=None, help="default: the config's data.seq_len")
+    parser.add_argument("--config", default=str(CONFIG))
+    args = parser.parse_args(argv)
+    cuda = torch.cuda.is_available() and not args.dry_run
+    if not cuda and not args.dry_run:
+        parser.error("no CUDA device: run with --dry-run on CPU")
+    steps = 2 if args.dry_run else args.steps
+    with open(args.config) as f:
+        config = yaml.safe_load(f)
+    model_args = config["model"]["init_args"]
+    seq_len = args.seq_len or config["data"]["init_args"]["seq_len"]
+    model_config = MoEConfig(**{**model_args["config"], "max_seq_len": max(seq_len, model_args["config"]["max_seq_len"])})
+    strategy_args = {**config["trainer"]["strategy"]["init_args"], "expert_parallel_size": 1}
+    offload_args = callback_args(config, "ActivationOffload")
+    muon_args = {**model_args["optimizer"]["init_args"], "ns_device": "cuda" if cuda else None}
+    probe = SmokeProbe(probe_step=steps - 1)
+    trainer = L.Trainer(accelerator="cuda" if cuda else "cpu", devices=1, strategy=MoEFSDPStrategy(**strategy_args),
+                        precision="bf16-mixed" if cuda else "32-true", max_steps=steps,
+                        gradient_clip_val=config["trainer"]["gradient_clip_val"], logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        limit_val_batches=0, num_sanity_val_steps=0,
+                        callbacks=[ActivationOffload(**offload_args), probe])
+    module = MoELanguageModel(model_config, optimizer=partial(Muon, **muon_args),
+                              loss_chunk_size=model_args["loss_chunk_size"])
+    batch_size = config["data"]["init_args"]["batch_size"]
+    torch.manual_seed(0)
+    tokens = packed_tokens(steps * batch_size, seq_len, model_config.vocab_size, model_config.eod_token_id,
+                           doc_len=max(seq_len // 4, 8))
+    start = time.perf_counter()
+    trainer.fit(module, DataLoader(tokens, batch_size=batch_size))
+    steady = [row["step_s"] for row in probe.rows[1:]] or [probe.rows[0]["step_s"]]
+    summary = {"device": torch.cuda.get_device_name() if cuda else "cpu", "precision": str(trainer.precision),
+               "seq_len": seq_len, "batch_size": batch_size, "steps": len(probe.rows),
+               "wall_s": round(time.perf_counter() - start, 1), "median_step_s": sorted(steady)[len(steady) // 2],
+               "losses": [row["loss"] for row in probe.rows]}
+    if cuda:
+        summary.update(max_allocated_gib=round(torch.cuda.max_memory_allocated() / GIB, 3),
+                       max_reserved_gib=round(torch.cuda.max_memory_reserved() / GIB, 3),
+                       host_syncs_in_probe_step=len(probe.sync_sites),
+                       host_sync_sites={site: probe.sync_sites.count(site) for site in sorted(set(probe.sync_sites))})
+    print(json.dumps({"summary": summary}), flush=True)
+    return summary
+
+
+if __name__ == "__main__":
+    main()

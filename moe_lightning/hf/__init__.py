@@ -1,0 +1,11 @@
+"""Hugging Face checkpoints in and out: ``from_pretrained``, ``save_pretrained``, one mapping per family.
+
+Imports the model, never the reverse. Reads only ``config.json`` and safetensors (no code from disk).
+"""
+
+from .mapping import HFFormatError
+from .pretrained import (FAMILIES, choose_family, fill_state_dict, from_pretrained, load_config, merge_config,
+                         save_pretrained, write_pretrained)
+
+__all__ = ["FAMILIES", "HFFormatError", "choose_family", "fill_state_dict", "from_pretrained", "load_config",
+           "merge_config", "save_pretrained", "write_pretrained"]

@@ -1,0 +1,134 @@
+"""``moe-lightning convert`` (HF directory <-> single-file ``.pt``) and ``moe-lightning export --hf``.
+
+Our checkpoints are read one tensor at a time (a sharded checkpoint through DCP, a single file memory-mapped),
+so writing a Hugging Face directory never holds more than one shard of it.
+"""
+
+import argparse
+import dataclasses
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+
+from ..model import MoEConfig
+from ..parallel import checkpoint as ckpt
+from .mapping import HFFormatError
+from .pretrained import FAMILIES, from_pretrained, write_pretrained
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _config(value) -> MoEConfig:
+    if isinstance(value, MoEConfig):
+        return value
+    if not isinstance(value, dict):
+        raise HFFormatError("the checkpoint holds no model config (hyper_parameters.config): it was not written by "
+                            "MoELanguageModel or `moe-lightning export`.")
+    return MoEConfig(**value)
+
+
+def _load(file: Path) -> dict:
+    """``torch.load`` without arbitrary unpickling: only plain data and our config class are allowed."""
+    with torch.serialization.safe_globals([MoEConfig]):
+        return torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+
+
+def open_checkpoint(path: str | Path) -> tuple[MoEConfig, Callable[[str], torch.Tensor]]:
+    """Config and a tensor-by-name reader for a sharded checkpoint directory, a Lightning ``.ckpt`` or a ``.pt``."""
+    path = ckpt.resolve_checkpoint(Path(path))
+    if path.is_dir():
+        if not (path / ckpt.METADATA_FILE).is_file():
+            raise HFFormatError(f"{str(path)!r} is neither a sharded checkpoint ({ckpt.METADATA_FILE}) nor a file.")
+        config = _config(_load(path / ckpt.METADATA_FILE).get("hyper_parameters", {}).get("config"))
+        metadata = FileSystemReader(path).read_metadata().state_dict_metadata
+
+        def get(name: str) -> torch.Tensor:
+            meta = metadata[f"state_dict.model.{name}"]
+            state = {"state_dict": {f"model.{name}": torch.empty(meta.size, dtype=meta.properties.dtype)}}
+            dcp.load(state, checkpoint_id=path, no_dist=True)
+            return state["state_dict"][f"model.{name}"]
+        return config, get
+    payload = _load(path)
+    if "config" in payload:  # the package's single file: {"config": dict, "state_dict": model state dict}
+        return _config(payload["config"]), payload["state_dict"].__getitem__
+    state = payload["state_dict"]  # a Lightning checkpoint of MoELanguageModel
+    return _config(payload.get("hyper_parameters", {}).get("config")), lambda name: state[f"model.{name}"]
+
+
+def _cast(get: Callable[[str], torch.Tensor], dtype: torch.dtype | None) -> Callable[[str], torch.Tensor]:
+    if dtype is None:
+        return get
+
+    def cast(name: str) -> torch.Tensor:
+        tensor = get(name)  # the balancing bias stays float32, as the router computes in float32
+        return tensor.to(dtype) if tensor.is_floating_point() and not name.endswith("expert_bias") else tensor
+    return cast
+
+
+def export_hf(checkpoint: str | Path, out: str | Path, architecture: str | None = None,
+              dtype: torch.dtype | None = None, max_shard_bytes: int = 5 * 2**30) -> Path:
+    """Any of our checkpoints (sharded or single-file) as a Hugging Face directory, tensor by tensor."""
+    config, get = open_checkpoint(checkpoint)
+    return write_pretrained(config, _cast(get, dtype), out, architecture, max_shard_bytes)
+
+
+def hf_to_file(src: str | Path, out: str | Path, dtype: torch.dtype | None = None) -> Path:
+    """A Hugging Face directory as the package's single file ``{"config": dict, "state_dict": ...}``."""
+    model = from_pretrained(src, dtype)
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    partial = out.with_name(out.name + ckpt.PARTIAL_SUFFIX)
+    torch.save({"config": dataclasses.asdict(model.config), "state_dict": model.state_dict()}, partial)
+    os.replace(partial, out)
+    return out
+
+
+def _common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--architecture", choices=sorted(FAMILIES), default=None,
+                        help="Hugging Face target when the model could be several (default: the one that fits)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="cast floating-point weights")
+    parser.add_argument("--shard-gb", type=float, default=5.0, help="largest safetensors shard, GiB")
+    parser.add_argument("--overwrite", action="store_true")
+
+
+def _refuse_existing(out: str, overwrite: bool) -> None:
+    if Path(out).exists() and not overwrite:
+        raise FileExistsError(f"--out {out!r} exists; choose another path or pass --overwrite.")
+
+
+def convert_main(argv: list[str] | None = None) -> None:
+    """``moe-lightning convert SRC --out DST``: a Hugging Face directory to a ``.pt`` file, or any of our
+    checkpoints (``.pt``, ``.ckpt``, sharded directory) to a Hugging Face directory."""
+    parser = argparse.ArgumentParser(prog="moe-lightning convert", description=convert_main.__doc__)
+    parser.add_argument("src", help="Hugging Face directory (with config.json), or one of our checkpoints")
+    _common(parser)
+    args = parser.parse_args(argv)
+    _refuse_existing(args.out, args.overwrite)
+    dtype = DTYPES.get(args.dtype)
+    if (Path(args.src) / "config.json").is_file():
+        out = hf_to_file(args.src, args.out, dtype)
+    else:
+        out = export_hf(args.src, args.out, args.architecture, dtype, int(args.shard_gb * 2**30))
+    print(f"wrote {out}")
+
+
+def export_main(argv: list[str] | None = None) -> None:
+    """``moe-lightning export CKPT --hf --out DIR`` writes a Hugging Face directory; without ``--hf`` the
+    single-file export of ``moe_lightning.loading`` runs."""
+    if "--hf" not in (argv or []):
+        from ..loading import export_main as export_file
+
+        return export_file(argv)
+    parser = argparse.ArgumentParser(prog="moe-lightning export --hf", description=export_main.__doc__)
+    parser.add_argument("checkpoint", help="sharded checkpoint directory, Lightning .ckpt or .pt file")
+    parser.add_argument("--hf", action="store_true", required=True)
+    _common(parser)
+    args = parser.parse_args(argv)
+    _refuse_existing(args.out, args.overwrite)
+    out = export_hf(args.checkpoint, args.out, args.architecture, DTYPES.get(args.dtype), int(args.shard_gb * 2**30))
+    print(f"wrote {out}")

@@ -1,0 +1,146 @@
+"""DeepSeek-V3 (also Kimi-K2, Moonlight) and DeepSeek-V2 / V2-Lite: MLA, shared experts, leading dense blocks.
+
+Their checkpoints already rotate interleaved pairs (transformers' ``rope_interleave=True``), as we do, so no
+rows move. V3 routes with sigmoid scores, a balancing bias (``e_score_correction_bias``) and groups ranked by
+their best two scores; V2 with softmax, no bias, groups ranked by their best score, weights never renormalised.
+"""
+
+import torch
+
+from ..model import MoEConfig
+from .mapping import (Copy, HFFormatError, Rows, check_representable, common_config, common_to_hf, expert_sources,
+                      field, half_split_perm, layer_sources, no_bias_slot, outer_sources, refuse, refuse_common,
+                      swiglu_sources)
+
+V3, V2 = "DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM"
+LATENT_NORM_EPS = 1e-6  # transformers builds q_a_layernorm / kv_a_layernorm with this, whatever rms_norm_eps says
+
+
+def _mla_config(hf: dict) -> dict:
+    refuse_common(hf)
+    refuse(hf, "moe_layer_freq", lambda v: v not in (None, 1), "only every block after first_k_dense_replace is MoE")
+    fields = common_config(hf)
+    fields.update(head_dim=None, mla_norm_eps=LATENT_NORM_EPS, n_kv_heads=hf["num_attention_heads"], attention="mla",
+                  q_lora_rank=hf.get("q_lora_rank") or 0, kv_lora_rank=hf["kv_lora_rank"],
+                  qk_nope_head_dim=hf["qk_nope_head_dim"], qk_rope_head_dim=hf["qk_rope_head_dim"],
+                  v_head_dim=hf["v_head_dim"], ffn_hidden=hf["intermediate_size"],
+                  n_dense_layers=hf.get("first_k_dense_replace") or 0,
+                  num_experts=field(hf, "n_routed_experts", "num_local_experts"), top_k=hf["num_experts_per_tok"],
+                  expert_hidden=hf["moe_intermediate_size"], n_shared_experts=hf.get("n_shared_experts") or 0,
+                  route_scale=float(hf.get("routed_scaling_factor", 1.0)))
+    return fields
+
+
+def _mla_to_hf(config: MoEConfig, architecture: str, model_type: str) -> dict:
+    check_representable(config, architecture, attention="mla")
+    latent_eps = config.norm_eps if config.mla_norm_eps is None else config.mla_norm_eps
+    if latent_eps != LATENT_NORM_EPS:
+        raise HFFormatError(f"MoEConfig.mla_norm_eps={config.mla_norm_eps} (latent norms use {latent_eps}) cannot be "
+                            f"written as {architecture}, whose latent norms always use {LATENT_NORM_EPS}: set "
+                            f"mla_norm_eps={LATENT_NORM_EPS}.")
+    dense = config.n_layers - config.n_moe_layers
+    if any(config.is_moe_layer(i) != (i >= dense) for i in range(config.n_layers)):
+        raise HFFormatError(f"MoEConfig.dense_layers={config.dense_layers} cannot be written as {architecture}, whose "
+                            f"dense blocks are the first first_k_dense_replace: use Qwen3MoeForCausalLM's pattern.")
+    if config.n_shared_experts < 1:
+        raise HFFormatError(f"MoEConfig.n_shared_experts=0 cannot be written as {architecture}, which always has "
+                            f"shared experts: choose another architecture.")
+    return {**common_to_hf(config, architecture, model_type), "num_key_value_heads": config.n_heads,
+            "q_lora_rank": config.q_lora_rank or None, "kv_lora_rank": config.kv_lora_rank,
+            "qk_nope_head_dim": config.qk_nope_head_dim, "qk_rope_head_dim": config.qk_rope_head_dim,
+            "v_head_dim": config.v_head_dim, "intermediate_size": config.ffn_hidden, "first_k_dense_replace": dense,
+            "moe_layer_freq": 1, "n_routed_experts": config.num_experts, "num_experts_per_tok": config.top_k,
+            "moe_intermediate_size": config.expert_hidden, "n_shared_experts": config.n_shared_experts,
+            "routed_scaling_factor": config.route_scale, "n_group": config.n_expert_groups,
+            "topk_group": config.n_limited_groups}
+
+
+def _rope_rows(heads: int, nope: int, rope: int) -> torch.Tensor:
+    """Rows of ``heads`` blocks ``[nope | rope]`` with each rope part taken from half-split to interleaved."""
+    perm = torch.arange(heads * (nope + rope)).view(heads, nope + rope)
+    perm[:, nope:] = nope + half_split_perm(1, rope) + (nope + rope) * torch.arange(heads)[:, None]
+    return perm.flatten()
+
+
+def _sources(config: MoEConfig, bias, interleaved: bool = True) -> dict:
+    H, N, R, C = config.n_heads, config.qk_nope_head_dim, config.qk_rope_head_dim, config.kv_lora_rank
+
+    def rows(key, heads, nope):
+        return Copy(key) if interleaved else Rows(key, _rope_rows(heads, nope, R))
+
+    def attention(p):
+        a = f"{p}self_attn."
+        out = {"attention.wkv_a.weight": rows(f"{a}kv_a_proj_with_mqa.weight", 1, C),
+               "attention.kv_norm.weight": Copy(f"{a}kv_a_layernorm.weight"),
+               "attention.wkv_b.weight": Copy(f"{a}kv_b_proj.weight"), "attention.wo.weight": Copy(f"{a}o_proj.weight")}
+        if config.q_lora_rank:
+            out.update({"attention.wq_a.weight": Copy(f"{a}q_a_proj.weight"),
+                        "attention.q_norm.weight": Copy(f"{a}q_a_layernorm.weight"),
+                        "attention.wq_b.weight": rows(f"{a}q_b_proj.weight", H, N)})
+        else:
+            out["attention.wq.weight"] = rows(f"{a}q_proj.weight", H, N)
+        return out
+
+    def moe(p):
+        return {"ffn.router.gate.weight": Copy(f"{p}mlp.gate.weight"), "ffn.router.expert_bias": bias(p),
+                **expert_sources(config, f"{p}mlp.experts"),
+                **swiglu_sources("ffn.shared_experts", f"{p}mlp.shared_experts")}
+
+    out = outer_sources(config)
+    for i in range(config.n_layers):
+        out.update(layer_sources(config, i, attention(f"model.layers.{i}."), moe))
+    return out
+
+
+class DeepseekV3:
+    ARCHITECTURE, MODEL_TYPE = V3, "deepseek_v3"
+
+    @staticmethod
+    def config_from_hf(hf: dict) -> MoEConfig:
+        refuse(hf, "scoring_func", lambda v: v not in (None, "sigmoid"), "DeepSeek-V3 routes with sigmoid scores")
+        refuse(hf, "topk_method", lambda v: v not in (None, "noaux_tc"),
+               "DeepSeek-V3 routes with topk_method='noaux_tc'")
+        return MoEConfig(**_mla_config(hf), score_func="sigmoid", route_norm=bool(hf.get("norm_topk_prob", True)),
+                         n_expert_groups=hf.get("n_group") or 1, n_limited_groups=hf.get("topk_group") or 1,
+                         group_score="top2_sum")
+
+    @staticmethod
+    def config_to_hf(config: MoEConfig) -> dict:
+        check_representable(config, V3, score_func="sigmoid", group_score="top2_sum")
+        return {**_mla_to_hf(config, V3, "deepseek_v3"), "norm_topk_prob": config.route_norm,
+                "scoring_func": "sigmoid", "topk_method": "noaux_tc", "rope_interleave": True,
+                "num_nextn_predict_layers": 0}
+
+    @staticmethod
+    def sources(config: MoEConfig, hf: dict | None = None) -> dict:
+        interleaved = (hf or {}).get("rope_interleave", True)
+        return _sources(config, lambda p: Copy(f"{p}mlp.gate.e_score_correction_bias"), interleaved)
+
+
+class DeepseekV2:
+    ARCHITECTURE, MODEL_TYPE = V2, "deepseek_v2"
+
+    @staticmethod
+    def config_from_hf(hf: dict) -> MoEConfig:
+        refuse(hf, "scoring_func", lambda v: v not in (None, "softmax"), "DeepSeek-V2 routes with softmax scores")
+        refuse(hf, "topk_method", lambda v: v not in (None, "greedy", "group_limited_greedy"),
+               "DeepSeek-V2 routes with 'greedy' or 'group_limited_greedy'")
+        refuse(hf, "norm_topk_prob", bool, "transformers' DeepSeek-V2 ignores it (never renormalises) while the "
+               "original code renormalises, so the intended computation is ambiguous")
+        grouped = hf.get("topk_method") == "group_limited_greedy"
+        return MoEConfig(**_mla_config(hf), score_func="softmax", route_norm=False,
+                         n_expert_groups=hf["n_group"] if grouped else 1,
+                         n_limited_groups=hf["topk_group"] if grouped else 1, group_score="max")
+
+    @staticmethod
+    def config_to_hf(config: MoEConfig) -> dict:
+        check_representable(config, V2, score_func="softmax", route_norm=False)
+        grouped = config.n_expert_groups > 1
+        if grouped:
+            check_representable(config, V2, group_score="max")
+        return {**_mla_to_hf(config, V2, "deepseek_v2"), "norm_topk_prob": False, "scoring_func": "softmax",
+                "topk_method": "group_limited_greedy" if grouped else "greedy"}
+
+    @staticmethod
+    def sources(config: MoEConfig, hf: dict | None = None) -> dict:
+        return _sources(config, lambda p: no_bias_slot(V2))

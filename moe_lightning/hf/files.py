@@ -1,0 +1,93 @@
+"""Safetensors directories: read tensors (or slices of them) from one file or an indexed set of shards, and
+write shards plus ``model.safetensors.index.json`` one tensor at a time. Only JSON and safetensors are read:
+nothing on disk is ever executed or unpickled."""
+
+import json
+import os
+import re
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from .mapping import HFFormatError
+
+INDEX = "model.safetensors.index.json"
+
+
+class SafetensorsDir:
+    """Every tensor of a Hugging Face directory, opened lazily; ``get(key)[slices]`` reads only that region."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self._handles: dict[str, object] = {}
+        index = self.path / INDEX
+        if index.is_file():
+            self.weight_map = json.loads(index.read_text())["weight_map"]
+        else:
+            files = sorted(self.path.glob("*.safetensors"))
+            if not files:
+                raise HFFormatError(f"{str(self.path)!r} has no *.safetensors files (and no {INDEX}): save the model "
+                                    f"with safe_serialization (pickled *.bin weights are never loaded).")
+            self.weight_map = {key: f.name for f in files for key in self._open(f.name).keys()}
+
+    def _open(self, name: str):
+        if name not in self._handles:
+            self._handles[name] = safe_open(self.path / name, framework="pt")
+        return self._handles[name]
+
+    def keys(self) -> set[str]:
+        return set(self.weight_map)
+
+    def get(self, key: str):
+        return self._open(self.weight_map[key]).get_slice(key)
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return tuple(self.get(key).get_shape())
+
+
+def read_config(path: str | Path) -> dict:
+    file = Path(path) / "config.json"
+    if not file.is_file():
+        raise HFFormatError(f"{str(path)!r} has no config.json: pass a Hugging Face model directory.")
+    return json.loads(file.read_text())
+
+
+def write_directory(path: str | Path, hf_config: dict, tensors: Iterable[tuple[str, torch.Tensor]],
+                    max_shard_bytes: int = 5 * 2**30) -> Path:
+    """``config.json`` plus shards ``model-0000i-of-0000N.safetensors`` and their index, holding one shard in memory."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    for old in list(path.glob("model*.safetensors")) + [path / INDEX]:
+        old.unlink(missing_ok=True)  # a previous save's shards would otherwise mix with these
+    shard, shard_bytes, names, weight_map, total, dtype = {}, 0, [], {}, 0, None
+
+    def flush():
+        name = f"part-{len(names):05d}.safetensors"
+        save_file(shard, path / name, metadata={"format": "pt"})
+        names.append(name)
+        weight_map.update({key: name for key in shard})
+
+    for key, tensor in tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        if shard and shard_bytes + nbytes > max_shard_bytes:
+            flush()
+            shard, shard_bytes = {}, 0
+        shard[key] = tensor.detach().to("cpu").clone().contiguous()  # own storage: safetensors refuses shared views
+        shard_bytes += nbytes
+        total += nbytes
+        if tensor.is_floating_point() and dtype is None and tensor.ndim == 2:
+            dtype = tensor.dtype
+    if shard or not names:
+        flush()
+    final = {n: f"model-{i + 1:05d}-of-{len(names):05d}.safetensors" for i, n in enumerate(names)}
+    for temp, name in final.items():
+        os.replace(path / temp, path / name)
+    index = {"metadata": {"total_size": total},
+             "weight_map": {key: final[name] for key, name in sorted(weight_map.items())}}
+    (path / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+    hf_config = {**hf_config, "torch_dtype": re.sub("^torch\\.", "", str(dtype or torch.float32))}
+    (path / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+    return path

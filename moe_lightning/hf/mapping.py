@@ -1,0 +1,270 @@
+"""How one of our tensors is made from Hugging Face tensors, and back; the pieces every family shares.
+
+A :class:`Source` reads any rectangular region of one of our (global) tensors from the checkpoint, so a
+rank that holds a shard reads only that shard's rows (or only its experts), and writes the whole tensor
+back as the Hugging Face tensors it came from. No transposes: ``nn.Linear`` is ``[out, in]`` on both sides.
+"""
+
+from collections.abc import Callable
+
+import torch
+
+from ..model import MoEConfig
+
+Index = tuple[slice, ...]
+Getter = Callable[[str], object]  # key -> something sliceable like safetensors' ``get_slice``
+
+
+class HFFormatError(ValueError):
+    """A Hugging Face checkpoint or target format cannot represent something; the message names it and the fix."""
+
+
+class Source:
+    """One of our tensors, as a function of checkpoint tensors."""
+
+    def keys(self) -> list[str]:
+        return []
+
+    def check(self, shape_of: Callable[[str], tuple[int, ...]], shape: tuple[int, ...], name: str) -> None:
+        """Raise before any read if the checkpoint's shapes cannot make a ``shape`` tensor."""
+
+    def read(self, get: Getter, index: Index) -> torch.Tensor:
+        raise NotImplementedError
+
+    def write(self, tensor: torch.Tensor, name: str) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+
+def _shape_error(name: str, key: str, found, expected) -> HFFormatError:
+    return HFFormatError(f"checkpoint tensor {key!r} has shape {tuple(found)}, but {name} needs {tuple(expected)}: "
+                         f"config.json does not describe these weights.")
+
+
+class Copy(Source):
+    def __init__(self, key: str):
+        self.key = key
+
+    def keys(self) -> list[str]:
+        return [self.key]
+
+    def check(self, shape_of, shape, name) -> None:
+        if tuple(shape_of(self.key)) != tuple(shape):
+            raise _shape_error(name, self.key, shape_of(self.key), shape)
+
+    def read(self, get, index):
+        return get(self.key)[index]
+
+    def write(self, tensor, name):
+        return {self.key: tensor}
+
+
+class Rows(Copy):
+    """``ours[i] = hf[perm[i]]`` along dim 0: the rotary layout change of half-split families."""
+
+    def __init__(self, key: str, perm: torch.Tensor):
+        super().__init__(key)
+        self.perm = perm
+
+    def read(self, get, index):
+        rows = self.perm[index[0]]
+        lo, hi = int(rows.min()), int(rows.max()) + 1  # the heads this region touches, no more
+        return get(self.key)[(slice(lo, hi), *index[1:])][rows - lo]
+
+    def write(self, tensor, name):
+        return {self.key: tensor[self.perm.argsort()]}
+
+
+class Stack(Source):
+    """``ours[e] = hf[keys[e]]``: per-expert matrices stacked into ``[E, out, in]``."""
+
+    def __init__(self, keys: list[str]):
+        self._keys = keys
+
+    def keys(self) -> list[str]:
+        return list(self._keys)
+
+    def check(self, shape_of, shape, name) -> None:
+        if len(self._keys) != shape[0]:
+            raise HFFormatError(f"{name} stacks {shape[0]} experts but the mapping names {len(self._keys)}.")
+        for key in self._keys:
+            if tuple(shape_of(key)) != tuple(shape[1:]):
+                raise _shape_error(name, key, shape_of(key), shape[1:])
+
+    def read(self, get, index):
+        return torch.stack([get(self._keys[e])[index[1:]] for e in range(*index[0].indices(len(self._keys)))])
+
+    def write(self, tensor, name):
+        return {key: tensor[e] for e, key in enumerate(self._keys)}
+
+
+class Absent(Source):
+    """A buffer the format has no slot for: loads as zeros, and saving refuses anything else."""
+
+    def __init__(self, architecture: str, fix: str):
+        self.architecture, self.fix = architecture, fix
+
+    def read(self, get, index):
+        return torch.zeros([s.stop - s.start for s in index], dtype=torch.float32)
+
+    def write(self, tensor, name):
+        if torch.count_nonzero(tensor):
+            raise HFFormatError(f"{name} is non-zero but {self.architecture} has no slot for it: {self.fix}.")
+        return {}
+
+
+def no_bias_slot(architecture: str) -> Absent:
+    return Absent(architecture, "train with bias_update_rate=0 (the bias then stays zero), or save as "
+                                "DeepseekV3ForCausalLM, which stores it as e_score_correction_bias")
+
+
+def half_split_perm(n_heads: int, head_dim: int) -> torch.Tensor:
+    """Row order taking half-split rotary pairs ``(j, j + K/2)`` to our interleaved ``(2j, 2j + 1)``, per head."""
+    half = head_dim // 2
+    per_head = torch.stack([torch.arange(half), torch.arange(half) + half], dim=-1).flatten()
+    return (per_head + head_dim * torch.arange(n_heads)[:, None]).flatten()
+
+
+# ---- config helpers shared by the families ------------------------------------------------------------
+
+def rope_parameters(hf: dict) -> dict:
+    """``rope_parameters`` (transformers >= 5) or the older top-level ``rope_theta`` + ``rope_scaling``."""
+    params = dict(hf.get("rope_parameters") or {})
+    params.setdefault("rope_theta", hf.get("rope_theta", 10000.0))
+    scaling = hf.get("rope_scaling") or {}
+    params.update(scaling)
+    kind = params.pop("type", None) or params.get("rope_type") or "default"
+    params["rope_type"] = kind
+    return params
+
+
+def rope_fields(hf: dict) -> dict:
+    """Our rotary fields from the config: plain or YaRN (read as transformers reads them); others refused."""
+    params = rope_parameters(hf)
+    fields = {"rope_theta": float(params["rope_theta"])}
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise HFFormatError(f"config.json partial_rotary_factor={params['partial_rotary_factor']} is not supported: "
+                            f"every query/key dim is rotated here.")
+    if params["rope_type"] == "default":
+        return fields
+    if params["rope_type"] != "yarn":
+        raise HFFormatError(f"config.json rope_scaling type {params['rope_type']!r} is not supported: only 'yarn' "
+                            f"(or no scaling) is implemented.")
+    original = (params.get("original_max_position_embeddings") or hf.get("original_max_position_embeddings")
+                or hf["max_position_embeddings"])
+    factor = params.get("factor") or hf["max_position_embeddings"] / original
+    return {**fields, "rope_scaling": "yarn", "rope_factor": float(factor), "rope_original_max_seq_len": int(original),
+            "rope_beta_fast": float(params.get("beta_fast") or 32),
+            "rope_beta_slow": float(params.get("beta_slow") or 1),
+            "rope_mscale": float(params.get("mscale") or 0),  # transformers treats a missing mscale as off
+            "rope_mscale_all_dim": float(params.get("mscale_all_dim") or 0),
+            "rope_attention_factor": params.get("attention_factor"),
+            "rope_truncate": bool(params.get("truncate", True))}
+
+
+def rope_to_hf(config: MoEConfig) -> dict:
+    """Top-level ``rope_theta`` + ``rope_scaling``: what released configs use and every reader understands."""
+    if config.rope_scaling != "yarn":
+        return {"rope_theta": config.rope_theta, "rope_scaling": None}
+    scaling = {"type": "yarn", "rope_type": "yarn", "factor": config.rope_factor,
+               "original_max_position_embeddings": config.rope_original_max_seq_len,
+               "beta_fast": config.rope_beta_fast, "beta_slow": config.rope_beta_slow, "mscale": config.rope_mscale,
+               "mscale_all_dim": config.rope_mscale_all_dim, "truncate": config.rope_truncate}
+    if config.rope_attention_factor is not None:
+        scaling["attention_factor"] = config.rope_attention_factor
+    return {"rope_theta": config.rope_theta, "rope_scaling": scaling}
+
+
+def field(hf: dict, *names: str):
+    """The first of ``names`` config.json has (transformers renames some on save, e.g. ``num_local_experts``)."""
+    for name in names:
+        if hf.get(name) is not None:
+            return hf[name]
+    raise HFFormatError(f"config.json lacks {' / '.join(names)}: the file is incomplete for this architecture.")
+
+
+def refuse(hf: dict, field: str, bad: Callable[[object], bool], why: str) -> None:
+    if bad(hf.get(field)):
+        raise HFFormatError(f"config.json {field}={hf.get(field)!r} is not supported: {why}.")
+
+
+def refuse_common(hf: dict) -> None:
+    """What no family here supports: other activations, biases, sliding windows, quantised weights."""
+    refuse(hf, "hidden_act", lambda v: v not in (None, "silu"), "the experts and FFNs are SwiGLU (hidden_act='silu')")
+    refuse(hf, "attention_bias", bool, "attention projections have no biases here")
+    refuse(hf, "mlp_bias", bool, "FFN projections have no biases here")
+    refuse(hf, "use_sliding_window", bool, "sliding-window attention is not implemented")
+    if "use_sliding_window" not in hf:
+        refuse(hf, "sliding_window", lambda v: v is not None, "sliding-window attention is not implemented; "
+               "set it to null only if the model was trained with full attention")
+    quant = hf.get("quantization_config")
+    if quant:
+        raise HFFormatError(f"config.json quantization_config={quant.get('quant_method', quant)!r}: quantised "
+                            f"weights (e.g. FP8 blocks with *.weight_scale_inv tensors) are not supported; "
+                            f"dequantise to bf16 first.")
+
+
+def check_representable(config: MoEConfig, architecture: str, **required) -> None:
+    """Refuse to write ``architecture`` unless each named config field has the required value."""
+    for field, want in required.items():
+        have = getattr(config, field)
+        if have != want:
+            raise HFFormatError(f"MoEConfig.{field}={have!r} cannot be written as {architecture}, which needs "
+                                f"{field}={want!r}: choose another architecture (or change the model).")
+
+
+def common_config(hf: dict) -> dict:
+    """Fields every family spells the same way."""
+    head_dim = hf.get("head_dim")
+    return dict(vocab_size=hf["vocab_size"], dim=hf["hidden_size"], n_layers=hf["num_hidden_layers"],
+                n_heads=hf["num_attention_heads"],
+                n_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
+                head_dim=head_dim, max_seq_len=hf.get("max_position_embeddings", 4096),
+                norm_eps=hf.get("rms_norm_eps", 1e-6), tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+                **rope_fields(hf))
+
+
+def common_to_hf(config: MoEConfig, architecture: str, model_type: str) -> dict:
+    return {"architectures": [architecture], "model_type": model_type, "vocab_size": config.vocab_size,
+            "hidden_size": config.dim, "num_hidden_layers": config.n_layers,
+            "num_attention_heads": config.n_heads, "max_position_embeddings": config.max_seq_len,
+            "rms_norm_eps": config.norm_eps, "tie_word_embeddings": config.tie_embeddings, "hidden_act": "silu",
+            "attention_bias": False, **rope_to_hf(config)}
+
+
+# ---- tensor maps shared by the families --------------------------------------------------------------
+
+def outer_sources(config: MoEConfig) -> dict[str, Source]:
+    """Embedding, final norm and head (a tied head is the embedding)."""
+    return {"tok_embeddings.weight": Copy("model.embed_tokens.weight"), "norm.weight": Copy("model.norm.weight"),
+            "output.weight": Copy("model.embed_tokens.weight" if config.tie_embeddings else "lm_head.weight")}
+
+
+def gqa_sources(config: MoEConfig, p: str, half_split: bool) -> dict[str, Source]:
+    """``self_attn.{q,k,v,o}_proj``; q and k rows reordered per head for half-split rotary layouts."""
+    rows = (lambda key, heads: Rows(key, half_split_perm(heads, config.head_dim))) if half_split else \
+        (lambda key, heads: Copy(key))
+    return {"attention.wq.weight": rows(f"{p}self_attn.q_proj.weight", config.n_heads),
+            "attention.wk.weight": rows(f"{p}self_attn.k_proj.weight", config.n_kv_heads),
+            "attention.wv.weight": Copy(f"{p}self_attn.v_proj.weight"),
+            "attention.wo.weight": Copy(f"{p}self_attn.o_proj.weight")}
+
+
+def swiglu_sources(ours: str, hf: str, names=("gate_proj", "up_proj", "down_proj")) -> dict[str, Source]:
+    """Our ``w1/w3/w2`` (gate, up, down) of a dense FFN or shared expert."""
+    return {f"{ours}.{w}.weight": Copy(f"{hf}.{n}.weight") for w, n in zip(("w1", "w3", "w2"), names)}
+
+
+def expert_sources(config: MoEConfig, hf: str, names=("gate_proj", "up_proj", "down_proj")) -> dict[str, Source]:
+    """Per-expert ``{hf}.{e}.{gate,up,down}.weight`` stacked into ``w1_EFD``, ``w3_EFD``, ``w2_EDF``."""
+    E = config.num_experts
+    return {f"ffn.experts.{w}": Stack([f"{hf}.{e}.{n}.weight" for e in range(E)])
+            for w, n in zip(("w1_EFD", "w3_EFD", "w2_EDF"), names)}
+
+
+def layer_sources(config: MoEConfig, i: int, attention: dict[str, Source], moe: Callable[[str], dict]) -> dict:
+    """One block: norms, attention, and a dense FFN (``mlp.*_proj``) or the family's MoE layer."""
+    p = f"model.layers.{i}."
+    out = {"attention_norm.weight": Copy(f"{p}input_layernorm.weight"),
+           "ffn_norm.weight": Copy(f"{p}post_attention_layernorm.weight"), **attention}
+    out.update(moe(p) if config.is_moe_layer(i) else swiglu_sources("ffn", f"{p}mlp"))
+    return {f"layers.{i}.{k}": v for k, v in out.items()}

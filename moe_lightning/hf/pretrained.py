@@ -1,0 +1,180 @@
+"""``from_pretrained`` / ``save_pretrained``, and the in-place fill a sharded model uses to read only its slices."""
+
+import dataclasses
+import re
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from ..model import MoEConfig, MoETransformer
+from .deepseek import DeepseekV2, DeepseekV3
+from .files import SafetensorsDir, read_config, write_directory
+from .mapping import Absent, HFFormatError, Source
+from .mixtral import Mixtral
+from .olmoe import Olmoe
+from .qwen3_moe import Qwen3Moe
+
+FAMILIES = {family.ARCHITECTURE: family for family in (Mixtral, Qwen3Moe, Olmoe, DeepseekV3, DeepseekV2)}
+
+
+def family_of(hf: dict):
+    architectures = hf.get("architectures") or []
+    if len(architectures) != 1 or architectures[0] not in FAMILIES:
+        raise HFFormatError(f"config.json architectures={architectures} is not supported: the families read here "
+                            f"are {sorted(FAMILIES)}.")
+    return FAMILIES[architectures[0]]
+
+
+def load_config(path: str | Path) -> MoEConfig:
+    """The ``MoEConfig`` a Hugging Face directory describes (refusing what the model cannot compute)."""
+    hf = read_config(path)
+    return family_of(hf).config_from_hf(hf)
+
+
+# Settings of training, not of the released weights: a config given beside ``pretrained`` may change them.
+TRAINING_FIELDS = {"bias_update_rate", "aux_loss_coef", "z_loss_coef", "init_std", "max_seq_len",
+                   "document_masking", "eod_token_id"}
+
+
+def merge_config(path: str | Path, config: MoEConfig | None = None) -> MoEConfig:
+    """The directory's config; fields the user set in ``config`` (those not at their default) are kept if they
+    are training settings and must otherwise agree with the checkpoint."""
+    loaded = load_config(path)
+    if config is None:
+        return loaded
+    changes, default = {}, MoEConfig()  # an instance, so derived defaults (head_dim) count as unset too
+    for field in dataclasses.fields(MoEConfig):
+        mine, theirs = getattr(config, field.name), getattr(loaded, field.name)
+        if mine == getattr(default, field.name) or mine == theirs:
+            continue
+        if field.name not in TRAINING_FIELDS:
+            raise HFFormatError(f"model.config.{field.name}={mine!r} contradicts {str(path)!r} ({theirs!r}): drop it "
+                                f"from the config (only {sorted(TRAINING_FIELDS)} may differ from the checkpoint).")
+        changes[field.name] = mine
+    return dataclasses.replace(loaded, **changes)
+
+
+def _checked(path: str | Path, shapes: dict[str, torch.Size]) -> tuple[MoEConfig, dict[str, Source], SafetensorsDir]:
+    """Config, the source of every tensor, and the files; every name, key and shape checked before any read."""
+    hf = read_config(path)
+    family = family_of(hf)
+    config = family.config_from_hf(hf)
+    sources = family.sources(config, hf)
+    if set(shapes) != set(sources):
+        raise HFFormatError(f"the model's tensors {sorted(set(shapes) ^ set(sources))[:6]} do not match a "
+                            f"{family.ARCHITECTURE} of this config.json: build the model from "
+                            f"hf.load_config({str(path)!r}).")
+    files = SafetensorsDir(path)
+    wanted = {key for source in sources.values() for key in source.keys()}
+    present = files.keys()
+    if missing := sorted(wanted - present):
+        raise HFFormatError(f"{str(path)!r} lacks {len(missing)} tensors that config.json implies, e.g. {missing[:4]}.")
+    extra = sorted(k for k in present - wanted if not k.endswith("rotary_emb.inv_freq"))  # derived, never needed
+    mtp = [k for k in extra if (m := re.match(r"model\.layers\.(\d+)\.", k)) and int(m[1]) >= config.n_layers]
+    if mtp:
+        raise HFFormatError(f"multi-token-prediction layer tensors such as {mtp[:3]} (model.layers.{config.n_layers}.* "
+                            f"and beyond) are not supported: remove them from the checkpoint to load the main model.")
+    if fp8 := [k for k in extra if k.endswith("_scale_inv") or k.endswith(".weight_scale")]:
+        raise HFFormatError(f"quantisation scales such as {fp8[:3]} are not supported: dequantise the weights to bf16.")
+    if extra:
+        raise HFFormatError(f"{str(path)!r} holds {len(extra)} tensors a {family.ARCHITECTURE} does not use, "
+                            f"e.g. {extra[:4]}: they would be dropped, so the checkpoint is refused.")
+    for name, source in sources.items():
+        source.check(files.shape, tuple(shapes[name]), name)
+    return config, sources, files
+
+
+def _local_region(tensor: torch.Tensor) -> tuple[torch.Tensor, tuple[slice, ...]]:
+    """This rank's part of ``tensor`` and where it sits in the global tensor."""
+    if isinstance(tensor, DTensor):
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset  # private, since 2.5
+        shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
+        return tensor.to_local(), tuple(slice(o, o + s) for o, s in zip(offset, shape))
+    return tensor, tuple(slice(0, s) for s in tensor.shape)
+
+
+@torch.no_grad()
+def fill_state_dict(state: dict[str, torch.Tensor], path: str | Path) -> None:
+    """Copy a Hugging Face checkpoint into ``state``'s tensors in place (names as in ``MoETransformer``).
+
+    Plain tensors are read whole; a DTensor reads only its local region: a row shard only its rows, an
+    expert shard only the per-expert tensors of its experts. This is the seam a sharding strategy calls.
+    """
+    _, sources, files = _checked(path, {name: t.shape for name, t in state.items()})
+    for name, tensor in state.items():
+        local, index = _local_region(tensor)
+        if local.numel():
+            local.copy_(sources[name].read(files.get, index))
+
+
+@torch.no_grad()
+def from_pretrained(path: str | Path, dtype: torch.dtype | None = None) -> MoETransformer:
+    """Build the model a Hugging Face directory describes and load its weights.
+
+    ``dtype=None`` keeps every tensor's stored dtype (so saving it again is bit-identical); otherwise floating
+    weights are cast to ``dtype`` (the balancing bias stays float32, as the router computes in float32).
+    """
+    config = load_config(path)
+    with torch.device("meta"):
+        model = MoETransformer(config)
+    shapes = {name: t.shape for name, t in model.state_dict().items()}
+    _, sources, files = _checked(path, shapes)
+    state = {}
+    for name, shape in shapes.items():
+        tensor = sources[name].read(files.get, tuple(slice(0, s) for s in shape))
+        cast = dtype is not None and tensor.is_floating_point() and not name.endswith("expert_bias")
+        state[name] = tensor.to(dtype) if cast else tensor
+    if config.tie_embeddings:
+        state["output.weight"] = state["tok_embeddings.weight"]
+    model.load_state_dict(state, assign=True)
+    if config.tie_embeddings:
+        model.output.weight = model.tok_embeddings.weight
+    if left := [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]:
+        raise HFFormatError(f"from_pretrained left {left[:4]} unloaded (not in the state dict).")
+    return model
+
+
+def choose_family(config: MoEConfig, architecture: str | None = None):
+    """The named family, or the only kind of checkpoint that can hold ``config``."""
+    if architecture is not None:
+        if architecture not in FAMILIES:
+            raise HFFormatError(f"architecture={architecture!r} is not supported: choose one of {sorted(FAMILIES)}.")
+        FAMILIES[architecture].config_to_hf(config)
+        return FAMILIES[architecture]
+    reasons = []
+    for family in FAMILIES.values():
+        try:
+            family.config_to_hf(config)
+            return family
+        except HFFormatError as err:
+            reasons.append(str(err))
+    raise HFFormatError("no Hugging Face family can hold this model:\n  " + "\n  ".join(reasons))
+
+
+def write_pretrained(config: MoEConfig, get: Callable[[str], torch.Tensor], path: str | Path,
+                     architecture: str | None = None, max_shard_bytes: int = 5 * 2**30) -> Path:
+    """Write a Hugging Face directory, asking ``get(name)`` for one of our tensors at a time (streaming)."""
+    family = choose_family(config, architecture)
+    hf_config = family.config_to_hf(config)
+    sources = family.sources(config)
+    for name, source in sources.items():  # cheap refusals first: a non-zero bias the format cannot hold
+        if isinstance(source, Absent):
+            source.write(get(name), name)
+
+    def tensors():
+        written = set()
+        for name, source in sources.items():
+            for key, tensor in source.write(get(name), name).items():
+                if key not in written:  # a tied head is the embedding
+                    written.add(key)
+                    yield key, tensor
+    return write_directory(path, hf_config, tensors(), max_shard_bytes)
+
+
+def save_pretrained(model: MoETransformer, path: str | Path, architecture: str | None = None,
+                    max_shard_bytes: int = 5 * 2**30) -> Path:
+    """Write ``config.json`` and safetensors shards (+ index) that ``transformers`` loads as ``architecture``."""
+    state = model.state_dict()
+    return write_pretrained(model.config, state.__getitem__, path, architecture, max_shard_bytes)

@@ -1,0 +1,53 @@
+"""Qwen3-MoE: GQA with half-split rotary and per-head QK-norm, softmax routing, dense blocks in any pattern."""
+
+from ..model import MoEConfig
+from .mapping import (Copy, Rows, check_representable, common_config, common_to_hf, expert_sources, field,
+                      gqa_sources, half_split_perm, layer_sources, no_bias_slot, outer_sources, refuse_common)
+
+
+def qk_norm_sources(p: str, q_heads: int, k_heads: int, head_dim: int) -> dict:
+    """QK-norm weights act on rotary dims before rotation, so they move with the q/k rows."""
+    return {"attention.q_norm.weight": Rows(f"{p}self_attn.q_norm.weight", half_split_perm(q_heads, head_dim)),
+            "attention.k_norm.weight": Rows(f"{p}self_attn.k_norm.weight", half_split_perm(k_heads, head_dim))}
+
+
+def router_and_experts(config: MoEConfig, p: str, architecture: str) -> dict:
+    """``mlp.gate`` + ``mlp.experts.{e}.{gate,up,down}_proj``, no shared experts, no bias slot."""
+    return {"ffn.router.gate.weight": Copy(f"{p}mlp.gate.weight"), "ffn.router.expert_bias": no_bias_slot(architecture),
+            **expert_sources(config, f"{p}mlp.experts")}
+
+
+class Qwen3Moe:
+    ARCHITECTURE, MODEL_TYPE = "Qwen3MoeForCausalLM", "qwen3_moe"
+
+    @staticmethod
+    def config_from_hf(hf: dict) -> MoEConfig:
+        refuse_common(hf)
+        L, step, only = hf["num_hidden_layers"], hf.get("decoder_sparse_step", 1), set(hf.get("mlp_only_layers") or [])
+        dense = [i for i in range(L) if i in only or (i + 1) % step]  # transformers' rule for which blocks are MoE
+        return MoEConfig(**common_config(hf), ffn_hidden=hf["intermediate_size"], n_dense_layers=0,
+                         dense_layers=dense or None, num_experts=field(hf, "num_experts", "num_local_experts"),
+                         top_k=hf["num_experts_per_tok"],
+                         expert_hidden=hf["moe_intermediate_size"], n_shared_experts=0, score_func="softmax",
+                         route_norm=bool(hf.get("norm_topk_prob", False)), route_scale=1.0, attention="gqa",
+                         qk_norm="head")
+
+    @classmethod
+    def config_to_hf(cls, config: MoEConfig) -> dict:
+        check_representable(config, cls.ARCHITECTURE, attention="gqa", qk_norm="head", clip_qkv=None,
+                            n_shared_experts=0, score_func="softmax", route_scale=1.0, n_expert_groups=1)
+        dense = [i for i in range(config.n_layers) if not config.is_moe_layer(i)]
+        return {**common_to_hf(config, cls.ARCHITECTURE, cls.MODEL_TYPE), "num_key_value_heads": config.n_kv_heads,
+                "head_dim": config.head_dim, "intermediate_size": config.ffn_hidden,
+                "moe_intermediate_size": config.expert_hidden, "num_experts": config.num_experts,
+                "num_experts_per_tok": config.top_k, "norm_topk_prob": config.route_norm, "decoder_sparse_step": 1,
+                "mlp_only_layers": dense, "use_sliding_window": False, "sliding_window": None}
+
+    @classmethod
+    def sources(cls, config: MoEConfig, hf: dict | None = None) -> dict:
+        out = outer_sources(config)
+        for i in range(config.n_layers):
+            p = f"model.layers.{i}."
+            attention = {**gqa_sources(config, p, half_split=True), **qk_norm_sources(p, 1, 1, config.head_dim)}
+            out.update(layer_sources(config, i, attention, lambda p: router_and_experts(config, p, cls.ARCHITECTURE)))
+        return out

@@ -1,0 +1,355 @@
+"""Hugging Face checkpoints in and out, against ``transformers``' own implementations (tiny random models,
+no downloads). Weights are drawn with std 0.3 and norm weights around 1 so attention and routing are far from
+uniform (logits are O(1)); a mapping mistake then moves logits by O(1), far above the 1e-4 tolerance, which
+only has to absorb float32 summation-order differences (~5e-6 observed)."""
+
+import glob
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+transformers = pytest.importorskip("transformers")
+
+from moe_lightning import MoEConfig, MoELanguageModel, cli, hf  # noqa: E402
+from moe_lightning.flops import parameter_counts  # noqa: E402
+from moe_lightning.hf import HFFormatError  # noqa: E402
+from moe_lightning.hf.files import SafetensorsDir  # noqa: E402
+from moe_lightning.model import ConfigError, MoETransformer  # noqa: E402
+
+from .distributed import REPO_ROOT, run_ranks  # noqa: E402
+
+COMMON = dict(vocab_size=320, hidden_size=32, num_attention_heads=4, num_experts_per_tok=2)
+MLA = dict(kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, moe_intermediate_size=16,
+           intermediate_size=48, n_routed_experts=8, num_hidden_layers=2, first_k_dense_replace=1)
+YARN_40 = {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32, "beta_slow": 1,
+           "mscale": 1.0, "mscale_all_dim": 1.0}  # DeepSeek-V3's published rope_scaling
+FAMILIES = {
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM",
+                dict(intermediate_size=48, num_hidden_layers=2, num_key_value_heads=2, num_local_experts=4)),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",  # blocks 0 and 2 dense (sparse step 2), 3 listed dense
+                  dict(intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=4, num_key_value_heads=2,
+                       head_dim=16, num_experts=4, decoder_sparse_step=2, mlp_only_layers=[3], norm_topk_prob=True,
+                       max_position_embeddings=64,
+                       rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16})),
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM",
+              dict(intermediate_size=16, num_hidden_layers=2, num_key_value_heads=2, num_experts=4, clip_qkv=1.5)),
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM",
+                    dict(**MLA, q_lora_rank=16, n_group=4, topk_group=2, n_shared_experts=1, num_mtp_layers=0,
+                         routed_scaling_factor=2.5, max_position_embeddings=163840, rope_scaling=YARN_40)),
+    "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM",  # V2-Lite-like: full-rank queries
+                    dict(**MLA, q_lora_rank=None, n_group=4, topk_group=2, topk_method="group_limited_greedy",
+                         n_shared_experts=2, routed_scaling_factor=1.5)),
+}
+
+
+def build_reference(name: str, dtype=torch.float32):
+    config_cls, model_cls, kwargs = FAMILIES[name]
+    torch.manual_seed(0)
+    model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**COMMON, **kwargs)).eval()
+    with torch.no_grad():
+        for key, tensor in list(model.named_parameters()) + list(model.named_buffers()):
+            if key.endswith("norm.weight"):
+                tensor.copy_(1 + 0.2 * torch.randn_like(tensor))
+            elif key.endswith("e_score_correction_bias"):
+                tensor.copy_(0.1 * torch.randn_like(tensor))  # a real balancing bias, so it must be mapped
+            elif tensor.is_floating_point() and tensor.ndim >= 2:
+                tensor.normal_(0, 0.3)
+    return model.to(dtype)
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(request, tmp_path_factory):
+    """(name, transformers model, its save_pretrained directory)."""
+    ref = build_reference(request.param)
+    path = tmp_path_factory.mktemp(request.param)
+    ref.save_pretrained(path)
+    return request.param, ref, path
+
+
+def tokens(n: int = 12) -> torch.Tensor:
+    return torch.randint(0, COMMON["vocab_size"], (2, n), generator=torch.Generator().manual_seed(1))
+
+
+def safetensors_of(path) -> dict[str, torch.Tensor]:
+    out = {}
+    for file in glob.glob(f"{path}/*.safetensors"):
+        out.update(load_file(file))
+    return out
+
+
+@torch.no_grad()
+def test_transformers_to_ours_same_logits_and_greedy_tokens(family):
+    name, ref, path = family
+    ours = hf.from_pretrained(path, dtype=torch.float32)
+    logits = ref(tokens()).logits
+    assert logits.abs().mean() > 0.5  # O(1) logits: the test is sensitive to mapping mistakes
+    torch.testing.assert_close(ours(tokens()), logits, atol=1e-4, rtol=0)
+    greedy_ref = ref.generate(tokens(6), max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert torch.equal(ours.generate(tokens(6), 6, temperature=0), greedy_ref)
+
+
+@torch.no_grad()
+def test_ours_to_transformers_loads_without_missing_keys(family, tmp_path):
+    name, ref, path = family
+    ours = hf.from_pretrained(path, dtype=torch.float32)
+    out = hf.save_pretrained(ours, tmp_path / "out", max_shard_bytes=64 * 2**10)  # several shards + index
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1
+    reloaded, info = transformers.AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert type(reloaded) is type(ref)  # the architecture was chosen from the config alone
+    assert not (info["missing_keys"] or info["unexpected_keys"] or info["mismatched_keys"]), info
+    torch.testing.assert_close(reloaded.eval()(tokens()).logits, ours(tokens()), atol=1e-4, rtol=0)
+
+
+def test_checkpoint_to_ours_to_checkpoint_is_bitwise(family, tmp_path):
+    name, ref, path = family
+    original = safetensors_of(path)
+    written = safetensors_of(hf.save_pretrained(hf.from_pretrained(path), tmp_path / "out"))
+    assert set(written) == set(original)
+    for key, tensor in original.items():
+        assert written[key].dtype == tensor.dtype and torch.equal(written[key], tensor), key
+
+
+def test_bfloat16_checkpoint_keeps_its_dtype_bitwise(tmp_path):
+    ref = build_reference("mixtral", torch.bfloat16)
+    ref.save_pretrained(tmp_path / "bf16")
+    ours = hf.from_pretrained(tmp_path / "bf16")
+    assert ours.layers[0].ffn.experts.w1_EFD.dtype == torch.bfloat16
+    original, written = safetensors_of(tmp_path / "bf16"), safetensors_of(hf.save_pretrained(ours, tmp_path / "out"))
+    assert set(original) == set(written) and all(torch.equal(original[k], written[k]) for k in original)
+
+
+@torch.no_grad()
+def test_deepseek_half_split_rope_rows_are_reordered(tmp_path):
+    """``rope_interleave: false`` rotates half-split pairs of the rope dims: import re-orders those rows only."""
+    ref = build_reference("deepseek_v3")
+    ref.config.rope_interleave = False
+    ref.save_pretrained(tmp_path / "src")
+    ours = hf.from_pretrained(tmp_path / "src", dtype=torch.float32)
+    torch.testing.assert_close(ours(tokens()), ref(tokens()).logits, atol=1e-4, rtol=0)
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(hf.save_pretrained(ours, tmp_path / "out")).eval()
+    assert reloaded.config.rope_interleave  # written in our (interleaved) layout, and says so
+    torch.testing.assert_close(reloaded(tokens()).logits, ours(tokens()), atol=1e-4, rtol=0)
+
+
+@torch.no_grad()
+def test_tied_embeddings_load_tied_and_save_without_lm_head(tmp_path):
+    config_cls, model_cls, kwargs = FAMILIES["olmoe"]
+    torch.manual_seed(0)
+    hf_config = getattr(transformers, config_cls)(**COMMON, **kwargs, tie_word_embeddings=True)
+    ref = getattr(transformers, model_cls)(hf_config)
+    ref.eval().save_pretrained(tmp_path / "src")
+    ours = hf.from_pretrained(tmp_path / "src", dtype=torch.float32)
+    assert ours.output.weight is ours.tok_embeddings.weight
+    torch.testing.assert_close(ours(tokens()), ref(tokens()).logits, atol=1e-4, rtol=0)
+    assert "lm_head.weight" not in safetensors_of(hf.save_pretrained(ours, tmp_path / "out"))
+
+
+def test_any_region_reads_as_that_slice_of_the_whole(family):
+    """What a shard reads (rows of re-ordered q/k, some experts and columns) equals slicing the full tensor."""
+    name, ref, path = family
+    hf_config = json.loads((path / "config.json").read_text())
+    arch = hf.FAMILIES[hf_config["architectures"][0]]
+    config = arch.config_from_hf(hf_config)
+    with torch.device("meta"):
+        shapes = {k: t.shape for k, t in MoETransformer(config).state_dict().items()}
+    files, generator = SafetensorsDir(path), torch.Generator().manual_seed(0)
+    for tensor_name, source in arch.sources(config, hf_config).items():
+        whole = source.read(files.get, tuple(slice(0, n) for n in shapes[tensor_name]))
+        starts = [int(torch.randint(0, n, (), generator=generator)) for n in whole.shape]
+        region = tuple(slice(lo, int(torch.randint(lo + 1, n + 1, (), generator=generator)))
+                       for lo, n in zip(starts, whole.shape))
+        assert torch.equal(source.read(files.get, region), whole[region]), tensor_name
+
+
+# Each changes one mapped feature and must change the logits: the test configs really exercise it.
+FEATURES = [("deepseek_v3", dict(rope_scaling="none", rope_factor=1.0)),
+            ("qwen3_moe", dict(rope_scaling="none", rope_factor=1.0)),
+            ("deepseek_v3", dict(n_expert_groups=1, n_limited_groups=1)), ("deepseek_v3", dict(group_score="max")),
+            ("deepseek_v2", dict(group_score="top2_sum")), ("deepseek_v3", dict(route_scale=1.0)),
+            ("olmoe", dict(clip_qkv=None)), ("qwen3_moe", dict(route_norm=False)), ("deepseek_v3", "zero bias")]
+
+
+@pytest.mark.parametrize("name,change", FEATURES, ids=[f"{n}-{c if isinstance(c, str) else ','.join(c)}"
+                                                         for n, c in FEATURES])
+@torch.no_grad()
+def test_features_are_exercised(name, change, tmp_path):
+    build_reference(name).save_pretrained(tmp_path)
+    ours = hf.from_pretrained(tmp_path, dtype=torch.float32)
+    state = ours.state_dict()
+    if change == "zero bias":
+        config = ours.config
+        state = {k: torch.zeros_like(v) if k.endswith("expert_bias") else v for k, v in state.items()}
+    else:
+        config = MoEConfig(**{**ours.config.__dict__, **change})
+    with torch.device("meta"):
+        changed = MoETransformer(config)
+    changed.load_state_dict(state, assign=True)
+    assert (changed(tokens()) - ours(tokens())).abs().max() > 1e-2
+
+
+def test_group_rules_rank_groups_differently():
+    """V3 ranks groups by the sum of their best two scores, V2 by their best score."""
+    scores_TE = torch.tensor([[0.9, 0.0, 0.5, 0.5]])  # group 0: best 0.9, top-2 sum 0.9; group 1: 0.5 and 1.0
+    kept = {}
+    for rule in ("top2_sum", "max"):
+        router = MoETransformer(MoEConfig(num_experts=4, top_k=1, n_expert_groups=2, n_limited_groups=1,
+                                          group_score=rule, n_layers=1, n_dense_layers=0)).layers[0].ffn.router
+        kept[rule] = router._mask_unselected_groups(scores_TE).isfinite()[0].tolist()
+    assert kept == {"top2_sum": [False, False, True, True], "max": [True, True, False, False]}
+
+
+def test_dense_layer_pattern():
+    pattern = MoEConfig(n_layers=4, n_dense_layers=0, dense_layers=[3, 1])
+    assert pattern.dense_layers == [1, 3] and pattern.n_moe_layers == 2
+    assert [b.is_moe for b in MoETransformer(pattern).layers] == [True, False, True, False]
+    assert parameter_counts(pattern) == parameter_counts(MoEConfig(n_layers=4, n_dense_layers=2))
+    for bad in (dict(dense_layers=[1]), dict(n_dense_layers=0, dense_layers=[4]),
+                dict(n_dense_layers=0, dense_layers=[1, 1])):
+        with pytest.raises(ConfigError, match="dense_layers"):
+            MoEConfig(n_layers=4, **bad)
+
+
+def _edited_copy(src: Path, dst: Path, **changes) -> Path:
+    shutil.copytree(src, dst)
+    config = json.loads((dst / "config.json").read_text())
+    config.update(changes)
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst
+
+
+@pytest.mark.parametrize("name,changes,message", [
+    ("mixtral", dict(architectures=["LlamaForCausalLM"]), "architectures"),
+    ("mixtral", dict(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6}),
+     "rope_scaling type 'linear'"),
+    ("mixtral", dict(hidden_act="gelu"), "hidden_act"),
+    ("mixtral", dict(sliding_window=4096), "sliding_window"),
+    ("qwen3_moe", dict(use_sliding_window=True), "use_sliding_window"),
+    ("olmoe", dict(attention_bias=True), "attention_bias"),
+    ("deepseek_v3", dict(quantization_config={"quant_method": "fp8"}), "quantization_config"),
+    ("deepseek_v2", dict(norm_topk_prob=True), "norm_topk_prob"),
+])
+def test_unsupported_config_is_refused_naming_the_field(name, changes, message, tmp_path):
+    build_reference(name).save_pretrained(tmp_path / "src")
+    with pytest.raises(HFFormatError, match=message):
+        hf.from_pretrained(_edited_copy(tmp_path / "src", tmp_path / "bad", **changes))
+
+
+@pytest.mark.parametrize("extra,message", [("model.layers.2.eh_proj.weight", "multi-token-prediction"),
+                                           ("model.layers.0.mlp.gate_proj.weight_scale_inv", "quantisation scales"),
+                                           ("model.layers.0.self_attn.q_proj.bias", "does not use")])
+def test_tensors_that_would_be_dropped_are_refused(extra, message, tmp_path):
+    build_reference("deepseek_v3").save_pretrained(tmp_path)
+    save_file({extra: torch.zeros(2)}, tmp_path / "extra.safetensors")
+    with pytest.raises(HFFormatError, match=message) as err:
+        hf.from_pretrained(tmp_path)
+    assert extra in str(err.value)
+
+
+def test_missing_or_pickled_weights_are_refused(tmp_path):
+    build_reference("mixtral").save_pretrained(tmp_path / "ok")
+    torch.save({}, tmp_path / "ok" / "pytorch_model.bin")
+    (tmp_path / "ok" / "model.safetensors").rename(tmp_path / "weights")
+    with pytest.raises(HFFormatError, match="no \\*.safetensors"):
+        hf.from_pretrained(tmp_path / "ok")
+    state = load_file(tmp_path / "weights")
+    del state["model.layers.1.block_sparse_moe.experts.3.w2.weight"]
+    save_file(state, tmp_path / "ok" / "model.safetensors")
+    with pytest.raises(HFFormatError, match="lacks 1 tensors"):
+        hf.from_pretrained(tmp_path / "ok")
+
+
+def test_saving_what_the_format_cannot_hold_is_refused(family, tmp_path):
+    name, ref, path = family
+    ours = hf.from_pretrained(path)
+    if name != "deepseek_v3":  # every other family lacks a slot for the balancing bias
+        ours.moe_layers()[0].router.expert_bias[0] = 0.5
+        bias = f"layers.{next(i for i, b in enumerate(ours.layers) if b.is_moe)}.ffn.router.expert_bias"
+        with pytest.raises(HFFormatError, match=f"{bias} is non-zero"):
+            hf.save_pretrained(ours, tmp_path / "out")
+        assert not list((tmp_path / "out").glob("*.safetensors"))  # refused before writing
+    other = "MixtralForCausalLM" if name != "mixtral" else "DeepseekV3ForCausalLM"
+    with pytest.raises(HFFormatError, match=f"cannot be written as {other}"):
+        hf.save_pretrained(ours, tmp_path / "other", architecture=other)
+    with pytest.raises(HFFormatError, match="no Hugging Face family can hold"):
+        hf.save_pretrained(MoETransformer(MoEConfig(n_layers=1)), tmp_path / "default")  # softmax + shared experts
+
+
+def test_module_starts_from_pretrained_weights(family):
+    name, ref, path = family
+    module = MoELanguageModel(MoEConfig(aux_loss_coef=0.01), pretrained=str(path))
+    module.configure_model()
+    assert module.config.aux_loss_coef == 0.01  # a training setting may differ from the checkpoint
+    assert module.hparams["config"] == module.config  # checkpoints record the checkpoint's shape
+    expected = hf.from_pretrained(path, dtype=torch.float32).state_dict()
+    assert all(torch.equal(t, expected[k]) for k, t in module.model.state_dict().items())
+    with pytest.raises(HFFormatError, match="model.config.dim=64 contradicts"):
+        MoELanguageModel(MoEConfig(dim=64), pretrained=str(path))
+
+
+def test_cli_fit_from_pretrained_uses_its_tokenizer(tmp_path):
+    tokenizers = pytest.importorskip("tokenizers")
+    path = tmp_path / "mixtral"
+    build_reference("mixtral").save_pretrained(path)
+    words = {w: i for i, w in enumerate(["[UNK]", "def", "return", "import", "self", "if", "for", "in", "=", "("])}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(words, unk_token="[UNK]"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tok.save(str(path / "tokenizer.json"))
+    run = cli.run(["fit", "--model=moe_lightning.MoELanguageModel", f"--model.init_args.pretrained={path}",
+                   "--data=moe_lightning.TextDataModule", f"--data.init_args.source={shutil.__file__}",
+                   "--data.init_args.seq_len=16", "--data.init_args.batch_size=2", "--trainer.fast_dev_run=true",
+                   "--trainer.accelerator=cpu", "--trainer.enable_progress_bar=false",
+                   f"--trainer.default_root_dir={tmp_path}"])
+    assert run.datamodule.tokenizer.vocab_size == len(words) + 1  # the directory's tokenizer, not bytes
+    assert run.model.config == hf.load_config(path) and run.trainer.global_step == 1
+
+
+def test_convert_both_directions_is_bitwise(family, tmp_path):
+    name, ref, path = family
+    cli.run(["convert", str(path), "--out", str(tmp_path / "model.pt")])
+    payload = torch.load(tmp_path / "model.pt", weights_only=True)
+    assert MoEConfig(**payload["config"]) == hf.load_config(path)
+    cli.run(["convert", str(tmp_path / "model.pt"), "--out", str(tmp_path / "back")])
+    original, back = safetensors_of(path), safetensors_of(tmp_path / "back")
+    assert set(back) == set(original) and all(torch.equal(back[k], original[k]) for k in original)
+    lightning_ckpt = {"state_dict": {f"model.{k}": v for k, v in payload["state_dict"].items()},
+                      "hyper_parameters": {"config": MoEConfig(**payload["config"])}}  # as Lightning saves it
+    torch.save(lightning_ckpt, tmp_path / "last.ckpt")
+    cli.run(["export", str(tmp_path / "last.ckpt"), "--hf", "--out", str(tmp_path / "exported")])
+    exported = safetensors_of(tmp_path / "exported")
+    assert set(exported) == set(original) and all(torch.equal(exported[k], original[k]) for k in original)
+
+
+@pytest.fixture(scope="module")
+def sharded_load(tmp_path_factory):
+    """DeepSeek-V3 loaded by 2 gloo ranks with expert_parallel_size 2, then saved as a sharded checkpoint."""
+    tmp = tmp_path_factory.mktemp("sharded")
+    build_reference("deepseek_v3").save_pretrained(tmp / "hf", max_shard_size="20KB")
+    run_ranks(REPO_ROOT / "tests" / "hf_shard_run.py", 2, "--pretrained", str(tmp / "hf"), "--out",
+              str(tmp / "result.json"), "--ckpt", str(tmp / "sharded.ckpt"))
+    return tmp, [json.loads((tmp / f"result.json.{rank}").read_text()) for rank in range(2)]
+
+
+def test_sharded_load_equals_single_process_and_reads_only_local_slices(sharded_load):
+    tmp, results = sharded_load
+    total = sum(t.numel() * t.element_size() for t in safetensors_of(tmp / "hf").values())
+    for rank, result in enumerate(results):
+        assert result["mismatched"] == [] and result["compared"] == 32
+        experts = {int(k.split(".")[5]) for k in result["reads"] if ".mlp.experts." in k}
+        assert experts == set(range(4 * rank, 4 * rank + 4))  # ep rank r owns experts [4r, 4r + 4)
+        assert sum(result["reads"].values()) < 0.6 * total  # no rank reads the whole model
+
+
+def test_export_sharded_checkpoint_to_hf_is_bitwise(sharded_load):
+    tmp, _ = sharded_load
+    cli.run(["export", str(tmp / "sharded.ckpt"), "--hf", "--out", str(tmp / "exported")])
+    original, exported = safetensors_of(tmp / "hf"), safetensors_of(tmp / "exported")
+    assert set(exported) == set(original) and all(torch.equal(exported[k], original[k]) for k in original)
+    cli.run(["export", str(tmp / "sharded.ckpt"), "--out", str(tmp / "model.pt")])  # without --hf: one .pt file
+    state = torch.load(tmp / "model.pt", weights_only=False)["state_dict"]
+    assert torch.equal(state["layers.1.ffn.router.expert_bias"],
+                       original["model.layers.1.mlp.gate.e_score_correction_bias"])
