@@ -89,6 +89,22 @@ def test_every_checkpoint_kind_gives_the_same_greedy_text(run_dir):
     assert texts["sharded.ckpt"] == texts["sharded.pt"] == uncached_greedy(run_dir["sharded_model"])
 
 
+def test_hugging_face_folder_gives_the_same_greedy_text(run_dir, tmp_path):
+    from moe_lightning.hf import save_pretrained
+
+    torch.manual_seed(0)  # a shape Mixtral can hold: every layer MoE, no shared expert
+    model = MoETransformer(MoEConfig(**{**CONFIG, "n_dense_layers": 0, "n_shared_experts": 0})).eval()
+    save_pretrained(model, tmp_path / "hf")
+    (tmp_path / "hf" / "tokenizer.json").write_text(run_dir["tokenizer_json"])
+    loaded = load_model(tmp_path / "hf")
+    tokenizer = run_dir["tokenizer"]
+    prompt_1S = torch.tensor([[tokenizer.eos_id, *tokenizer.encode(PROMPT).tolist()]])
+    expected = model.generate(prompt_1S, GREEDY.max_new_tokens, temperature=0, use_cache=False)
+    assert loaded.kind == "hf" and loaded.tokenizer.vocab_size == tokenizer.vocab_size
+    assert complete(loaded.model, loaded.tokenizer, PROMPT, GREEDY) == \
+        tokenizer.decode(expected[0, prompt_1S.shape[1]:].tolist())
+
+
 def test_loaded_weights_equal_the_trained_ones(run_dir):
     for path in ("single.ckpt", "single.pt"):
         weights = read_checkpoint(run_dir["root"] / path).state_dict
