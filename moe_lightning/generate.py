@@ -1,7 +1,7 @@
 """``moe-lightning generate CKPT --prompt TEXT``: continue a prompt from any checkpoint kind, streaming the text.
 
-The model and tokenizer come from ``loading.load_model`` (the tokenizer the run recorded). ``predict`` uses the
-same ``complete`` to write continuations of a JSONL file of prompts.
+The model and tokenizer come from ``loading.load_model`` (the tokenizer the run recorded). ``predict``
+(``MoELanguageModel.predict_step``) samples through the same ``stream``.
 """
 
 import argparse

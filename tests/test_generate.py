@@ -11,7 +11,7 @@ import yaml
 
 from moe_lightning import MoEConfig, MoELanguageModel, MoETransformer, TextDataModule
 from moe_lightning.cli import COMMANDS, EXTRA_COMMANDS, run
-from moe_lightning.generate import Sampling, complete, stream
+from moe_lightning.generate import Sampling, complete, stream, stream_text
 from moe_lightning.generate import main as generate_main
 from moe_lightning.loading import export_checkpoint, load_model, read_checkpoint
 from moe_lightning.strategy import MoEFSDPStrategy
@@ -154,6 +154,13 @@ def test_stream_stops_before_the_end_of_document_token():
     eod = free[5]  # call a token the model writes the end-of-document token: it must stop right before it
     stopped = list(stream(model, prompt_1S, Sampling(**{**vars(GREEDY), "stop_at_eod": True}), eod_id=eod))
     assert stopped == free[:free.index(eod)]
+
+
+def test_streamed_text_never_shows_half_a_character():
+    text = "héllo € ok"
+    pieces = list(stream_text(iter(ByteTokenizer().encode(text).tolist()), ByteTokenizer()))
+    assert "".join(pieces) == text and not any("\ufffd" in p for p in pieces)
+    assert len(pieces) == len(text)  # one piece per character: the 2- and 3-byte ones arrive whole
 
 
 def write_config(root: Path) -> Path:
