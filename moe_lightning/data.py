@@ -236,19 +236,25 @@ class TextDataModule(L.LightningDataModule):
                           num_workers=self.num_workers)
 
     def state_dict(self) -> dict:
-        """Training position: batches processed this epoch x the global batch (valid at any world size)."""
+        """Training position: batches processed this epoch x the global batch (valid at any world size); and
+        the tokenizer, so ``generate`` and ``export`` use the run's own without being told."""
         if self.trainer is None:
-            return {}
+            return {"tokenizer": self.tokenizer.spec()}
         processed = self.trainer.fit_loop.epoch_loop.batch_progress.current.processed
         global_batch = self.batch_size * self._sampler_kwargs()["num_replicas"]
-        return {"epoch": self.trainer.current_epoch, "samples": processed * global_batch}
+        return {"epoch": self.trainer.current_epoch, "samples": processed * global_batch,
+                "tokenizer": self.tokenizer.spec()}
 
     def load_state_dict(self, state_dict: dict) -> None:
-        if state_dict:
+        if "epoch" in state_dict:
             self._resume_position = (state_dict["epoch"], state_dict["samples"])
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(self.val_set, batch_size=self.batch_size, shuffle=False, num_workers=self.num_workers)
+
+    def test_dataloader(self) -> DataLoader:
+        """The held-out split (of ``source``: point it at other text to score that text's held-out share)."""
+        return self.val_dataloader()
 
 
 def tokenize_main(argv: list[str] | None = None) -> None:

@@ -10,6 +10,7 @@ import torchmetrics
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 
 from . import hf
+from .generate import stream
 from .loss import chunked_cross_entropy
 from .model import MoEConfig, MoETransformer
 from .optim import WarmupCosineLR, param_groups
@@ -138,6 +139,20 @@ class MoELanguageModel(L.LightningModule):
     def on_validation_epoch_end(self) -> None:
         self.log("val/perplexity", self.val_loss_mean.compute().exp())
         self.val_loss_mean.reset()
+
+    def test_step(self, batch_BS1: torch.Tensor, batch_idx: int) -> None:
+        """Held-out loss per token; perplexity is exp of that mean over the whole test set (not a mean of exps)."""
+        loss = self._loss(batch_BS1)
+        self.val_loss_mean.update(loss, weight=batch_BS1.shape[0])  # a short last batch counts for its tokens
+        self.log("test/loss", loss, sync_dist=True, batch_size=batch_BS1.shape[0])
+
+    def on_test_epoch_end(self) -> None:
+        self.log("test/perplexity", self.val_loss_mean.compute().exp())
+        self.val_loss_mean.reset()
+
+    def predict_step(self, batch: dict, batch_idx: int) -> list[int]:
+        """One prompt ``{"tokens_1S", "sampling"}`` (see ``cli.MoECLI.predict``) → the new token ids."""
+        return list(stream(self.model, batch["tokens_1S"], batch["sampling"], batch["eod_id"]))
 
     def configure_optimizers(self):
         optimizer = self.optimizer_factory(param_groups(self.model, self.weight_decay))

@@ -1,5 +1,6 @@
 """Tokenizers: byte-level by default (nothing to download), a ``tokenizers`` JSON file as an option."""
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -12,6 +13,9 @@ class ByteTokenizer:
     vocab_size = 257
     eos_id = 256
 
+    def spec(self) -> dict:
+        return {"kind": "bytes"}
+
     def encode(self, text: str) -> np.ndarray:
         return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.uint32)
 
@@ -22,21 +26,30 @@ class ByteTokenizer:
 class HFTokenizer:
     """A trained ``tokenizers`` JSON file (install the ``tokenizers`` extra)."""
 
-    def __init__(self, path: str):
-        if not Path(path).is_file():
+    def __init__(self, path: str, content: str | None = None, eos_token: str | None = None):
+        """``content`` and ``eos_token`` (as a checkpoint recorded them) stand in for the files."""
+        if content is None and not Path(path).is_file():
             raise FileNotFoundError(f"tokenizer={path!r}: no such file; pass a tokenizers JSON file or omit it "
                                     "for the byte-level tokenizer.")
         try:
             from tokenizers import Tokenizer
         except ImportError as err:
             raise ImportError("tokenizer: a JSON tokenizer needs `pip install tokenizers`.") from err
-        self._tok = Tokenizer.from_file(path)
-        eos_id = self._tok.token_to_id(eos) if (eos := _declared_eos_token(Path(path))) else None
+        self.path = path
+        self.content = Path(path).read_text(encoding="utf-8") if content is None else content
+        self.eos_token = _declared_eos_token(Path(path)) if content is None else eos_token
+        self._tok = Tokenizer.from_str(self.content)
+        eos_id = self._tok.token_to_id(self.eos_token) if self.eos_token else None
         if eos_id is not None:  # a released model's tokenizer: its own end-of-sequence token ends documents
             self.vocab_size, self.eos_id = self._tok.get_vocab_size(), eos_id
         else:  # a tokenizer trained without one: one more id, after the vocabulary
             self.vocab_size = self._tok.get_vocab_size() + 1
             self.eos_id = self.vocab_size - 1
+
+    def spec(self) -> dict:
+        """The whole JSON travels with the checkpoint: generation works where the files are gone."""
+        return {"kind": "tokenizers", "path": self.path, "json": self.content, "eos_token": self.eos_token,
+                "sha256": hashlib.sha256(self.content.encode("utf-8")).hexdigest()}
 
     def encode(self, text: str) -> np.ndarray:
         return np.asarray(self._tok.encode(text).ids, dtype=np.uint32)
@@ -57,3 +70,12 @@ def _declared_eos_token(path: Path) -> str | None:
 
 def load_tokenizer(path: str | None):
     return ByteTokenizer() if path is None else HFTokenizer(path)
+
+
+def tokenizer_from_spec(spec: dict):
+    """Rebuild the tokenizer a checkpoint recorded with ``tokenizer.spec()``."""
+    if spec.get("kind") == "bytes":
+        return ByteTokenizer()
+    if spec.get("kind") == "tokenizers":
+        return HFTokenizer(spec["path"], content=spec["json"], eos_token=spec.get("eos_token"))
+    raise ValueError(f"tokenizer spec {spec!r}: unknown kind (expected 'bytes' or 'tokenizers').")

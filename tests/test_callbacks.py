@@ -2,6 +2,7 @@
 
 import csv
 import warnings
+from pathlib import Path
 
 import lightning as L
 import numpy as np
@@ -11,9 +12,9 @@ from PIL import Image
 
 from moe_lightning import MoEConfig, MoELanguageModel
 from moe_lightning.callbacks import (ActivationOffload, AllocatorMonitor, ExpertLoad, ExpertLoadMonitor,
-                                     MoEThroughputMonitor, peak_bf16_flops)
+                                     MoEThroughputMonitor, TrainingCurves, peak_bf16_flops)
 from moe_lightning.callbacks import allocator_monitor
-from moe_lightning.callbacks.expert_load import load_heatmap
+from moe_lightning.callbacks.expert_load import load_figure
 from moe_lightning.flops import training_flops_per_token
 
 CONFIG = dict(vocab_size=64, dim=32, n_layers=3, n_heads=4, n_kv_heads=2, max_seq_len=16, ffn_hidden=48,
@@ -22,14 +23,21 @@ CONFIG = dict(vocab_size=64, dim=32, n_layers=3, n_heads=4, n_kv_heads=2, max_se
 BATCH, SEQ = 4, 16
 
 
-def fit(tmp_path, logger, callbacks, max_steps=4):
+def fit(tmp_path, logger, callbacks, max_steps=4, val_every=None):
     torch.manual_seed(0)
     data = torch.randint(0, CONFIG["vocab_size"], (BATCH * max_steps, SEQ + 1))
+    val = torch.utils.data.DataLoader(data[:BATCH], batch_size=BATCH) if val_every else None
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=max_steps, logger=logger, callbacks=callbacks,
                         default_root_dir=tmp_path, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, log_every_n_steps=1)
-    trainer.fit(MoELanguageModel(MoEConfig(**CONFIG)), torch.utils.data.DataLoader(data, batch_size=BATCH))
+                        enable_model_summary=False, log_every_n_steps=1, val_check_interval=val_every,
+                        limit_val_batches=1 if val_every else 0, num_sanity_val_steps=0)
+    trainer.fit(MoELanguageModel(MoEConfig(**CONFIG)), torch.utils.data.DataLoader(data, batch_size=BATCH), val)
     return trainer
+
+
+def png_size(path) -> tuple[int, int]:
+    with Image.open(path) as image:
+        return image.size
 
 
 def logged(trainer) -> dict[str, dict[int, float]]:
@@ -46,7 +54,7 @@ def logged(trainer) -> dict[str, dict[int, float]]:
 def test_callbacks_log_on_cpu_fit(tmp_path):
     offload = ActivationOffload(min_offload_bytes=0)
     throughput = MoEThroughputMonitor(log_every_n_steps=2, peak_flops=1e12)
-    expert_load = ExpertLoadMonitor(log_every_n_steps=2, image_every_n_steps=4, cell_pixels=5)
+    expert_load = ExpertLoadMonitor(log_every_n_steps=2, image_every_n_steps=4)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer = fit(tmp_path, L.pytorch.loggers.CSVLogger(tmp_path), [offload, throughput, expert_load,
@@ -61,13 +69,14 @@ def test_callbacks_log_on_cpu_fit(tmp_path):
     for step, mfu in metrics["perf/mfu"].items():
         assert mfu == pytest.approx(tokens_per_s[step] * flops_per_token / 1e12, rel=1e-6)
         assert metrics["perf/tflops_per_device"][step] == pytest.approx(mfu, rel=1e-6)
-    # expert load: per-layer metrics for the MoE blocks 1 and 2, a heatmap of 2 layers x 4 experts
-    for key in ("expert_load/layer1/max_over_mean", "expert_load/layer2/cv", "expert_load/max_over_mean"):
+    # expert load: per-layer metrics for the MoE blocks 1 and 2, a heatmap PNG readable at full size
+    for key in ("expert_load/layer1/max_over_mean", "expert_load/layer2/cv", "expert_load/max_over_mean",
+                "expert_load/layer2/dead_fraction", "expert_load/entropy"):
         assert sorted(metrics[key]) == [2, 4]
     assert all(v >= 1 for v in metrics["expert_load/layer1/max_over_mean"].values())
-    image = np.asarray(Image.open(expert_load.last_image_path))
+    assert all(0 < v <= 1 for v in metrics["expert_load/layer1/entropy"].values())
     assert expert_load.last_image_path.name == "step_0000004.png"
-    assert image.shape == (2 * 5, 4 * 5, 3) and image.dtype == np.uint8
+    assert png_size(expert_load.last_image_path)[0] >= 800
     # offload: every block but the last offloads its [4, 16, 32] fp32 input once per step
     assert set(metrics["offload/bytes"].values()) == {2 * BATCH * SEQ * 32 * 4}
     assert set(metrics["offload/tensors_out"].values()) == {2} == set(metrics["offload/tensors_in"].values())
@@ -78,14 +87,14 @@ def test_expert_load_heatmap_goes_to_tensorboard(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     logger = L.pytorch.loggers.TensorBoardLogger(tmp_path)
-    expert_load = ExpertLoadMonitor(log_every_n_steps=1, image_every_n_steps=2, cell_pixels=3)
+    expert_load = ExpertLoadMonitor(log_every_n_steps=1, image_every_n_steps=2)
     fit(tmp_path, logger, [expert_load], max_steps=2)
     logger.experiment.flush()
     events = EventAccumulator(logger.log_dir, size_guidance={"images": 0})
     events.Reload()
     (image,) = events.Images("expert_load/heatmap")
-    assert (image.step, image.height, image.width) == (2, 2 * 3, 4 * 3)
-    assert expert_load.last_image_path is None  # TensorBoard got it, so no PNG
+    assert image.step == 2 and (image.width, image.height) == png_size(expert_load.last_image_path)
+    assert image.width >= 800
 
 
 def test_training_flops_match_hand_count():
@@ -117,9 +126,54 @@ def test_expert_load_metric_and_heatmap_colours():
     result = metric.compute()
     assert result["max_over_mean"].tolist() == [1.0, 4.0]
     assert result["cv"][0] == 0 and result["cv"][1] == pytest.approx(3 ** 0.5)
-    image = load_heatmap(result["counts"], cell_pixels=1)
-    assert image[0].tolist() == [[255, 255, 255]] * 4                  # balanced: white
-    assert image[1, 0, 0] > image[1, 0, 2] and image[1, 1, 2] > image[1, 1, 0]  # over: red, under: blue
+    assert result["dead_fraction"].tolist() == [0.0, 0.75]
+    assert result["entropy"].tolist() == [pytest.approx(1.0), 0.0]  # uniform; all tokens on one expert
+
+
+def test_dead_fraction_and_entropy_match_hand_computation():
+    metric = ExpertLoad(num_layers=1, num_experts=4)
+    metric.update(torch.tensor([[6, 2, 0, 0]]))
+    metric.update(torch.tensor([[0, 0, 0, 0]]))
+    result = metric.compute()
+    shares = [6 / 8, 2 / 8]  # two experts got tokens, two got none
+    entropy = -sum(p * np.log(p) for p in shares) / np.log(4)
+    assert result["dead_fraction"].item() == 0.5
+    assert result["entropy"].item() == pytest.approx(entropy, rel=1e-12)  # float64 both sides
+    assert result["max_over_mean"].item() == 6 / 2
+
+
+def test_load_figure_has_labelled_axes_colour_bar_and_step():
+    fig = load_figure(torch.tensor([[4, 4, 4, 4], [16, 0, 0, 0]]), layer_ids=[1, 3], step=250)
+    heatmap, bar = fig.axes
+    assert heatmap.get_xlabel() == "expert" and "layer" in heatmap.get_ylabel()
+    assert [t.get_text() for t in heatmap.get_yticklabels()] == ["1", "3"]
+    assert bar.get_ylabel() == "load / mean load" and "250" in heatmap.get_title()
+    ratio = heatmap.images[0].get_array()
+    assert ratio[0].tolist() == [1, 1, 1, 1] and ratio[1, 0] == 4 and ratio[1, 1] == 0.25  # clipped at 4x
+    assert heatmap.collections[0].get_offsets().tolist() == [[1, 1], [2, 1], [3, 1]]  # dead experts crossed
+    assert fig.get_size_inches()[0] * fig.dpi >= 800
+
+
+def test_training_curves_land_in_the_run_folder(tmp_path):
+    curves = TrainingCurves(record_every_n_steps=1, plot_every_n_steps=3)
+    expert_load = ExpertLoadMonitor(log_every_n_steps=2, image_every_n_steps=0)
+    trainer = fit(tmp_path, L.pytorch.loggers.CSVLogger(tmp_path), [curves, expert_load], max_steps=6, val_every=3)
+    assert curves.path == Path(trainer.log_dir) / "training_curves.png" and png_size(curves.path) == (1500, 800)
+    tokens_per_step = BATCH * SEQ
+    history = curves.history
+    assert [t for t, _ in history["train loss"]] == [tokens_per_step * s for s in range(1, 7)]
+    assert [t for t, _ in history["val loss"]] == [tokens_per_step * 3, tokens_per_step * 6]
+    assert [t for t, _ in history["dead experts"]] == [tokens_per_step * s for s in (2, 4, 6)]
+    assert len(history["tokens/s"]) == 6 and all(v > 0 for _, v in history["tokens/s"])  # timed from train start
+    metrics = logged(trainer)
+    assert [v for _, v in history["routing entropy"]] == pytest.approx(list(metrics["expert_load/entropy"].values()))
+    lrs = [v for _, v in history["learning rate"]]
+    assert lrs[0] < lrs[-1]  # warming up (100 warmup steps by default)
+    fig = curves.figure(6)
+    titles = [ax.get_title() for ax in fig.axes]
+    assert titles == ["loss", "learning rate", "throughput", "expert imbalance", "dead experts", "routing entropy"]
+    assert all(ax.get_xlabel() == "tokens seen" and ax.get_ylabel() for ax in fig.axes)
+    assert all(ax.lines for ax in fig.axes)  # every panel has data
 
 
 def test_allocator_monitor_warns_once_with_advice(monkeypatch):

@@ -21,7 +21,8 @@ import torch.distributed.checkpoint as dcp
 
 from moe_lightning import MoEConfig, MoELanguageModel, MoETransformer
 from moe_lightning.parallel import MeshError, MeshLayout
-from moe_lightning.parallel.checkpoint import CheckpointError, ShardedCheckpointer, export_consolidated
+from moe_lightning.loading import export_checkpoint
+from moe_lightning.parallel.checkpoint import CheckpointError, ShardedCheckpointer
 from moe_lightning.strategy import MoEFSDPStrategy, clip_grads_
 from tests.distributed import REPO_ROOT, clean_env, run_ranks
 
@@ -155,18 +156,18 @@ def test_resume_two_processes_with_ep2_onto_one_process(runs):
 
 
 def test_export_consolidates_a_sharded_checkpoint_for_inference(runs, tmp_path):
-    out = export_consolidated(runs["dir"] / "ep_ckpt" / "step=2.ckpt", tmp_path / "model.pt")
+    out = export_checkpoint(runs["dir"] / "ep_ckpt" / "step=2.ckpt", tmp_path / "model.pt")
     exported = torch.load(out, weights_only=False)
     model = MoETransformer(MoEConfig(**exported["config"]))
     model.load_state_dict(exported["state_dict"], strict=True)
     assert exported["state_dict"]["layers.1.ffn.experts.w1_EFD"].shape[0] == model.config.num_experts
     with pytest.raises(FileExistsError, match="--overwrite"):
-        export_consolidated(runs["dir"] / "ep_ckpt" / "step=2.ckpt", out)
+        export_checkpoint(runs["dir"] / "ep_ckpt" / "step=2.ckpt", out)
 
 
 def test_meta_init_materialises_distinct_shards_with_the_model_initialisation(runs, tmp_path):
     """Built on meta and initialised shard by shard: shards (and ep ranks' experts) are not copies."""
-    exported = torch.load(export_consolidated(runs["dir"] / "meta_ckpt" / "step=1.ckpt", tmp_path / "m.pt"))
+    exported = torch.load(export_checkpoint(runs["dir"] / "meta_ckpt" / "step=1.ckpt", tmp_path / "m.pt"))
     weights = exported["state_dict"]  # after one AdamW step (lr 5e-3), small next to the init
     experts, embedding = weights["layers.1.ffn.experts.w1_EFD"], weights["tok_embeddings.weight"]
 
@@ -404,7 +405,7 @@ def test_resume_and_export_refuse_a_checkpoint_that_would_run_code(runs, tmp_pat
     torch.save(meta, evil_dir / "meta.pt")
     torch.save({"state_dict": {}, "extra": WritesMarker(marker)}, evil_file)
     with pytest.raises(CheckpointError, match=r"Refusing to load .*evil.ckpt/meta.pt.*could run code"):
-        export_consolidated(evil_dir, tmp_path / "out.pt")
+        export_checkpoint(evil_dir, tmp_path / "out.pt")
     with pytest.raises(RuntimeError) as failed:  # resume through Trainer.fit, in a real (one-rank) run
         launch(tmp_path, "evil", 1, "--resume", str(evil_file))
     assert f"CheckpointError: Refusing to load {evil_file}" in str(failed.value)

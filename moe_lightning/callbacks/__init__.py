@@ -1,9 +1,10 @@
-"""Lightning callbacks for MoE training, added from YAML by ``class_path``: offload, memory, speed, expert load."""
+"""Lightning callbacks for MoE training, added from YAML by ``class_path``: offload, memory, speed, expert load, curves."""
 
 from .activation_offload import ActivationOffload
 from .allocator_monitor import AllocatorMonitor
 from .expert_load import ExpertLoad, ExpertLoadMonitor
 from .throughput import PEAK_BF16_FLOPS, MoEThroughputMonitor, peak_bf16_flops
+from .training_curves import TrainingCurves
 
 __all__ = ["ActivationOffload", "AllocatorMonitor", "ExpertLoad", "ExpertLoadMonitor", "MoEThroughputMonitor",
-           "PEAK_BF16_FLOPS", "peak_bf16_flops"]
+           "PEAK_BF16_FLOPS", "TrainingCurves", "peak_bf16_flops"]

@@ -1,9 +1,9 @@
-"""Expert load per MoE layer: imbalance metrics through torchmetrics and a layers × experts heatmap."""
+"""Expert load per MoE layer: imbalance, dead experts and routing entropy (torchmetrics), and a heatmap figure."""
 
+import math
 from pathlib import Path
 
 import lightning as L
-import numpy as np
 import torch
 import torchmetrics
 from lightning.pytorch.loggers import TensorBoardLogger
@@ -12,12 +12,13 @@ from ..model import MoELayer
 from ._logging import StepInterval, check_interval, log_to_loggers
 from .activation_offload import find_blocks
 
-
 class ExpertLoad(torchmetrics.Metric):
-    """Sums ``[layers, experts]`` token counts (across ranks too); computes per-layer imbalance.
+    """Sums ``[layers, experts]`` token counts (across ranks too); computes per-layer balance, each ``[layers]``:
 
-    ``compute`` returns ``max_over_mean`` (1 is perfect balance, ``E / top_k`` is full collapse) and
-    ``cv`` (coefficient of variation, population std over mean), both of shape ``[layers]``.
+    - ``max_over_mean``: busiest expert's load over the mean (1 is perfect balance, ``E / top_k`` full collapse);
+    - ``cv``: coefficient of variation (population std over mean);
+    - ``dead_fraction``: share of experts that received no token in the window;
+    - ``entropy``: entropy of the token shares ``p_e = n_e / sum(n)`` over ``log E`` (1 uniform, 0 one expert).
     """
 
     full_state_update = False
@@ -32,50 +33,70 @@ class ExpertLoad(torchmetrics.Metric):
     def compute(self) -> dict[str, torch.Tensor]:
         counts_LE = self.counts.double()
         mean_L = counts_LE.mean(-1).clamp_min(1e-12)
+        share_LE = counts_LE / counts_LE.sum(-1, keepdim=True).clamp_min(1e-12)
+        entropy_L = -torch.where(share_LE > 0, share_LE * share_LE.log(), 0.0).sum(-1)
         return {"counts": self.counts.clone(), "max_over_mean": counts_LE.max(-1).values / mean_L,
-                "cv": counts_LE.std(-1, correction=0) / mean_L}
+                "cv": counts_LE.std(-1, correction=0) / mean_L, "dead_fraction": (self.counts == 0).double().mean(-1),
+                "entropy": entropy_L / math.log(counts_LE.shape[-1])}
 
 
-def load_heatmap(counts_LE: torch.Tensor, cell_pixels: int = 8) -> np.ndarray:
-    """RGB ``uint8 [layers·cell, experts·cell, 3]``: white = mean load, red = over, blue = under.
+def load_figure(counts_LE: torch.Tensor, layer_ids: list[int], step: int):
+    """Layers × experts, coloured by load / mean load on a log scale (red over, blue under, white balanced, clipped
+    at 4×); experts that got no token are crossed out. At least 800 px wide at its 100 dpi."""
+    from matplotlib.colors import LogNorm  # only when drawing: keeps matplotlib off the GPU benchmarks' imports
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import FixedFormatter, FixedLocator, NullLocator
 
-    Colour scales with log2 of load / mean and saturates at 4× over or under.
-    """
     counts_LE = counts_LE.double().cpu()
+    num_layers, num_experts = counts_LE.shape
     ratio_LE = counts_LE / counts_LE.mean(-1, keepdim=True).clamp_min(1e-12)
-    t_LE = (ratio_LE.clamp_min(1 / 16).log2() / 2).clamp(-1, 1).numpy()
-    white, red, blue = np.array([255.0, 255, 255]), np.array([200.0, 30, 30]), np.array([30.0, 60, 200])
-    over, under = np.clip(t_LE, 0, 1)[..., None], np.clip(-t_LE, 0, 1)[..., None]
-    rgb_LE3 = white + over * (red - white) + under * (blue - white)
-    return np.repeat(np.repeat(rgb_LE3, cell_pixels, axis=0), cell_pixels, axis=1).round().astype(np.uint8)
+    fig = Figure(figsize=(max(8.0, 2.5 + 0.22 * num_experts), max(3.0, 1.6 + 0.35 * num_layers)), dpi=100,
+                 layout="constrained")
+    ax = fig.add_subplot()
+    image = ax.imshow(ratio_LE.clamp(0.25, 4).numpy(), cmap="RdBu_r", norm=LogNorm(0.25, 4), aspect="auto",
+                      interpolation="nearest")
+    dead = (counts_LE == 0).nonzero().tolist()
+    if dead:
+        ax.scatter([e for _, e in dead], [l for l, _ in dead], marker="x", color="black", s=30)
+    bar = fig.colorbar(image, ax=ax)
+    bar.ax.yaxis.set_major_locator(FixedLocator([0.25, 0.5, 1, 2, 4]))
+    bar.ax.yaxis.set_major_formatter(FixedFormatter(["≤¼", "½", "1", "2", "≥4"]))
+    bar.ax.yaxis.set_minor_locator(NullLocator())
+    bar.set_label("load / mean load")
+    ax.set_xlabel("expert")
+    ax.set_ylabel("MoE layer (block index)")
+    ax.set_yticks(range(num_layers), [str(i) for i in layer_ids])
+    if num_experts <= 64:
+        ax.set_xticks(range(num_experts))
+    ax.set_title(f"Expert load at step {step} (tokens per expert over the logging window; × = no token)")
+    return fig
 
 
 class ExpertLoadMonitor(L.Callback):
     """Logs how evenly each MoE layer spreads its tokens, and pictures it.
 
-    Scalars every ``log_every_n_steps``: ``expert_load/layer{i}/max_over_mean`` and ``.../cv`` per block
-    ``i`` of ``model.layers``, plus their means over layers. Every ``image_every_n_steps`` a heatmap (rows:
-    MoE layers, columns: experts) goes to TensorBoard as an image, or, with other loggers, to
-    ``<log_dir>/expert_load/step_<step>.png``.
+    Scalars every ``log_every_n_steps``, per block ``i`` of ``model.layers`` and as means over layers:
+    ``expert_load/layer{i}/max_over_mean``, ``.../cv``, ``.../dead_fraction`` and ``.../entropy`` (see
+    ``ExpertLoad``). Every ``image_every_n_steps`` a heatmap figure (rows: MoE layers, columns: experts) goes to
+    TensorBoard when it logs there and to ``<log_dir>/expert_load/step_<step>.png``.
 
     Args:
         log_every_n_steps: Optimizer steps per interval; counts are summed over the interval.
         image_every_n_steps: Steps between heatmaps; a multiple of ``log_every_n_steps`` (0 disables).
-        cell_pixels: Side of one layer × expert cell in the picture.
     """
 
-    def __init__(self, log_every_n_steps: int = 50, image_every_n_steps: int = 500, cell_pixels: int = 8):
+    def __init__(self, log_every_n_steps: int = 50, image_every_n_steps: int = 500):
         self.interval = StepInterval(check_interval("ExpertLoadMonitor", "log_every_n_steps", log_every_n_steps))
         if not isinstance(image_every_n_steps, int) or image_every_n_steps < 0 \
                 or image_every_n_steps % log_every_n_steps:
             raise ValueError(f"ExpertLoadMonitor(image_every_n_steps={image_every_n_steps!r}): must be 0 (no images) "
                              f"or a multiple of log_every_n_steps={log_every_n_steps}.")
         self.image_every_n_steps = image_every_n_steps
-        self.cell_pixels = check_interval("ExpertLoadMonitor", "cell_pixels", cell_pixels)
         self.metric: ExpertLoad | None = None
         self._moe_layers: list[tuple[int, MoELayer]] = []
         self.last_image_path: Path | None = None
         self.last_metrics: dict[str, float] = {}
+        self.last_tokens_seen: float | None = None  # the module's tokens_seen when last_metrics were computed
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._moe_layers = [(i, m) for i, block in enumerate(find_blocks(pl_module))
@@ -92,26 +113,23 @@ class ExpertLoadMonitor(L.Callback):
         result = self.metric.compute()
         self.metric.reset()
         metrics = {}
+        names = ("max_over_mean", "cv", "dead_fraction", "entropy")
         for row, (index, _) in enumerate(self._moe_layers):
-            metrics[f"expert_load/layer{index}/max_over_mean"] = result["max_over_mean"][row].item()
-            metrics[f"expert_load/layer{index}/cv"] = result["cv"][row].item()
-        metrics["expert_load/max_over_mean"] = result["max_over_mean"].mean().item()
-        metrics["expert_load/cv"] = result["cv"].mean().item()
+            metrics.update({f"expert_load/layer{index}/{name}": result[name][row].item() for name in names})
+        metrics.update({f"expert_load/{name}": result[name].mean().item() for name in names})
         log_to_loggers(trainer, metrics)
         self.last_metrics = metrics
+        self.last_tokens_seen = float(getattr(pl_module, "tokens_seen", trainer.global_step))
         if self.image_every_n_steps and trainer.global_step % self.image_every_n_steps == 0 \
                 and trainer.is_global_zero:
-            self._write_image(trainer, load_heatmap(result["counts"], self.cell_pixels))
+            self._write_figure(trainer, load_figure(result["counts"], [i for i, _ in self._moe_layers],
+                                                    trainer.global_step))
 
-    def _write_image(self, trainer: L.Trainer, image_HW3: np.ndarray) -> None:
-        tensorboard = [lg for lg in trainer.loggers if isinstance(lg, TensorBoardLogger)]
-        for logger in tensorboard:
-            logger.experiment.add_image("expert_load/heatmap", image_HW3.transpose(2, 0, 1), trainer.global_step,
-                                        dataformats="CHW")
-        if not tensorboard:
-            from PIL import Image  # only for PNGs: keeps Pillow off the import path of the GPU benchmarks
-
-            folder = Path(trainer.log_dir or trainer.default_root_dir) / "expert_load"
-            folder.mkdir(parents=True, exist_ok=True)
-            self.last_image_path = folder / f"step_{trainer.global_step:07d}.png"
-            Image.fromarray(image_HW3).save(self.last_image_path)
+    def _write_figure(self, trainer: L.Trainer, fig) -> None:
+        folder = Path(trainer.log_dir or trainer.default_root_dir) / "expert_load"
+        folder.mkdir(parents=True, exist_ok=True)
+        self.last_image_path = folder / f"step_{trainer.global_step:07d}.png"
+        fig.savefig(self.last_image_path)
+        for logger in trainer.loggers:
+            if isinstance(logger, TensorBoardLogger):
+                logger.experiment.add_figure("expert_load/heatmap", fig, trainer.global_step, close=False)

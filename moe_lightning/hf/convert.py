@@ -119,9 +119,11 @@ def convert_main(argv: list[str] | None = None) -> None:
 
 def export_main(argv: list[str] | None = None) -> None:
     """``moe-lightning export CKPT --hf --out DIR`` writes a Hugging Face directory; without ``--hf`` the
-    single-file consolidation of ``moe_lightning.parallel.checkpoint`` runs."""
+    single-file export of ``moe_lightning.loading`` runs."""
     if "--hf" not in (argv or []):
-        return ckpt.export_main(argv)
+        from ..loading import export_main as export_file
+
+        return export_file(argv)
     parser = argparse.ArgumentParser(prog="moe-lightning export --hf", description=export_main.__doc__)
     parser.add_argument("checkpoint", help="sharded checkpoint directory, Lightning .ckpt or .pt file")
     parser.add_argument("--hf", action="store_true", required=True)

@@ -1,4 +1,4 @@
-"""All checkpoint I/O: sharded saves (sync or in the background) committed atomically, safe metadata, export.
+"""All checkpoint I/O: sharded saves (sync or in the background) committed atomically, safe metadata, reading one in one process.
 
 With expert parallelism each rank's FSDP DTensor for an expert stack only covers its ``E / ep``
 experts, so two ``ep`` ranks would write different data under the same name. Before saving (and
@@ -10,7 +10,6 @@ Loading never runs code from a file: metadata is plain data (the model config as
 ``torch.load(weights_only=True)``.
 """
 
-import argparse
 import io
 import os
 import pickle
@@ -238,44 +237,18 @@ class ShardedCheckpointer:
             dcp.load(state, checkpoint_id=path)
 
 
-def export_consolidated(checkpoint: str | Path, out: str | Path, dtype: torch.dtype | None = None,
-                        overwrite: bool = False) -> Path:
-    """Write a sharded checkpoint's model weights as one ``torch.save`` file, in one process, no GPUs.
-
-    The file holds ``{"config": dict, "state_dict": MoETransformer state dict}``; load it with
-    ``MoETransformer(MoEConfig(**f["config"])).load_state_dict(f["state_dict"])``.
-    """
-    src, out = resolve_checkpoint(Path(checkpoint)), Path(out)
-    if out.exists() and not overwrite:
-        raise FileExistsError(f"out={str(out)!r} exists; choose another path or pass --overwrite.")
+def read_sharded_weights(checkpoint: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
+    """A sharded checkpoint's ``MoETransformer`` state dict (global tensors) and its metadata, read in one
+    process without GPUs or a process group (``moe_lightning.loading`` turns them into a model or an export)."""
+    src = resolve_checkpoint(Path(checkpoint))
     if not (src / METADATA_FILE).is_file():
         raise ValueError(f"checkpoint={str(src)!r} is not a sharded checkpoint directory (no {METADATA_FILE}).")
-    hparams = load_metadata(src / METADATA_FILE).get("hyper_parameters", {})  # before reading any tensor
+    metadata = load_metadata(src / METADATA_FILE)  # refuses an unsafe file before any tensor is read
     prefix = "state_dict.model."
     tensors = {key: torch.empty(meta.size, dtype=meta.properties.dtype)
                for key, meta in FileSystemReader(src).read_metadata().state_dict_metadata.items()
                if key.startswith(prefix) and isinstance(meta, TensorStorageMetadata)}
     state = {"state_dict": {key[len("state_dict."):]: t for key, t in tensors.items()}}
     dcp.load(state, checkpoint_id=src, no_dist=True)
-    weights = {key[len("model."):]: t.to(dtype) if dtype is not None and t.is_floating_point() else t
-               for key, t in state["state_dict"].items()}
-    payload = {"config": hparams.get("config"), "state_dict": weights}
-    partial = out.with_name(out.name + PARTIAL_SUFFIX)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    torch.save(payload, partial)
-    os.replace(partial, out)
-    return out
-
-
-def export_main(argv: list[str] | None = None) -> None:
-    """``moe-lightning export CKPT_DIR --out model.pt``: consolidate a sharded checkpoint for inference."""
-    parser = argparse.ArgumentParser(prog="moe-lightning export", description=export_main.__doc__)
-    parser.add_argument("checkpoint", help="sharded checkpoint directory written by MoEFSDPStrategy")
-    parser.add_argument("--out", required=True, help="output file (torch.save format)")
-    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
-                        help="cast floating-point weights (default: keep the saved dtype)")
-    parser.add_argument("--overwrite", action="store_true")
-    args = parser.parse_args(argv)
-    out = export_consolidated(args.checkpoint, args.out, getattr(torch, args.dtype) if args.dtype else None,
-                              args.overwrite)
-    print(f"wrote {out}")
+    weights = {key[len("model."):]: t for key, t in state["state_dict"].items()}
+    return weights, metadata

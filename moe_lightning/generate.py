@@ -1,0 +1,112 @@
+"""``moe-lightning generate CKPT --prompt TEXT``: continue a prompt from any checkpoint kind, streaming the text.
+
+The model and tokenizer come from ``loading.load_model`` (the tokenizer the run recorded). ``predict``
+(``MoELanguageModel.predict_step``) samples through the same ``stream``.
+"""
+
+import argparse
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from .model import MoETransformer
+from .model.transformer import check_sampling
+
+
+@dataclass
+class Sampling:
+    """How to pick each next token. ``temperature`` 0 is greedy; ``top_k``/``top_p`` restrict the candidates."""
+
+    max_new_tokens: int = 64
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float | None = None
+    stop_at_eod: bool = False
+    seed: int = 0
+
+    def __post_init__(self):
+        check_sampling(self.max_new_tokens, self.top_k, self.top_p)
+        if self.temperature < 0:
+            raise ValueError(f"temperature={self.temperature!r}: must be >= 0 (0 = greedy).")
+
+
+def stream(model: MoETransformer, prompt_1S: torch.Tensor, sampling: Sampling, eod_id: int) -> Iterator[int]:
+    """New token ids one by one, from the model's KV-cached ``generate_stream``; the end-of-document token that
+    stops a sample is not yielded."""
+    generator = torch.Generator(prompt_1S.device).manual_seed(sampling.seed)
+    stop_token = eod_id if sampling.stop_at_eod else None
+    for next_1 in model.generate_stream(prompt_1S, sampling.max_new_tokens, sampling.temperature, sampling.top_k,
+                                        generator, top_p=sampling.top_p, stop_token=stop_token):
+        if int(next_1) == stop_token:
+            return
+        yield int(next_1)
+
+
+def encode_prompt(tokenizer, text: str, device: torch.device | str) -> torch.Tensor:
+    """``[1, S]``: end-of-document first, as every training document follows one (an empty prompt works too)."""
+    ids = [tokenizer.eos_id, *tokenizer.encode(text).tolist()]
+    return torch.tensor([ids], dtype=torch.long, device=device)
+
+
+def complete(model: MoETransformer, tokenizer, prompt: str, sampling: Sampling) -> str:
+    """The whole continuation of one prompt, as text."""
+    device = next(model.parameters()).device
+    return tokenizer.decode(list(stream(model, encode_prompt(tokenizer, prompt, device), sampling, tokenizer.eos_id)))
+
+
+def stream_text(tokens: Iterator[int], tokenizer) -> Iterator[str]:
+    """Text pieces as tokens arrive; a multi-byte character is held back until its last byte arrives."""
+    ids: list[int] = []
+    shown = 0
+    for token in tokens:
+        ids.append(token)
+        text = tokenizer.decode(ids)
+        stable = len(text.rstrip("\ufffd"))
+        if stable > shown:
+            yield text[shown:stable]
+            shown = stable
+    text = tokenizer.decode(ids)
+    if len(text) > shown:
+        yield text[shown:]
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Continue a prompt with a trained model (any checkpoint: .ckpt, sharded folder, exported .pt, HF folder)."""
+    parser = argparse.ArgumentParser(prog="moe-lightning generate", description=main.__doc__)
+    parser.add_argument("checkpoint", help="checkpoint file or folder written by moe-lightning")
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--prompt", default=None, help="text to continue (default: start a new document)")
+    source.add_argument("--prompt-file", default=None, help="read the prompt from this file")
+    parser.add_argument("--max-new-tokens", type=int, default=200)
+    parser.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+    parser.add_argument("--top-k", type=int, default=None)
+    parser.add_argument("--top-p", type=float, default=None, help="nucleus sampling: keep this probability mass")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--num-samples", type=int, default=1)
+    parser.add_argument("--stop", action="store_true", help="stop a sample at the end-of-document token")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = parser.parse_args(argv)
+    sampling = Sampling(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.stop, args.seed)
+    if args.num_samples < 1:
+        parser.error(f"--num-samples={args.num_samples}: must be >= 1.")
+    if args.prompt_file is not None:
+        with open(args.prompt_file, encoding="utf-8") as f:
+            prompt = f.read()
+    else:
+        prompt = args.prompt or ""
+
+    from .loading import load_model  # after argument checks: loading a checkpoint is the slow part
+
+    loaded = load_model(args.checkpoint, device=args.device)
+    prompt_1S = encode_prompt(loaded.tokenizer, prompt, args.device)
+    for i in range(args.num_samples):
+        if args.num_samples > 1:
+            print(f"\n--- sample {i + 1}/{args.num_samples} ---", flush=True)
+        sys.stdout.write(prompt)
+        sample = Sampling(**{**vars(sampling), "seed": sampling.seed + i})
+        for piece in stream_text(stream(loaded.model, prompt_1S, sample, loaded.tokenizer.eos_id), loaded.tokenizer):
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
