@@ -118,12 +118,21 @@ def test_checkpoint_to_ours_to_checkpoint_is_bitwise(family, tmp_path):
 
 
 def test_bfloat16_checkpoint_keeps_its_dtype_bitwise(tmp_path):
-    ref = build_reference("mixtral", torch.bfloat16)
+    """bf16 weights stay bf16; the bf16 balancing bias is held in float32 (a 1e-3 update vanishes in bf16 at
+    magnitude ~4) and written back as bf16, by save_pretrained and through a converted .pt."""
+    ref = build_reference("deepseek_v3", torch.bfloat16)
     ref.save_pretrained(tmp_path / "bf16")
     ours = hf.from_pretrained(tmp_path / "bf16")
-    assert ours.layers[0].ffn.experts.w1_EFD.dtype == torch.bfloat16
-    original, written = safetensors_of(tmp_path / "bf16"), safetensors_of(hf.save_pretrained(ours, tmp_path / "out"))
-    assert set(original) == set(written) and all(torch.equal(original[k], written[k]) for k in original)
+    assert ours.layers[1].ffn.experts.w1_EFD.dtype == torch.bfloat16
+    assert ours.layers[1].ffn.router.expert_bias.dtype == torch.float32
+    original = safetensors_of(tmp_path / "bf16")
+    assert original["model.layers.1.mlp.gate.e_score_correction_bias"].dtype == torch.bfloat16
+    cli.run(["convert", str(tmp_path / "bf16"), "--out", str(tmp_path / "model.pt")])
+    cli.run(["convert", str(tmp_path / "model.pt"), "--out", str(tmp_path / "back")])
+    for written in (safetensors_of(hf.save_pretrained(ours, tmp_path / "out")), safetensors_of(tmp_path / "back")):
+        assert set(original) == set(written)
+        for key, tensor in original.items():
+            assert written[key].dtype == tensor.dtype and torch.equal(written[key], tensor), key
 
 
 @torch.no_grad()
@@ -324,7 +333,7 @@ def test_saving_what_the_format_cannot_hold_is_refused(family, tmp_path):
         with pytest.raises(HFFormatError, match=f"{bias} is non-zero") as err:
             hf.save_pretrained(ours, tmp_path / "out")
         assert "DeepseekV3" not in str(err.value)  # V3 routes with sigmoid scores: no help to a softmax model
-        assert not list((tmp_path / "out").glob("*.safetensors"))  # refused before writing
+        assert not (tmp_path / "out").exists()  # refused before writing
     other = "MixtralForCausalLM" if name != "mixtral" else "DeepseekV3ForCausalLM"
     with pytest.raises(HFFormatError, match=f"cannot be written as {other}"):
         hf.save_pretrained(ours, tmp_path / "other", architecture=other)
@@ -356,6 +365,27 @@ def test_layouts_transformers_cannot_load_are_refused(architecture, change, mess
         model = MoETransformer(config)
     with pytest.raises(HFFormatError, match=message):
         hf.save_pretrained(model, tmp_path / "out", architecture=architecture)
+
+
+def test_failed_save_leaves_the_previous_directory(tmp_path):
+    build_reference("mixtral").save_pretrained(tmp_path / "src")
+    ours = hf.from_pretrained(tmp_path / "src")
+    out = hf.save_pretrained(ours, tmp_path / "out", max_shard_bytes=64 * 2**10)
+    (out / "tokenizer.json").write_text("{}")
+    before = {f.name: f.read_bytes() for f in out.iterdir()}
+    state = ours.state_dict()
+
+    def failing(name):
+        if name == "layers.1.ffn.experts.w2_EDF":  # written after several shards
+            raise OSError("disk full")
+        return state[name]
+    with pytest.raises(OSError, match="disk full"):
+        hf.write_pretrained(ours.config, failing, out, max_shard_bytes=64 * 2**10)
+    assert {f.name: f.read_bytes() for f in out.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "src"]  # no partial directory left behind
+    hf.save_pretrained(ours, out)  # one shard now: the old ones go, the tokenizer stays
+    assert sorted(f.name for f in out.iterdir()) == ["config.json", "model-00001-of-00001.safetensors",
+                                                     "model.safetensors.index.json", "tokenizer.json"]
 
 
 def test_module_starts_from_pretrained_weights(family):
@@ -401,6 +431,15 @@ def test_convert_both_directions_is_bitwise(family, tmp_path):
     cli.run(["export", str(tmp_path / "last.ckpt"), "--hf", "--out", str(tmp_path / "exported")])
     exported = safetensors_of(tmp_path / "exported")
     assert set(exported) == set(original) and all(torch.equal(exported[k], original[k]) for k in original)
+
+
+def test_convert_to_pt_refuses_flags_it_would_ignore(tmp_path, capsys):
+    build_reference("mixtral").save_pretrained(tmp_path / "src")
+    for flag in (["--architecture", "MixtralForCausalLM"], ["--shard-gb", "1"]):
+        with pytest.raises(SystemExit):
+            cli.run(["convert", str(tmp_path / "src"), "--out", str(tmp_path / "model.pt"), *flag])
+        assert f"{flag[0]} only applies when writing a Hugging Face directory" in capsys.readouterr().err
+    assert not (tmp_path / "model.pt").exists()
 
 
 @pytest.fixture(scope="module")
