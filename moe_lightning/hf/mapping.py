@@ -183,8 +183,8 @@ def field(hf: dict, *names: str, nullable: bool = False):
     for name in names:
         if hf.get(name) is not None or (nullable and name in hf):
             return hf[name]
-    raise HFFormatError(f"config.json lacks {' / '.join(names)}: the file is incomplete for this architecture "
-                        f"(the weights' shapes depend on it, so no default is assumed).")
+    raise HFFormatError(f"config.json lacks {' / '.join(names)} (absent or null): the file is incomplete for this "
+                        f"architecture, which has no default for it that the weights could rely on; add the key.")
 
 
 def with_defaults(hf: dict, defaults: dict) -> dict:
