@@ -3,6 +3,7 @@ no downloads). Weights are drawn with std 0.3 and norm weights around 1 so atten
 uniform (logits are O(1)); a mapping mistake then moves logits by O(1), far above the 1e-4 tolerance, which
 only has to absorb float32 summation-order differences (~5e-6 observed)."""
 
+import dataclasses
 import glob
 import json
 import shutil
@@ -24,7 +25,8 @@ from .distributed import REPO_ROOT, run_ranks  # noqa: E402
 
 COMMON = dict(vocab_size=320, hidden_size=32, num_attention_heads=4, num_experts_per_tok=2)
 MLA = dict(kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, moe_intermediate_size=16,
-           intermediate_size=48, n_routed_experts=8, num_hidden_layers=2, first_k_dense_replace=1)
+           intermediate_size=48, n_routed_experts=8, num_hidden_layers=2, first_k_dense_replace=1,
+           rms_norm_eps=1e-5)  # not the latent norms' fixed 1e-6, so mapping one to the other shows
 YARN_40 = {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32, "beta_slow": 1,
            "mscale": 1.0, "mscale_all_dim": 1.0}  # DeepSeek-V3's published rope_scaling
 FAMILIES = {
@@ -46,10 +48,11 @@ FAMILIES = {
 }
 
 
-def build_reference(name: str, dtype=torch.float32):
+def build_reference(name: str, dtype=torch.float32, **overrides):
     config_cls, model_cls, kwargs = FAMILIES[name]
     torch.manual_seed(0)
-    model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**COMMON, **kwargs)).eval()
+    hf_config = getattr(transformers, config_cls)(**COMMON, **{**kwargs, **overrides})
+    model = getattr(transformers, model_cls)(hf_config).eval()
     with torch.no_grad():
         for key, tensor in list(model.named_parameters()) + list(model.named_buffers()):
             if key.endswith("norm.weight"):
@@ -115,12 +118,21 @@ def test_checkpoint_to_ours_to_checkpoint_is_bitwise(family, tmp_path):
 
 
 def test_bfloat16_checkpoint_keeps_its_dtype_bitwise(tmp_path):
-    ref = build_reference("mixtral", torch.bfloat16)
+    """bf16 weights stay bf16; the bf16 balancing bias is held in float32 (a 1e-3 update vanishes in bf16 at
+    magnitude ~4) and written back as bf16, by save_pretrained and through a converted .pt."""
+    ref = build_reference("deepseek_v3", torch.bfloat16)
     ref.save_pretrained(tmp_path / "bf16")
     ours = hf.from_pretrained(tmp_path / "bf16")
-    assert ours.layers[0].ffn.experts.w1_EFD.dtype == torch.bfloat16
-    original, written = safetensors_of(tmp_path / "bf16"), safetensors_of(hf.save_pretrained(ours, tmp_path / "out"))
-    assert set(original) == set(written) and all(torch.equal(original[k], written[k]) for k in original)
+    assert ours.layers[1].ffn.experts.w1_EFD.dtype == torch.bfloat16
+    assert ours.layers[1].ffn.router.expert_bias.dtype == torch.float32
+    original = safetensors_of(tmp_path / "bf16")
+    assert original["model.layers.1.mlp.gate.e_score_correction_bias"].dtype == torch.bfloat16
+    cli.run(["convert", str(tmp_path / "bf16"), "--out", str(tmp_path / "model.pt")])
+    cli.run(["convert", str(tmp_path / "model.pt"), "--out", str(tmp_path / "back")])
+    for written in (safetensors_of(hf.save_pretrained(ours, tmp_path / "out")), safetensors_of(tmp_path / "back")):
+        assert set(original) == set(written)
+        for key, tensor in original.items():
+            assert written[key].dtype == tensor.dtype and torch.equal(written[key], tensor), key
 
 
 @torch.no_grad()
@@ -138,15 +150,22 @@ def test_deepseek_half_split_rope_rows_are_reordered(tmp_path):
 
 @torch.no_grad()
 def test_tied_embeddings_load_tied_and_save_without_lm_head(tmp_path):
-    config_cls, model_cls, kwargs = FAMILIES["olmoe"]
-    torch.manual_seed(0)
-    hf_config = getattr(transformers, config_cls)(**COMMON, **kwargs, tie_word_embeddings=True)
-    ref = getattr(transformers, model_cls)(hf_config)
-    ref.eval().save_pretrained(tmp_path / "src")
+    ref = build_reference("olmoe", tie_word_embeddings=True)
+    ref.save_pretrained(tmp_path / "src")
     ours = hf.from_pretrained(tmp_path / "src", dtype=torch.float32)
     assert ours.output.weight is ours.tok_embeddings.weight
-    torch.testing.assert_close(ours(tokens()), ref(tokens()).logits, atol=1e-4, rtol=0)
+    logits = ref(tokens()).logits
+    assert logits.abs().mean() > 0.5
+    torch.testing.assert_close(ours(tokens()), logits, atol=1e-4, rtol=0)
     assert "lm_head.weight" not in safetensors_of(hf.save_pretrained(ours, tmp_path / "out"))
+
+
+def test_latent_norms_keep_their_own_eps(tmp_path):
+    """transformers' MLA latent norms use 1e-6 whatever rms_norm_eps says (1e-5 in the test configs)."""
+    for name in ("deepseek_v3", "deepseek_v2"):
+        build_reference(name).save_pretrained(tmp_path / name)
+        config = hf.load_config(tmp_path / name)
+        assert (config.norm_eps, config.mla_norm_eps) == (1e-5, 1e-6), name
 
 
 def test_any_region_reads_as_that_slice_of_the_whole(family):
@@ -214,11 +233,14 @@ def test_dense_layer_pattern():
             MoEConfig(n_layers=4, **bad)
 
 
+DROP = object()  # an _edited_copy value that removes the key
+
+
 def _edited_copy(src: Path, dst: Path, **changes) -> Path:
     shutil.copytree(src, dst)
     config = json.loads((dst / "config.json").read_text())
     config.update(changes)
-    (dst / "config.json").write_text(json.dumps(config))
+    (dst / "config.json").write_text(json.dumps({k: v for k, v in config.items() if v is not DROP}))
     return dst
 
 
@@ -228,15 +250,54 @@ def _edited_copy(src: Path, dst: Path, **changes) -> Path:
      "rope_scaling type 'linear'"),
     ("mixtral", dict(hidden_act="gelu"), "hidden_act"),
     ("mixtral", dict(sliding_window=4096), "sliding_window"),
+    ("mixtral", dict(use_sliding_window=False, sliding_window=8), "sliding_window"),  # Mixtral ignores the flag
     ("qwen3_moe", dict(use_sliding_window=True), "use_sliding_window"),
     ("olmoe", dict(attention_bias=True), "attention_bias"),
     ("deepseek_v3", dict(quantization_config={"quant_method": "fp8"}), "quantization_config"),
     ("deepseek_v2", dict(norm_topk_prob=True), "norm_topk_prob"),
+    # keys that size weights have no default worth assuming: their absence is named
+    ("mixtral", dict(intermediate_size=DROP), "lacks intermediate_size"),
+    ("mixtral", dict(num_key_value_heads=DROP), "lacks num_key_value_heads"),
+    ("deepseek_v3", dict(kv_lora_rank=DROP), "lacks kv_lora_rank"),
+    ("deepseek_v2", dict(q_lora_rank=DROP), "lacks q_lora_rank"),  # null (full rank) is present, absent is not
+    ("deepseek_v2", dict(n_group=DROP), "lacks n_group"),  # group_limited_greedy; transformers has no default
 ])
 def test_unsupported_config_is_refused_naming_the_field(name, changes, message, tmp_path):
     build_reference(name).save_pretrained(tmp_path / "src")
     with pytest.raises(HFFormatError, match=message):
         hf.from_pretrained(_edited_copy(tmp_path / "src", tmp_path / "bad", **changes))
+
+
+def test_default_tables_are_transformers_defaults():
+    """Each family's table of defaults for absent config.json keys equals its transformers config class's."""
+    for config_cls, model_cls, _ in FAMILIES.values():
+        cls = getattr(transformers, config_cls)
+        defaults = {f.name: f.default for f in dataclasses.fields(cls)}
+        defaults["rope_theta"] = cls().rope_parameters["rope_theta"]
+        table = hf.FAMILIES[model_cls].DEFAULTS
+        assert {key: defaults[key] for key in table} == table, model_cls
+
+
+# Each edit is read as transformers reads it: absent keys take the class defaults (Mixtral's rms_norm_eps 1e-5
+# and rope_theta 1e6; V3's routed_scaling_factor 2.5 and topk_group 4), a top-level
+# original_max_position_embeddings beats rope_scaling's, and Qwen3 ignores sliding_window without its flag.
+AS_TRANSFORMERS = [
+    ("mixtral", dict(rms_norm_eps=DROP, rope_parameters=DROP, rope_theta=DROP)),
+    ("deepseek_v3", dict(routed_scaling_factor=DROP, topk_group=DROP, rms_norm_eps=DROP)),
+    ("olmoe", dict(rms_norm_eps=DROP, rope_parameters=DROP, clip_qkv=DROP)),
+    ("qwen3_moe", dict(original_max_position_embeddings=32)),  # rope_scaling says 16
+    ("qwen3_moe", dict(use_sliding_window=DROP, sliding_window=8)),
+]
+
+
+@pytest.mark.parametrize("name,changes", AS_TRANSFORMERS, ids=[f"{n}-{','.join(c)}" for n, c in AS_TRANSFORMERS])
+@torch.no_grad()
+def test_config_json_is_read_as_transformers_reads_it(name, changes, tmp_path):
+    build_reference(name).save_pretrained(tmp_path / "src")
+    path = _edited_copy(tmp_path / "src", tmp_path / "edited", **changes)
+    logits = transformers.AutoModelForCausalLM.from_pretrained(path).eval()(tokens()).logits
+    assert logits.abs().mean() > 0.5
+    torch.testing.assert_close(hf.from_pretrained(path, dtype=torch.float32)(tokens()), logits, atol=1e-4, rtol=0)
 
 
 @pytest.mark.parametrize("extra,message", [("model.layers.2.eh_proj.weight", "multi-token-prediction"),
@@ -269,14 +330,62 @@ def test_saving_what_the_format_cannot_hold_is_refused(family, tmp_path):
     if name != "deepseek_v3":  # every other family lacks a slot for the balancing bias
         ours.moe_layers()[0].router.expert_bias[0] = 0.5
         bias = f"layers.{next(i for i, b in enumerate(ours.layers) if b.is_moe)}.ffn.router.expert_bias"
-        with pytest.raises(HFFormatError, match=f"{bias} is non-zero"):
+        with pytest.raises(HFFormatError, match=f"{bias} is non-zero") as err:
             hf.save_pretrained(ours, tmp_path / "out")
-        assert not list((tmp_path / "out").glob("*.safetensors"))  # refused before writing
+        assert "DeepseekV3" not in str(err.value)  # V3 routes with sigmoid scores: no help to a softmax model
+        assert not (tmp_path / "out").exists()  # refused before writing
     other = "MixtralForCausalLM" if name != "mixtral" else "DeepseekV3ForCausalLM"
     with pytest.raises(HFFormatError, match=f"cannot be written as {other}"):
         hf.save_pretrained(ours, tmp_path / "other", architecture=other)
     with pytest.raises(HFFormatError, match="no Hugging Face family can hold"):
         hf.save_pretrained(MoETransformer(MoEConfig(n_layers=1)), tmp_path / "default")  # softmax + shared experts
+
+
+def test_training_leaves_a_bias_the_format_cannot_hold_at_zero(family, tmp_path):
+    """Bias-less families load with bias_update_rate=0, so a fine-tuned model can be saved in its own format."""
+    name, ref, path = family
+    ours = hf.from_pretrained(path)
+    assert ours.config.bias_update_rate == (1e-3 if name == "deepseek_v3" else 0.0)
+    for moe in ours.moe_layers():  # what MoELanguageModel does after each optimizer step
+        moe.router.update_bias(torch.arange(ours.config.num_experts), ours.config.bias_update_rate)
+    hf.save_pretrained(ours, tmp_path / "out", architecture=ref.config.architectures[0])
+    module = MoELanguageModel(MoEConfig(bias_update_rate=2e-3), pretrained=str(path))
+    assert module.config.bias_update_rate == 2e-3  # a training setting: the user may train the bias anyway
+
+
+@pytest.mark.parametrize("architecture,change,message", [
+    ("OlmoeForCausalLM", dict(head_dim=16), "head_dim=16 cannot be written as OlmoeForCausalLM"),
+    ("DeepseekV3ForCausalLM", dict(n_expert_groups=8, n_limited_groups=4), "groups of fewer than 2 experts"),
+])
+def test_layouts_transformers_cannot_load_are_refused(architecture, change, message, tmp_path):
+    name = {"OlmoeForCausalLM": "olmoe", "DeepseekV3ForCausalLM": "deepseek_v3"}[architecture]
+    build_reference(name).save_pretrained(tmp_path / "src")
+    config = dataclasses.replace(hf.load_config(tmp_path / "src"), **change)
+    with torch.device("meta"):
+        model = MoETransformer(config)
+    with pytest.raises(HFFormatError, match=message):
+        hf.save_pretrained(model, tmp_path / "out", architecture=architecture)
+
+
+def test_failed_save_leaves_the_previous_directory(tmp_path):
+    build_reference("mixtral").save_pretrained(tmp_path / "src")
+    ours = hf.from_pretrained(tmp_path / "src")
+    out = hf.save_pretrained(ours, tmp_path / "out", max_shard_bytes=64 * 2**10)
+    (out / "tokenizer.json").write_text("{}")
+    before = {f.name: f.read_bytes() for f in out.iterdir()}
+    state = ours.state_dict()
+
+    def failing(name):
+        if name == "layers.1.ffn.experts.w2_EDF":  # written after several shards
+            raise OSError("disk full")
+        return state[name]
+    with pytest.raises(OSError, match="disk full"):
+        hf.write_pretrained(ours.config, failing, out, max_shard_bytes=64 * 2**10)
+    assert {f.name: f.read_bytes() for f in out.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "src"]  # no partial directory left behind
+    hf.save_pretrained(ours, out)  # one shard now: the old ones go, the tokenizer stays
+    assert sorted(f.name for f in out.iterdir()) == ["config.json", "model-00001-of-00001.safetensors",
+                                                     "model.safetensors.index.json", "tokenizer.json"]
 
 
 def test_module_starts_from_pretrained_weights(family):
@@ -322,6 +431,15 @@ def test_convert_both_directions_is_bitwise(family, tmp_path):
     cli.run(["export", str(tmp_path / "last.ckpt"), "--hf", "--out", str(tmp_path / "exported")])
     exported = safetensors_of(tmp_path / "exported")
     assert set(exported) == set(original) and all(torch.equal(exported[k], original[k]) for k in original)
+
+
+def test_convert_to_pt_refuses_flags_it_would_ignore(tmp_path, capsys):
+    build_reference("mixtral").save_pretrained(tmp_path / "src")
+    for flag in (["--architecture", "MixtralForCausalLM"], ["--shard-gb", "1"]):
+        with pytest.raises(SystemExit):
+            cli.run(["convert", str(tmp_path / "src"), "--out", str(tmp_path / "model.pt"), *flag])
+        assert f"{flag[0]} only applies when writing a Hugging Face directory" in capsys.readouterr().err
+    assert not (tmp_path / "model.pt").exists()
 
 
 @pytest.fixture(scope="module")

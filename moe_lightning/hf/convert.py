@@ -17,7 +17,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from ..model import MoEConfig
 from ..parallel import checkpoint as ckpt
 from .mapping import HFFormatError
-from .pretrained import FAMILIES, from_pretrained, write_pretrained
+from .pretrained import FAMILIES, from_pretrained, stored_dtype_getter, write_pretrained
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -54,9 +54,17 @@ def open_checkpoint(path: str | Path) -> tuple[MoEConfig, Callable[[str], torch.
         return config, get
     payload = _load(path)
     if "config" in payload:  # the package's single file: {"config": dict, "state_dict": model state dict}
-        return _config(payload["config"]), payload["state_dict"].__getitem__
+        stored = {name: _dtype(value) for name, value in payload.get("stored_dtypes", {}).items()}
+        return _config(payload["config"]), stored_dtype_getter(payload["state_dict"].__getitem__, stored)
     state = payload["state_dict"]  # a Lightning checkpoint of MoELanguageModel
     return _config(payload.get("hyper_parameters", {}).get("config")), lambda name: state[f"model.{name}"]
+
+
+def _dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise HFFormatError(f"stored_dtypes names {name!r}, which is not a torch dtype.")
+    return dtype
 
 
 def _cast(get: Callable[[str], torch.Tensor], dtype: torch.dtype | None) -> Callable[[str], torch.Tensor]:
@@ -77,12 +85,15 @@ def export_hf(checkpoint: str | Path, out: str | Path, architecture: str | None 
 
 
 def hf_to_file(src: str | Path, out: str | Path, dtype: torch.dtype | None = None) -> Path:
-    """A Hugging Face directory as the package's single file ``{"config": dict, "state_dict": ...}``."""
+    """A Hugging Face directory as the package's single file ``{"config": dict, "state_dict": ...}``, plus the
+    stored dtype of any tensor held wider (``from_pretrained``), so converting back is bit-identical."""
     model = from_pretrained(src, dtype)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     partial = out.with_name(out.name + ckpt.PARTIAL_SUFFIX)
-    torch.save({"config": dataclasses.asdict(model.config), "state_dict": model.state_dict()}, partial)
+    stored = {name: str(dtype).removeprefix("torch.") for name, dtype in model.stored_dtypes.items()}
+    torch.save({"config": dataclasses.asdict(model.config), "state_dict": model.state_dict(),
+                "stored_dtypes": stored}, partial)
     os.replace(partial, out)
     return out
 
@@ -92,8 +103,12 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--architecture", choices=sorted(FAMILIES), default=None,
                         help="Hugging Face target when the model could be several (default: the one that fits)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="cast floating-point weights")
-    parser.add_argument("--shard-gb", type=float, default=5.0, help="largest safetensors shard, GiB")
+    parser.add_argument("--shard-gb", type=float, default=None, help="largest safetensors shard, GiB (default 5)")
     parser.add_argument("--overwrite", action="store_true")
+
+
+def _shard_bytes(args: argparse.Namespace) -> int:
+    return int((5.0 if args.shard_gb is None else args.shard_gb) * 2**30)
 
 
 def _refuse_existing(out: str, overwrite: bool) -> None:
@@ -111,9 +126,13 @@ def convert_main(argv: list[str] | None = None) -> None:
     _refuse_existing(args.out, args.overwrite)
     dtype = DTYPES.get(args.dtype)
     if (Path(args.src) / "config.json").is_file():
+        for flag, value in (("--architecture", args.architecture), ("--shard-gb", args.shard_gb)):
+            if value is not None:
+                parser.error(f"{flag} only applies when writing a Hugging Face directory, but {args.src!r} is one "
+                             f"(it is converted to the .pt file {args.out!r}): drop {flag}.")
         out = hf_to_file(args.src, args.out, dtype)
     else:
-        out = export_hf(args.src, args.out, args.architecture, dtype, int(args.shard_gb * 2**30))
+        out = export_hf(args.src, args.out, args.architecture, dtype, _shard_bytes(args))
     print(f"wrote {out}")
 
 
@@ -130,5 +149,5 @@ def export_main(argv: list[str] | None = None) -> None:
     _common(parser)
     args = parser.parse_args(argv)
     _refuse_existing(args.out, args.overwrite)
-    out = export_hf(args.checkpoint, args.out, args.architecture, DTYPES.get(args.dtype), int(args.shard_gb * 2**30))
+    out = export_hf(args.checkpoint, args.out, args.architecture, DTYPES.get(args.dtype), _shard_bytes(args))
     print(f"wrote {out}")

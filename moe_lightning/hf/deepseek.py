@@ -10,24 +10,25 @@ import torch
 from ..model import MoEConfig
 from .mapping import (Copy, HFFormatError, Rows, check_representable, common_config, common_to_hf, expert_sources,
                       field, half_split_perm, layer_sources, no_bias_slot, outer_sources, refuse, refuse_common,
-                      swiglu_sources)
+                      swiglu_sources, with_defaults)
 
 V3, V2 = "DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM"
 LATENT_NORM_EPS = 1e-6  # transformers builds q_a_layernorm / kv_a_layernorm with this, whatever rms_norm_eps says
 
 
 def _mla_config(hf: dict) -> dict:
+    """The fields V2 and V3 share; ``hf`` already holds the family's defaults."""
     refuse_common(hf)
     refuse(hf, "moe_layer_freq", lambda v: v not in (None, 1), "only every block after first_k_dense_replace is MoE")
     fields = common_config(hf)
-    fields.update(head_dim=None, mla_norm_eps=LATENT_NORM_EPS, n_kv_heads=hf["num_attention_heads"], attention="mla",
-                  q_lora_rank=hf.get("q_lora_rank") or 0, kv_lora_rank=hf["kv_lora_rank"],
-                  qk_nope_head_dim=hf["qk_nope_head_dim"], qk_rope_head_dim=hf["qk_rope_head_dim"],
-                  v_head_dim=hf["v_head_dim"], ffn_hidden=hf["intermediate_size"],
-                  n_dense_layers=hf.get("first_k_dense_replace") or 0,
-                  num_experts=field(hf, "n_routed_experts", "num_local_experts"), top_k=hf["num_experts_per_tok"],
-                  expert_hidden=hf["moe_intermediate_size"], n_shared_experts=hf.get("n_shared_experts") or 0,
-                  route_scale=float(hf.get("routed_scaling_factor", 1.0)))
+    fields.update(head_dim=None, mla_norm_eps=LATENT_NORM_EPS, n_kv_heads=fields["n_heads"], attention="mla",
+                  q_lora_rank=field(hf, "q_lora_rank", nullable=True) or 0, kv_lora_rank=field(hf, "kv_lora_rank"),
+                  qk_nope_head_dim=field(hf, "qk_nope_head_dim"), qk_rope_head_dim=field(hf, "qk_rope_head_dim"),
+                  v_head_dim=field(hf, "v_head_dim"), ffn_hidden=field(hf, "intermediate_size"),
+                  n_dense_layers=hf["first_k_dense_replace"] or 0,
+                  num_experts=field(hf, "n_routed_experts", "num_local_experts"),
+                  top_k=field(hf, "num_experts_per_tok"), expert_hidden=field(hf, "moe_intermediate_size"),
+                  n_shared_experts=hf["n_shared_experts"] or 0, route_scale=float(field(hf, "routed_scaling_factor")))
     return fields
 
 
@@ -94,43 +95,61 @@ def _sources(config: MoEConfig, bias, interleaved: bool = True) -> dict:
 
 class DeepseekV3:
     ARCHITECTURE, MODEL_TYPE = V3, "deepseek_v3"
+    # transformers' DeepseekV3Config defaults for the keys read here that fix no tensor shape
+    DEFAULTS = {"rms_norm_eps": 1e-6, "rope_theta": 1e4, "max_position_embeddings": 4096,
+                "tie_word_embeddings": False, "num_experts_per_tok": 8, "norm_topk_prob": True,
+                "routed_scaling_factor": 2.5, "n_group": 8, "topk_group": 4, "first_k_dense_replace": 3,
+                "n_shared_experts": 1, "rope_interleave": True}
 
-    @staticmethod
-    def config_from_hf(hf: dict) -> MoEConfig:
+    @classmethod
+    def config_from_hf(cls, hf: dict) -> MoEConfig:
+        hf = with_defaults(hf, cls.DEFAULTS)
         refuse(hf, "scoring_func", lambda v: v not in (None, "sigmoid"), "DeepSeek-V3 routes with sigmoid scores")
         refuse(hf, "topk_method", lambda v: v not in (None, "noaux_tc"),
                "DeepSeek-V3 routes with topk_method='noaux_tc'")
-        return MoEConfig(**_mla_config(hf), score_func="sigmoid", route_norm=bool(hf.get("norm_topk_prob", True)),
-                         n_expert_groups=hf.get("n_group") or 1, n_limited_groups=hf.get("topk_group") or 1,
+        return MoEConfig(**_mla_config(hf), score_func="sigmoid", route_norm=bool(hf["norm_topk_prob"]),
+                         n_expert_groups=hf["n_group"] or 1, n_limited_groups=hf["topk_group"] or 1,
                          group_score="top2_sum")
 
     @staticmethod
     def config_to_hf(config: MoEConfig) -> dict:
         check_representable(config, V3, score_func="sigmoid", group_score="top2_sum")
+        if config.num_experts < 2 * config.n_expert_groups:  # transformers' router takes each group's top 2
+            raise HFFormatError(f"MoEConfig.n_expert_groups={config.n_expert_groups} with num_experts="
+                                f"{config.num_experts} makes groups of fewer than 2 experts, which {V3} cannot "
+                                f"route (it ranks a group by its best two scores): use at most "
+                                f"{config.num_experts // 2} groups.")
         return {**_mla_to_hf(config, V3, "deepseek_v3"), "norm_topk_prob": config.route_norm,
                 "scoring_func": "sigmoid", "topk_method": "noaux_tc", "rope_interleave": True,
                 "num_nextn_predict_layers": 0}
 
-    @staticmethod
-    def sources(config: MoEConfig, hf: dict | None = None) -> dict:
-        interleaved = (hf or {}).get("rope_interleave", True)
+    @classmethod
+    def sources(cls, config: MoEConfig, hf: dict | None = None) -> dict:
+        interleaved = with_defaults(hf or {}, cls.DEFAULTS)["rope_interleave"]
         return _sources(config, lambda p: Copy(f"{p}mlp.gate.e_score_correction_bias"), interleaved)
 
 
 class DeepseekV2:
     ARCHITECTURE, MODEL_TYPE = V2, "deepseek_v2"
+    # transformers' DeepseekV2Config defaults for the keys read here that fix no tensor shape (None: required)
+    DEFAULTS = {"rms_norm_eps": 1e-6, "rope_theta": 1e4, "max_position_embeddings": 2048,
+                "tie_word_embeddings": False, "num_experts_per_tok": None, "norm_topk_prob": False,
+                "routed_scaling_factor": 1.0, "n_group": None, "topk_group": None, "topk_method": "greedy",
+                "first_k_dense_replace": 0, "n_shared_experts": 2}
 
-    @staticmethod
-    def config_from_hf(hf: dict) -> MoEConfig:
+    @classmethod
+    def config_from_hf(cls, hf: dict) -> MoEConfig:
+        hf = with_defaults(hf, cls.DEFAULTS)
         refuse(hf, "scoring_func", lambda v: v not in (None, "softmax"), "DeepSeek-V2 routes with softmax scores")
         refuse(hf, "topk_method", lambda v: v not in (None, "greedy", "group_limited_greedy"),
                "DeepSeek-V2 routes with 'greedy' or 'group_limited_greedy'")
         refuse(hf, "norm_topk_prob", bool, "transformers' DeepSeek-V2 ignores it (never renormalises) while the "
                "original code renormalises, so the intended computation is ambiguous")
-        grouped = hf.get("topk_method") == "group_limited_greedy"
+        grouped = hf["topk_method"] == "group_limited_greedy"
         return MoEConfig(**_mla_config(hf), score_func="softmax", route_norm=False,
-                         n_expert_groups=hf["n_group"] if grouped else 1,
-                         n_limited_groups=hf["topk_group"] if grouped else 1, group_score="max")
+                         n_expert_groups=field(hf, "n_group") if grouped else 1,
+                         n_limited_groups=field(hf, "topk_group") if grouped else 1, group_score="max",
+                         bias_update_rate=0.0)  # no slot for a balancing bias: keep it zero, so it can be saved
 
     @staticmethod
     def config_to_hf(config: MoEConfig) -> dict:

@@ -5,6 +5,7 @@ nothing on disk is ever executed or unpickled."""
 import json
 import os
 import re
+import shutil
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -12,6 +13,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from ..parallel import checkpoint as ckpt
 from .mapping import HFFormatError
 
 INDEX = "model.safetensors.index.json"
@@ -57,11 +59,32 @@ def read_config(path: str | Path) -> dict:
 
 def write_directory(path: str | Path, hf_config: dict, tensors: Iterable[tuple[str, torch.Tensor]],
                     max_shard_bytes: int = 5 * 2**30) -> Path:
-    """``config.json`` plus shards ``model-0000i-of-0000N.safetensors`` and their index, holding one shard in memory."""
+    """``config.json`` plus shards ``model-0000i-of-0000N.safetensors`` and their index, holding one shard in memory.
+
+    Everything is written to a sibling ``*.partial`` directory, and the directory's other files (a tokenizer,
+    say) are copied there; only then does it replace ``path``, so a failure part-way (I/O, a refusal raised
+    by ``tensors``) leaves the previous directory as it was.
+    """
     path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    for old in list(path.glob("model*.safetensors")) + [path / INDEX]:
-        old.unlink(missing_ok=True)  # a previous save's shards would otherwise mix with these
+    partial = path.with_name(path.name + ckpt.PARTIAL_SUFFIX)
+    if partial.exists():
+        shutil.rmtree(partial)  # left by an interrupted save
+    partial.mkdir(parents=True)
+    try:
+        _write_shards(partial, hf_config, tensors, max_shard_bytes)
+        for entry in path.iterdir() if path.is_dir() else []:
+            if entry.name == "config.json" or entry.name == INDEX or re.fullmatch(r"model.*\.safetensors", entry.name):
+                continue  # a previous save's weights would otherwise mix with these
+            (shutil.copytree if entry.is_dir() else shutil.copy2)(entry, partial / entry.name)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    ckpt.commit_directory(partial, path)
+    return path
+
+
+def _write_shards(path: Path, hf_config: dict, tensors: Iterable[tuple[str, torch.Tensor]],
+                  max_shard_bytes: int) -> None:
     shard, shard_bytes, names, weight_map, total, dtype = {}, 0, [], {}, 0, None
 
     def flush():
@@ -90,4 +113,3 @@ def write_directory(path: str | Path, hf_config: dict, tensors: Iterable[tuple[s
     (path / INDEX).write_text(json.dumps(index, indent=2) + "\n")
     hf_config = {**hf_config, "torch_dtype": re.sub("^torch\\.", "", str(dtype or torch.float32))}
     (path / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
-    return path

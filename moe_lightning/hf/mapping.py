@@ -113,8 +113,10 @@ class Absent(Source):
 
 
 def no_bias_slot(architecture: str) -> Absent:
-    return Absent(architecture, "train with bias_update_rate=0 (the bias then stays zero), or save as "
-                                "DeepseekV3ForCausalLM, which stores it as e_score_correction_bias")
+    """``config_from_hf`` sets ``bias_update_rate=0`` for these families, so training leaves the bias at zero. A
+    model that routes with this family's softmax cannot be saved as DeepSeek-V3 either (sigmoid routing)."""
+    return Absent(architecture, "train with bias_update_rate=0 (the default for a model loaded from this "
+                                "format), so the bias stays zero")
 
 
 def half_split_perm(n_heads: int, head_dim: int) -> torch.Tensor:
@@ -127,13 +129,13 @@ def half_split_perm(n_heads: int, head_dim: int) -> torch.Tensor:
 # ---- config helpers shared by the families ------------------------------------------------------------
 
 def rope_parameters(hf: dict) -> dict:
-    """``rope_parameters`` (transformers >= 5) or the older top-level ``rope_theta`` + ``rope_scaling``."""
-    params = dict(hf.get("rope_parameters") or {})
-    params.setdefault("rope_theta", hf.get("rope_theta", 10000.0))
-    scaling = hf.get("rope_scaling") or {}
-    params.update(scaling)
-    kind = params.pop("type", None) or params.get("rope_type") or "default"
-    params["rope_type"] = kind
+    """Rotary parameters as transformers 5 reads them: an old-style ``rope_scaling`` replaces ``rope_parameters``
+    (not merged), a top-level ``rope_theta`` (or the family default) fills a missing theta, and ``rope_type``
+    wins over the legacy ``type``."""
+    params = dict(hf.get("rope_scaling") or hf.get("rope_parameters") or {})
+    if params.get("rope_theta") is None:
+        params["rope_theta"] = field(hf, "rope_theta")
+    params["rope_type"] = params.get("rope_type") or params.get("type") or "default"
     return params
 
 
@@ -149,7 +151,8 @@ def rope_fields(hf: dict) -> dict:
     if params["rope_type"] != "yarn":
         raise HFFormatError(f"config.json rope_scaling type {params['rope_type']!r} is not supported: only 'yarn' "
                             f"(or no scaling) is implemented.")
-    original = (params.get("original_max_position_embeddings") or hf.get("original_max_position_embeddings")
+    # transformers gives a top-level original_max_position_embeddings priority over the one in rope_scaling
+    original = (hf.get("original_max_position_embeddings") or params.get("original_max_position_embeddings")
                 or hf["max_position_embeddings"])
     factor = params.get("factor") or hf["max_position_embeddings"] / original
     return {**fields, "rope_scaling": "yarn", "rope_factor": float(factor), "rope_original_max_seq_len": int(original),
@@ -174,12 +177,20 @@ def rope_to_hf(config: MoEConfig) -> dict:
     return {"rope_theta": config.rope_theta, "rope_scaling": scaling}
 
 
-def field(hf: dict, *names: str):
-    """The first of ``names`` config.json has (transformers renames some on save, e.g. ``num_local_experts``)."""
+def field(hf: dict, *names: str, nullable: bool = False):
+    """The first of ``names`` config.json has (transformers renames some on save, e.g. ``num_local_experts``);
+    ``nullable`` accepts an explicit ``null`` (e.g. ``q_lora_rank: null`` for full-rank queries)."""
     for name in names:
-        if hf.get(name) is not None:
+        if hf.get(name) is not None or (nullable and name in hf):
             return hf[name]
-    raise HFFormatError(f"config.json lacks {' / '.join(names)}: the file is incomplete for this architecture.")
+    raise HFFormatError(f"config.json lacks {' / '.join(names)} (absent or null): the file is incomplete for this "
+                        f"architecture, which has no default for it that the weights could rely on; add the key.")
+
+
+def with_defaults(hf: dict, defaults: dict) -> dict:
+    """``config.json`` with absent keys taken from the family's transformers config class, as transformers
+    reads it (an explicit ``null`` stays). ``tests/test_hf.py`` checks each table against transformers."""
+    return {**defaults, **hf}
 
 
 def refuse(hf: dict, field: str, bad: Callable[[object], bool], why: str) -> None:
@@ -188,14 +199,13 @@ def refuse(hf: dict, field: str, bad: Callable[[object], bool], why: str) -> Non
 
 
 def refuse_common(hf: dict) -> None:
-    """What no family here supports: other activations, biases, sliding windows, quantised weights."""
+    """What no family here supports: other activations, biases, sliding windows, quantised weights (only
+    Qwen3-MoE gates ``sliding_window`` with ``use_sliding_window``; it handles that itself)."""
     refuse(hf, "hidden_act", lambda v: v not in (None, "silu"), "the experts and FFNs are SwiGLU (hidden_act='silu')")
     refuse(hf, "attention_bias", bool, "attention projections have no biases here")
     refuse(hf, "mlp_bias", bool, "FFN projections have no biases here")
-    refuse(hf, "use_sliding_window", bool, "sliding-window attention is not implemented")
-    if "use_sliding_window" not in hf:
-        refuse(hf, "sliding_window", lambda v: v is not None, "sliding-window attention is not implemented; "
-               "set it to null only if the model was trained with full attention")
+    refuse(hf, "sliding_window", lambda v: v is not None, "sliding-window attention is not implemented; "
+           "set it to null only if the model was trained with full attention")
     quant = hf.get("quantization_config")
     if quant:
         raise HFFormatError(f"config.json quantization_config={quant.get('quant_method', quant)!r}: quantised "
@@ -213,14 +223,18 @@ def check_representable(config: MoEConfig, architecture: str, **required) -> Non
 
 
 def common_config(hf: dict) -> dict:
-    """Fields every family spells the same way."""
-    head_dim = hf.get("head_dim")
-    return dict(vocab_size=hf["vocab_size"], dim=hf["hidden_size"], n_layers=hf["num_hidden_layers"],
-                n_heads=hf["num_attention_heads"],
-                n_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
-                head_dim=head_dim, max_seq_len=hf.get("max_position_embeddings", 4096),
-                norm_eps=hf.get("rms_norm_eps", 1e-6), tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-                **rope_fields(hf))
+    """Fields every family spells the same way (``hf`` already holds the family's defaults)."""
+    return dict(vocab_size=field(hf, "vocab_size"), dim=field(hf, "hidden_size"),
+                n_layers=field(hf, "num_hidden_layers"), n_heads=field(hf, "num_attention_heads"),
+                max_seq_len=field(hf, "max_position_embeddings"), norm_eps=field(hf, "rms_norm_eps"),
+                tie_embeddings=bool(hf.get("tie_word_embeddings")), **rope_fields(hf))
+
+
+def gqa_config(hf: dict) -> dict:
+    """``common_config`` plus the GQA head layout; ``num_key_value_heads: null`` means one per query head."""
+    fields = common_config(hf)
+    return dict(fields, n_kv_heads=field(hf, "num_key_value_heads", nullable=True) or fields["n_heads"],
+                head_dim=hf.get("head_dim"))
 
 
 def common_to_hf(config: MoEConfig, architecture: str, model_type: str) -> dict:

@@ -1,20 +1,26 @@
 """Mixtral: GQA with half-split rotary, softmax top-k routing renormalised over the chosen experts, every block MoE."""
 
 from ..model import MoEConfig
-from .mapping import (Copy, check_representable, common_config, common_to_hf, expert_sources, field, gqa_sources,
-                      layer_sources, no_bias_slot, outer_sources, refuse_common)
+from .mapping import (Copy, check_representable, common_to_hf, expert_sources, field, gqa_config, gqa_sources,
+                      layer_sources, no_bias_slot, outer_sources, refuse_common, with_defaults)
 
 
 class Mixtral:
     ARCHITECTURE, MODEL_TYPE = "MixtralForCausalLM", "mixtral"
+    # transformers' MixtralConfig defaults for the keys read here that fix no tensor shape
+    DEFAULTS = {"rms_norm_eps": 1e-5, "rope_theta": 1e6, "max_position_embeddings": 131072,
+                "tie_word_embeddings": False, "num_experts_per_tok": 2}
 
-    @staticmethod
-    def config_from_hf(hf: dict) -> MoEConfig:
+    @classmethod
+    def config_from_hf(cls, hf: dict) -> MoEConfig:
+        hf = with_defaults(hf, cls.DEFAULTS)
         refuse_common(hf)
-        return MoEConfig(**common_config(hf), ffn_hidden=hf["intermediate_size"], n_dense_layers=0,
-                         num_experts=field(hf, "num_local_experts", "num_experts"), top_k=hf["num_experts_per_tok"],
-                         expert_hidden=hf["intermediate_size"], n_shared_experts=0, score_func="softmax",
-                         route_norm=True, route_scale=1.0, attention="gqa")
+        hidden = field(hf, "intermediate_size")
+        return MoEConfig(**gqa_config(hf), ffn_hidden=hidden, n_dense_layers=0,
+                         num_experts=field(hf, "num_local_experts", "num_experts"),
+                         top_k=field(hf, "num_experts_per_tok"), expert_hidden=hidden, n_shared_experts=0,
+                         score_func="softmax", route_norm=True, route_scale=1.0, attention="gqa",
+                         bias_update_rate=0.0)  # no slot for a balancing bias: keep it zero, so it can be saved
 
     @classmethod
     def config_to_hf(cls, config: MoEConfig) -> dict:

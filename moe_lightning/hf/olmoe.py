@@ -2,27 +2,39 @@
 softmax routing, every block MoE."""
 
 from ..model import MoEConfig
-from .mapping import (check_representable, common_config, common_to_hf, field, gqa_sources, layer_sources,
-                      outer_sources, refuse_common)
+from .mapping import (HFFormatError, check_representable, common_to_hf, field, gqa_config, gqa_sources,
+                      layer_sources, outer_sources, refuse_common, with_defaults)
 from .qwen3_moe import qk_norm_sources, router_and_experts
 
 
 class Olmoe:
     ARCHITECTURE, MODEL_TYPE = "OlmoeForCausalLM", "olmoe"
+    # transformers' OlmoeConfig defaults for the keys read here that fix no tensor shape
+    DEFAULTS = {"rms_norm_eps": 1e-5, "rope_theta": 1e4, "max_position_embeddings": 4096,
+                "tie_word_embeddings": False, "num_experts_per_tok": 8, "norm_topk_prob": False, "clip_qkv": None,
+                "num_key_value_heads": None}
 
-    @staticmethod
-    def config_from_hf(hf: dict) -> MoEConfig:
+    @classmethod
+    def config_from_hf(cls, hf: dict) -> MoEConfig:
+        hf = with_defaults(hf, cls.DEFAULTS)
         refuse_common(hf)
-        return MoEConfig(**common_config(hf), ffn_hidden=hf["intermediate_size"], n_dense_layers=0,
-                         num_experts=field(hf, "num_experts", "num_local_experts"), top_k=hf["num_experts_per_tok"],
-                         expert_hidden=hf["intermediate_size"], n_shared_experts=0, score_func="softmax",
-                         route_norm=bool(hf.get("norm_topk_prob", False)), route_scale=1.0, attention="gqa",
-                         qk_norm="full", clip_qkv=hf.get("clip_qkv"))
+        hidden = field(hf, "intermediate_size")
+        return MoEConfig(**gqa_config(hf), ffn_hidden=hidden, n_dense_layers=0,
+                         num_experts=field(hf, "num_experts", "num_local_experts"),
+                         top_k=field(hf, "num_experts_per_tok"), expert_hidden=hidden, n_shared_experts=0,
+                         score_func="softmax", route_norm=bool(hf["norm_topk_prob"]), route_scale=1.0,
+                         attention="gqa", qk_norm="full", clip_qkv=hf["clip_qkv"],
+                         bias_update_rate=0.0)  # no slot for a balancing bias: keep it zero, so it can be saved
 
     @classmethod
     def config_to_hf(cls, config: MoEConfig) -> dict:
         check_representable(config, cls.ARCHITECTURE, attention="gqa", qk_norm="full", n_moe_layers=config.n_layers,
                             n_shared_experts=0, score_func="softmax", route_scale=1.0, n_expert_groups=1)
+        if config.head_dim * config.n_heads != config.dim:  # its q_norm is always hidden_size wide
+            raise HFFormatError(f"MoEConfig.head_dim={config.head_dim} cannot be written as {cls.ARCHITECTURE}, "
+                                f"whose heads are hidden_size / num_attention_heads = {config.dim}/{config.n_heads} "
+                                f"wide: set head_dim=None with dim a multiple of n_heads, or choose "
+                                f"another architecture.")
         return {**common_to_hf(config, cls.ARCHITECTURE, cls.MODEL_TYPE), "num_key_value_heads": config.n_kv_heads,
                 "intermediate_size": config.expert_hidden, "num_experts": config.num_experts,
                 "num_experts_per_tok": config.top_k, "norm_topk_prob": config.route_norm, "clip_qkv": config.clip_qkv}

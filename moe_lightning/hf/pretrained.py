@@ -113,19 +113,26 @@ def fill_state_dict(state: dict[str, torch.Tensor], path: str | Path) -> None:
 def from_pretrained(path: str | Path, dtype: torch.dtype | None = None) -> MoETransformer:
     """Build the model a Hugging Face directory describes and load its weights.
 
-    ``dtype=None`` keeps every tensor's stored dtype (so saving it again is bit-identical); otherwise floating
-    weights are cast to ``dtype`` (the balancing bias stays float32, as the router computes in float32).
+    ``dtype=None`` keeps every tensor's stored dtype, except the balancing bias: the router updates and computes
+    it in float32 (a step of 1e-3 vanishes in bf16 at magnitude ~4), so a lower-precision bias is widened and its
+    stored dtype is kept in ``model.stored_dtypes`` for ``save_pretrained`` to write it back (bit-identical).
+    Otherwise floating weights are cast to ``dtype`` and the bias is float32.
     """
     config = load_config(path)
     with torch.device("meta"):
         model = MoETransformer(config)
     shapes = {name: t.shape for name, t in model.state_dict().items()}
     _, sources, files = _checked(path, shapes)
-    state = {}
+    state, stored = {}, {}
     for name, shape in shapes.items():
         tensor = sources[name].read(files.get, tuple(slice(0, s) for s in shape))
-        cast = dtype is not None and tensor.is_floating_point() and not name.endswith("expert_bias")
-        state[name] = tensor.to(dtype) if cast else tensor
+        if name.endswith("expert_bias"):
+            if dtype is None and tensor.dtype != torch.float32:
+                stored[name] = tensor.dtype
+            tensor = tensor.float()
+        elif dtype is not None and tensor.is_floating_point():
+            tensor = tensor.to(dtype)
+        state[name] = tensor
     if config.tie_embeddings:
         state["output.weight"] = state["tok_embeddings.weight"]
     model.load_state_dict(state, assign=True)
@@ -133,7 +140,14 @@ def from_pretrained(path: str | Path, dtype: torch.dtype | None = None) -> MoETr
         model.output.weight = model.tok_embeddings.weight
     if left := [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]:
         raise HFFormatError(f"from_pretrained left {left[:4]} unloaded (not in the state dict).")
+    model.stored_dtypes = stored
     return model
+
+
+def stored_dtype_getter(get: Callable[[str], torch.Tensor],
+                        stored: dict[str, torch.dtype]) -> Callable[[str], torch.Tensor]:
+    """``get``, casting the tensors ``from_pretrained`` widened back to the dtype the checkpoint stored."""
+    return lambda name: get(name).to(stored[name]) if name in stored else get(name)
 
 
 def choose_family(config: MoEConfig, architecture: str | None = None):
@@ -176,5 +190,5 @@ def write_pretrained(config: MoEConfig, get: Callable[[str], torch.Tensor], path
 def save_pretrained(model: MoETransformer, path: str | Path, architecture: str | None = None,
                     max_shard_bytes: int = 5 * 2**30) -> Path:
     """Write ``config.json`` and safetensors shards (+ index) that ``transformers`` loads as ``architecture``."""
-    state = model.state_dict()
-    return write_pretrained(model.config, state.__getitem__, path, architecture, max_shard_bytes)
+    get = stored_dtype_getter(model.state_dict().__getitem__, getattr(model, "stored_dtypes", {}))
+    return write_pretrained(model.config, get, path, architecture, max_shard_bytes)

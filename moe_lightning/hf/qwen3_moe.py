@@ -1,8 +1,9 @@
 """Qwen3-MoE: GQA with half-split rotary and per-head QK-norm, softmax routing, dense blocks in any pattern."""
 
 from ..model import MoEConfig
-from .mapping import (Copy, Rows, check_representable, common_config, common_to_hf, expert_sources, field,
-                      gqa_sources, half_split_perm, layer_sources, no_bias_slot, outer_sources, refuse_common)
+from .mapping import (Copy, Rows, check_representable, common_to_hf, expert_sources, field, gqa_config, gqa_sources,
+                      half_split_perm, layer_sources, no_bias_slot, outer_sources, refuse, refuse_common,
+                      with_defaults)
 
 
 def qk_norm_sources(p: str, q_heads: int, k_heads: int, head_dim: int) -> dict:
@@ -19,18 +20,25 @@ def router_and_experts(config: MoEConfig, p: str, architecture: str) -> dict:
 
 class Qwen3Moe:
     ARCHITECTURE, MODEL_TYPE = "Qwen3MoeForCausalLM", "qwen3_moe"
+    # transformers' Qwen3MoeConfig defaults for the keys read here that fix no tensor shape
+    DEFAULTS = {"rms_norm_eps": 1e-6, "rope_theta": 1e4, "max_position_embeddings": 32768,
+                "tie_word_embeddings": False, "num_experts_per_tok": 8, "norm_topk_prob": False,
+                "decoder_sparse_step": 1, "mlp_only_layers": None, "use_sliding_window": False}
 
-    @staticmethod
-    def config_from_hf(hf: dict) -> MoEConfig:
-        refuse_common(hf)
-        L, step, only = hf["num_hidden_layers"], hf.get("decoder_sparse_step", 1), set(hf.get("mlp_only_layers") or [])
+    @classmethod
+    def config_from_hf(cls, hf: dict) -> MoEConfig:
+        hf = with_defaults(hf, cls.DEFAULTS)
+        refuse(hf, "use_sliding_window", bool, "sliding-window attention is not implemented")
+        refuse_common({**hf, "sliding_window": None})  # transformers ignores it unless use_sliding_window
+        L, step = field(hf, "num_hidden_layers"), field(hf, "decoder_sparse_step")
+        only = set(hf["mlp_only_layers"] or [])
         dense = [i for i in range(L) if i in only or (i + 1) % step]  # transformers' rule for which blocks are MoE
-        return MoEConfig(**common_config(hf), ffn_hidden=hf["intermediate_size"], n_dense_layers=0,
+        return MoEConfig(**gqa_config(hf), ffn_hidden=field(hf, "intermediate_size"), n_dense_layers=0,
                          dense_layers=dense or None, num_experts=field(hf, "num_experts", "num_local_experts"),
-                         top_k=hf["num_experts_per_tok"],
-                         expert_hidden=hf["moe_intermediate_size"], n_shared_experts=0, score_func="softmax",
-                         route_norm=bool(hf.get("norm_topk_prob", False)), route_scale=1.0, attention="gqa",
-                         qk_norm="head")
+                         top_k=field(hf, "num_experts_per_tok"), expert_hidden=field(hf, "moe_intermediate_size"),
+                         n_shared_experts=0, score_func="softmax", route_norm=bool(hf["norm_topk_prob"]),
+                         route_scale=1.0, attention="gqa", qk_norm="head",
+                         bias_update_rate=0.0)  # no slot for a balancing bias: keep it zero, so it can be saved
 
     @classmethod
     def config_to_hf(cls, config: MoEConfig) -> dict:
