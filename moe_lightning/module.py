@@ -4,10 +4,12 @@ from functools import partial
 
 import lightning as L
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 import torchmetrics
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 
+from .callbacks.nonfinite import NonFiniteGuard
 from .model import MoEConfig, MoETransformer
 from .optim import WarmupCosineLR, param_groups
 
@@ -38,6 +40,7 @@ class MoELanguageModel(L.LightningModule):
         self.save_hyperparameters(ignore=["optimizer", "lr_scheduler"])
         self.tokens_seen = 0
         self._pending_expert_counts: torch.Tensor | None = None
+        self._train_loss_sum: torch.Tensor | None = None  # this optimizer step's micro-batch losses, on device
         self.val_loss_mean = torchmetrics.aggregation.MeanMetric()
 
     def configure_model(self) -> None:
@@ -78,10 +81,32 @@ class MoELanguageModel(L.LightningModule):
             if aux:
                 self.log("train/aux_loss", torch.stack(aux).sum())
         self.tokens_seen += batch_BS1[:, :-1].numel() * self.trainer.world_size
-        self.log("train/loss", loss, prog_bar=True)
-        self.log("train/perplexity", loss.detach().exp())
+        self._log_train_loss(loss.detach().float(), batch_idx)
         self.log("train/tokens_seen", float(self.tokens_seen))
         return loss
+
+    def _log_train_loss(self, loss: torch.Tensor, batch_idx: int) -> None:
+        """Log the loss of the whole global batch: the mean over this step's micro-batches and over all ranks.
+        One all-reduce of a scalar on logging steps only; other steps only add on the device."""
+        accumulate = self.trainer.accumulate_grad_batches
+        micro = batch_idx % accumulate
+        self._train_loss_sum = loss if micro == 0 or self._train_loss_sum is None else self._train_loss_sum + loss
+        if self.trainer.fit_loop.epoch_loop._should_accumulate():  # Lightning steps after this micro-batch?
+            return
+        if not self.trainer._logger_connector.should_update_logs:  # Lightning's own "these logs are written"
+            return
+        mean = self._train_loss_sum / (micro + 1)
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(mean)
+            mean = mean / dist.get_world_size()
+        self.log("train/loss", mean, prog_bar=True)
+        self.log("train/perplexity", mean.exp())
+
+    def configure_callbacks(self):
+        """The non-finite-loss guard runs in every fit (unless the trainer already has one, e.g. from YAML)."""
+        if self._trainer is not None and any(isinstance(cb, NonFiniteGuard) for cb in self.trainer.callbacks):
+            return []
+        return [NonFiniteGuard()]
 
     def on_before_optimizer_step(self, optimizer) -> None:
         """Once per optimizer step, after every micro-batch's backward: move the balancing bias using the

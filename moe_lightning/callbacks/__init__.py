@@ -3,7 +3,9 @@
 from .activation_offload import ActivationOffload
 from .allocator_monitor import AllocatorMonitor
 from .expert_load import ExpertLoad, ExpertLoadMonitor
+from .nonfinite import NonFiniteGuard, NonFiniteLossError
 from .throughput import PEAK_BF16_FLOPS, MoEThroughputMonitor, peak_bf16_flops
 
 __all__ = ["ActivationOffload", "AllocatorMonitor", "ExpertLoad", "ExpertLoadMonitor", "MoEThroughputMonitor",
+           "NonFiniteGuard", "NonFiniteLossError",
            "PEAK_BF16_FLOPS", "peak_bf16_flops"]
