@@ -75,7 +75,7 @@ def resolve_source(source: str) -> list[Path] | Path:
         shown = "; ".join(skipped[:10]) + (f"; and {len(skipped) - 10} more" if len(skipped) > 10 else "")
         rank_zero_info(f"data.source={source!r}: skipped {len(skipped)} file(s): {shown}")
     if not files:
-        raise ValueError(f"data.source={source!r}: no readable text files (looked for {looked_for}; "
+        raise ValueError(f"data.source={source!r}: no text files to read (looked for {looked_for}; "
                          f"skipped {len(skipped)}).")
     return files
 

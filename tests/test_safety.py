@@ -195,6 +195,7 @@ def test_seq_len_beyond_the_model_is_refused_before_training(tmp_path):
 def step0_loss(tmp_path: Path, *extra: str) -> float:
     from tests.distributed import clean_env, free_port
 
+    tmp_path.mkdir()
     result = subprocess.run(
         [sys.executable, "-m", "moe_lightning", "fit", "--config", str(CONFIGS / "tiny-fsdp.yaml"),
          "--trainer.max_steps=1", "--trainer.log_every_n_steps=1", "--trainer.limit_val_batches=0",
