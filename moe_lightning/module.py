@@ -8,6 +8,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 import torchmetrics
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from .callbacks.nonfinite import NonFiniteGuard
 from .model import MoEConfig, MoETransformer
@@ -16,6 +17,22 @@ from .optim import WarmupCosineLR, param_groups
 
 def default_optimizer(groups) -> torch.optim.Optimizer:
     return torch.optim.AdamW(groups, lr=3e-4, betas=(0.9, 0.95))
+
+
+def _keep_requested_hyperparameters(optimizer: torch.optim.Optimizer, requested: list[dict]) -> None:
+    """Optimizer ``load_state_dict`` post-hook: a resumed run trains with the hyperparameters it was given
+    (learning rate, weight decay, betas...), not the checkpoint's; the LR keeps its place in the schedule."""
+    changes = set()
+    for group, wanted in zip(optimizer.param_groups, requested):
+        restored_base = group.get("initial_lr")
+        for key, value in wanted.items():
+            if key != "lr" and group.get(key) != value:
+                changes.add(f"{key}: checkpoint {group.get(key)!r}, requested {value!r}")
+                group[key] = value
+        if restored_base and wanted.get("initial_lr") and restored_base != wanted["initial_lr"]:
+            group["lr"] *= wanted["initial_lr"] / restored_base
+    for change in sorted(changes):
+        rank_zero_info(f"resume: optimizer {change} (using the requested value)")
 
 
 class MoELanguageModel(L.LightningModule):
@@ -132,7 +149,16 @@ class MoELanguageModel(L.LightningModule):
         scheduler = self.lr_scheduler_factory(optimizer)
         if isinstance(scheduler, WarmupCosineLR) and scheduler.total_steps is None:
             scheduler.total_steps = int(self.trainer.estimated_stepping_batches)
+        requested = [{k: v for k, v in g.items() if k not in ("params", "param_names")} for g in optimizer.param_groups]
+        optimizer.register_load_state_dict_post_hook(partial(_keep_requested_hyperparameters, requested=requested))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def lr_scheduler_step(self, scheduler, metric) -> None:
+        """After a resume the schedule continues from the requested base LR, not the checkpoint's."""
+        if getattr(scheduler, "base_lrs", None) is not None:
+            scheduler.base_lrs = [g.get("initial_lr", base) for g, base in zip(scheduler.optimizer.param_groups,
+                                                                                  scheduler.base_lrs)]
+        super().lr_scheduler_step(scheduler, metric)
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         checkpoint["tokens_seen"] = self.tokens_seen

@@ -148,9 +148,16 @@ def test_resume_of_another_shape_is_refused_listing_each_field(tiny_checkpoint, 
 def test_resume_takes_the_command_lines_coefficients_and_says_so(tiny_checkpoint, tmp_path, lightning_log):
     """LightningCLI used to re-parse the checkpoint's hyperparameters over these (aux_loss_coef back to 0)."""
     cli = run(quick(tmp_path, "--trainer.max_steps=2", f"--ckpt_path={tiny_checkpoint}",
-                    "--model.init_args.config.aux_loss_coef=0.01", "--model.init_args.weight_decay=0.05"))
+                    "--model.init_args.config.aux_loss_coef=0.01", "--model.init_args.weight_decay=0.05",
+                    "--model.init_args.optimizer.init_args.lr=0.006"))
     assert cli.model.config.aux_loss_coef == 0.01 and cli.model.weight_decay == 0.05
     assert cli.trainer.global_step == 2  # resumed at step 1
+    # The restored optimizer state carried lr 0.003 and weight decay 0.1; the requested values win, and the LR
+    # keeps its place in the schedule: after 2 steps of 30-step warmup it is 0.006 * 3/30.
+    groups = {g["role"]: g for g in cli.trainer.optimizers[0].param_groups}
+    assert groups["hidden_matrix"]["weight_decay"] == 0.05 and groups["norm"]["weight_decay"] == 0.0
+    assert groups["hidden_matrix"]["lr"] == pytest.approx(0.006 * 3 / 30, rel=1e-9)
+    assert any("optimizer initial_lr: checkpoint 0.003, requested 0.006" in m for m in lightning_log)
     assert ("resume: model.init_args.config.aux_loss_coef: checkpoint 0.0, requested 0.01 "
             "(using the requested value)") in lightning_log
     assert any("model.init_args.weight_decay: checkpoint 0.1, requested 0.05" in m for m in lightning_log)
