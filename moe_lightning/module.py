@@ -103,17 +103,17 @@ class MoELanguageModel(L.LightningModule):
         return loss
 
     def _log_train_loss(self, loss: torch.Tensor, batch_idx: int) -> None:
-        """Log the loss of the whole global batch: the mean over this step's micro-batches and over all ranks.
-        One all-reduce of a scalar on logging steps only; other steps only add on the device."""
+        """Log the loss of the whole global batch: the mean over this step's micro-batches and, on the steps
+        whose logs are written, over all ranks (one all-reduce of a scalar; the progress bar shows this rank's
+        mean in between, so nothing syncs every step)."""
         accumulate = self.trainer.accumulate_grad_batches
         micro = batch_idx % accumulate
         self._train_loss_sum = loss if micro == 0 or self._train_loss_sum is None else self._train_loss_sum + loss
-        if self.trainer.fit_loop.epoch_loop._should_accumulate():  # Lightning steps after this micro-batch?
-            return
-        if not self.trainer._logger_connector.should_update_logs:  # Lightning's own "these logs are written"
+        if self.trainer.fit_loop.epoch_loop._should_accumulate():  # not the step's last micro-batch
             return
         mean = self._train_loss_sum / (micro + 1)
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        written = self.trainer._logger_connector.should_update_logs or self.trainer.fast_dev_run  # as Lightning decides
+        if written and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(mean)
             mean = mean / dist.get_world_size()
         self.log("train/loss", mean, prog_bar=True)

@@ -6,6 +6,7 @@ model's shape or function is refused before anything is built, one line per diff
 """
 
 import dataclasses
+import pickle
 from pathlib import Path
 from typing import Any
 
@@ -33,8 +34,12 @@ def checkpoint_hyperparameters(ckpt_path: str | Path) -> dict | None:
     file = path / ckpt.METADATA_FILE if path.is_dir() else path
     if not file.is_file():
         return None
-    with torch.serialization.safe_globals([MoEConfig]):  # older metadata pickled the dataclass itself
-        saved = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+    try:
+        with torch.serialization.safe_globals([MoEConfig]):  # older metadata pickled the dataclass itself
+            saved = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+    except pickle.UnpicklingError as error:  # never unpickle arbitrary code just to compare configs
+        raise ResumeMismatchError(f"ckpt_path={str(ckpt_path)!r}: its hyperparameters cannot be read as plain data "
+                                  f"({str(error).splitlines()[0]}); this version writes plain data only.") from None
     return saved.get("hyper_parameters")
 
 
