@@ -225,6 +225,28 @@ def test_two_processes_log_the_loss_of_the_global_batch(tmp_path):
     assert two == pytest.approx(one, abs=1e-5)
 
 
+def test_logged_loss_under_accumulation_is_the_mean_of_the_steps_micro_batches(tmp_path):
+    record = RecordMicroBatchLosses()
+    L.seed_everything(0)
+    trainer = L.Trainer(accelerator="cpu", max_steps=1, accumulate_grad_batches=3, log_every_n_steps=1,
+                        limit_val_batches=0, logger=CSVLogger(tmp_path, name="run", version=0), callbacks=[record],
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(MoELanguageModel(MoEConfig(**SMALL, init_std=0.3)),
+                TextDataModule("stdlib", seq_len=32, batch_size=2, max_tokens=20000))
+    rows = list(csv.DictReader(open(tmp_path / "run" / "version_0" / "metrics.csv")))
+    assert len(record.losses) == 3
+    # Lightning hands callbacks each micro-batch's loss / accumulate_grad_batches, so their sum is the mean.
+    assert float(rows[0]["train/loss"]) == pytest.approx(sum(record.losses), rel=1e-6)  # fp32 sum of 3
+
+
+class RecordMicroBatchLosses(Callback):
+    def __init__(self):
+        self.losses = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.losses.append(outputs["loss"].item())
+
+
 # ---- 7. configs that extend configs; one weight decay -----------------------------------------
 
 def printed_config(*args: str, capsys) -> dict:
