@@ -2,13 +2,14 @@
 
 import importlib
 import inspect
+import re
 import shutil
 import sys
 from pathlib import Path
 
 import torch
 from jsonargparse import Namespace
-from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 
 from .data import TextDataModule
@@ -53,6 +54,33 @@ def _raised_in(error: BaseException, package: str) -> bool:
     while tb.tb_next is not None:
         tb = tb.tb_next
     return f"{package}/" in tb.tb_frame.f_code.co_filename.replace("\\", "/")
+
+
+_PARSE_NOISE = ("Does not validate", "Subtypes:", "Errors:", "Given value", "Expected a <class 'NoneType'>",
+                "Problem with given class_path", "Parser key")
+
+
+def summarize_parse_error(message: str) -> str | None:
+    """One line for jsonargparse's nested union report: the keys down to the failing value, and what failed
+    there (the report lists every union alternative, ``None`` included, with the whole given value)."""
+    keys = re.findall(r'Parser key "([^"]+)"', message)
+    leaves = [(len(line) - len(line.lstrip()), line.strip().removeprefix("- ")) for line in message.splitlines()]
+    leaves = [(depth, text) for depth, text in leaves if text and not text.startswith(_PARSE_NOISE)]
+    if not keys or not leaves:
+        return None
+    deepest = max(depth for depth, _ in leaves)
+    failed = " | ".join(text for depth, text in leaves if depth == deepest)
+    given = [g for g in re.findall(r"Given value: (.*)", message) if len(g) < 80 and not g.startswith("NestedArg")]
+    shown = f" (given {given[-1]})" if given and "Got value" not in failed else ""
+    return f"error: {'.'.join(keys)}{shown}: {failed}"
+
+
+class MoEArgumentParser(LightningArgumentParser):
+    """Ends a parse error with its one-line summary, so the last line says which value failed and why."""
+
+    def error(self, message: str, ex: Exception | None = None):
+        short = summarize_parse_error(message)
+        super().error(f"{message}\n{short}" if short else message, ex)
 
 
 def remove_empty_run_folder(log_dir: Path) -> bool:
@@ -198,4 +226,5 @@ def run(argv: list[str] | None = None) -> MoECLI | None:
         module_name, function_name = EXTRA_COMMANDS[words[0]].split(":")
         return getattr(importlib.import_module(module_name), function_name)(words[1:])
     return MoECLI(MoELanguageModel, TextDataModule, subclass_mode_model=True, subclass_mode_data=True, args=argv,
-                  save_config_callback=SaveConfigBesideLogs, save_config_kwargs={"overwrite": False})
+                  save_config_callback=SaveConfigBesideLogs, save_config_kwargs={"overwrite": False},
+                  parser_class=MoEArgumentParser)
