@@ -30,7 +30,7 @@ class NonFiniteGuard(Callback):
             raise ValueError(f"NonFiniteGuard.check_every_n_steps={check_every_n_steps} must be >= 1 (or null).")
         self.check_every_n_steps = check_every_n_steps
         self._bad: torch.Tensor | None = None  # on device: [non-finite losses seen, -(first step with one)]
-        self._step, self._checked_step, self._last_save_step = 0, -1, None
+        self._step, self._last_save_step = 0, None
 
     def on_train_start(self, trainer, pl_module) -> None:
         self._bad = torch.tensor([0, _NONE], dtype=torch.long, device=pl_module.device)
@@ -48,8 +48,7 @@ class NonFiniteGuard(Callback):
         bad = ~torch.isfinite(loss.detach()).all()
         self._bad[0] += bad
         self._bad[1].masked_fill_(bad & (self._bad[1] == _NONE), -self._step)  # all on device: no host sync
-        if trainer.global_step % self._every == 0 and trainer.global_step != self._checked_step:
-            self._checked_step = trainer.global_step
+        if trainer.global_step != self._step and trainer.global_step % self._every == 0:  # just stepped
             self._raise_if_bad(trainer)
 
     def on_train_end(self, trainer, pl_module) -> None:
