@@ -26,7 +26,7 @@ def _keep_requested_hyperparameters(optimizer: torch.optim.Optimizer, requested:
     for group, wanted in zip(optimizer.param_groups, requested):
         restored_base = group.get("initial_lr")
         for key, value in wanted.items():
-            if key != "lr" and group.get(key) != value:
+            if key != "lr" and not isinstance(value, torch.Tensor) and group.get(key) != value:
                 changes.add(f"{key}: checkpoint {group.get(key)!r}, requested {value!r}")
                 group[key] = value
         if restored_base and wanted.get("initial_lr") and restored_base != wanted["initial_lr"]:
