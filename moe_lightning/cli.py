@@ -183,7 +183,7 @@ class MoECLI(LightningCLI):
         if rank_zero_only.rank != 0:
             return
         ckpt_path = self.config_init[self.subcommand].get("ckpt_path")
-        folders = {Path(ckpt_path).parent} if ckpt_path and Path(ckpt_path).parent.is_dir() else set()
+        folders = {Path(ckpt_path).parent} if ckpt_path and Path(ckpt_path).exists() else set()  # not "last"
         folders |= {Path(cb.dirpath) for cb in self.trainer.checkpoint_callbacks if getattr(cb, "dirpath", None)}
         for folder in folders:
             for partial in folder.glob(f"*{PARTIAL_SUFFIX}"):

@@ -59,8 +59,8 @@ def check_resume(saved_hparams: dict, requested: dict[str, Any], ckpt_path: str)
     ``requested`` is the model's init arguments from the command line (``config`` a dict or ``MoEConfig``).
     """
     changed, refused = [], []
-    if saved_hparams.get("config") is not None and requested.get("config") is not None:
-        saved, wanted = config_fields(saved_hparams["config"]), config_fields(requested["config"])
+    if saved_hparams.get("config") is not None:  # the module builds MoEConfig() from config=None
+        saved, wanted = config_fields(saved_hparams["config"]), config_fields(requested.get("config") or MoEConfig())
         for name in saved:
             if saved[name] != wanted[name]:
                 line = f"model.init_args.config.{name}: checkpoint {saved[name]!r}, requested {wanted[name]!r}"
