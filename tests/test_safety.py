@@ -176,6 +176,17 @@ def test_sharded_checkpoint_of_another_shape_is_refused_before_loading(tmp_path,
         run(quick(tmp_path, f"--ckpt_path={folder}"))
 
 
+def test_resume_check_without_a_config_compares_with_the_default_model():
+    """``config=None`` builds ``MoEConfig()``; a checkpoint saved before a field existed takes its default."""
+    from moe_lightning.resume import check_resume
+    saved = {k: v for k, v in dataclasses.asdict(MoEConfig(dim=128, n_heads=4)).items() if k != "init_std"}
+    with pytest.raises(ResumeMismatchError, match="config.dim: checkpoint 128, requested 256"):
+        check_resume({"config": saved}, {"config": None}, "x.ckpt")
+    assert check_resume({"config": dataclasses.asdict(MoEConfig())}, {"config": MoEConfig(z_loss_coef=0.1)},
+                        "x.ckpt") == ["resume: model.init_args.config.z_loss_coef: checkpoint 0.0, requested 0.1 "
+                                      "(using the requested value)"]
+
+
 # ---- 4. readable errors -----------------------------------------------------------------------
 
 def test_invalid_config_value_ends_with_our_message_not_a_namespace_dump(tmp_path):
