@@ -1,18 +1,23 @@
 """``moe-lightning``: LightningCLI's fit/validate/test/predict, plus generate, tokenize, plan, export."""
 
 import importlib
+import inspect
 import json
 import re
+import shutil
 import sys
 from pathlib import Path
 
 import torch
-from jsonargparse import DefaultHelpFormatter
-from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
+from jsonargparse import DefaultHelpFormatter, Namespace
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 
 from .data import TextDataModule
 from .generate import Sampling, encode_prompt
 from .module import MoELanguageModel
+from .parallel.checkpoint import PARTIAL_SUFFIX
+from .resume import check_resume, checkpoint_hyperparameters
 
 # Every command with one line, for `moe-lightning --help` (LightningCLI's own listing shows only its four).
 COMMANDS = {
@@ -55,14 +60,163 @@ class PlainHelpFormatter(DefaultHelpFormatter):
         super().start_section(heading and self._strip(heading))
 
 
+def default_precision(accelerator, cuda_available: bool, bf16_supported: bool) -> str:
+    """``trainer.precision`` when the config leaves it unset: bf16 mixed precision on CUDA GPUs that have
+    bf16 (grouped-mm experts and fused attention kernels need it; fp32 takes slow fallbacks), fp32 elsewhere."""
+    name = str(getattr(accelerator, "class_path", accelerator)).lower()
+    on_cuda = cuda_available and (name in ("auto", "gpu", "cuda") or "cudaaccelerator" in name)
+    return "bf16-mixed" if on_cuda and bf16_supported else "32-true"
+
+
+def root_cause(error: BaseException) -> BaseException:
+    """The deepest exception in ``error``'s chain that was not raised by jsonargparse itself: the one that
+    says what is wrong (jsonargparse wraps it in "Does not validate against any of the Union subtypes")."""
+    chain, seen = [], set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        chain.append(error)
+        error = error.__cause__ or error.__context__
+    ours = [e for e in chain if not _raised_in(e, "jsonargparse")]
+    return ours[-1] if ours else chain[0]
+
+
+def _raised_in(error: BaseException, package: str) -> bool:
+    tb = error.__traceback__
+    if tb is None:
+        return False
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    return f"{package}/" in tb.tb_frame.f_code.co_filename.replace("\\", "/")
+
+
+_PARSE_NOISE = ("Does not validate", "Subtypes:", "Errors:", "Given value", "Expected a <class 'NoneType'>",
+                "Problem with given class_path", "Parser key")
+
+
+def summarize_parse_error(message: str) -> str | None:
+    """One line for jsonargparse's nested union report: the keys down to the failing value, and what failed
+    there (the report lists every union alternative, ``None`` included, with the whole given value)."""
+    keys = re.findall(r'Parser key "([^"]+)"', message)
+    leaves = [(len(line) - len(line.lstrip()), line.strip().removeprefix("- ")) for line in message.splitlines()]
+    leaves = [(depth, text) for depth, text in leaves if text and not text.startswith(_PARSE_NOISE)]
+    if not keys or not leaves:
+        return None
+    deepest = max(depth for depth, _ in leaves)
+    failed = " | ".join(text for depth, text in leaves if depth == deepest)
+    given = [g for g in re.findall(r"Given value: (.*)", message) if len(g) < 80 and not g.startswith("NestedArg")]
+    shown = f" (given {given[-1]})" if given and "Got value" not in failed else ""
+    return f"error: {'.'.join(keys)}{shown}: {failed}"
+
+
+class MoEArgumentParser(LightningArgumentParser):
+    """Ends a parse error with its one-line summary, so the last line says which value failed and why."""
+
+    def error(self, message: str, ex: Exception | None = None):
+        short = summarize_parse_error(message)
+        super().error(f"{message}\n{short}" if short else message, ex)
+
+
+def remove_empty_run_folder(log_dir: Path) -> bool:
+    """Delete a failed run's logger folder if it holds nothing but the config it was started with."""
+    if not log_dir.is_dir():
+        return False
+    for path in log_dir.rglob("*"):
+        if path.is_dir():
+            continue
+        if path.name in ("config.yaml", "hparams.yaml"):
+            continue
+        if path.name == "metrics.csv" and len(path.read_text().splitlines()) <= 1:
+            continue
+        return False
+    shutil.rmtree(log_dir)
+    return True
+
+
+def _import_class(class_path: str):
+    module, _, name = class_path.rpartition(".")
+    return getattr(importlib.import_module(module), name)
+
+
+def check_weight_decay(model: Namespace) -> None:
+    """``model.init_args.weight_decay`` is the one source (parameter groups carry it, zero for norms, biases and
+    embeddings); an optimizer ``weight_decay`` other than its class default or that value would be ignored."""
+    init_args = model.get("init_args") if isinstance(model.get("init_args"), Namespace) else model
+    optimizer = init_args.get("optimizer")
+    if not isinstance(optimizer, Namespace) or "weight_decay" not in init_args or not optimizer.get("init_args"):
+        return
+    own = optimizer.init_args.get("weight_decay")
+    parameter = inspect.signature(_import_class(optimizer.class_path)).parameters.get("weight_decay")
+    if own is None or parameter is None or own in (parameter.default, init_args.weight_decay):
+        return
+    raise ValueError(
+        f"model.init_args.optimizer.init_args.weight_decay={own} conflicts with model.init_args.weight_decay="
+        f"{init_args.weight_decay}: parameter groups carry model.init_args.weight_decay (decay on matrices, never "
+        f"on norms, biases or embeddings), so the optimizer's own value would be ignored. Set "
+        f"model.init_args.weight_decay={own} and leave the optimizer's weight_decay unset.")
+
+
 class MoECLI(LightningCLI):
     """LightningCLI with the MoE model and text data as defaults (subclasses allowed by ``class_path``)."""
 
     def init_parser(self, **kwargs):
         return super().init_parser(**{"formatter_class": PlainHelpFormatter, **kwargs})
 
-    def add_arguments_to_parser(self, parser) -> None:
-        parser.set_defaults({"trainer.precision": "32-true"})
+    def _parse_ckpt_path(self) -> None:
+        """Replaces LightningCLI's re-parse of the checkpoint's hyperparameters (which silently beat the command
+        line): the command line wins, and a checkpoint of a different model is refused, field by field."""
+        if not self.config.get("subcommand"):
+            return
+        config = self.config[self.config.subcommand]
+        ckpt_path = config.get("ckpt_path")
+        saved = checkpoint_hyperparameters(ckpt_path) if ckpt_path else None
+        if not saved:
+            return
+        model = config.model
+        init_args = model.init_args if isinstance(model.get("init_args"), Namespace) else model
+        for line in check_resume(saved, init_args.as_dict(), str(ckpt_path)):
+            rank_zero_info(line)
+
+    def before_instantiate_classes(self) -> None:
+        """Checks and defaults that need the whole parsed config: one weight decay, precision from the device, and
+        a pretrained directory's ``tokenizer.json`` as the data's tokenizer unless one is set."""
+        config = self.config[self.subcommand] if self.subcommand else self.config
+        check_weight_decay(config.model)
+        pretrained = config.get("model.init_args.pretrained")
+        tokenizer = Path(pretrained or "") / "tokenizer.json"
+        if pretrained and "data.init_args.tokenizer" in config and config.get("data.init_args.tokenizer") is None \
+                and tokenizer.is_file():
+            config["data.init_args.tokenizer"] = str(tokenizer)
+        self._precision_defaulted = config.trainer.precision is None
+        if self._precision_defaulted:
+            cuda = torch.cuda.is_available()
+            config.trainer.precision = default_precision(config.trainer.accelerator, cuda,
+                                                         cuda and torch.cuda.is_bf16_supported())
+
+    def instantiate_classes(self) -> None:
+        try:
+            super().instantiate_classes()
+        except (ValueError, TypeError) as error:
+            cause = root_cause(error)
+            if cause is error:
+                raise
+            raise cause from None  # our message last, not jsonargparse's namespace dump
+
+    def after_instantiate_classes(self) -> None:
+        how = " (the default on this accelerator; set trainer.precision to change it)" if self._precision_defaulted else ""
+        rank_zero_info(f"precision: {self.trainer.precision}{how}")
+
+    def _check_model_fits_data(self) -> None:
+        config, data = self.model.config, self.datamodule
+        if config.vocab_size < data.vocab_size:
+            raise ValueError(f"model.config.vocab_size={config.vocab_size} is smaller than the tokenizer's "
+                             f"{data.vocab_size} tokens: set model.config.vocab_size >= {data.vocab_size}.")
+        if data.seq_len > config.max_seq_len:
+            raise ValueError(f"data.seq_len={data.seq_len} exceeds model.config.max_seq_len={config.max_seq_len}: "
+                             f"lower data.seq_len or raise model.config.max_seq_len.")
+        eos_id = getattr(getattr(data, "tokenizer", None), "eos_id", None)
+        if config.document_masking and eos_id is not None and config.eod_token_id != eos_id:
+            raise ValueError(f"model.config.eod_token_id={config.eod_token_id} is not the tokenizer's "
+                             f"end-of-document id {eos_id}: set model.config.eod_token_id: {eos_id}.")
 
     def _prepare_subcommand_parser(self, klass: type, subcommand: str, **kwargs):
         """``predict`` also takes the prompt file, output file and sampling options (``MoECLI.predict``'s arguments).
@@ -109,24 +263,37 @@ class MoECLI(LightningCLI):
                 f.write(json.dumps({**record, "completion": tokenizer.decode(ids)}, ensure_ascii=False) + "\n")
         print(f"wrote {len(records)} continuations to {target}")
 
-    def before_instantiate_classes(self) -> None:
-        """A pretrained directory's ``tokenizer.json`` becomes the data's tokenizer unless one is set."""
-        config = self.config[self.subcommand] if self.subcommand else self.config
-        pretrained = config.get("model.init_args.pretrained")
-        tokenizer = Path(pretrained or "") / "tokenizer.json"
-        if pretrained and "data.init_args.tokenizer" in config and config.get("data.init_args.tokenizer") is None \
-                and tokenizer.is_file():
-            config["data.init_args.tokenizer"] = str(tokenizer)
-
     def before_fit(self) -> None:
-        vocab = self.datamodule.vocab_size
-        if self.model.config.vocab_size < vocab:
-            raise ValueError(f"model.config.vocab_size={self.model.config.vocab_size} is smaller than the "
-                             f"tokenizer's {vocab} tokens: set model.config.vocab_size >= {vocab}.")
-        eos_id = getattr(getattr(self.datamodule, "tokenizer", None), "eos_id", None)
-        if self.model.config.document_masking and eos_id is not None and self.model.config.eod_token_id != eos_id:
-            raise ValueError(f"model.config.eod_token_id={self.model.config.eod_token_id} is not the tokenizer's "
-                             f"end-of-document id {eos_id}: set model.config.eod_token_id: {eos_id}.")
+        self._check_model_fits_data()
+        self._remove_stale_partial_checkpoints()
+
+    before_validate = before_test = _check_model_fits_data
+
+    def _remove_stale_partial_checkpoints(self) -> None:
+        """A run killed while saving leaves ``<name>.partial``: never loadable, so the next run of the folder
+        (resuming from it, or saving into it again) removes it."""
+        if rank_zero_only.rank != 0:
+            return
+        ckpt_path = self.config_init[self.subcommand].get("ckpt_path")
+        folders = {Path(ckpt_path).parent} if ckpt_path and Path(ckpt_path).exists() else set()  # not "last"
+        folders |= {Path(cb.dirpath) for cb in self.trainer.checkpoint_callbacks if getattr(cb, "dirpath", None)}
+        for folder in folders:
+            for partial in folder.glob(f"*{PARTIAL_SUFFIX}"):
+                shutil.rmtree(partial) if partial.is_dir() else partial.unlink()
+                rank_zero_info(f"removed {partial}: an unfinished checkpoint of a run stopped while saving")
+
+    def _run_subcommand(self, subcommand: str) -> None:
+        logger = self.trainer.logger
+        log_dir = getattr(logger, "log_dir", None) if logger is not None and not self.trainer.fast_dev_run else None
+        fresh = log_dir is not None and not Path(log_dir).exists()
+        try:
+            super()._run_subcommand(subcommand)
+        except BaseException:
+            saved = any(getattr(cb, "best_model_path", "") or getattr(cb, "last_model_path", "")
+                        for cb in self.trainer.checkpoint_callbacks)  # its config.yaml is what resumes them
+            if fresh and not saved and rank_zero_only.rank == 0 and remove_empty_run_folder(Path(log_dir)):
+                rank_zero_info(f"removed {log_dir}: the run failed before writing anything but its config")
+            raise
 
 
 # Commands beside LightningCLI's subcommands: name -> "module:function(argv)", imported only when used.
@@ -166,5 +333,5 @@ def run(argv: list[str] | None = None) -> MoECLI | None:
         return getattr(importlib.import_module(module_name), function_name)(words[1:])
     descriptions = {name: {"description": COMMANDS[name]} for name in MoECLI.subcommands()}
     return MoECLI(MoELanguageModel, TextDataModule, subclass_mode_model=True, subclass_mode_data=True, args=argv,
-                  parser_kwargs=descriptions,
+                  parser_kwargs=descriptions, parser_class=MoEArgumentParser,
                   save_config_callback=SaveConfigBesideLogs, save_config_kwargs={"overwrite": False})

@@ -17,11 +17,13 @@ from pathlib import Path
 import lightning as L
 import numpy as np
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from .tokenizer import load_tokenizer
 
 TEXT_SUFFIXES = {".txt", ".md", ".rst", ".py", ".c", ".h", ".json", ".yaml", ".yml", ".toml", ".html", ".tex"}
+READ_SUFFIXES = TEXT_SUFFIXES | {".jsonl"}  # what a folder source reads
 
 
 def stdlib_files() -> list[Path]:
@@ -30,58 +32,101 @@ def stdlib_files() -> list[Path]:
     return sorted(p for p in root.rglob("*.py") if "site-packages" not in p.relative_to(root).parts)
 
 
+def is_binary(path: Path) -> bool:
+    """A NUL byte in the first 8 KiB: what ``git`` and ``grep`` take for a binary file (text never has one)."""
+    with open(path, "rb") as f:
+        return b"\0" in f.read(8192)
+
+
 def resolve_source(source: str) -> list[Path] | Path:
-    """Return the text files a source names, or the path of a ``.npy`` token file; raise if it names nothing."""
+    """Return the text files a source names, or the path of a ``.npy`` token file; raise if it names nothing.
+
+    A file named directly must be text; folders and globs skip what is not, and say what they skipped.
+    """
     if source == "stdlib":
         return stdlib_files()
     path = Path(source).expanduser()
     if path.suffix == ".npy" and path.is_file():
         return path
     if path.is_file():
+        if is_binary(path):
+            raise ValueError(f"data.source={source!r} is a binary file (it has NUL bytes), not text: pass text files, "
+                             "a folder, .jsonl, or a .npy token file written by `moe-lightning tokenize`.")
         return [path]
     if path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.is_file() and (p.suffix in TEXT_SUFFIXES or p.suffix == ".jsonl"))
-        if not files:
-            raise ValueError(f"data.source={source!r}: the folder has no text files "
-                             f"(looked for {sorted(TEXT_SUFFIXES | {'.jsonl'})}).")
-        return files
-    matches = sorted(Path(p) for p in glob.glob(os.path.expanduser(source), recursive=True) if Path(p).is_file())
-    if matches:
-        return matches
-    raise FileNotFoundError(f"data.source={source!r}: no such file, folder or glob match. Use 'stdlib' for the "
-                            "built-in corpus, or a path to text, .jsonl or .npy token files.")
+        candidates, looked_for = sorted(p for p in path.rglob("*") if p.is_file()), f"{sorted(READ_SUFFIXES)}"
+    else:
+        candidates = sorted(Path(p) for p in glob.glob(os.path.expanduser(source), recursive=True) if Path(p).is_file())
+        looked_for = "text files"
+        if not candidates:
+            raise FileNotFoundError(f"data.source={source!r}: no such file, folder or glob match. Use 'stdlib' for "
+                                    "the built-in corpus, or a path to text, .jsonl or .npy token files.")
+    files, skipped = [], []
+    for p in candidates:
+        if path.is_dir() and p.suffix not in READ_SUFFIXES:
+            skipped.append(f"{p.relative_to(path)} (suffix {p.suffix or 'none'!r} not read)")
+        elif p.suffix == ".npy":
+            skipped.append(f"{p} (token files are read only when named directly)")
+        elif is_binary(p):
+            skipped.append(f"{p.relative_to(path) if path.is_dir() else p} (binary)")
+        else:
+            files.append(p)
+    if skipped:
+        shown = "; ".join(skipped[:10]) + (f"; and {len(skipped) - 10} more" if len(skipped) > 10 else "")
+        rank_zero_info(f"data.source={source!r}: skipped {len(skipped)} file(s): {shown}")
+    if not files:
+        raise ValueError(f"data.source={source!r}: no text files to read (looked for {looked_for}; "
+                         f"skipped {len(skipped)}).")
+    return files
 
 
 def iter_documents(files: list[Path], text_field: str):
     for path in files:
         if path.suffix == ".jsonl":
-            with open(path, encoding="utf-8") as f:
+            with open(path, encoding="utf-8", errors="replace") as f:
                 for line_no, line in enumerate(f, 1):
                     if line.strip():
-                        record = json.loads(line)
-                        if text_field not in record:
-                            raise KeyError(f"{path}:{line_no}: record has no field {text_field!r}; set "
-                                           f"data.text_field to one of {sorted(record)}.")
-                        yield record[text_field]
+                        yield _jsonl_text(line, path, line_no, text_field)
         else:
             yield path.read_text(encoding="utf-8", errors="replace")
 
 
-def tokenize_sources(sources: list[str], tokenizer, text_field: str = "text", max_tokens: int | None = None) -> np.ndarray:
-    """One token stream: every document's tokens followed by the end-of-document token."""
+def _jsonl_text(line: str, path: Path, line_no: int, text_field: str) -> str:
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path}:{line_no}: not valid JSON ({error.msg} at column {error.colno}); "
+                         "each line of a .jsonl file must be one JSON object.") from None
+    if not isinstance(record, dict):
+        raise ValueError(f"{path}:{line_no}: a JSON {type(record).__name__}, not an object with a "
+                         f"{text_field!r} field.")
+    if text_field not in record:
+        raise KeyError(f"{path}:{line_no}: record has no field {text_field!r}; set "
+                       f"data.text_field to one of {sorted(record)}.")
+    if not isinstance(record[text_field], str):
+        raise ValueError(f"{path}:{line_no}: field {text_field!r} holds a {type(record[text_field]).__name__}, "
+                         "not text.")
+    return record[text_field]
+
+
+def tokenize_sources(sources: list[str], tokenizer, text_field: str = "text",
+                     max_tokens: int | None = None) -> tuple[np.ndarray, int]:
+    """One token stream (every document's tokens followed by the end-of-document token), and the files read."""
     dtype = np.uint16 if tokenizer.vocab_size <= 2**16 else np.uint32
-    chunks, count = [], 0
+    chunks, count, files_read = [], 0, 0
     for source in sources:
         resolved = resolve_source(source)
         if isinstance(resolved, Path):
             chunks.append(load_token_file(resolved, tokenizer.vocab_size))
-            count += len(chunks[-1])
+            count, files_read = count + len(chunks[-1]), files_read + 1
             continue
-        for text in iter_documents(resolved, text_field):
-            ids = tokenizer.encode(text)
-            if len(ids):
-                chunks.append(np.append(ids, tokenizer.eos_id).astype(dtype))
-                count += len(chunks[-1])
+        for path in resolved:
+            files_read += 1
+            for text in iter_documents([path], text_field):
+                ids = tokenizer.encode(text)
+                if len(ids):
+                    chunks.append(np.append(ids, tokenizer.eos_id).astype(dtype))
+                    count += len(chunks[-1])
             if max_tokens is not None and count >= max_tokens:
                 break
         if max_tokens is not None and count >= max_tokens:
@@ -90,7 +135,7 @@ def tokenize_sources(sources: list[str], tokenizer, text_field: str = "text", ma
         tokens = chunks[0]  # keeps a memory-mapped token file mapped
     else:
         tokens = np.concatenate(chunks) if chunks else np.zeros(0, dtype=dtype)
-    return tokens[:max_tokens] if max_tokens is not None else tokens
+    return (tokens[:max_tokens] if max_tokens is not None else tokens), files_read
 
 
 def _token_file_info(path: Path) -> Path:
@@ -100,6 +145,12 @@ def _token_file_info(path: Path) -> Path:
 def load_token_file(path: Path, vocab_size: int) -> np.ndarray:
     """Memory-map a token file, refusing one written for a different vocabulary (its ids would overflow)."""
     tokens = np.load(path, mmap_mode="r")
+    if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
+        raise ValueError(f"data.source={str(path)!r} holds a {tokens.dtype} array of shape {tokens.shape}; token "
+                         "files hold one flat array of integer ids: write one with `moe-lightning tokenize`.")
+    if np.issubdtype(tokens.dtype, np.signedinteger) and len(tokens) and int(tokens.min()) < 0:
+        raise ValueError(f"data.source={str(path)!r} holds negative token ids (min {int(tokens.min())}); ids run "
+                         "from 0 to the vocabulary size - 1: write the file with `moe-lightning tokenize`.")
     info = _token_file_info(path)
     written_for = json.loads(info.read_text())["vocab_size"] if info.exists() else int(tokens.max()) + 1
     if written_for > vocab_size:
@@ -117,7 +168,7 @@ def write_token_file(sources: list[str], out_path: str, tokenizer_path: str | No
     if out.exists() and not overwrite:
         raise FileExistsError(f"out={out_path!r} exists; choose another path or pass --overwrite.")
     tokenizer = load_tokenizer(tokenizer_path)
-    tokens = tokenize_sources(sources, tokenizer, text_field)
+    tokens, _ = tokenize_sources(sources, tokenizer, text_field)
     if len(tokens) == 0:
         raise ValueError(f"sources {sources}: no text found, nothing to write.")
     tmp = out.with_name(out.name + ".partial.npy")
@@ -212,16 +263,33 @@ class TextDataModule(L.LightningDataModule):
         return self.tokenizer.vocab_size
 
     def setup(self, stage: str | None = None) -> None:
-        if self.train_set is not None:
-            return
-        tokens = tokenize_sources(self.sources, self.tokenizer, self.text_field, self.max_tokens)
-        num_sequences = (len(tokens) - 1) // self.seq_len
-        if num_sequences < 2:
-            raise ValueError(f"data.source={self.sources}: only {len(tokens)} tokens, fewer than two sequences of "
-                             f"seq_len={self.seq_len}; add text or lower data.seq_len.")
-        train_idx, val_idx = split_indices(num_sequences, self.val_fraction)
-        self.train_set = PackedSequences(tokens, self.seq_len, train_idx)
-        self.val_set = PackedSequences(tokens, self.seq_len, val_idx)
+        if self.train_set is None:
+            tokens, files_read = tokenize_sources(self.sources, self.tokenizer, self.text_field, self.max_tokens)
+            num_sequences = (len(tokens) - 1) // self.seq_len
+            if num_sequences < 2:
+                raise ValueError(f"data.source={self.sources}: only {len(tokens)} tokens, fewer than two sequences "
+                                 f"of seq_len={self.seq_len}; add text or lower data.seq_len.")
+            train_idx, val_idx = split_indices(num_sequences, self.val_fraction)
+            self.train_set = PackedSequences(tokens, self.seq_len, train_idx)
+            self.val_set = PackedSequences(tokens, self.seq_len, val_idx)
+            rank_zero_info(f"data: {files_read:,} file(s), {len(tokens):,} tokens -> {len(train_idx):,} train / "
+                           f"{len(val_idx):,} validation sequences of {self.seq_len} tokens")
+        if stage == "fit":
+            self._check_enough_for_fit()
+
+    def _check_enough_for_fit(self) -> None:
+        """Refuse a dataset that makes no training batch (Lightning would exit 0 saying "No training batches"),
+        or no validation batch while validation is on (it would silently skip validation)."""
+        ranks = self._sampler_kwargs()["num_replicas"]
+        if len(self.train_set) // ranks < self.batch_size:
+            raise ValueError(f"data: {len(self.train_set)} training sequences of seq_len={self.seq_len} make no batch "
+                             f"of data.batch_size={self.batch_size} on each of {ranks} process(es) (need "
+                             f"{self.batch_size * ranks}): add text, or lower data.batch_size or data.seq_len.")
+        validating = self.trainer is not None and self.trainer.limit_val_batches != 0
+        if validating and len(self.val_set) == 0:
+            raise ValueError(f"data: no validation sequence (every {max(2, round(1 / self.val_fraction))}th of the "
+                             f"{len(self.train_set)} sequences is held out): add text, raise data.val_fraction, or "
+                             "turn validation off with trainer.limit_val_batches=0.")
 
     def _sampler_kwargs(self) -> dict:
         strategy = self.trainer.strategy if self.trainer is not None else None

@@ -5,11 +5,14 @@ from functools import partial
 
 import lightning as L
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 import torchmetrics
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from . import hf
+from .callbacks.nonfinite import NonFiniteGuard
 from .generate import stream
 from .loss import chunked_cross_entropy
 from .model import MoEConfig, MoETransformer
@@ -18,6 +21,22 @@ from .optim import WarmupCosineLR, param_groups
 
 def default_optimizer(groups) -> torch.optim.Optimizer:
     return torch.optim.AdamW(groups, lr=3e-4, betas=(0.9, 0.95))
+
+
+def _keep_requested_hyperparameters(optimizer: torch.optim.Optimizer, requested: list[dict]) -> None:
+    """Optimizer ``load_state_dict`` post-hook: a resumed run trains with the hyperparameters it was given
+    (learning rate, weight decay, betas...), not the checkpoint's; the LR keeps its place in the schedule."""
+    changes = set()
+    for group, wanted in zip(optimizer.param_groups, requested):
+        restored_base = group.get("initial_lr")
+        for key, value in wanted.items():
+            if key != "lr" and not isinstance(value, torch.Tensor) and group.get(key) != value:
+                changes.add(f"{key}: checkpoint {group.get(key)!r}, requested {value!r}")
+                group[key] = value
+        if restored_base and wanted.get("initial_lr") and restored_base != wanted["initial_lr"]:
+            group["lr"] *= wanted["initial_lr"] / restored_base
+    for change in sorted(changes):
+        rank_zero_info(f"resume: optimizer {change} (using the requested value)")
 
 
 class MoELanguageModel(L.LightningModule):
@@ -54,6 +73,7 @@ class MoELanguageModel(L.LightningModule):
         self.save_hyperparameters(ignore=["optimizer", "lr_scheduler"])
         self.tokens_seen = 0
         self._pending_expert_counts: torch.Tensor | None = None
+        self._train_loss_sum: torch.Tensor | None = None  # this optimizer step's micro-batch losses, on device
         self.val_loss_mean = torchmetrics.aggregation.MeanMetric()
 
     def configure_model(self) -> None:
@@ -114,10 +134,32 @@ class MoELanguageModel(L.LightningModule):
             if aux:
                 self.log("train/aux_loss", torch.stack(aux).sum())
         self.tokens_seen += batch_BS1[:, :-1].numel() * self.trainer.world_size
-        self.log("train/loss", loss, prog_bar=True)
-        self.log("train/perplexity", loss.detach().exp())
+        self._log_train_loss(loss.detach().float(), batch_idx)
         self.log("train/tokens_seen", float(self.tokens_seen))
         return loss
+
+    def _log_train_loss(self, loss: torch.Tensor, batch_idx: int) -> None:
+        """Log the loss of the whole global batch: the mean over this step's micro-batches and, on the steps
+        whose logs are written, over all ranks (one all-reduce of a scalar; the progress bar shows this rank's
+        mean in between, so nothing syncs every step)."""
+        accumulate = self.trainer.accumulate_grad_batches
+        micro = batch_idx % accumulate
+        self._train_loss_sum = loss if micro == 0 or self._train_loss_sum is None else self._train_loss_sum + loss
+        if self.trainer.fit_loop.epoch_loop._should_accumulate():  # not the step's last micro-batch
+            return
+        mean = self._train_loss_sum / (micro + 1)
+        written = self.trainer._logger_connector.should_update_logs or self.trainer.fast_dev_run  # as Lightning decides
+        if written and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(mean)
+            mean = mean / dist.get_world_size()
+        self.log("train/loss", mean, prog_bar=True)
+        self.log("train/perplexity", mean.exp())
+
+    def configure_callbacks(self):
+        """The non-finite-loss guard runs in every fit (unless the trainer already has one, e.g. from YAML)."""
+        if self._trainer is not None and any(isinstance(cb, NonFiniteGuard) for cb in self.trainer.callbacks):
+            return []
+        return [NonFiniteGuard()]
 
     def on_before_optimizer_step(self, optimizer) -> None:
         """Once per optimizer step, after every micro-batch's backward: move the balancing bias using the
@@ -159,7 +201,16 @@ class MoELanguageModel(L.LightningModule):
         scheduler = self.lr_scheduler_factory(optimizer)
         if isinstance(scheduler, WarmupCosineLR) and scheduler.total_steps is None:
             scheduler.total_steps = int(self.trainer.estimated_stepping_batches)
+        requested = [{k: v for k, v in g.items() if k not in ("params", "param_names")} for g in optimizer.param_groups]
+        optimizer.register_load_state_dict_post_hook(partial(_keep_requested_hyperparameters, requested=requested))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def lr_scheduler_step(self, scheduler, metric) -> None:
+        """After a resume the schedule continues from the requested base LR, not the checkpoint's."""
+        if getattr(scheduler, "base_lrs", None) is not None:
+            scheduler.base_lrs = [g.get("initial_lr", base) for g, base in zip(scheduler.optimizer.param_groups,
+                                                                                  scheduler.base_lrs)]
+        super().lr_scheduler_step(scheduler, metric)
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         """Plain data only (loaded with ``weights_only=True``): the config as a dict."""

@@ -123,3 +123,82 @@ def test_token_file_from_another_vocabulary_is_refused(corpus, tmp_path):
     np.save(tmp_path / "foreign.npy", np.array([1, 2, 70000], dtype=np.uint32))  # no info file: ids are checked
     with pytest.raises(ValueError, match="70001-token vocabulary"):
         TextDataModule(str(tmp_path / "foreign.npy"), seq_len=1).setup()
+
+
+@pytest.fixture
+def lightning_log():
+    """Messages of Lightning's logger (which does not propagate to the root logger)."""
+    import logging
+    messages = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: messages.append(record.getMessage())
+    logging.getLogger("lightning.pytorch").addHandler(handler)
+    yield messages
+    logging.getLogger("lightning.pytorch").removeHandler(handler)
+
+
+def test_binary_file_source_is_refused_at_construction(tmp_path):
+    binary = tmp_path / "ls"
+    binary.write_bytes(b"\x7fELF\x02\x01\x01\x00\x00\x00" + bytes(range(256)) * 4)  # like /bin/ls
+    with pytest.raises(ValueError, match=r"data.source=.*ls' is a binary file"):
+        TextDataModule(str(binary))
+
+
+def test_folder_names_each_skipped_file_and_why_and_the_summary_counts_what_was_read(corpus, lightning_log):
+    (corpus / "model.bin.txt").write_bytes(b"weights\x00\x01\x02")  # a text suffix, binary content
+    dm = TextDataModule(str(corpus), seq_len=16, batch_size=2, val_fraction=0.25)
+    skipped = next(m for m in lightning_log if "skipped" in m)
+    assert "skipped 2 file(s)" in skipped
+    assert "image.png (suffix '.png' not read)" in skipped and "model.bin.txt (binary)" in skipped
+    dm.setup()
+    num_sequences = (962 - 1) // 16  # a.txt and b.md: 480 + 1 and 480 + 1 tokens
+    assert (f"data: 2 file(s), 962 tokens -> {len(dm.train_set)} train / {len(dm.val_set)} validation sequences "
+            "of 16 tokens") in lightning_log
+    assert len(dm.train_set) + len(dm.val_set) == num_sequences
+
+
+@pytest.mark.parametrize("array, message", [
+    (np.array([1.0, 2.0, 3.0], dtype=np.float32), "holds a float32 array"),
+    (np.array([[1, 2], [3, 4]], dtype=np.int64), r"shape \(2, 2\)"),
+    (np.array([5, -3, 7], dtype=np.int32), r"negative token ids \(min -3\)"),
+])
+def test_token_file_of_wrong_dtype_shape_or_negative_ids_is_refused(tmp_path, array, message):
+    np.save(tmp_path / "bad.npy", array)
+    with pytest.raises(ValueError, match=message):
+        TextDataModule(str(tmp_path / "bad.npy"), seq_len=1).setup()
+
+
+def test_jsonl_decode_errors_name_the_file_and_line(tmp_path):
+    path = tmp_path / "docs.jsonl"
+    path.write_text('{"text": "fine"}\n\n{"text": "broken\n')
+    with pytest.raises(ValueError, match=r"docs.jsonl:3: not valid JSON"):
+        TextDataModule(str(path), seq_len=4).setup()
+    path.write_text('{"text": "fine"}\n["a", "list"]\n')
+    with pytest.raises(ValueError, match=r"docs.jsonl:2: a JSON list, not an object"):
+        TextDataModule(str(path), seq_len=4).setup()
+
+
+def fit_until_data_check(dm):
+    """``Trainer.fit`` up to the DataModule's setup; the model is never built when the data is refused."""
+    import lightning as L
+    from moe_lightning import MoEConfig, MoELanguageModel
+
+    module = MoELanguageModel(MoEConfig(vocab_size=260, dim=32, n_layers=1, n_heads=2, n_kv_heads=1,
+                                        ffn_hidden=64, num_experts=2, top_k=1, expert_hidden=32))
+    trainer = L.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+    trainer.fit(module, dm)
+    return module
+
+
+def test_dataset_too_small_for_one_batch_is_refused_before_the_model_is_built(corpus):
+    """Lightning used to print "No training batches" and exit 0."""
+    dm = TextDataModule(str(corpus), seq_len=16, batch_size=64, val_fraction=0.25)
+    with pytest.raises(ValueError, match=r"45 training sequences .* make no batch of data.batch_size=64"):
+        fit_until_data_check(dm)
+
+
+def test_no_validation_sequence_is_refused_while_validation_is_on(tmp_path):
+    (tmp_path / "short.txt").write_text("x" * 200)  # 12 sequences of 16; every 20th held out: none
+    with pytest.raises(ValueError, match="no validation sequence.*limit_val_batches=0"):
+        fit_until_data_check(TextDataModule(str(tmp_path / "short.txt"), seq_len=16, batch_size=2))
