@@ -50,6 +50,7 @@ class AllToAllTokenDispatcher:
         self.group = group
         self.ep = dist.get_world_size(group)
 
+    @torch.compiler.disable  # host-side split sizes: a compiled block runs this part eagerly
     def __call__(self, x_TD, weights_TK, experts_TK, tokens_per_expert_E, experts: GroupedExperts):
         local = experts.num_experts
         x_sorted, weight_of_row, token_of_row = sort_by_expert(x_TD, weights_TK, experts_TK)
