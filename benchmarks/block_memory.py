@@ -4,9 +4,10 @@
 
 Method. One block of each config (``configs/{tiny,16b,1t}.yaml``) is built in bf16, as FSDP's mixed
 precision hands parameters to the compute, and run forward on random bf16 input inside saved-tensor hooks
-that record every distinct storage autograd keeps (parameters and the block input excluded, a storage and
-its views counted once). "Before" runs the same modules through the plain-autograd forwards of commit
-437294b (``tests/plain_moe.py``). Halves: attention = ``x + attention(attention_norm(x))``; FFN =
+that record every distinct storage autograd keeps (a storage and its views counted once; parameters
+excluded, and the attention half's input, which is the block input: a boundary activation counted apart).
+"Before" runs the same modules through the plain-autograd forwards of commit 437294b
+(``tests/block_reference.py``). Halves: attention = ``x + attention(attention_norm(x))``; FFN =
 ``h + ffn(ffn_norm(h))`` with a MoE or dense FFN.
 
 - Per-token bytes are the difference between two token counts (``T`` and ``2T``) divided by ``T``; the
@@ -18,8 +19,9 @@ its views counted once). "Before" runs the same modules through the plain-autogr
   per-expert constants (offsets) are left out.
 - Attention: on CPU, SDPA takes the math kernel for MLA (query/key and value widths differ) and keeps the
   ``S × S`` probabilities, which GPU fused kernels never store. SDPA is therefore replaced during the
-  measurement by an autograd function saving what the fused kernels save (q, k, v, output and the fp32
+  measurement by an autograd function keeping what the fused kernels keep (q, k, v, the output and an fp32
   log-sum-exp, ``[B, H, S]``), so the attention figures are what a GPU run keeps.
+- "plan" is ``plan.block_working_set_bytes`` per token for the configured shape.
 """
 
 import argparse
