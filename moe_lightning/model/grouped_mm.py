@@ -1,6 +1,6 @@
 """``torch._grouped_mm`` as custom ops, so ``torch.compile`` can trace the experts in any dtype.
 
-``_grouped_mm``'s own fake (meta) kernel accepts only bf16 (torch 2.11-2.13), so compiling a block in fp32
+``_grouped_mm``'s own fake (meta) kernel accepts only bf16 (seen on torch 2.13), so compiling a block in fp32
 fails; these ops carry their own shape-only fakes and run the real kernel unchanged. Compiled graphs call
 them as opaque kernels. ``torch.library.custom_op`` and ``register_autograd`` exist since torch 2.4.
 
