@@ -1,6 +1,7 @@
 """The LightningModule: builds the model late, computes the loss, balances experts, logs what matters."""
 
 import dataclasses
+import functools
 from functools import partial
 
 import lightning as L
@@ -15,8 +16,35 @@ from . import hf
 from .callbacks.nonfinite import NonFiniteGuard
 from .generate import stream
 from .loss import chunked_cross_entropy
-from .model import MoEConfig, MoETransformer
+from .model import LocalTokenDispatcher, MoEConfig, MoETransformer
 from .optim import WarmupCosineLR, param_groups
+
+
+def compile_blocks(layers: torch.nn.ModuleList, backend: str = "inductor") -> None:
+    """``torch.compile`` each block's ``forward`` in place (per block: the graphs are small and shared).
+
+    Only ``forward`` is compiled (through a subclass, as FSDP2 itself swaps the class), never the module's
+    ``__call__``: FSDP2's hooks and ActivationOffload's checkpoint wrapper (an instance ``forward`` that
+    calls the class's) stay eager around the compiled graph, so the order against sharding and offload
+    does not matter, and parameter names are unchanged. Compilation happens at the first call, after
+    sharding. Blocks with local MoE dispatch compile with ``fullgraph=True``; the all-to-all dispatch of
+    expert parallelism needs its split sizes on the host and runs eagerly between two graphs.
+    """
+    for block in layers:
+        block.__class__ = _compiled_class(type(block), backend)
+
+
+@functools.cache
+def _compiled_class(cls: type, backend: str) -> type:
+    whole = torch.compile(cls.forward, fullgraph=True, backend=backend)
+    split = torch.compile(cls.forward, backend=backend)
+
+    def forward(self, *args, **kwargs):
+        dispatcher = getattr(self.ffn, "dispatcher", None)
+        local = dispatcher is None or isinstance(dispatcher, LocalTokenDispatcher)
+        return (whole if local else split)(self, *args, **kwargs)
+
+    return type(f"Compiled{cls.__name__}", (cls,), {"forward": forward, "__doc__": cls.__doc__})
 
 
 def default_optimizer(groups) -> torch.optim.Optimizer:
@@ -52,11 +80,14 @@ class MoELanguageModel(L.LightningModule):
             may only change training settings) and its safetensors the weights, read by each rank for its shards.
         loss_chunk_size: Tokens per chunk of the output head + cross-entropy (``moe_lightning.loss``), so
             the ``[tokens, vocab]`` logits never exist at once; ``None``: one full-logits cross-entropy.
+        compile: ``torch.compile`` every block's forward (see ``compile_blocks``); works in fp32 and bf16,
+            on CPU and GPU, with ``MoEFSDPStrategy`` and ``ActivationOffload``.
     """
 
     def __init__(self, config: MoEConfig | None = None, optimizer: OptimizerCallable = default_optimizer,
                  lr_scheduler: LRSchedulerCallable = partial(WarmupCosineLR, warmup_steps=100),
-                 weight_decay: float = 0.1, pretrained: str | None = None, loss_chunk_size: int | None = None):
+                 weight_decay: float = 0.1, pretrained: str | None = None, loss_chunk_size: int | None = None,
+                 compile: bool = False):
         super().__init__()
         if loss_chunk_size is not None and (not isinstance(loss_chunk_size, int) or loss_chunk_size < 1):
             raise ValueError(f"model.loss_chunk_size={loss_chunk_size!r}: must be a positive integer (tokens per "
@@ -68,7 +99,7 @@ class MoELanguageModel(L.LightningModule):
         self.pretrained, self._pretrained_filled = pretrained, False
         self.config = config if config is not None else MoEConfig()
         self.optimizer_factory, self.lr_scheduler_factory = optimizer, lr_scheduler
-        self.weight_decay, self.loss_chunk_size = weight_decay, loss_chunk_size
+        self.weight_decay, self.loss_chunk_size, self.compile_each_block = weight_decay, loss_chunk_size, compile
         self.model: MoETransformer | None = None
         self.save_hyperparameters(ignore=["optimizer", "lr_scheduler"])
         self.tokens_seen = 0
@@ -82,6 +113,8 @@ class MoELanguageModel(L.LightningModule):
             self.model = MoETransformer(self.config)
             if self.pretrained is not None and not self.model.tok_embeddings.weight.is_meta:
                 self.fill_pretrained(self.model.state_dict(prefix="model."))
+            if self.compile_each_block:
+                compile_blocks(self.model.layers)
 
     def fill_pretrained(self, state: dict[str, torch.Tensor]) -> None:
         """Copy the ``pretrained`` weights into ``state`` (this module's state dict, plain or sharded, in place).

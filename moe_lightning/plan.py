@@ -170,32 +170,46 @@ def count_parameters(config: MoEConfig) -> tuple[dict[str, int], list[tuple[int,
     return roles, units
 
 
-def block_working_set_bytes(config: MoEConfig, tokens: int, moe: bool) -> int:
+def block_working_set_bytes(config: MoEConfig, tokens: int, moe: bool, part: str = "block") -> int:
     """Bytes one block's recomputed forward saves for its backward, for ``tokens = b·s`` tokens.
 
-    Counted from what autograd saves in this package's block (bf16 compute, fused attention kernel
-    keeping q, k, v, output and fp32 log-sum-exp). Per token, in bytes:
-    - each RMSNorm of width w: fp32 input, normalized and weighted bf16 outputs: ``8w``;
-    - GQA: rotated q and k ``2(H + G)·hd``, v ``2G·hd``, output and its reshaped copy ``4H·hd``, LSE ``4H``;
-    - MLA: norms ``8(d + Q + C)`` (no query norm if Q = 0), q and assembled k ``4H(N+R)``, key/value
-      up-projection ``2H(N+V)``, output and its reshaped copy ``4H·V``, LSE ``4H``;
-    - MoE: norm ``8d``, fp32 router input ``4d`` and scores ``4E``, K token copies into the experts,
-      their outputs and weighted outputs ``6K·d``, gate, up, activation, product ``8K·F``, shared experts
-      ``8·F_shared``, routing indices and weights ``28K``; plus, once, the router weight's fp32 copy ``4E·d``;
-    - dense FFN: norm ``8d`` and ``8·ffn_hidden``.
+    ``part``: ``attention`` (norm + attention), ``ffn`` (norm + MoE or dense FFN) or the whole ``block``.
+    Follows what autograd saves in this package's block with bf16 parameters (``tests/test_block_memory.py``
+    checks it with saved-tensor hooks) and a fused attention kernel keeping q, k, v, the output and an fp32
+    log-sum-exp (the CPU math kernel would keep ``S × S`` probabilities). Per token, in bytes:
+    - every RMSNorm keeps its bf16 input and fp32 reciprocal RMS ``2w + 4`` (the attention norm's input is
+      the block input, counted as a boundary activation: ``4``); a linear keeps its bf16 input;
+    - GQA: normed input ``2d``, rotary tables ``4·hd``, rotated q ``2H·hd``, k and v ``4G·hd``, output
+      ``2H·hd``, LSE ``4H``;
+    - MLA: normed input ``2d``, rotary tables ``4R``, the key/value down-projection ``2(C + R)`` and its norm
+      ``2C + 4``, the query latent and its norm ``4Q + 4`` (none when Q = 0), q and assembled k ``4H(N+R)``,
+      key/value up-projection ``2H(N+V)``, output ``2H·V``, LSE ``4H``;
+    - MoE: norm ``2d + 4`` and its output ``2d``, fp32 router scores ``4E``, choices ``8K``, renormalised
+      weights ``4K + 4`` (with ``route_norm``), sort indices ``16K``, K token copies into the experts ``2K·d``,
+      their gate and up ``4K·F`` (the product is recomputed), routing weights ``2K``, shared experts' gate and
+      up ``4·F_shared``, balance-loss normaliser ``4`` (with ``aux_loss_coef``), router logits and their
+      log-sum-exp ``4E + 4`` (with ``z_loss_coef``);
+    - dense FFN: norm ``2d + 4``, its output ``2d``, gate and up ``4·ffn_hidden``.
+    Rotary tables are per position (shared by the micro-batch) and counted per token, an upper bound for
+    b > 1; per-layer constants (int32 expert offsets, per-sequence balance statistics) are left out.
     """
     c, d, H = config, config.dim, config.n_heads
     if c.attention == "mla":
         N, R, V, C, Q = c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim, c.kv_lora_rank, c.q_lora_rank
-        per_token = 8 * (d + Q + C) + 4 * H * (N + R) + 2 * H * (N + V) + 4 * H * V + 4 * H
+        attention = (4 + 2 * d + 4 * R + 2 * (C + R) + 2 * C + 4 + (4 * Q + 4 if Q else 0) + 4 * H * (N + R)
+                     + 2 * H * (N + V) + 2 * H * V + 4 * H)
     else:
         hd, G = c.head_dim, c.n_kv_heads
-        per_token = 8 * d + 2 * (H + G) * hd + 2 * G * hd + 4 * H * hd + 4 * H
-    if not moe:
-        return (per_token + 8 * d + 8 * c.ffn_hidden) * tokens
-    K, F = c.top_k, c.expert_hidden
-    per_token += 12 * d + 4 * c.num_experts + 6 * K * d + 8 * K * F + 8 * F * c.n_shared_experts + 28 * K
-    return per_token * tokens + 4 * c.num_experts * d
+        attention = 4 + 2 * d + 4 * hd + 2 * H * hd + 4 * G * hd + 2 * H * hd + 4 * H
+    ffn = 4 * d + 4
+    if moe:
+        K, F, E = c.top_k, c.expert_hidden, c.num_experts
+        ffn += (4 * E + 8 * K + (4 * K + 4 if c.route_norm else 0) + 16 * K + 2 * K * d + 4 * K * F + 2 * K
+                + 4 * F * c.n_shared_experts + (4 if c.aux_loss_coef > 0 else 0) + (4 * E + 4 if c.z_loss_coef > 0 else 0))
+    else:
+        ffn += 4 * c.ffn_hidden
+    per_token = {"attention": attention, "ffn": ffn, "block": attention + ffn}[part]
+    return per_token * tokens
 
 
 def plan(config: MoEConfig, cluster: Cluster, work: Workload) -> dict:

@@ -168,12 +168,12 @@ def test_eod_token_id_is_validated_when_masking():
 
 
 def test_fit_refuses_an_eod_id_that_is_not_the_tokenizers():
-    cli = SimpleNamespace(datamodule=SimpleNamespace(vocab_size=64, tokenizer=SimpleNamespace(eos_id=256)),
+    cli = SimpleNamespace(datamodule=SimpleNamespace(vocab_size=64, seq_len=8, tokenizer=SimpleNamespace(eos_id=256)),
                           model=SimpleNamespace(config=MoEConfig(**BASE, document_masking=True)))
     with pytest.raises(ValueError, match="model.config.eod_token_id=63 .* set model.config.eod_token_id: 256"):
-        MoECLI.before_fit(cli)
+        MoECLI._check_model_fits_data(cli)
     cli.datamodule.tokenizer.eos_id = EOD
-    MoECLI.before_fit(cli)
+    MoECLI._check_model_fits_data(cli)
 
 
 def test_gpu_attention_benchmark_builds_masks_in_each_timed_call_and_reports_medians(monkeypatch):

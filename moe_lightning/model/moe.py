@@ -10,7 +10,26 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import MoEConfig
-from .layers import SwiGLU
+from .grouped_mm import grouped_linear
+from .layers import SwiGLU, gated_down
+
+
+class _Fp32Linear(torch.autograd.Function):
+    """``x.float() @ w.float().T`` keeping ``x`` and ``w`` as given (bf16 under FSDP) for backward.
+
+    Autograd would keep the fp32 copies: 4 bytes per token per input feature, and once the weight's.
+    The router's input is the norm output, which the shared experts keep anyway.
+    """
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return F.linear(x.float(), w.float())
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, w = ctx.saved_tensors
+        return (grad_out @ w.float()).to(x.dtype), (grad_out.T @ x.float()).to(w.dtype)
 
 
 class Router(nn.Module):
@@ -32,7 +51,7 @@ class Router(nn.Module):
     def forward(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Returns ``(weights_TK, experts_TK, scores_TE, logits_TE)``; scores and logits in fp32."""
         with torch.autocast(x_TD.device.type, enabled=False):  # fp32 even under bf16-mixed
-            logits_TE = F.linear(x_TD.float(), self.gate.weight.float())
+            logits_TE = _Fp32Linear.apply(x_TD, self.gate.weight)
         scores_TE = logits_TE.softmax(-1) if self.score_func == "softmax" else logits_TE.sigmoid()
         selection_TE = scores_TE.detach() + self.expert_bias
         if self.n_groups > 1:
@@ -97,21 +116,28 @@ class GroupedExperts(nn.Module):
     def num_experts(self) -> int:
         return self.w1_EFD.shape[0]
 
-    def forward(self, x_TD: torch.Tensor, tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
+    def forward(self, x_TD: torch.Tensor, tokens_per_expert_E: torch.Tensor,
+                scale_T1: torch.Tensor | None = None) -> torch.Tensor:
+        """Each row through its expert, times its routing weight ``scale_T1`` if given."""
         x_TD = x_TD.to(_autocast_dtype(x_TD))
+        scale_T1 = scale_T1.to(x_TD.dtype) if scale_T1 is not None else None
         if not _grouped_mm_supported(x_TD, self.w1_EFD.shape[1]):
-            return self.forward_loop(x_TD, tokens_per_expert_E)
-        w1, w3, w2 = (w.to(x_TD.dtype).transpose(-2, -1) for w in (self.w1_EFD, self.w3_EFD, self.w2_EDF))
+            return self.forward_loop(x_TD, tokens_per_expert_E, scale_T1)
+        w1, w3 = (w.to(x_TD.dtype) for w in (self.w1_EFD, self.w3_EFD))
         offsets_E = torch.cumsum(tokens_per_expert_E, dim=0, dtype=torch.int32)
-        gate_TF = torch._grouped_mm(x_TD, w1, offs=offsets_E)
-        up_TF = torch._grouped_mm(x_TD, w3, offs=offsets_E)
-        return torch._grouped_mm(F.silu(gate_TF) * up_TF, w2, offs=offsets_E)
+        gate_TF, up_TF = grouped_linear(x_TD, w1, offsets_E), grouped_linear(x_TD, w3, offsets_E)
+        return gated_down(gate_TF, up_TF, self.w2_EDF, scale_T1, offsets_E)
 
-    def forward_loop(self, x_TD: torch.Tensor, tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
+    def forward_loop(self, x_TD: torch.Tensor, tokens_per_expert_E: torch.Tensor,
+                     scale_T1: torch.Tensor | None = None) -> torch.Tensor:
         """Plain per-expert loop: the reference the grouped path is tested against, and the fallback."""
+        if scale_T1 is None:
+            scale_T1 = x_TD.new_ones(x_TD.shape[0], 1)
         outputs = []
-        for e, x_tD in enumerate(torch.split(x_TD, tokens_per_expert_E.tolist())):
-            outputs.append((F.silu(x_tD @ self.w1_EFD[e].T) * (x_tD @ self.w3_EFD[e].T)) @ self.w2_EDF[e].T)
+        counts = tokens_per_expert_E.tolist()
+        for e, (x_tD, scale_t1) in enumerate(zip(torch.split(x_TD, counts), torch.split(scale_T1, counts))):
+            hidden_tF = F.silu(x_tD @ self.w1_EFD[e].T) * (x_tD @ self.w3_EFD[e].T) * scale_t1
+            outputs.append(hidden_tF @ self.w2_EDF[e].T)
         return torch.cat(outputs) if outputs else x_TD.new_zeros(0, self.w2_EDF.shape[1])
 
     def init_weights(self, std: float, out_std: float) -> None:
@@ -127,26 +153,27 @@ class TokenDispatcher(Protocol):
                  tokens_per_expert_E: torch.Tensor, experts: GroupedExperts) -> torch.Tensor: ...
 
 
-def sort_by_expert(x_TD: torch.Tensor, experts_TK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One row per (token, choice), grouped by expert: ``(x_sorted, order, token_of_row)``."""
+def sort_by_expert(x_TD: torch.Tensor, weights_TK: torch.Tensor, experts_TK: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One row per (token, choice), grouped by expert: ``(x_sorted, weight_of_row [R, 1], token_of_row)``."""
     order = experts_TK.flatten().argsort(stable=True)
     token_of_row = order // experts_TK.shape[1]
-    return x_TD[token_of_row], order, token_of_row
+    return x_TD[token_of_row], weights_TK.flatten()[order, None], token_of_row
 
 
-def combine_weighted(y_sorted: torch.Tensor, weights_TK: torch.Tensor, order: torch.Tensor,
-                     token_of_row: torch.Tensor, x_TD: torch.Tensor) -> torch.Tensor:
-    """Undo ``sort_by_expert``: weight each expert output and sum it into its token's row."""
-    y_weighted = y_sorted * weights_TK.flatten()[order, None].to(y_sorted.dtype)
-    return x_TD.new_zeros(x_TD.shape).index_add_(0, token_of_row, y_weighted.to(x_TD.dtype))
+def sum_into_tokens(y_sorted: torch.Tensor, token_of_row: torch.Tensor, x_TD: torch.Tensor) -> torch.Tensor:
+    """Undo ``sort_by_expert``: add each (already weighted) expert output into its token's row.
+
+    ``index_put_`` keeps only the indices for backward (``index_add_`` would keep the rows too)."""
+    return x_TD.new_zeros(x_TD.shape).index_put_((token_of_row,), y_sorted.to(x_TD.dtype), accumulate=True)
 
 
 class LocalTokenDispatcher:
-    """Single-device dispatch: sort token copies by expert, run the experts, weight and scatter back."""
+    """Single-device dispatch: sort token copies by expert, run the experts (weighted), sum back into tokens."""
 
     def __call__(self, x_TD, weights_TK, experts_TK, tokens_per_expert_E, experts):
-        x_sorted, order, token_of_row = sort_by_expert(x_TD, experts_TK)
-        return combine_weighted(experts(x_sorted, tokens_per_expert_E), weights_TK, order, token_of_row, x_TD)
+        x_sorted, weight_of_row, token_of_row = sort_by_expert(x_TD, weights_TK, experts_TK)
+        return sum_into_tokens(experts(x_sorted, tokens_per_expert_E, weight_of_row), token_of_row, x_TD)
 
 
 class _AttachAuxLoss(torch.autograd.Function):
@@ -193,7 +220,7 @@ class MoELayer(nn.Module):
         B, S, D = x_BSD.shape
         x_TD = x_BSD.reshape(-1, D)
         weights_TK, experts_TK, scores_TE, logits_TE = self.router(x_TD)
-        self.tokens_per_expert = torch.bincount(experts_TK.flatten(), minlength=self.num_experts)
+        self.tokens_per_expert = self._count_tokens(experts_TK)
         y_TD = self.dispatcher(x_TD, weights_TK, experts_TK, self.tokens_per_expert, self.experts)
         if self.shared_experts is not None:
             y_TD = y_TD + self.shared_experts(x_TD)
@@ -206,6 +233,11 @@ class MoELayer(nn.Module):
         if torch.is_grad_enabled() and aux_loss.requires_grad:
             y_BSD = _AttachAuxLoss.apply(y_BSD, aux_loss, self.aux_loss_grad_scale)
         return y_BSD
+
+    def _count_tokens(self, experts_TK: torch.Tensor) -> torch.Tensor:
+        """Tokens per expert without a host sync (``torch.bincount`` on CUDA reads the min and max back)."""
+        flat = experts_TK.flatten()
+        return flat.new_zeros(self.num_experts).scatter_add_(0, flat, torch.ones_like(flat))
 
     def _balancing_loss(self, scores_BSE, experts_BSK, logits_TE) -> torch.Tensor | None:
         """Sequence-level balance loss ``coef * E/(K*S) * sum_e f_e * P_e`` (per sequence) + router z-loss."""

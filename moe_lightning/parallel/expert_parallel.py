@@ -9,7 +9,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..model import GroupedExperts, MoELayer
-from ..model.moe import combine_weighted, sort_by_expert
+from ..model.moe import sort_by_expert, sum_into_tokens
 
 
 class _AllToAll(torch.autograd.Function):
@@ -33,39 +33,50 @@ class _AllToAll(torch.autograd.Function):
 class AllToAllTokenDispatcher:
     """Token dispatch across an expert-parallel group (the ``TokenDispatcher`` protocol of ``model/moe.py``).
 
-    Steps: sort token copies by global expert, exchange per-expert counts, all-to-all the tokens
-    (variable splits), regroup them by local expert, run the local experts, undo the regrouping,
-    all-to-all back, weight and sum into the token rows.
+    Steps: sort token copies by global expert, exchange per-expert counts, all-to-all the tokens and their
+    routing weights (variable splits), regroup them by local expert, run the local experts (weighted), undo
+    the regrouping, all-to-all back and sum into the token rows. Each intermediate buffer is dropped as soon
+    as the next one exists (autograd keeps none of them: the exchanges save only split sizes).
 
     Gradient scale: an expert's weight gradient sums the contributions of all ``ep`` ranks' tokens,
     and FSDP then averages it over the ``world / ep`` ranks holding the same experts, which is ``ep``
     times the data-parallel mean. The return exchange scales its backward by ``1/ep`` (shrinking the
-    expert weight and input gradients) and the dispatch exchange scales by ``ep`` (restoring the input
-    gradient), so every gradient equals the ``ep = 1`` run. Powers of two make both scalings exact.
+    expert weight and input gradients) and the dispatch exchanges scale by ``ep`` (restoring the input
+    and routing-weight gradients), so every gradient equals the ``ep = 1`` run. Powers of two make both
+    scalings exact.
     """
 
     def __init__(self, group: dist.ProcessGroup):
         self.group = group
         self.ep = dist.get_world_size(group)
 
+    @torch.compiler.disable  # host-side split sizes: a compiled block runs this part eagerly
     def __call__(self, x_TD, weights_TK, experts_TK, tokens_per_expert_E, experts: GroupedExperts):
         local = experts.num_experts
-        x_sorted, order, token_of_row = sort_by_expert(x_TD, experts_TK)
+        x_sorted, weight_of_row, token_of_row = sort_by_expert(x_TD, weights_TK, experts_TK)
         send_counts_PE = tokens_per_expert_E.view(self.ep, local)
         recv_counts_PE = torch.empty_like(send_counts_PE)
         dist.all_to_all_single(recv_counts_PE, send_counts_PE, group=self.group)
         send_splits, recv_splits = torch.stack([send_counts_PE.sum(1), recv_counts_PE.sum(1)]).tolist()  # one sync
 
-        x_recv = _AllToAll.apply(x_sorted, recv_splits, send_splits, self.group, float(self.ep))
+        exchange = (recv_splits, send_splits, self.group, float(self.ep))
+        x_recv, weight_recv = _AllToAll.apply(x_sorted, *exchange), _AllToAll.apply(weight_of_row, *exchange)
+        del x_sorted, weight_of_row
         # Received rows are grouped [source rank][local expert]; the experts want [local expert][source rank].
         expert_of_row = torch.repeat_interleave(
             torch.arange(local, device=x_TD.device).repeat(self.ep), recv_counts_PE.flatten(),
             output_size=sum(recv_splits))
         by_expert = expert_of_row.argsort(stable=True)
-        y_by_expert = experts(x_recv[by_expert], recv_counts_PE.sum(0))
-        y_recv = torch.empty_like(y_by_expert).index_copy_(0, by_expert, y_by_expert)  # undo without a second sort
+        x_by_expert, weight_by_expert = x_recv[by_expert], weight_recv[by_expert]
+        del x_recv, weight_recv
+        y_by_expert = experts(x_by_expert, recv_counts_PE.sum(0), weight_by_expert)
+        del x_by_expert
+        # Undo the regrouping without a second sort; index_put_ keeps only the indices (index_copy_ the rows too).
+        y_recv = torch.empty_like(y_by_expert).index_put_((by_expert,), y_by_expert)
+        del y_by_expert
         y_sorted = _AllToAll.apply(y_recv, send_splits, recv_splits, self.group, 1.0 / self.ep)
-        return combine_weighted(y_sorted, weights_TK, order, token_of_row, x_TD)
+        del y_recv
+        return sum_into_tokens(y_sorted, token_of_row, x_TD)
 
 
 @torch.no_grad()
