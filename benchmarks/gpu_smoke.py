@@ -29,6 +29,7 @@ from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import moe_lightning  # noqa: E402
 from moe_lightning import MoEConfig, MoELanguageModel  # noqa: E402
 from moe_lightning.callbacks import ActivationOffload  # noqa: E402
 from moe_lightning.optim import Muon  # noqa: E402
@@ -55,9 +56,10 @@ def packed_tokens(n: int, seq_len: int, vocab: int, eod: int, doc_len: int) -> t
 
 def _frame_of_interest(stack: list[traceback.FrameSummary]) -> str:
     """The innermost frame in this package (else Lightning, else the last one): where the sync came from."""
-    for marker in ("moe_lightning", "lightning"):
+    for package in (moe_lightning, L):
+        root = str(Path(package.__file__).resolve().parent)
         for frame in reversed(stack):
-            if marker in frame.filename and "warnings" not in frame.filename:
+            if str(Path(frame.filename).resolve()).startswith(root):
                 return f"{Path(frame.filename).name}:{frame.lineno} {frame.name}: {(frame.line or '').strip()}"
     frame = stack[-1]
     return f"{Path(frame.filename).name}:{frame.lineno} {frame.name}"

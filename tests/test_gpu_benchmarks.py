@@ -5,6 +5,7 @@ test (succeed, fail, hang), so the driver's budget, time boxes and exit status a
 """
 
 import importlib.util
+import json
 import os
 import stat
 import subprocess
@@ -13,6 +14,7 @@ from argparse import Namespace
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.distributed import REPO_ROOT, clean_env
 
@@ -86,3 +88,34 @@ def test_gpu_strategy_reports_a_child_that_fails_with_its_error(gpu_strategy, mo
     result = gpu_strategy.run_child(2, child_args(devices=0), timeout=120)  # Trainer rejects devices=0
     assert result["status"] == "failed" and result["exit"] != 0
     assert result["unshard_async_op"] is True and "devices" in result["stderr_tail"]
+
+
+@pytest.fixture(scope="module")
+def gpu_smoke():
+    spec = importlib.util.spec_from_file_location("gpu_smoke", REPO_ROOT / "benchmarks" / "gpu_smoke.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_gpu_smoke_dry_run_trains_the_1t_mini_path_on_cpu(gpu_smoke, capsys):
+    summary = gpu_smoke.main(["--dry-run"])
+    assert summary["steps"] == 2 and summary["seq_len"] == 1024 and summary["precision"] == "32-true"
+    assert all(0 < loss < 10 for loss in summary["losses"])
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith('{"step"')]
+    assert [row["step"] for row in rows] == [0, 1]  # one line per step, printed as it ends
+
+
+def test_gpu_smoke_names_the_package_frame_that_synchronised(gpu_smoke):
+    """On CUDA, set_sync_debug_mode("warn") warns inside the op; the probe records the innermost frame of
+    moe_lightning on the Python stack at that moment (here: the model's forward calling into a hooked op)."""
+    from moe_lightning.model import MoEConfig, MoETransformer
+    probe = gpu_smoke.SmokeProbe(probe_step=0)
+    model = MoETransformer(MoEConfig(vocab_size=32, dim=16, n_layers=1, n_heads=2, n_kv_heads=1, max_seq_len=8,
+                                     ffn_hidden=16, n_dense_layers=1, num_experts=2, top_k=1, expert_hidden=16))
+    model.norm.register_forward_hook(lambda *_: probe._show("called a synchronizing CUDA operation", UserWarning,
+                                                             "x.py", 1))
+    model(torch.zeros(1, 4, dtype=torch.long))
+    assert len(probe.sync_sites) == 1 and probe.sync_sites[0].startswith("transformer.py:")
+    probe._show("an unrelated warning", UserWarning, "x.py", 1)
+    assert len(probe.sync_sites) == 1
