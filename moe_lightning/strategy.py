@@ -261,7 +261,8 @@ class MoEFSDPStrategy(ModelParallelStrategy):
         fill = getattr(self.lightning_module, "fill_pretrained", None)
         if fill is None or getattr(self.lightning_module, "pretrained", None) is None:
             return
-        with self._expert_views(self.lightning_module.state_dict(keep_vars=True)) as state:
+        names = ckpt.expert_parameter_names(self.lightning_module)
+        with ckpt.global_expert_views(self.lightning_module.state_dict(keep_vars=True), names, self.expert_mesh) as state:
             fill(state)
 
     def _expert_placement(self, model: MoETransformer):

@@ -120,13 +120,14 @@ class ExpertLoadMonitor(L.Callback):
         log_to_loggers(trainer, metrics)
         self.last_metrics = metrics
         self.last_tokens_seen = float(getattr(pl_module, "tokens_seen", trainer.global_step))
-        if self.image_every_n_steps and trainer.global_step % self.image_every_n_steps == 0 \
-                and trainer.is_global_zero:
-            self._write_figure(trainer, load_figure(result["counts"], [i for i, _ in self._moe_layers],
-                                                    trainer.global_step))
+        if self.image_every_n_steps and trainer.global_step % self.image_every_n_steps == 0:
+            log_dir = trainer.log_dir  # every rank asks: under a distributed strategy it is a broadcast
+            if trainer.is_global_zero:
+                self._write_figure(trainer, log_dir, load_figure(result["counts"], [i for i, _ in self._moe_layers],
+                                                                 trainer.global_step))
 
-    def _write_figure(self, trainer: L.Trainer, fig) -> None:
-        folder = Path(trainer.log_dir or trainer.default_root_dir) / "expert_load"
+    def _write_figure(self, trainer: L.Trainer, log_dir: str | None, fig) -> None:
+        folder = Path(log_dir or trainer.default_root_dir) / "expert_load"
         folder.mkdir(parents=True, exist_ok=True)
         self.last_image_path = folder / f"step_{trainer.global_step:07d}.png"
         fig.savefig(self.last_image_path)

@@ -108,11 +108,12 @@ class TrainingCurves(L.Callback):
         return fig
 
     def draw(self, trainer: L.Trainer) -> None:
+        log_dir = trainer.log_dir  # every rank asks: under a distributed strategy it is a broadcast
         if not trainer.is_global_zero:
             return
         self._collect_expert_window(trainer)
         fig = self.figure(trainer.global_step)
-        self.path = Path(trainer.log_dir or trainer.default_root_dir) / "training_curves.png"
+        self.path = Path(log_dir or trainer.default_root_dir) / "training_curves.png"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(self.path)
         for logger in trainer.loggers:

@@ -1,0 +1,12 @@
+"""In-process runs of MoEFSDPStrategy (one rank) leave torch.distributed initialised, as Lightning does; a later
+test that checks "nothing was set up" or sets up its own group would then see the leftover. Tear it down."""
+
+import pytest
+import torch.distributed as dist
+
+
+@pytest.fixture(autouse=True)
+def no_leftover_process_group():
+    yield
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
