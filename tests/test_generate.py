@@ -179,7 +179,9 @@ def test_predict_writes_a_continuation_per_prompt(run_dir):
     root = run_dir["root"]
     prompts = [{"prompt": PROMPT, "id": 7}, {"prompt": "import torch\n"}]
     (root / "prompts.jsonl").write_text("".join(json.dumps(p) + "\n" for p in prompts))
+    # The config says bytes; the checkpoint recorded the BPE it was trained with, and that one must be used.
     run(["predict", "--config", str(write_config(root)), "--ckpt_path", str(root / "single.ckpt"),
+         "--data.init_args.tokenizer", "null",
          "--prompts", str(root / "prompts.jsonl"), "--out", str(root / "out.jsonl"), "--max_new_tokens", "24",
          "--stop", "false"])
     records = [json.loads(line) for line in (root / "out.jsonl").read_text().splitlines()]
@@ -187,6 +189,16 @@ def test_predict_writes_a_continuation_per_prompt(run_dir):
     assert [{k: v for k, v in r.items() if k != "completion"} for r in records] == prompts  # fields kept, in order
     assert [r["completion"] for r in records] == [complete(loaded.model, loaded.tokenizer, p["prompt"], GREEDY)
                                                   for p in prompts]
+
+
+def test_predict_on_more_than_one_process_is_refused_before_reading_prompts(tmp_path):
+    from types import SimpleNamespace
+
+    from moe_lightning.cli import MoECLI
+
+    cli = SimpleNamespace(trainer=SimpleNamespace(world_size=2))  # the prompts file does not even exist
+    with pytest.raises(ValueError, match=r"world_size=2.*--trainer.devices=1.*moe-lightning generate"):
+        MoECLI.predict(cli, model=None, prompts=str(tmp_path / "missing.jsonl"))
 
 
 def test_test_reports_held_out_loss_and_perplexity(run_dir):
