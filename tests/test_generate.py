@@ -145,6 +145,27 @@ def test_generate_rejects_bad_sampling_before_loading(flag, value, field, tmp_pa
         generate_main([str(tmp_path / "missing.ckpt"), flag, value])  # the checkpoint is never opened
 
 
+def test_generate_names_a_prompt_file_that_is_not_utf8(tmp_path):
+    bad = tmp_path / "latin1.txt"
+    bad.write_bytes("café".encode("latin-1"))
+    with pytest.raises(ValueError, match=r"--prompt-file=.*latin1.txt.* not UTF-8 text \(byte 0xe9 at offset 3\)"):
+        generate_main([str(tmp_path / "missing.ckpt"), "--prompt-file", str(bad)])  # before the checkpoint
+
+
+@pytest.mark.parametrize("argv, device, dtype", [([], "cpu", torch.float32), ([], "cuda", torch.bfloat16),
+                                                 (["--dtype", "float32"], "cuda", torch.float32),
+                                                 (["--dtype", "bfloat16"], "cpu", torch.bfloat16)])
+def test_generate_dtype_defaults_to_bf16_on_cuda_only(argv, device, dtype, monkeypatch, tmp_path):
+    import moe_lightning.loading
+
+    def record(checkpoint, device, dtype):
+        raise RuntimeError(f"load_model({device}, {dtype})")
+
+    monkeypatch.setattr(moe_lightning.loading, "load_model", record)
+    with pytest.raises(RuntimeError, match=rf"load_model\({device}, {dtype}\)"):
+        generate_main([str(tmp_path / "x.ckpt"), "--device", device, *argv])
+
+
 def test_stream_stops_before_the_end_of_document_token():
     torch.manual_seed(0)
     model = MoETransformer(MoEConfig(**CONFIG)).eval()
