@@ -15,6 +15,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 
 from .data import TextDataModule
 from .generate import Sampling, encode_prompt
+from .loading import checkpoint_tokenizer
 from .module import MoELanguageModel
 from .parallel.checkpoint import PARTIAL_SUFFIX
 from .resume import check_resume, checkpoint_hyperparameters
@@ -242,6 +243,9 @@ class MoECLI(LightningCLI):
             stop: End a continuation at the end-of-document token.
             seed: Sampling seed of the first prompt (prompt i uses seed + i).
         """
+        if self.trainer.world_size > 1:  # the distributed sampler would split the prompts across processes
+            raise ValueError(f"predict runs in one process (trainer.world_size={self.trainer.world_size}): pass "
+                             "--trainer.devices=1 --trainer.num_nodes=1, or use `moe-lightning generate`.")
         path = Path(prompts)
         if not path.is_file():
             raise FileNotFoundError(f"--prompts={prompts!r}: no such file; pass a JSONL file with a 'prompt' field "
@@ -250,7 +254,9 @@ class MoECLI(LightningCLI):
         for line_no, record in enumerate(records, 1):
             if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
                 raise ValueError(f"{prompts}:{line_no}: each record needs a text field 'prompt'.")
-        tokenizer = datamodule.tokenizer
+        ckpt_path = trainer_kwargs.get("ckpt_path")  # the checkpoint's own tokenizer beats the config's
+        recorded = ckpt_path and Path(ckpt_path).exists()  # not "last"/"best", which Lightning resolves
+        tokenizer = checkpoint_tokenizer(ckpt_path) if recorded else datamodule.tokenizer
         batches = [{"tokens_1S": encode_prompt(tokenizer, r["prompt"], "cpu"), "eod_id": tokenizer.eos_id,
                     "sampling": Sampling(max_new_tokens, temperature, top_k, top_p, stop, seed + i)}
                    for i, r in enumerate(records)]

@@ -72,6 +72,23 @@ def stream_text(tokens: Iterator[int], tokenizer) -> Iterator[str]:
         yield text[shown:]
 
 
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def default_dtype(device: str) -> str:
+    """bf16 on CUDA (where the experts take the grouped-mm path only in bf16), fp32 elsewhere."""
+    return "bfloat16" if torch.device(device).type == "cuda" else "float32"
+
+
+def read_prompt_file(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except UnicodeDecodeError as error:
+        raise ValueError(f"--prompt-file={path!r} is not UTF-8 text (byte {error.object[error.start]:#04x} at "
+                         f"offset {error.start}); save it as UTF-8.") from None
+
+
 def main(argv: list[str] | None = None) -> None:
     """Continue a prompt with a trained model (any checkpoint: .ckpt, sharded folder, exported .pt, HF folder)."""
     parser = argparse.ArgumentParser(prog="moe-lightning generate", description=main.__doc__)
@@ -87,19 +104,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--num-samples", type=int, default=1)
     parser.add_argument("--stop", action="store_true", help="stop a sample at the end-of-document token")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", choices=list(DTYPES), default=None,
+                        help="weights and activations (default: bfloat16 on CUDA, float32 on CPU)")
     args = parser.parse_args(argv)
+    dtype = DTYPES[args.dtype or default_dtype(args.device)]
     sampling = Sampling(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.stop, args.seed)
     if args.num_samples < 1:
         parser.error(f"--num-samples={args.num_samples}: must be >= 1.")
-    if args.prompt_file is not None:
-        with open(args.prompt_file, encoding="utf-8") as f:
-            prompt = f.read()
-    else:
-        prompt = args.prompt or ""
+    prompt = read_prompt_file(args.prompt_file) if args.prompt_file is not None else args.prompt or ""
 
     from .loading import load_model  # after argument checks: loading a checkpoint is the slow part
 
-    loaded = load_model(args.checkpoint, device=args.device)
+    loaded = load_model(args.checkpoint, device=args.device, dtype=dtype)
     prompt_1S = encode_prompt(loaded.tokenizer, prompt, args.device)
     for i in range(args.num_samples):
         if args.num_samples > 1:

@@ -24,12 +24,19 @@ def compile_blocks(layers: torch.nn.ModuleList, backend: str = "inductor") -> No
     """``torch.compile`` each block's ``forward`` in place (per block: the graphs are small and shared).
 
     Only ``forward`` is compiled (through a subclass, as FSDP2 itself swaps the class), never the module's
-    ``__call__``: FSDP2's hooks and ActivationOffload's checkpoint wrapper (an instance ``forward`` that
-    calls the class's) stay eager around the compiled graph, so the order against sharding and offload
-    does not matter, and parameter names are unchanged. Compilation happens at the first call, after
-    sharding. Blocks with local MoE dispatch compile with ``fullgraph=True``; the all-to-all dispatch of
-    expert parallelism needs its split sizes on the host and runs eagerly between two graphs.
+    ``__call__``: FSDP2's hooks stay eager around the compiled graph, so the order against sharding does not
+    matter, and parameter names are unchanged. ActivationOffload's checkpoint wrapper is an instance
+    ``forward`` bound to the class's ``forward`` when applied, so compile must come first (Lightning's fit
+    does: ``configure_model`` runs before the callback's ``on_fit_start``); the other order is refused.
+    Compilation happens at the first call, after sharding. Blocks with local MoE dispatch compile with
+    ``fullgraph=True``; the all-to-all dispatch of expert parallelism needs its split sizes on the host and
+    runs eagerly between two graphs.
     """
+    for index, block in enumerate(layers):
+        if "forward" in block.__dict__:
+            raise RuntimeError(f"compile_blocks: model.layers[{index}] already has an instance-level forward (e.g. "
+                               "ActivationOffload applied), which would keep calling the eager forward; compile "
+                               "the blocks before applying ActivationOffload.")
     for block in layers:
         block.__class__ = _compiled_class(type(block), backend)
 

@@ -71,10 +71,10 @@ def test_callbacks_log_on_cpu_fit(tmp_path):
         assert metrics["perf/tflops_per_device"][step] == pytest.approx(mfu, rel=1e-6)
     # expert load: per-layer metrics for the MoE blocks 1 and 2, a heatmap PNG readable at full size
     for key in ("expert_load/layer1/max_over_mean", "expert_load/layer2/cv", "expert_load/max_over_mean",
-                "expert_load/layer2/dead_fraction", "expert_load/entropy"):
+                "expert_load/layer2/dead_fraction", "expert_load/load_entropy"):
         assert sorted(metrics[key]) == [2, 4]
     assert all(v >= 1 for v in metrics["expert_load/layer1/max_over_mean"].values())
-    assert all(0 < v <= 1 for v in metrics["expert_load/layer1/entropy"].values())
+    assert all(0 < v <= 1 for v in metrics["expert_load/layer1/load_entropy"].values())
     assert expert_load.last_image_path.name == "step_0000004.png"
     assert png_size(expert_load.last_image_path)[0] >= 800
     # offload: every block but the last offloads its [4, 16, 32] fp32 input once per step
@@ -127,7 +127,7 @@ def test_expert_load_metric_and_heatmap_colours():
     assert result["max_over_mean"].tolist() == [1.0, 4.0]
     assert result["cv"][0] == 0 and result["cv"][1] == pytest.approx(3 ** 0.5)
     assert result["dead_fraction"].tolist() == [0.0, 0.75]
-    assert result["entropy"].tolist() == [pytest.approx(1.0), 0.0]  # uniform; all tokens on one expert
+    assert result["load_entropy"].tolist() == [pytest.approx(1.0), 0.0]  # uniform; all tokens on one expert
 
 
 def test_dead_fraction_and_entropy_match_hand_computation():
@@ -138,8 +138,14 @@ def test_dead_fraction_and_entropy_match_hand_computation():
     shares = [6 / 8, 2 / 8]  # two experts got tokens, two got none
     entropy = -sum(p * np.log(p) for p in shares) / np.log(4)
     assert result["dead_fraction"].item() == 0.5
-    assert result["entropy"].item() == pytest.approx(entropy, rel=1e-12)  # float64 both sides
+    assert result["load_entropy"].item() == pytest.approx(entropy, rel=1e-12)  # float64 both sides
     assert result["max_over_mean"].item() == 6 / 2
+
+
+def test_load_entropy_of_a_single_expert_is_one_not_nan():
+    metric = ExpertLoad(num_layers=2, num_experts=1)  # log E = 0: the normalisation would divide 0 by 0
+    metric.update(torch.tensor([[5], [0]]))
+    assert metric.compute()["load_entropy"].tolist() == [1.0, 1.0]
 
 
 def test_load_figure_has_labelled_axes_colour_bar_and_step():
@@ -166,12 +172,12 @@ def test_training_curves_land_in_the_run_folder(tmp_path):
     assert [t for t, _ in history["dead experts"]] == [tokens_per_step * s for s in (2, 4, 6)]
     assert len(history["tokens/s"]) == 6 and all(v > 0 for _, v in history["tokens/s"])  # timed from train start
     metrics = logged(trainer)
-    assert [v for _, v in history["routing entropy"]] == pytest.approx(list(metrics["expert_load/entropy"].values()))
+    assert [v for _, v in history["load entropy"]] == pytest.approx(list(metrics["expert_load/load_entropy"].values()))
     lrs = [v for _, v in history["learning rate"]]
     assert lrs[0] < lrs[-1]  # warming up (100 warmup steps by default)
     fig = curves.figure(6)
     titles = [ax.get_title() for ax in fig.axes]
-    assert titles == ["loss", "learning rate", "throughput", "expert imbalance", "dead experts", "routing entropy"]
+    assert titles == ["loss", "learning rate", "throughput", "expert imbalance", "dead experts", "load entropy"]
     assert all(ax.get_xlabel() == "tokens seen" and ax.get_ylabel() for ax in fig.axes)
     assert all(ax.lines for ax in fig.axes)  # every panel has data
 

@@ -68,6 +68,18 @@ def test_compiled_blocks_match_eager_in_fp32_alone_and_under_activation_offload(
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2  # recompute reuses the graphs
 
 
+def test_compiling_blocks_already_wrapped_by_offload_is_refused():
+    model = MoETransformer(CONFIG)
+    offload = ActivationOffload(prefetch=1, min_offload_bytes=0)
+    offload.apply(model.layers)
+    try:
+        with pytest.raises(RuntimeError, match=r"model.layers\[0\].*compile the blocks before applying ActivationOffload"):
+            compile_blocks(model.layers, backend="aot_eager")
+    finally:
+        offload.remove()
+    assert all(type(block) is Block for block in model.layers)  # refused before any block changed
+
+
 def test_compile_flag_compiles_the_blocks_the_module_builds():
     with mock.patch.object(module_lib, "compile_blocks", partial(compile_blocks, backend="aot_eager")):
         compiled = MoELanguageModel(CONFIG, compile=True)

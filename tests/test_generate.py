@@ -145,6 +145,27 @@ def test_generate_rejects_bad_sampling_before_loading(flag, value, field, tmp_pa
         generate_main([str(tmp_path / "missing.ckpt"), flag, value])  # the checkpoint is never opened
 
 
+def test_generate_names_a_prompt_file_that_is_not_utf8(tmp_path):
+    bad = tmp_path / "latin1.txt"
+    bad.write_bytes("café".encode("latin-1"))
+    with pytest.raises(ValueError, match=r"--prompt-file=.*latin1.txt.* not UTF-8 text \(byte 0xe9 at offset 3\)"):
+        generate_main([str(tmp_path / "missing.ckpt"), "--prompt-file", str(bad)])  # before the checkpoint
+
+
+@pytest.mark.parametrize("argv, device, dtype", [([], "cpu", torch.float32), ([], "cuda", torch.bfloat16),
+                                                 (["--dtype", "float32"], "cuda", torch.float32),
+                                                 (["--dtype", "bfloat16"], "cpu", torch.bfloat16)])
+def test_generate_dtype_defaults_to_bf16_on_cuda_only(argv, device, dtype, monkeypatch, tmp_path):
+    import moe_lightning.loading
+
+    def record(checkpoint, device, dtype):
+        raise RuntimeError(f"load_model({device}, {dtype})")
+
+    monkeypatch.setattr(moe_lightning.loading, "load_model", record)
+    with pytest.raises(RuntimeError, match=rf"load_model\({device}, {dtype}\)"):
+        generate_main([str(tmp_path / "x.ckpt"), "--device", device, *argv])
+
+
 def test_stream_stops_before_the_end_of_document_token():
     torch.manual_seed(0)
     model = MoETransformer(MoEConfig(**CONFIG)).eval()
@@ -179,7 +200,9 @@ def test_predict_writes_a_continuation_per_prompt(run_dir):
     root = run_dir["root"]
     prompts = [{"prompt": PROMPT, "id": 7}, {"prompt": "import torch\n"}]
     (root / "prompts.jsonl").write_text("".join(json.dumps(p) + "\n" for p in prompts))
+    # The config says bytes; the checkpoint recorded the BPE it was trained with, and that one must be used.
     run(["predict", "--config", str(write_config(root)), "--ckpt_path", str(root / "single.ckpt"),
+         "--data.init_args.tokenizer", "null",
          "--prompts", str(root / "prompts.jsonl"), "--out", str(root / "out.jsonl"), "--max_new_tokens", "24",
          "--stop", "false"])
     records = [json.loads(line) for line in (root / "out.jsonl").read_text().splitlines()]
@@ -187,6 +210,16 @@ def test_predict_writes_a_continuation_per_prompt(run_dir):
     assert [{k: v for k, v in r.items() if k != "completion"} for r in records] == prompts  # fields kept, in order
     assert [r["completion"] for r in records] == [complete(loaded.model, loaded.tokenizer, p["prompt"], GREEDY)
                                                   for p in prompts]
+
+
+def test_predict_on_more_than_one_process_is_refused_before_reading_prompts(tmp_path):
+    from types import SimpleNamespace
+
+    from moe_lightning.cli import MoECLI
+
+    cli = SimpleNamespace(trainer=SimpleNamespace(world_size=2))  # the prompts file does not even exist
+    with pytest.raises(ValueError, match=r"world_size=2.*--trainer.devices=1.*moe-lightning generate"):
+        MoECLI.predict(cli, model=None, prompts=str(tmp_path / "missing.jsonl"))
 
 
 def test_test_reports_held_out_loss_and_perplexity(run_dir):

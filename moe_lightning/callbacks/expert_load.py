@@ -1,4 +1,4 @@
-"""Expert load per MoE layer: imbalance, dead experts and routing entropy (torchmetrics), and a heatmap figure."""
+"""Expert load per MoE layer: imbalance, dead experts and load entropy (torchmetrics), and a heatmap figure."""
 
 import math
 from pathlib import Path
@@ -18,7 +18,8 @@ class ExpertLoad(torchmetrics.Metric):
     - ``max_over_mean``: busiest expert's load over the mean (1 is perfect balance, ``E / top_k`` full collapse);
     - ``cv``: coefficient of variation (population std over mean);
     - ``dead_fraction``: share of experts that received no token in the window;
-    - ``entropy``: entropy of the token shares ``p_e = n_e / sum(n)`` over ``log E`` (1 uniform, 0 one expert).
+    - ``load_entropy``: entropy of the window's load shares ``p_e = n_e / sum(n)`` over ``log E`` (1 uniform,
+      0 one expert; 1 when ``E == 1``, where one expert is all the balance there is).
     """
 
     full_state_update = False
@@ -35,9 +36,11 @@ class ExpertLoad(torchmetrics.Metric):
         mean_L = counts_LE.mean(-1).clamp_min(1e-12)
         share_LE = counts_LE / counts_LE.sum(-1, keepdim=True).clamp_min(1e-12)
         entropy_L = -torch.where(share_LE > 0, share_LE * share_LE.log(), 0.0).sum(-1)
+        num_experts = counts_LE.shape[-1]
+        load_entropy_L = entropy_L / math.log(num_experts) if num_experts > 1 else torch.ones_like(entropy_L)
         return {"counts": self.counts.clone(), "max_over_mean": counts_LE.max(-1).values / mean_L,
                 "cv": counts_LE.std(-1, correction=0) / mean_L, "dead_fraction": (self.counts == 0).double().mean(-1),
-                "entropy": entropy_L / math.log(counts_LE.shape[-1])}
+                "load_entropy": load_entropy_L}
 
 
 def load_figure(counts_LE: torch.Tensor, layer_ids: list[int], step: int):
@@ -76,7 +79,7 @@ class ExpertLoadMonitor(L.Callback):
     """Logs how evenly each MoE layer spreads its tokens, and pictures it.
 
     Scalars every ``log_every_n_steps``, per block ``i`` of ``model.layers`` and as means over layers:
-    ``expert_load/layer{i}/max_over_mean``, ``.../cv``, ``.../dead_fraction`` and ``.../entropy`` (see
+    ``expert_load/layer{i}/max_over_mean``, ``.../cv``, ``.../dead_fraction`` and ``.../load_entropy`` (see
     ``ExpertLoad``). Every ``image_every_n_steps`` a heatmap figure (rows: MoE layers, columns: experts) goes to
     TensorBoard when it logs there and to ``<log_dir>/expert_load/step_<step>.png``.
 
@@ -112,11 +115,13 @@ class ExpertLoadMonitor(L.Callback):
             return
         result = self.metric.compute()
         self.metric.reset()
+        names = ("max_over_mean", "cv", "dead_fraction", "load_entropy")
+        values_NL = torch.stack([result[name] for name in names])
+        values_NL = torch.cat([values_NL, values_NL.mean(-1, keepdim=True)], dim=-1).tolist()  # one device sync
         metrics = {}
-        names = ("max_over_mean", "cv", "dead_fraction", "entropy")
-        for row, (index, _) in enumerate(self._moe_layers):
-            metrics.update({f"expert_load/layer{index}/{name}": result[name][row].item() for name in names})
-        metrics.update({f"expert_load/{name}": result[name].mean().item() for name in names})
+        for name, values in zip(names, values_NL):
+            metrics.update({f"expert_load/layer{index}/{name}": v for (index, _), v in zip(self._moe_layers, values)})
+            metrics[f"expert_load/{name}"] = values[-1]
         log_to_loggers(trainer, metrics)
         self.last_metrics = metrics
         self.last_tokens_seen = float(getattr(pl_module, "tokens_seen", trainer.global_step))

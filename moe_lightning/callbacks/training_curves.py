@@ -15,7 +15,7 @@ class TrainingCurves(L.Callback):
 
     Panels (x axis: tokens seen): train and validation loss; learning rate; tokens/s (this process, training
     time only); expert imbalance (busiest expert over mean, per step); and, when an ``ExpertLoadMonitor`` runs,
-    the share of dead experts and the routing entropy over its windows. Drawn every ``plot_every_n_steps``
+    the share of dead experts and the entropy of its windows' load shares. Drawn every ``plot_every_n_steps``
     (0: only when fit ends) and at the end of fit; also sent to TensorBoard when it logs there.
 
     Args:
@@ -63,7 +63,8 @@ class TrainingCurves(L.Callback):
                     and callback.last_tokens_seen > max((t for t, _ in self.history.get("dead experts", [])),
                                                         default=-1.0):
                 self._add("dead experts", callback.last_tokens_seen, callback.last_metrics["expert_load/dead_fraction"])
-                self._add("routing entropy", callback.last_tokens_seen, callback.last_metrics["expert_load/entropy"])
+                self._add("load entropy", callback.last_tokens_seen,
+                          callback.last_metrics["expert_load/load_entropy"])
 
     def on_validation_end(self, trainer, pl_module) -> None:
         if not trainer.sanity_checking and "val/loss" in trainer.callback_metrics:
@@ -85,7 +86,7 @@ class TrainingCurves(L.Callback):
                   ("throughput", ["tokens/s"], "tokens/s per process"),
                   ("expert imbalance", ["expert imbalance"], "busiest expert / mean (1 = even)"),
                   ("dead experts", ["dead experts"], "share of experts with no token"),
-                  ("routing entropy", ["routing entropy"], "entropy of token shares / log E")]
+                  ("load entropy", ["load entropy"], "entropy of the load shares / log E")]
         for ax, (title, names, ylabel) in zip(axes, panels):
             for name in names:
                 points = self.history.get(name, [])

@@ -23,8 +23,13 @@ def _(x_TI, w_EOI, offsets_E):
 
 @torch.library.custom_op("moe_lightning::grouped_weight_grad", mutates_args=())
 def grouped_weight_grad(grad_TO: torch.Tensor, x_TI: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
-    """The weight gradient of :func:`grouped_linear`: per group ``grad.T @ x``, stacked ``[E, O, I]``."""
-    return torch._grouped_mm(grad_TO.transpose(0, 1), x_TI, offs=offsets_E)
+    """The weight gradient of :func:`grouped_linear`: per group ``grad.T @ x``, stacked ``[E, O, I]``.
+
+    A group with no rows gets an exact zero: ``_grouped_mm`` leaves it unwritten on some GPUs (Blackwell,
+    ROCm; pytorch issues 172439, 174314). The mask is on device, without a host sync."""
+    grad_w_EOI = torch._grouped_mm(grad_TO.transpose(0, 1), x_TI, offs=offsets_E)
+    counts_E = torch.diff(offsets_E, prepend=offsets_E.new_zeros(1))
+    return torch.where(counts_E[:, None, None] > 0, grad_w_EOI, 0)
 
 
 @grouped_weight_grad.register_fake
