@@ -180,8 +180,7 @@ class MoELanguageModel(L.LightningModule):
 
     def _log_train_loss(self, loss: torch.Tensor, batch_idx: int) -> None:
         """Log the loss of the whole global batch: the mean over this step's micro-batches and, on the steps
-        whose logs are written, over all ranks (one all-reduce of a scalar; the progress bar shows this rank's
-        mean in between, so nothing syncs every step)."""
+        whose logs are written, over all ranks (one all-reduce of a scalar); no step reads it back to the host."""
         accumulate = self.trainer.accumulate_grad_batches
         micro = batch_idx % accumulate
         self._train_loss_sum = loss if micro == 0 or self._train_loss_sum is None else self._train_loss_sum + loss
@@ -192,7 +191,7 @@ class MoELanguageModel(L.LightningModule):
         if written and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(mean)
             mean = mean / dist.get_world_size()
-        self.log("train/loss", mean, prog_bar=True)
+        self.log("train/loss", mean)  # not in the progress bar: Lightning would read it back to the host every step
         self.log("train/perplexity", mean.exp())
 
     def configure_callbacks(self):
