@@ -18,6 +18,7 @@ from .generate import stream
 from .loss import chunked_cross_entropy
 from .model import LocalTokenDispatcher, MoEConfig, MoETransformer
 from .optim import WarmupCosineLR, param_groups
+from .resume import check_resume
 
 
 def compile_blocks(layers: torch.nn.ModuleList, backend: str = "inductor") -> None:
@@ -254,10 +255,12 @@ class MoELanguageModel(L.LightningModule):
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         """Plain data only (loaded with ``weights_only=True``): the config as a dict."""
         checkpoint["tokens_seen"] = self.tokens_seen
-        hparams = checkpoint.get("hyper_parameters", {})
-        if dataclasses.is_dataclass(hparams.get("config")):
-            hparams["config"] = dataclasses.asdict(hparams["config"])
+        if "hyper_parameters" in checkpoint:  # the config that ran, also when it was built from config=None
+            checkpoint["hyper_parameters"]["config"] = dataclasses.asdict(self.config)
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
+        """Refuses a checkpoint of another model before its weights are loaded (for every ``ckpt_path``,
+        ``last`` and ``best`` included: the CLI checks explicit paths before anything is built)."""
+        check_resume(checkpoint.get("hyper_parameters", {}), {"config": self.config}, "the checkpoint")
         self.tokens_seen = checkpoint.get("tokens_seen", 0)
         self._pending_expert_counts = None

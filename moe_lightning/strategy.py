@@ -41,6 +41,7 @@ from torch.distributed.tensor import DTensor
 from .model import GroupedExperts, MoETransformer
 from .parallel import MeshError, MeshLayout, apply_expert_parallel
 from .parallel import checkpoint as ckpt
+from .resume import check_resume
 
 DTypeName = Literal["auto", "bf16", "fp16", "fp32"]
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -307,6 +308,7 @@ class MoEFSDPStrategy(ModelParallelStrategy):
         for child in self.lightning_module.children():  # sharded parameters stay in host memory
             if not isinstance(child, MoETransformer):
                 child.to(self.root_device)
+        self.lightning_module._device = self.root_device  # what `.to` would set: where batches and metrics go
 
     # ---- checkpoints (the I/O lives in parallel/checkpoint.py) ----------------------------------
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None) -> None:
@@ -333,6 +335,9 @@ class MoEFSDPStrategy(ModelParallelStrategy):
             except pickle.UnpicklingError as error:
                 raise ckpt.unsafe_file_error(path, error) from None
         metadata = ckpt.load_metadata(path / ckpt.METADATA_FILE)  # refuse an unsafe file before any tensor
+        config = getattr(self.lightning_module, "config", None)
+        if config is not None:  # also for ckpt_path="last"/"best", which the CLI cannot see before the run
+            check_resume(metadata.get("hyper_parameters", {}), {"config": config}, str(path))
         state = {"state_dict": get_model_state_dict(self.model)}
         state.update({f"optimizer_{i}": get_optimizer_state_dict(self.model, optimizer)
                       for i, optimizer in enumerate(self.optimizers)})

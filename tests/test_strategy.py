@@ -311,6 +311,8 @@ def test_meta_init_with_cpu_offload_puts_buffers_by_the_compute_and_shards_in_ho
     params = dict(module.model.named_parameters())
     assert {name: p.to_local().device.type for name, p in params.items()} == {name: "cpu" for name in params}
     assert strategy.param_device == torch.device("cpu")
+    strategy.model_to_device()  # Lightning's next step: the module must report the compute device (batches, metrics)
+    assert module.device == torch.device("meta")
 
 
 class BlockingCheckpointer(ShardedCheckpointer):
