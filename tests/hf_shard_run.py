@@ -16,6 +16,7 @@ from lightning.pytorch.callbacks import Callback
 
 from moe_lightning import MoEConfig, MoELanguageModel, TextDataModule, hf
 from moe_lightning.hf import files
+from moe_lightning.parallel import checkpoint as ckpt
 from moe_lightning.strategy import MoEFSDPStrategy
 
 READS: dict[str, int] = {}
@@ -46,7 +47,8 @@ class Compare(Callback):
 
     def on_fit_start(self, trainer, pl_module):
         mismatched = []
-        with trainer.strategy._expert_views(pl_module.state_dict()) as state:  # experts as global [E, ...] views
+        names = ckpt.expert_parameter_names(pl_module)
+        with ckpt.global_expert_views(pl_module.state_dict(), names, trainer.strategy.expert_mesh) as state:  # [E, ...]
             for name, tensor in state.items():
                 full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
                 if not torch.equal(full.cpu(), self.reference[name[len("model."):]]):
