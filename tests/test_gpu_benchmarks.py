@@ -4,7 +4,6 @@
 test (succeed, fail, hang), so the driver's budget, time boxes and exit status are checked without a GPU.
 """
 
-import importlib.util
 import json
 import os
 import stat
@@ -16,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.benchmark_script import load_benchmark
 from tests.distributed import REPO_ROOT, clean_env
 
 FAKE_PYTHON = """#!/usr/bin/env bash
@@ -68,10 +68,7 @@ def test_gpu_all_time_boxes_a_hanging_part_and_skips_what_the_budget_cannot_hold
 
 @pytest.fixture(scope="module")
 def gpu_strategy():
-    spec = importlib.util.spec_from_file_location("gpu_strategy", REPO_ROOT / "benchmarks" / "gpu_strategy.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("gpu_strategy")
 
 
 def child_args(**overrides) -> Namespace:
@@ -92,10 +89,7 @@ def test_gpu_strategy_reports_a_child_that_fails_with_its_error(gpu_strategy, mo
 
 @pytest.fixture(scope="module")
 def gpu_smoke():
-    spec = importlib.util.spec_from_file_location("gpu_smoke", REPO_ROOT / "benchmarks" / "gpu_smoke.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("gpu_smoke")
 
 
 def test_gpu_smoke_dry_run_trains_the_1t_mini_path_on_cpu(gpu_smoke, capsys):

@@ -17,6 +17,7 @@ from moe_lightning.model.kv_cache import KVCache
 from moe_lightning.model.rotary import Rotary
 from moe_lightning.model.attention import (DocumentMask, attend, dense_mask, document_block_mask, document_ids,
                                           document_mask_mod, flex_attend)
+from tests.benchmark_script import load_benchmark
 
 EOD = 63
 # init_std 0.3 gives O(1) attention logits and routing scores (0.02 would make attention nearly uniform).
@@ -24,6 +25,14 @@ BASE = dict(vocab_size=64, dim=32, n_layers=3, n_heads=4, n_kv_heads=2, max_seq_
             n_dense_layers=1, num_experts=4, top_k=2, expert_hidden=16, eod_token_id=EOD, init_std=0.3)
 MLA = dict(attention="mla", q_lora_rank=12, kv_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6)
 KINDS = {"gqa": {}, "mla": MLA}
+
+
+def counting(fn, counts: dict, key: str):
+    """``fn`` that also adds one to ``counts[key]`` per call."""
+    def wrapper(*args, **kwargs):
+        counts[key] += 1
+        return fn(*args, **kwargs)
+    return wrapper
 
 
 def model_for(kind: str, masking: bool = True) -> MoETransformer:
@@ -178,21 +187,10 @@ def test_fit_refuses_an_eod_id_that_is_not_the_tokenizers():
 
 def test_gpu_attention_benchmark_builds_masks_in_each_timed_call_and_reports_medians(monkeypatch):
     """benchmarks/gpu_attention.py stays runnable without a GPU; both kernels pay for their own mask per call."""
-    import importlib.util
-    from pathlib import Path
-    path = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu_attention.py"
-    spec = importlib.util.spec_from_file_location("gpu_attention", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_benchmark("gpu_attention")
     built = {"block": 0, "dense": 0}
-
-    def counted(fn, kind):
-        def wrapper(*args, **kwargs):
-            built[kind] += 1
-            return fn(*args, **kwargs)
-        return wrapper
-    monkeypatch.setattr(module, "DocumentMask", counted(module.DocumentMask, "block"))
-    monkeypatch.setattr(module, "dense_mask", counted(module.dense_mask, "dense"))
+    monkeypatch.setattr(module, "DocumentMask", counting(module.DocumentMask, built, "block"))
+    monkeypatch.setattr(module, "dense_mask", counting(module.dense_mask, built, "dense"))
     report = module.main(["--dry-run", "--runs", "3"])
     assert set(report) == {"gqa", "mla"} and all(r["max_diff"] < 1e-5 for r in report.values())
     # 1 warm-up + 3 timed calls per kernel and shape, each building its own mask
@@ -288,14 +286,8 @@ def test_cuda_attend_with_block_mask_equals_dense_sdpa():
 
 def test_rotary_tables_and_the_cached_causal_mask_are_built_once_per_forward(monkeypatch):
     calls = {"cos_sin": 0, "dense_mask": 0}
-
-    def counted(fn, name):
-        def wrapper(*args, **kwargs):
-            calls[name] += 1
-            return fn(*args, **kwargs)
-        return wrapper
-    monkeypatch.setattr(Rotary, "cos_sin", counted(Rotary.cos_sin, "cos_sin"))
-    monkeypatch.setattr(attention, "dense_mask", counted(attention.dense_mask, "dense_mask"))
+    monkeypatch.setattr(Rotary, "cos_sin", counting(Rotary.cos_sin, calls, "cos_sin"))
+    monkeypatch.setattr(attention, "dense_mask", counting(attention.dense_mask, calls, "dense_mask"))
     for kind in KINDS:
         model, cache = model_for(kind, masking=False), KVCache(3, 32)
         tokens = packed([7, 5, 9])

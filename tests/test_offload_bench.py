@@ -1,20 +1,14 @@
 """The GPU offload benchmark stays runnable: its --dry-run runs every mode on CPU with tiny shapes."""
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
 
-BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+from tests.benchmark_script import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def gpu_offload():
-    spec = importlib.util.spec_from_file_location("gpu_offload", BENCHMARKS / "gpu_offload.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("gpu_offload")
 
 
 def test_dry_run_measures_every_mode(gpu_offload):
