@@ -5,6 +5,7 @@ The model and tokenizer come from ``loading.load_model`` (the tokenizer the run 
 """
 
 import argparse
+import dataclasses
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -39,9 +40,10 @@ def stream(model: MoETransformer, prompt_1S: torch.Tensor, sampling: Sampling, e
     stop_token = eod_id if sampling.stop_at_eod else None
     for next_1 in model.generate_stream(prompt_1S, sampling.max_new_tokens, sampling.temperature, sampling.top_k,
                                         generator, top_p=sampling.top_p, stop_token=stop_token):
-        if int(next_1) == stop_token:
+        token = int(next_1)  # one read back to the host per token
+        if token == stop_token:
             return
-        yield int(next_1)
+        yield token
 
 
 def encode_prompt(tokenizer, text: str, device: torch.device | str) -> torch.Tensor:
@@ -121,7 +123,7 @@ def main(argv: list[str] | None = None) -> None:
         if args.num_samples > 1:
             print(f"\n--- sample {i + 1}/{args.num_samples} ---", flush=True)
         sys.stdout.write(prompt)
-        sample = Sampling(**{**vars(sampling), "seed": sampling.seed + i})
+        sample = dataclasses.replace(sampling, seed=sampling.seed + i)
         for piece in stream_text(stream(loaded.model, prompt_1S, sample, loaded.tokenizer.eos_id), loaded.tokenizer):
             sys.stdout.write(piece)
             sys.stdout.flush()

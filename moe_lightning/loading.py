@@ -12,7 +12,6 @@ The tokenizer comes from the checkpoint itself: ``TextDataModule.state_dict`` re
 import argparse
 import dataclasses
 import os
-import pickle
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,7 +20,7 @@ import torch
 from .hf import from_pretrained
 from .model import MoEConfig, MoETransformer
 from .parallel.checkpoint import (METADATA_FILE, PARTIAL_SUFFIX, load_metadata, read_sharded_weights,
-                                  resolve_checkpoint, unsafe_file_error)
+                                  resolve_checkpoint)
 from .tokenizer import ByteTokenizer, HFTokenizer, tokenizer_from_spec
 
 MODEL_PREFIX = "model."  # MoELanguageModel holds the transformer as ``self.model``
@@ -58,11 +57,7 @@ def checkpoint_tokenizer(checkpoint: str | Path) -> ByteTokenizer | HFTokenizer:
     """The tokenizer a sharded or single-file Lightning checkpoint recorded (its tensors memory-mapped, not read)."""
     path = resolve_checkpoint(Path(checkpoint))
     file = path / METADATA_FILE if path.is_dir() else path
-    try:
-        metadata = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
-    except pickle.UnpicklingError as error:
-        raise unsafe_file_error(file, error) from None
-    return tokenizer_from_spec(recorded_tokenizer(metadata))
+    return tokenizer_from_spec(recorded_tokenizer(load_metadata(file, mmap=True)))
 
 
 def _plain_config(hparams: dict, path: Path) -> dict:

@@ -1,8 +1,7 @@
 """The LightningModule: builds the model late, computes the loss, balances experts, logs what matters."""
 
 import dataclasses
-import functools
-from functools import partial
+from functools import cache, partial
 
 import lightning as L
 import torch
@@ -42,7 +41,7 @@ def compile_blocks(layers: torch.nn.ModuleList, backend: str = "inductor") -> No
         block.__class__ = _compiled_class(type(block), backend)
 
 
-@functools.cache
+@cache
 def _compiled_class(cls: type, backend: str) -> type:
     whole = torch.compile(cls.forward, fullgraph=True, backend=backend)
     split = torch.compile(cls.forward, backend=backend)
@@ -97,6 +96,8 @@ class MoELanguageModel(L.LightningModule):
                  weight_decay: float = 0.1, pretrained: str | None = None, loss_chunk_size: int | None = None,
                  compile: bool = False):
         super().__init__()
+        if not isinstance(compile, bool):
+            raise ValueError(f"model.compile={compile!r}: must be true or false.")
         if loss_chunk_size is not None and (not isinstance(loss_chunk_size, int) or loss_chunk_size < 1):
             raise ValueError(f"model.loss_chunk_size={loss_chunk_size!r}: must be a positive integer (tokens per "
                              "chunk, e.g. 4096) or null for the unchunked loss.")
@@ -208,8 +209,8 @@ class MoELanguageModel(L.LightningModule):
         if pending is None or self.config.bias_update_rate == 0:
             return
         counts_LE = pending.float()
-        if torch.distributed.is_initialized():  # Lightning's strategy.reduce would add a barrier every step
-            torch.distributed.all_reduce(counts_LE)
+        if dist.is_initialized():  # Lightning's strategy.reduce would add a barrier every step
+            dist.all_reduce(counts_LE)
         for moe, counts_E in zip(self.model.moe_layers(), counts_LE):
             moe.router.update_bias(counts_E, self.config.bias_update_rate)
 

@@ -38,6 +38,7 @@ class HFTokenizer:
         self.path = path
         self.content = Path(path).read_text(encoding="utf-8") if content is None else content
         self.eos_token = _declared_eos_token(Path(path)) if content is None else eos_token
+        self.sha256 = hashlib.sha256(self.content.encode("utf-8")).hexdigest()  # once: spec() runs at every save
         self._tok = Tokenizer.from_str(self.content)
         eos_id = self._tok.token_to_id(self.eos_token) if self.eos_token else None
         if eos_id is not None:  # a released model's tokenizer: its own end-of-sequence token ends documents
@@ -49,7 +50,7 @@ class HFTokenizer:
     def spec(self) -> dict:
         """The whole JSON travels with the checkpoint: generation works where the files are gone."""
         return {"kind": "tokenizers", "path": self.path, "json": self.content, "eos_token": self.eos_token,
-                "sha256": hashlib.sha256(self.content.encode("utf-8")).hexdigest()}
+                "sha256": self.sha256}
 
     def encode(self, text: str) -> np.ndarray:
         return np.asarray(self._tok.encode(text).ids, dtype=np.uint32)

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from moe_lightning.model import moe
 from moe_lightning.model.transformer import Block
-from moe_lightning.model.layers import RMSNorm, SwiGLU
+from moe_lightning.model.layers import RMSNorm, SwiGLU, autocast_dtype
 
 
 def rmsnorm_forward(self, x):
@@ -33,7 +33,7 @@ def fp32_linear(x, w):
 
 
 def grouped_experts_forward(self, x_TD, tokens_per_expert_E):
-    x_TD = x_TD.to(moe._autocast_dtype(x_TD))
+    x_TD = x_TD.to(autocast_dtype(x_TD))
     w1, w3, w2 = (w.to(x_TD.dtype).transpose(-2, -1) for w in (self.w1_EFD, self.w3_EFD, self.w2_EDF))
     offsets_E = torch.cumsum(tokens_per_expert_E, dim=0, dtype=torch.int32)
     gate_TF = torch._grouped_mm(x_TD, w1, offs=offsets_E)

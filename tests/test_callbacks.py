@@ -12,9 +12,10 @@ from PIL import Image
 
 from moe_lightning import MoEConfig, MoELanguageModel
 from moe_lightning.callbacks import (ActivationOffload, AllocatorMonitor, ExpertLoad, ExpertLoadMonitor,
-                                     MoEThroughputMonitor, TrainingCurves, peak_bf16_flops)
+                                     MoEThroughputMonitor, NonFiniteGuard, TrainingCurves, peak_bf16_flops)
 from moe_lightning.callbacks import allocator_monitor
 from moe_lightning.callbacks.expert_load import load_figure
+from moe_lightning.strategy import MoEFSDPStrategy
 from moe_lightning.flops import training_flops_per_token
 
 CONFIG = dict(vocab_size=64, dim=32, n_layers=3, n_heads=4, n_kv_heads=2, max_seq_len=16, ffn_hidden=48,
@@ -212,6 +213,12 @@ def test_allocator_monitor_warns_once_with_advice(monkeypatch):
     (lambda: MoEThroughputMonitor(peak_flops=-1.0), "peak_flops=-1.0"),
     (lambda: ExpertLoadMonitor(log_every_n_steps=10, image_every_n_steps=15), "image_every_n_steps=15"),
     (lambda: AllocatorMonitor(log_every_n_steps=-2), "log_every_n_steps=-2"),
+    (lambda: NonFiniteGuard(check_every_n_steps=0), "check_every_n_steps=0"),
+    (lambda: NonFiniteGuard(check_every_n_steps=2.5), "check_every_n_steps=2.5"),
+    (lambda: TrainingCurves(plot_every_n_steps=-1), "plot_every_n_steps=-1"),
+    (lambda: TrainingCurves(record_every_n_steps=0), "record_every_n_steps=0"),
+    (lambda: MoEFSDPStrategy(async_checkpoint=True, save_distributed_checkpoint=False), "async_checkpoint=True"),
+    (lambda: MoELanguageModel(compile="false"), "model.compile='false'"),
 ])
 def test_bad_arguments_name_the_argument(build, match):
     with pytest.raises(ValueError, match=match):

@@ -5,6 +5,8 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from torch.distributed.tensor import DTensor
 
+from ._logging import check_interval
+
 FIXES = ("lower the learning rate (model.init_args.optimizer.init_args.lr), clip gradients "
          "(trainer.gradient_clip_val: 1.0), or train in bf16-mixed rather than 16-mixed")
 
@@ -26,9 +28,8 @@ class NonFiniteGuard(Callback):
     """
 
     def __init__(self, check_every_n_steps: int | None = None):
-        if check_every_n_steps is not None and check_every_n_steps < 1:
-            raise ValueError(f"NonFiniteGuard.check_every_n_steps={check_every_n_steps} must be >= 1 (or null).")
-        self.check_every_n_steps = check_every_n_steps
+        self.check_every_n_steps = None if check_every_n_steps is None else \
+            check_interval("NonFiniteGuard", "check_every_n_steps", check_every_n_steps)
         self._bad: torch.Tensor | None = None  # on device: [non-finite losses seen, -(first step with one)]
         self._step, self._last_save_step = 0, None
 

@@ -14,7 +14,7 @@ from torch import nn
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 from .config import MoEConfig
-from .layers import RMSNorm
+from .layers import RMSNorm, autocast_dtype
 from .rotary import Rotary, apply_rotary
 
 # Compiled lazily at the first CUDA call: fused kernels, and the block mask never builds the S x S mask.
@@ -68,12 +68,12 @@ class DocumentMask:
 
     def __init__(self, doc_kv_BT: torch.Tensor, q_len: int | None = None, flex: bool | None = None):
         T = doc_kv_BT.shape[1]
-        self.doc_kv_BT, self.q_len = doc_kv_BT, T if q_len is None else q_len
-        flex = doc_kv_BT.is_cuda and self.q_len == T if flex is None else flex
-        if flex and self.q_len != T:
-            raise ValueError(f"DocumentMask(flex=True) needs q_len == T (training, prefill); got {self.q_len} of {T}.")
+        q_len = T if q_len is None else q_len
+        flex = doc_kv_BT.is_cuda and q_len == T if flex is None else flex
+        if flex and q_len != T:
+            raise ValueError(f"DocumentMask(flex=True) needs q_len == T (training, prefill); got {q_len} of {T}.")
         self.block_mask: BlockMask | None = document_block_mask(doc_kv_BT) if flex else None
-        self.dense_B1ST: torch.Tensor | None = None if flex else dense_mask(doc_kv_BT, self.q_len)
+        self.dense_B1ST: torch.Tensor | None = None if flex else dense_mask(doc_kv_BT, q_len)
 
 
 def flex_attend(q_BHSK, k_BGSK, v_BGSV, block_mask: BlockMask, scale: float | None) -> torch.Tensor:
@@ -98,8 +98,7 @@ def attend(q_BHSK: torch.Tensor, k_BGTK: torch.Tensor, v_BGTV: torch.Tensor, mas
     """
     B, H, S, K = q_BHSK.shape
     G, T = k_BGTK.shape[1], k_BGTK.shape[2]
-    device = q_BHSK.device.type  # is_autocast_enabled/get_autocast_dtype(device) exist since torch 2.4
-    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else v_BGTV.dtype
+    dtype = autocast_dtype(v_BGTV)  # is_autocast_enabled/get_autocast_dtype(device) exist since torch 2.4
     q_BHSK, k_BGTK, v_BGTV = q_BHSK.to(dtype), k_BGTK.to(dtype), v_BGTV.to(dtype)
     if S < T:
         mask_B1ST = None if mask is None and S == 1 else (

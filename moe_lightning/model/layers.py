@@ -44,6 +44,14 @@ class RMSNorm(nn.Module):
         nn.init.ones_(self.weight)
 
 
+def autocast_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype autocast would compute matmuls in, else ``x``'s (for ops autocast does not cover:
+    ``_grouped_mm``, FlexAttention)."""
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return x.dtype
+
+
 def _gated(gate, up, scale):
     hidden = F.silu(gate) * up
     return hidden if scale is None else hidden * scale
@@ -71,7 +79,8 @@ class _GatedDown(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         gate, up, scale, w_OI, offsets_E = ctx.saved_tensors
-        hidden = _gated(gate, up, scale)
+        silu_gate = F.silu(gate)
+        hidden = silu_gate * up if scale is None else silu_gate * up * scale
         if offsets_E is None:
             grad_hidden = grad_out @ w_OI
             grad_w = (grad_out.flatten(0, -2).T @ hidden.flatten(0, -2)) if ctx.needs_input_grad[3] else None
@@ -80,9 +89,9 @@ class _GatedDown(torch.autograd.Function):
             grad_w = grouped_weight_grad(grad_out, hidden, offsets_E) if ctx.needs_input_grad[3] else None
         grad_scale = None
         if scale is not None:
-            grad_scale = (grad_hidden * F.silu(gate) * up).sum(-1, keepdim=True) if ctx.needs_input_grad[2] else None
+            grad_scale = (grad_hidden * silu_gate * up).sum(-1, keepdim=True) if ctx.needs_input_grad[2] else None
             grad_hidden = grad_hidden * scale
-        grad_up = grad_hidden * F.silu(gate)
+        grad_up = grad_hidden * silu_gate
         grad_gate = torch.ops.aten.silu_backward(grad_hidden * up, gate)
         return grad_gate, grad_up, grad_scale, grad_w, None
 

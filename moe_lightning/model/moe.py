@@ -11,7 +11,7 @@ from torch import nn
 
 from .config import MoEConfig
 from .grouped_mm import grouped_linear
-from .layers import SwiGLU, gated_down
+from .layers import SwiGLU, autocast_dtype, gated_down
 
 
 class _Fp32Linear(torch.autograd.Function):
@@ -92,13 +92,6 @@ def _grouped_mm_supported(x: torch.Tensor, hidden: int) -> bool:
     return x.device.type == "cuda" and x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device)[0] >= 9
 
 
-def _autocast_dtype(x: torch.Tensor) -> torch.dtype:
-    """The dtype autocast would compute matmuls in (``_grouped_mm`` is not on autocast's lists)."""
-    if torch.is_autocast_enabled(x.device.type):
-        return torch.get_autocast_dtype(x.device.type)
-    return x.dtype
-
-
 class GroupedExperts(nn.Module):
     """All routed experts of a layer as 3-D stacks ``[E, out, in]`` so each expert is one matrix.
 
@@ -119,7 +112,7 @@ class GroupedExperts(nn.Module):
     def forward(self, x_TD: torch.Tensor, tokens_per_expert_E: torch.Tensor,
                 scale_T1: torch.Tensor | None = None) -> torch.Tensor:
         """Each row through its expert, times its routing weight ``scale_T1`` if given."""
-        x_TD = x_TD.to(_autocast_dtype(x_TD))
+        x_TD = x_TD.to(autocast_dtype(x_TD))
         scale_T1 = scale_T1.to(x_TD.dtype) if scale_T1 is not None else None
         if not _grouped_mm_supported(x_TD, self.w1_EFD.shape[1]):
             return self.forward_loop(x_TD, tokens_per_expert_E, scale_T1)

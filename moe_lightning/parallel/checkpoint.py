@@ -42,10 +42,11 @@ class CheckpointError(RuntimeError):
     """A checkpoint could not be written, or would not be read safely; the message names the path."""
 
 
-def load_metadata(path: Path | io.BytesIO) -> dict[str, Any]:
-    """A ``torch.save`` file of plain data (tensors, numbers, strings, containers); never unpickles a class."""
+def load_metadata(path: Path | io.BytesIO, mmap: bool = False) -> dict[str, Any]:
+    """A ``torch.save`` file of plain data (tensors, numbers, strings, containers); never unpickles a class.
+    ``mmap``: tensors are mapped, not read (for a look at a checkpoint's non-tensor parts)."""
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as error:
         raise unsafe_file_error(path, error) from None
 
