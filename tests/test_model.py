@@ -217,6 +217,12 @@ def test_greedy_generation_is_deterministic_and_extends_the_prompt():
     ({"score_func": "relu"}, "score_func"),
     ({"num_experts": 0}, "num_experts"),
     ({"aux_loss_coef": -1.0}, "aux_loss_coef"),
+    ({"group_score": "sum"}, "group_score"),
+    ({"document_masking": "yes"}, "document_masking"),
+    ({"rope_truncate": "no"}, "rope_truncate"),
+    ({"rope_scaling": "yarn", "rope_factor": 4.0, "rope_original_max_seq_len": 16, "rope_mscale": -1.0}, "rope_mscale"),
+    ({"rope_scaling": "yarn", "rope_factor": 4.0, "rope_original_max_seq_len": 16, "rope_attention_factor": 0.0},
+     "rope_attention_factor"),
 ])
 def test_invalid_config_names_the_field(overrides, field):
     with pytest.raises(ConfigError, match=f"MoEConfig.{field}"):

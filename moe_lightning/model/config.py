@@ -155,6 +155,9 @@ class MoEConfig:
             raise ConfigError(
                 f"MoEConfig.top_k={self.top_k} exceeds the {experts_reachable} experts reachable in "
                 f"n_limited_groups={self.n_limited_groups} groups: raise n_limited_groups.")
+        for name in ("document_masking", "rope_truncate"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"MoEConfig.{name}={getattr(self, name)!r}: must be true or false.")
         if self.group_score not in ("top2_sum", "max"):
             raise ConfigError(f"MoEConfig.group_score={self.group_score!r}: use 'top2_sum' or 'max'.")
         if self.score_func not in ("softmax", "sigmoid"):
