@@ -274,3 +274,12 @@ def test_two_fits_started_together_in_one_folder_get_different_versions_and_both
 
 def losses_of(version: Path) -> list[float]:
     return [float(r["train/loss"]) for r in csv.DictReader(open(version / "metrics.csv")) if r.get("train/loss")]
+
+
+def test_slurm_script_relaunches_the_identical_command_with_ckpt_path_last():
+    """The requeued job reruns the script: its fit must resume by itself, and SLURM must signal before the end."""
+    script = (REPO_ROOT / "configs" / "slurm.sbatch").read_text()
+    fit = next(line for line in script.splitlines() if "moe-lightning fit" in line)
+    assert "--ckpt_path last" in fit
+    assert "#SBATCH --signal=SIGUSR1@" in script and "#SBATCH --requeue" in script
+    assert "#SBATCH --open-mode=append" in script  # the requeued job's output goes on after the first's
