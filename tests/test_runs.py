@@ -238,23 +238,30 @@ def test_a_second_sigterm_during_the_save_exits_at_once_keeping_the_previous_che
 
 
 @pytest.mark.slow
-def test_slurm_requeue_signal_saves_requeues_and_exits_nonzero(tmp_path):
+@pytest.mark.parametrize("signame", ["SIGUSR1", "SIGTERM"])
+def test_under_slurm_the_requeue_signal_saves_and_requeues_and_sigterm_saves_without(tmp_path, signame):
     """Under SLURM with auto-requeue, SIGUSR1 (`#SBATCH --signal=SIGUSR1@120`) saves and asks SLURM to requeue
-    the job (here a stand-in `scontrol` on PATH records its arguments)."""
+    the job (here a stand-in `scontrol` on PATH records its arguments); SIGTERM (scancel, preemption) saves and
+    exits without requeueing. Before: "Bypassing SIGTERM", no checkpoint, exit 0."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "scontrol").write_text(f"#!/bin/sh\necho \"$@\" > {tmp_path / 'scontrol.args'}\n")
     (bin_dir / "scontrol").chmod(0o755)
     command = fit_command("tiny.yaml", tmp_path, "--trainer.max_steps=40", "--data.init_args.batch_size=4",
-                          SIGNAL_AT, "--trainer.callbacks.step=2", "--trainer.callbacks.signal=SIGUSR1")
+                          SIGNAL_AT, "--trainer.callbacks.step=2", f"--trainer.callbacks.signal={signame}")
     slurm = dict(SLURM_NTASKS="1", SLURM_NTASKS_PER_NODE="1", SLURM_NNODES="1", SLURM_PROCID="0",
                  SLURM_LOCALID="0", SLURM_NODEID="0", SLURM_NODELIST="localhost", SLURM_JOB_ID="4242",
                  SLURM_JOB_NAME="moe", PATH=f"{bin_dir}:{os.environ['PATH']}")
     result = subprocess.run(command, cwd=tmp_path, env=clean_env(**slurm), capture_output=True, text=True,
                             timeout=400)
-    assert result.returncode == 128 + signal.SIGUSR1, result.stderr[-3000:]
-    assert (tmp_path / "scontrol.args").read_text().split() == ["requeue", "4242"]
-    assert result.stderr.strip().splitlines()[-1].endswith("; SLURM job 4242 requeued")
+    assert result.returncode == 128 + getattr(signal, signame), result.stderr[-3000:]
+    last_line = result.stderr.strip().splitlines()[-1]
+    assert last_line.startswith("preempted at step 3, checkpoint at ") and "Bypassing" not in result.stderr
+    if signame == "SIGUSR1":
+        assert (tmp_path / "scontrol.args").read_text().split() == ["requeue", "4242"]
+        assert last_line.endswith("; SLURM job 4242 requeued")
+    else:
+        assert not (tmp_path / "scontrol.args").exists()
     assert step_of(tmp_path / "tiny" / "version_0" / "checkpoints" / "last.ckpt") == 3
 
 
