@@ -332,7 +332,7 @@ class Preemption(Callback):
             _say(f"preempted ({name}): saving step {step} to {path}; a second {name} now stops at once and "
                  "keeps the previous checkpoint")
         self._arm_immediate_exit()
-        trainer.save_checkpoint(path)
+        trainer.save_checkpoint(path, weights_only=False)  # what periodic saves write: a full resume state
         checkpointer = getattr(trainer.strategy, "checkpointer", None)
         if checkpointer is not None:
             checkpointer.wait()  # a background (async) save is committed before we say where it is
