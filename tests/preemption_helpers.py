@@ -1,7 +1,7 @@
 """Callbacks the preemption tests add from the command line (``--trainer.callbacks+=tests.preemption_helpers.X``)."""
 
 import os
-import signal
+import signal as signals
 import sys
 import time
 
@@ -9,22 +9,21 @@ from lightning.pytorch.callbacks import Callback
 
 
 class SignalAtStep(Callback):
-    """Send ``signal`` to this process (``times`` times, ``gap_s`` apart) when optimizer step ``step`` starts,
-    only in a run that started from step 0: a relaunch of the same command that resumes is left alone."""
+    """Send ``signal`` to this process ``times`` times in a row (as ``timeout`` does: to the process, then to its
+    group) when optimizer step ``step`` starts, only in a run that started from step 0: a relaunch of the same
+    command that resumes is left alone."""
 
-    def __init__(self, step: int, signal: str = "SIGTERM", times: int = 1, gap_s: float = 0.0, rank: int = 0):
-        self.step, self.signum, self.times, self.gap_s, self.rank = step, getattr(signal_module, signal), times, gap_s, rank
+    def __init__(self, step: int, signal: str = "SIGTERM", times: int = 1):
+        self.step, self.signum, self.times = step, getattr(signals, signal), times
         self.armed = False
 
     def on_train_start(self, trainer, pl_module):
-        self.armed = trainer.global_step == 0 and trainer.global_rank == self.rank
+        self.armed = trainer.global_step == 0 and trainer.is_global_zero
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if self.armed and trainer.global_step == self.step:
             self.armed = False
-            for i in range(self.times):
-                if i:
-                    time.sleep(self.gap_s)
+            for _ in range(self.times):
                 os.kill(os.getpid(), self.signum)
 
 
@@ -32,7 +31,7 @@ class SignalDuringSave(Callback):
     """Send ``signal`` again once the checkpoint save of a preemption has started (the repeat must exit at once)."""
 
     def __init__(self, signal: str = "SIGTERM"):
-        self.signum = getattr(signal_module, signal)
+        self.signum = getattr(signals, signal)
 
     def on_save_checkpoint(self, trainer, pl_module, checkpoint):
         if trainer.is_global_zero and any(isinstance(c, Callback) and type(c).__name__ == "Preemption"
@@ -49,5 +48,3 @@ class PrintSteps(Callback):
             print(f"trained step {trainer.global_step}", flush=True)
             sys.stdout.flush()
 
-
-signal_module = signal

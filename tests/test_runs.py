@@ -44,14 +44,15 @@ def test_sigterm_saves_exits_nonzero_and_the_identical_command_resumes_exactly(t
     """Before: "Bypassing SIGTERM", no checkpoint, exit 0; `--ckpt_path last` looked only in the new version_N."""
     steps = ("--trainer.max_steps=5", "--trainer.log_every_n_steps=1", "--trainer.callbacks=[]")  # no monitors
     run(quick(tmp_path / "reference", *steps))
-    command = quick(tmp_path / "job", *steps, "--ckpt_path=last", SIGNAL_AT, "--trainer.callbacks.step=2")
+    command = quick(tmp_path / "job", *steps, "--ckpt_path=last", SIGNAL_AT, "--trainer.callbacks.step=2",
+                    "--trainer.callbacks.times=2")  # delivered twice at once, as `timeout` does: one request
     def users_handler(signum, frame):
         raise AssertionError("the run's handler should have had it")
 
     previous = signal.signal(signal.SIGTERM, users_handler)
     try:
         with pytest.raises(SystemExit) as stopped:
-            run(command)  # SIGTERM (a real one, to this process) when step 2 starts
+            run(command)  # SIGTERM (real ones, to this process) when step 2 starts
         assert signal.getsignal(signal.SIGTERM) is users_handler  # restored after the run
     finally:
         signal.signal(signal.SIGTERM, previous)
