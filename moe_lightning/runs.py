@@ -75,9 +75,12 @@ def remove_empty_run_folder(log_dir: Path) -> bool:
         if path.name == "metrics.csv" and len(path.read_text().splitlines()) <= 1:
             continue
         return False
-    for path in sorted(log_dir.rglob("*"), reverse=True):  # what was checked, not what appeared since
-        path.rmdir() if path.is_dir() else path.unlink()
-    log_dir.rmdir()
+    try:  # entry by entry: a file that appeared since the check stops the removal (rmdir of a non-empty folder)
+        for path in sorted(log_dir.rglob("*"), reverse=True):
+            path.rmdir() if path.is_dir() else path.unlink()
+        log_dir.rmdir()
+    except OSError:
+        return False
     return True
 
 
