@@ -67,7 +67,8 @@ def remove_empty_run_folder(log_dir: Path) -> bool:
     for a folder this run created: ``allocate_run_folder``'s)."""
     if not log_dir.is_dir():
         return False
-    for path in log_dir.rglob("*"):
+    entries = list(log_dir.rglob("*"))
+    for path in entries:
         if path.is_dir():
             continue
         if path.name in ("config.yaml", "hparams.yaml"):
@@ -75,8 +76,8 @@ def remove_empty_run_folder(log_dir: Path) -> bool:
         if path.name == "metrics.csv" and len(path.read_text().splitlines()) <= 1:
             continue
         return False
-    try:  # entry by entry: a file that appeared since the check stops the removal (rmdir of a non-empty folder)
-        for path in sorted(log_dir.rglob("*"), reverse=True):
+    try:  # only what was checked: a file that appeared since stops the removal (rmdir of a non-empty folder)
+        for path in sorted(entries, reverse=True):
             path.rmdir() if path.is_dir() else path.unlink()
         log_dir.rmdir()
     except OSError:
