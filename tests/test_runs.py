@@ -21,6 +21,8 @@ from tests.test_safety import lightning_log, quick  # noqa: F401 (fixture)
 
 CONFIGS = REPO_ROOT / "configs"
 SIGNAL_AT = "--trainer.callbacks+=tests.preemption_helpers.SignalAtStep"
+SMALLER = ("--data.init_args.seq_len=32", "--data.init_args.batch_size=2", "--data.init_args.max_tokens=8000",
+           "--model.init_args.config.n_layers=2")  # ~4 s of CPU per run instead of ~15
 
 
 def losses(root: Path) -> dict[int, float]:
@@ -42,7 +44,8 @@ def step_of(path: Path) -> int:
 
 def test_sigterm_saves_exits_nonzero_and_the_identical_command_resumes_exactly(tmp_path, lightning_log, capfd):
     """Before: "Bypassing SIGTERM", no checkpoint, exit 0; `--ckpt_path last` looked only in the new version_N."""
-    steps = ("--trainer.max_steps=5", "--trainer.log_every_n_steps=1", "--trainer.callbacks=[]")  # no monitors
+    steps = ("--trainer.max_steps=5", "--trainer.log_every_n_steps=1", "--trainer.callbacks=[]",  # no monitors
+             *SMALLER)
     run(quick(tmp_path / "reference", *steps))
     command = quick(tmp_path / "job", *steps, "--ckpt_path=last", SIGNAL_AT, "--trainer.callbacks.step=2",
                     "--trainer.callbacks.times=2")  # delivered twice at once, as `timeout` does: one request
