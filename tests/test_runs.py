@@ -74,6 +74,26 @@ def test_sigterm_saves_exits_nonzero_and_the_identical_command_resumes_exactly(t
     assert resumed == pytest.approx(reference, abs=1e-6)
 
 
+def test_a_repeat_after_the_grace_period_exits_at_once_and_one_within_it_is_the_same_request():
+    """The handler alone, in a child process: two signals at once (`timeout`'s double delivery) are one request;
+    a repeat a moment later exits at once with 128 + signal, before any step or save."""
+    script = ("import os, signal, time\n"
+              "from moe_lightning.runs import Preemption\n"
+              "p = Preemption(repeat_grace_s=0.2)\n"
+              "signal.signal(signal.SIGTERM, p.handle)\n"
+              "os.kill(os.getpid(), signal.SIGTERM); os.kill(os.getpid(), signal.SIGTERM)\n"
+              "print('still running', p.signum, flush=True)\n"
+              "time.sleep(0.3)\n"
+              "os.kill(os.getpid(), signal.SIGTERM)\n"
+              "time.sleep(5); print('not reached', flush=True)\n")
+    result = subprocess.run([sys.executable, "-c", script], env=clean_env(), capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 128 + signal.SIGTERM
+    assert result.stdout == f"still running {int(signal.SIGTERM)}\n"
+    assert result.stderr.count("SIGTERM received") == 1
+    assert "SIGTERM again: exiting at once without saving; earlier checkpoints are intact" in result.stderr
+
+
 def test_preemption_argument_is_validated():
     with pytest.raises(ValueError, match=r"Preemption.repeat_grace_s=-1 must be >= 0"):
         Preemption(repeat_grace_s=-1)
