@@ -45,7 +45,7 @@ def step_of(path: Path) -> int:
 def test_sigterm_saves_exits_nonzero_and_the_identical_command_resumes_exactly(tmp_path, lightning_log, capfd):
     """Before: "Bypassing SIGTERM", no checkpoint, exit 0; `--ckpt_path last` looked only in the new version_N."""
     steps = ("--trainer.max_steps=5", "--trainer.log_every_n_steps=1", "--trainer.callbacks=[]",  # no monitors
-             *SMALLER)
+             "--trainer.accumulate_grad_batches=2", *SMALLER)  # the save waits for the step's last micro-batch
     run(quick(tmp_path / "reference", *steps))
     command = quick(tmp_path / "job", *steps, "--ckpt_path=last", SIGNAL_AT, "--trainer.callbacks.step=2",
                     "--trainer.callbacks.times=2")  # delivered twice at once, as `timeout` does: one request
