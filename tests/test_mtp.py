@@ -243,3 +243,49 @@ def test_fit_logs_mtp_loss_moves_the_mtp_router_bias_and_equals_itself_with_acti
     assert all("train/mtp_loss" in m and m["train/mtp_loss"] > 0 for m in rec.metrics)
     assert rec.counts[0].shape == (len(plain.model.moe_layers()), 4) and rec.counts[0][-1].sum() == 2 * 30 * 2
     assert plain.model.mtp[1].block.ffn.router.expert_bias.abs().sum() > 0
+
+
+def test_plan_counts_mtp_parameters_flops_and_memory():
+    """Parameters exactly; FLOPs against torch's FLOP counter on a real training step; memory against
+    saved-tensor hooks (attention as fused GPU kernels keep it, as for the blocks' own formula)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from moe_lightning.flops import attention_flops_per_token, training_flops_per_token
+    from moe_lightning.plan import block_working_set_bytes, count_parameters, mtp_activation_bytes
+    from tests.block_reference import fused_attention, saved_bytes
+
+    plain, one = config("dense", mtp_layers=0), config("dense", mtp_layers=1)
+    roles0, units0 = count_parameters(plain)
+    roles1, units1 = count_parameters(one)
+    d, V = one.dim, one.vocab_size
+    block = sum(units0[-1])  # the last main block's parameters (dense here)
+    assert sum(roles1.values()) - sum(roles0.values()) == 2 * d * d + 3 * d + block
+    assert units1[-2:] == [(block, 0), (2 * d * d + 3 * d, 0)]  # the MTP block and its norms + eh_proj: FSDP units
+
+    def step_matmul_flops(cfg):
+        module = module_for(cfg)
+        with FlopCounterMode(display=False) as counter:
+            module._loss(batch()).backward()
+        return counter.get_total_flops()  # matmuls only: CPU SDPA is not counted
+
+    B, S = batch().shape[0], batch().shape[1] - 1
+    linear = 2 * d * d + sum(p.numel() for p in MoETransformer(one).mtp[0].block.parameters() if p.ndim == 2)
+    measured = step_matmul_flops(one) - step_matmul_flops(plain)
+    assert measured == 6 * B * (S - 1) * (linear + V * d)  # depth 1 covers S - 1 positions
+    formula = training_flops_per_token(one, S) - training_flops_per_token(plain, S)
+    one_layer = attention_flops_per_token(one, S) - attention_flops_per_token(plain, S)
+    assert one_layer == attention_flops_per_token(config("dense", n_layers=1, n_dense_layers=1, mtp_layers=0), S)
+    assert formula - one_layer == 6 * (linear + V * d + 5 * d)  # + the five norms' gains, counted as the blocks' are
+
+    moe_cfg = config("moe", mtp_layers=1, document_masking=False)
+    module = MoETransformer(moe_cfg).mtp[0].to(torch.bfloat16)
+    T = 64
+    hidden, emb = (torch.randn(1, T, d, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    cos_sin = MoETransformer(moe_cfg).rotary.cos_sin(0, T)
+    with fused_attention():
+        kept = saved_bytes(lambda h, e: module(h, e, mask=None, cache=None, cos_sin=cos_sin), hidden, emb,
+                           exclude=[*module.parameters(), *module.buffers(), hidden, emb])
+    kept += 2 * d * T + 2 * d * T  # the output the loss keeps, and the embedding output the modules read
+    assert mtp_activation_bytes(moe_cfg, T) == pytest.approx(kept, rel=0.05)
+    assert mtp_activation_bytes(moe_cfg, T) > block_working_set_bytes(moe_cfg, T, moe=True)
+    assert mtp_activation_bytes(plain, T) == 0
