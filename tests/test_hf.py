@@ -515,6 +515,10 @@ def test_mtp_layer_uses_the_released_names_and_round_trips_bitwise(tmp_path):
     assert loaded.config.mtp_layers == 1 and loaded.mtp[0].block.is_moe
     again = safetensors_of(hf.save_pretrained(loaded, tmp_path / "again"))
     assert set(again) == set(written) and all(torch.equal(again[k], written[k]) for k in written)
+    cli.run(["convert", str(tmp_path / "mtp"), "--out", str(tmp_path / "model.pt")])  # and through our .pt file
+    cli.run(["convert", str(tmp_path / "model.pt"), "--out", str(tmp_path / "back")])
+    back = safetensors_of(tmp_path / "back")
+    assert set(back) == set(written) and all(torch.equal(back[k], written[k]) for k in written)
 
 
 @torch.no_grad()
