@@ -309,3 +309,19 @@ def test_fsdp_with_expert_parallel_mtp_equals_one_process(tmp_path):
     assert [r["loss"] for r in two["batches"]] == pytest.approx([r["loss"] for r in one["batches"]], rel=1e-5)
     for a, b in zip(two["grad_norms"], one["grad_norms"]):
         assert a == pytest.approx(b, rel=1e-5)
+
+
+def test_chunked_sum_reduction_equals_cross_entropy_sum_and_is_zero_when_nothing_is_left():
+    from moe_lightning.loss import chunked_cross_entropy
+
+    g = torch.Generator().manual_seed(0)
+    h, w = torch.randn(20, 8, generator=g, requires_grad=True), torch.randn(30, 8, generator=g)
+    targets = torch.randint(0, 30, (20,), generator=g)
+    targets[[2, 5]] = -100
+    torch.testing.assert_close(chunked_cross_entropy(h, w, targets, 7, reduction="sum"),
+                               F.cross_entropy(h @ w.T, targets, reduction="sum"), rtol=1e-6, atol=1e-5)
+    nothing = chunked_cross_entropy(h, w, torch.full((20,), -100), 7, reduction="sum")
+    nothing.backward()
+    assert nothing.item() == 0 and h.grad.abs().max() == 0
+    with pytest.raises(ValueError, match=r"reduction='none': use 'mean' or 'sum'"):
+        chunked_cross_entropy(h, w, targets, 7, reduction="none")
