@@ -7,7 +7,9 @@ with the ``ep`` split included: the checkpoint always holds global ``[E, ...]`` 
 loaded at any world size or ``ep``.
 
 Loading never runs code from a file: metadata is plain data (the model config as a dict) and is read with
-``torch.load(weights_only=True)``.
+``torch.load(weights_only=True)``; DCP's own ``.metadata`` is unpickled admitting only the classes it is made of
+(``SafeReader``), and its non-tensor items are read with ``weights_only=True`` (``SafeLoadPlanner``; DCP's
+default reader and planner unpickle both without limits). Every sharded read goes through ``load_sharded``.
 """
 
 import io
@@ -25,7 +27,9 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
@@ -51,13 +55,109 @@ def load_metadata(path: Path | io.BytesIO, mmap: bool = False) -> dict[str, Any]
         raise unsafe_file_error(path, error) from None
 
 
-def unsafe_file_error(path: Path | io.BytesIO, error: pickle.UnpicklingError) -> CheckpointError:
-    found = re.search(r"GLOBAL (\S+)", str(error))
-    reason = f"it names {found.group(1)}" if found else str(error).strip().split("\n")[0][:200]
+def unsafe_file_error(path: Path | io.BytesIO, error: pickle.UnpicklingError, item: str = "") -> CheckpointError:
+    """``item``: which entry of the file, where it holds several."""
     return CheckpointError(
-        f"Refusing to load {path}: it holds pickled objects other than plain data, and unpickling them could run "
-        f"code from the file ({reason}). Checkpoints written by moe_lightning hold only plain data; load only "
-        "files you trust, and re-save a trusted old one with its objects converted to dicts.")
+        f"Refusing to load {path}{item}: it holds pickled objects other than plain data, and unpickling them could "
+        f"run code from the file ({_pickle_reason(error)}). Checkpoints written by moe_lightning hold only plain "
+        "data; load only files you trust, and re-save a trusted old one with its objects converted to dicts.")
+
+
+def _pickle_reason(error: pickle.UnpicklingError) -> str:
+    found = re.search(r"GLOBAL (\S+)", str(error))
+    return f"it names {found.group(1)}" if found else str(error).strip().split("\n")[0][:200]
+
+
+# What DCP's ``.metadata`` pickle is made of (torch 2.11 to 2.13), besides torch dtypes: nothing else is unpickled.
+_DCP_METADATA_GLOBALS = {
+    "torch.distributed.checkpoint.metadata": {"Metadata", "MetadataIndex", "StorageMeta", "TensorProperties",
+                                              "TensorStorageMetadata", "BytesStorageMetadata",
+                                              "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING"},
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch": {"Size"},
+    "torch.serialization": {"_get_layout"},  # a torch.layout from its name
+    "pathlib": {"Path", "PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"},  # the checkpoint_id
+}
+_DCP_METADATA_GLOBALS["pathlib._local"] = _DCP_METADATA_GLOBALS["pathlib"]  # Python >= 3.13
+
+
+class _ForbiddenGlobal(pickle.UnpicklingError):
+    pass
+
+
+class _DCPMetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        if name in _DCP_METADATA_GLOBALS.get(module, ()) or (
+                module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
+            return super().find_class(module, name)
+        raise _ForbiddenGlobal(f"GLOBAL {module}.{name} is not a class of DCP metadata")
+
+
+class SafeReader(FileSystemReader):
+    """DCP's file reader, except that ``.metadata`` is unpickled admitting only DCP's metadata classes (and read
+    once: ``load_sharded`` reads it before ``dcp.load``, which would bury a refusal in its own report)."""
+
+    _metadata: Metadata | None = None
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if self._metadata is None or kwargs.get("rank") is not None:
+            self._metadata = self._read_metadata(kwargs.get("rank"))
+        self._metadata.storage_meta.load_id = self.load_id
+        return self._metadata
+
+    def _read_metadata(self, rank: int | None) -> Metadata:
+        path = self._get_metadata_path(rank)
+        try:
+            with self.fs.create_stream(path, "rb") as file:
+                metadata = _DCPMetadataUnpickler(file).load()
+        except _ForbiddenGlobal as error:
+            raise CheckpointError(
+                f"Refusing to load {path}: DCP metadata holds only DCP's own metadata classes, and unpickling "
+                f"anything else could run code from the file ({_pickle_reason(error)}). Load only checkpoints you "
+                "trust.") from None
+        except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError) as error:
+            raise CheckpointError(f"{path} is not a readable DCP metadata file ({type(error).__name__}: {error}): "
+                                  "the checkpoint is damaged or was not written by DCP.") from None
+        if not isinstance(metadata, Metadata):
+            raise CheckpointError(f"{path} is not DCP metadata (it holds a {type(metadata).__name__}).")
+        if getattr(metadata, "storage_meta", None) is None:  # as FileSystemReader does
+            metadata.storage_meta = StorageMeta()
+        return metadata
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's default load planner, except that non-tensor items are read as plain data only
+    (``torch.load(weights_only=True)``, where DCP's own uses ``weights_only=False``)."""
+
+    def __init__(self, reader: SafeReader):
+        super().__init__()
+        self.reader = reader
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        fqn = read_item.dest_index.fqn
+        try:
+            loaded = torch.load(value, weights_only=True)
+        except pickle.UnpicklingError as error:
+            where = self.reader.storage_data[read_item.storage_index].relative_path
+            raise unsafe_file_error(Path(self.reader.path) / where, error, f" (item {fqn})") from None
+        if self.flatten_state_dict:  # where DefaultLoadPlanner.load_bytes puts it
+            set_element(self.original_state_dict, self.mappings[fqn], loaded)
+        else:
+            self.state_dict[fqn] = loaded
+
+
+def load_sharded(state: dict[str, Any], path: Path, no_dist: bool = False) -> None:
+    """``dcp.load`` through ``SafeReader`` and ``SafeLoadPlanner``; a refusal is raised as itself, not inside
+    DCP's per-rank report."""
+    reader = SafeReader(path)
+    reader.read_metadata()
+    try:
+        dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(reader), no_dist=no_dist)
+    except dcp.api.CheckpointException as error:
+        refused = [e for e, _ in error.failures.values() if isinstance(e, CheckpointError)]
+        if refused:
+            raise refused[0] from None
+        raise
 
 
 def expert_parameter_names(module: nn.Module) -> set[str]:
@@ -235,7 +335,32 @@ class ShardedCheckpointer:
         """Fill ``state`` in place from the directory ``path`` (read its metadata with ``load_metadata``)."""
         self.wait()
         with global_expert_views(state, expert_names, expert_mesh):
-            dcp.load(state, checkpoint_id=path)
+            load_sharded(state, path)
+
+
+MODEL_KEYS = "state_dict.model."  # where a sharded checkpoint holds the ``MoETransformer`` weights
+
+
+def sharded_model_index(path: Path) -> dict[str, TensorStorageMetadata]:
+    """The model tensors of a sharded checkpoint by ``MoETransformer`` name, read in one process once its DCP
+    metadata and every non-tensor item have been read as plain data: a tampered checkpoint is refused whole,
+    naming the file, before any tensor is read."""
+    entries = SafeReader(path).read_metadata().state_dict_metadata
+    plain = {key: None for key, meta in entries.items() if isinstance(meta, BytesStorageMetadata)}
+    if plain:
+        load_sharded(plain, path, no_dist=True)
+    if misplaced := [key for key in plain if key.startswith(MODEL_KEYS)]:
+        raise CheckpointError(f"{path / '.metadata'} lists model weights that are not tensors ({misplaced[:3]}): "
+                              "the checkpoint is damaged.")
+    return {key[len(MODEL_KEYS):]: meta for key, meta in entries.items() if key.startswith(MODEL_KEYS)}
+
+
+def read_sharded_tensors(path: Path, index: dict[str, TensorStorageMetadata], names: list[str]) -> dict[str, torch.Tensor]:
+    """The named model tensors (global, in host memory) of the sharded checkpoint ``path`` indexed by ``index``."""
+    state = {"state_dict": {f"model.{name}": torch.empty(index[name].size, dtype=index[name].properties.dtype)
+                            for name in names}}
+    load_sharded(state, path, no_dist=True)
+    return {name: state["state_dict"][f"model.{name}"] for name in names}
 
 
 def read_sharded_weights(checkpoint: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
@@ -245,11 +370,5 @@ def read_sharded_weights(checkpoint: str | Path) -> tuple[dict[str, torch.Tensor
     if not (src / METADATA_FILE).is_file():
         raise ValueError(f"checkpoint={str(src)!r} is not a sharded checkpoint directory (no {METADATA_FILE}).")
     metadata = load_metadata(src / METADATA_FILE)  # refuses an unsafe file before any tensor is read
-    prefix = "state_dict.model."
-    tensors = {key: torch.empty(meta.size, dtype=meta.properties.dtype)
-               for key, meta in FileSystemReader(src).read_metadata().state_dict_metadata.items()
-               if key.startswith(prefix) and isinstance(meta, TensorStorageMetadata)}
-    state = {"state_dict": {key[len("state_dict."):]: t for key, t in tensors.items()}}
-    dcp.load(state, checkpoint_id=src, no_dist=True)
-    weights = {key[len("model."):]: t for key, t in state["state_dict"].items()}
-    return weights, metadata
+    index = sharded_model_index(src)
+    return read_sharded_tensors(src, index, list(index)), metadata
