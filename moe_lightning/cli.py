@@ -202,6 +202,16 @@ class MoECLI(LightningCLI):
                 raise
             raise cause from None  # our message last, not jsonargparse's namespace dump
 
+    def instantiate_trainer(self, **kwargs):
+        """The trainer, writing single-file checkpoints beside and renaming them (unless a plugin says otherwise)."""
+        from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+        from .strategy import FileCheckpointIO
+
+        trainer = super().instantiate_trainer(**kwargs)
+        if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # Lightning's default
+            trainer.strategy.checkpoint_io = FileCheckpointIO()
+        return trainer
+
     def after_instantiate_classes(self) -> None:
         how = " (the default on this accelerator; set trainer.precision to change it)" if self._precision_defaulted else ""
         rank_zero_info(f"precision: {self.trainer.precision}{how}")

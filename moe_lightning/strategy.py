@@ -27,6 +27,7 @@ from typing import Any, Literal, Optional, Union
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
@@ -77,6 +78,16 @@ def clip_grads_(grads: list[torch.Tensor], max_norm: float, device: torch.device
     for (grad_device, _), local in groups.items():
         torch._foreach_mul_(local, scale.to(grad_device))
     return total
+
+
+class FileCheckpointIO(TorchCheckpointIO):
+    """Lightning's single-file checkpoint I/O, except that the file is written beside and renamed
+    (``checkpoint.save_file``): a full disk or a kill never leaves a truncated file under the final name."""
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Optional[Any] = None) -> None:
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__}.save_checkpoint(storage_options=...) is not supported.")
+        ckpt.save_file(checkpoint, Path(path))
 
 
 class MoEFSDPStrategy(ModelParallelStrategy):
@@ -136,6 +147,7 @@ class MoEFSDPStrategy(ModelParallelStrategy):
         self._fsdp_root: FSDPModule | None = None
         self.async_checkpoint, self._fitting = async_checkpoint, False  # background saves only inside fit
         self.checkpointer = ckpt.ShardedCheckpointer()
+        self.checkpoint_io = FileCheckpointIO()  # single-file saves (save_distributed_checkpoint=False)
 
     # ---- mesh -----------------------------------------------------------------------------------
     @property

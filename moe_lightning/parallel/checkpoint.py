@@ -12,6 +12,7 @@ Loading never runs code from a file: metadata is plain data (the model config as
 default reader and planner unpickle both without limits). Every sharded read goes through ``load_sharded``.
 """
 
+import errno
 import io
 import os
 import pickle
@@ -207,6 +208,56 @@ def global_expert_views(state: dict[str, Any], names: set[str], expert_mesh: Dev
             container[key] = value
 
 
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
+def disk_full_error(path: Path, needed: int | None) -> CheckpointError:
+    """One line for a save the disk had no room for (``needed``: bytes this process writes, when known)."""
+    free = shutil.disk_usage(path.parent if path.parent.exists() else Path.cwd()).free
+    size = f"{needed:,} bytes needed, " if needed is not None else ""
+    return CheckpointError(f"Checkpoint {path} was not written: the disk is full ({size}{free:,} bytes free on "
+                           f"{path.parent}). Earlier checkpoints are intact; free space or save elsewhere.")
+
+
+def is_disk_full(error: BaseException) -> bool:
+    """ENOSPC/EDQUOT anywhere in ``error``'s chain or DCP's per-rank failures; torch's zip writer reports a short
+    write as "unexpected pos"."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if getattr(error, "errno", None) in DISK_FULL or "unexpected pos" in str(error):
+            return True
+        if isinstance(error, dcp.api.CheckpointException):
+            return any(is_disk_full(e) for e, _ in error.failures.values())
+        error = error.__cause__ or error.__context__
+    return False
+
+
+def save_file(obj: Any, path: Path) -> None:
+    """``torch.save`` as ``<path>.partial``, synced to disk, then renamed over ``path``: a failure (a full disk, a
+    kill) never leaves a truncated file under ``path`` nor replaces the file already there."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    data = buffer.getbuffer()
+    partial = path.with_name(path.name + PARTIAL_SUFFIX)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            written = 0
+            while written < len(data):  # os.write may write less than asked (a short write)
+                written += os.write(fd, data[written:])
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(partial, path)
+    except OSError as error:
+        remove(partial)
+        if error.errno in DISK_FULL:
+            raise disk_full_error(path, len(data)) from None
+        raise
+
+
 def commit_directory(partial: Path, path: Path) -> None:
     """Replace ``path`` by the fully written ``partial``; a crash at any point leaves a loadable checkpoint."""
     old = path.with_name(path.name + OLD_SUFFIX)
@@ -232,6 +283,18 @@ def resolve_checkpoint(path: Path) -> Path:
     if not path.exists():
         raise FileNotFoundError(f"ckpt_path={str(path)!r} does not exist.")
     return path
+
+
+def _local_bytes(state: dict[str, Any]) -> int:
+    """Bytes of the tensors this rank writes (its shards), in a nested state dict."""
+    if isinstance(state, dict):
+        return sum(_local_bytes(v) for v in state.values())
+    if isinstance(state, (list, tuple)):
+        return sum(_local_bytes(v) for v in state)
+    if isinstance(state, torch.Tensor):
+        local = state.to_local() if isinstance(state, DTensor) else state
+        return local.numel() * local.element_size()
+    return 0
 
 
 class _HostCopyWriter(FileSystemWriter):
@@ -293,7 +356,14 @@ class ShardedCheckpointer:
         writer = self.storage_writer(partial)
         with global_expert_views(state, expert_names, expert_mesh):
             if not background:
-                dcp.save(state, storage_writer=writer)
+                try:
+                    dcp.save(state, storage_writer=writer)
+                except BaseException as error:  # DCP's CheckpointException is a BaseException
+                    if not is_disk_full(error):
+                        raise
+                    if self._is_rank_zero():
+                        remove(partial)  # every rank's write has failed (DCP gathers them): give the space back
+                    raise disk_full_error(path, _local_bytes(state)) from None
             else:
                 if self._group is None and dist.is_initialized():
                     self._group = dist.new_group(backend="gloo")
@@ -318,6 +388,8 @@ class ShardedCheckpointer:
         try:
             write.result()
         except (Exception, dcp.api.CheckpointException) as error:  # the latter is a BaseException
+            if is_disk_full(error):
+                raise disk_full_error(path, None) from error
             raise CheckpointError(f"Asynchronous checkpoint {path} failed while writing ({error!r}): it was not "
                                   f"committed (its files stay in {partial}); earlier checkpoints are intact."
                                   ) from error
