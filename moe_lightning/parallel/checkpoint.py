@@ -297,6 +297,19 @@ def _local_bytes(state: dict[str, Any]) -> int:
     return 0
 
 
+def metadata_file(path: Path) -> Path:
+    """The file holding a checkpoint's non-tensor state: ``path`` itself, or a sharded directory's ``meta.pt``.
+    A directory that is no checkpoint is refused here, before anything is built."""
+    if not path.is_dir():
+        return path
+    if not (path / METADATA_FILE).is_file():
+        inside = sorted(p.name for p in path.iterdir() if p.name.endswith(".ckpt"))[:3]
+        hint = f" It holds {', '.join(inside)}: pass one of those." if inside else ""
+        raise ValueError(f"ckpt_path={str(path)!r} is a directory but not a checkpoint (a sharded checkpoint "
+                         f"directory holds {METADATA_FILE} and DCP's .metadata).{hint}")
+    return path / METADATA_FILE
+
+
 class _HostCopyWriter(FileSystemWriter):
     """Stages for ``async_save`` by copying every tensor into new host memory. (Older torch staged with
     ``.to("cpu")``, which leaves a tensor already in host memory shared with training while it is written.)"""
