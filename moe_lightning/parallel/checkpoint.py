@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch import nn
 
 from ..model import GroupedExperts
@@ -256,6 +257,20 @@ def save_file(obj: Any, path: Path) -> None:
         if error.errno in DISK_FULL:
             raise disk_full_error(path, len(data)) from None
         raise
+
+
+def local_part(full: torch.Tensor, like: torch.Tensor, name: str) -> torch.Tensor:
+    """The part of the global tensor ``full`` that ``like`` (a DTensor, e.g. a global expert view, or a plain
+    tensor) holds on this rank."""
+    if isinstance(like, DTensor):
+        shape, offset = compute_local_shape_and_global_offset(like.shape, like.device_mesh, like.placements)
+        if full.shape != like.shape:
+            raise CheckpointError(f"{name}: the checkpoint holds shape {tuple(full.shape)}, the model "
+                                  f"{tuple(like.shape)}.")
+        return full[tuple(slice(o, o + s) for o, s in zip(offset, shape))]
+    if full.shape != like.shape:
+        raise CheckpointError(f"{name}: the checkpoint holds shape {tuple(full.shape)}, the model {tuple(like.shape)}.")
+    return full
 
 
 def commit_directory(partial: Path, path: Path) -> None:
