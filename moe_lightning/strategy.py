@@ -389,7 +389,7 @@ class MoEFSDPStrategy(ModelParallelStrategy):
         def shard(value: Any, p: torch.Tensor, what: str) -> Any:
             if not isinstance(p, DTensor) or not torch.is_tensor(value) or value.ndim == 0:
                 return value
-            like = ckpt._global_expert_view(p, self.expert_mesh) if id(p) in experts and self.expert_mesh else p
+            like = ckpt.global_expert_view(p, self.expert_mesh) if id(p) in experts and self.expert_mesh else p
             out = torch.empty_like(p)
             out.to_local().copy_(ckpt.local_part(value, like, what))
             return out

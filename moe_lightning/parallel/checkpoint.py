@@ -167,7 +167,7 @@ def expert_parameter_names(module: nn.Module) -> set[str]:
             for p, _ in m.named_parameters(recurse=False)}
 
 
-def _global_expert_view(tensor: DTensor, expert_mesh: DeviceMesh) -> DTensor:
+def global_expert_view(tensor: DTensor, expert_mesh: DeviceMesh) -> DTensor:
     """The same local shard, described on ``(replicate, ep, efsdp)`` with experts split by ``ep`` first.
 
     Built like FSDP builds its own DTensors (no ``from_local``), so a shard kept in host memory (CPU
@@ -198,7 +198,7 @@ def global_expert_views(state: dict[str, Any], names: set[str], expert_mesh: Dev
                 visit(value, expert)
             elif expert and isinstance(value, DTensor) and value.ndim == 3:
                 swapped.append((container, key, value))
-                container[key] = _global_expert_view(value, expert_mesh)
+                container[key] = global_expert_view(value, expert_mesh)
 
     if expert_mesh is not None:
         visit(state, False)
@@ -262,15 +262,12 @@ def save_file(obj: Any, path: Path) -> None:
 def local_part(full: torch.Tensor, like: torch.Tensor, name: str) -> torch.Tensor:
     """The part of the global tensor ``full`` that ``like`` (a DTensor, e.g. a global expert view, or a plain
     tensor) holds on this rank."""
-    if isinstance(like, DTensor):
-        shape, offset = compute_local_shape_and_global_offset(like.shape, like.device_mesh, like.placements)
-        if full.shape != like.shape:
-            raise CheckpointError(f"{name}: the checkpoint holds shape {tuple(full.shape)}, the model "
-                                  f"{tuple(like.shape)}.")
-        return full[tuple(slice(o, o + s) for o, s in zip(offset, shape))]
     if full.shape != like.shape:
         raise CheckpointError(f"{name}: the checkpoint holds shape {tuple(full.shape)}, the model {tuple(like.shape)}.")
-    return full
+    if not isinstance(like, DTensor):
+        return full
+    shape, offset = compute_local_shape_and_global_offset(like.shape, like.device_mesh, like.placements)
+    return full[tuple(slice(o, o + s) for o, s in zip(offset, shape))]
 
 
 def commit_directory(partial: Path, path: Path) -> None:
