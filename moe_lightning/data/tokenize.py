@@ -28,6 +28,7 @@ from .tokens import tokenizer_identity
 PLAN = "tokenize-plan.json"
 SHARD_TOKENS = 1 << 28  # 268M tokens: 512 MiB of uint16 or 1 GiB of uint32 per shard
 BATCH_BYTES = 1 << 22  # text encoded per batch (4 MiB): a process's memory does not grow with the corpus
+MIN_UNIT_BYTES = 1 << 20  # units smaller than this cost more in start-up than they gain in balance
 FORMAT = "moe_lightning token shards v1"
 
 
@@ -294,7 +295,7 @@ def tokenize_to_folder(sources: list[str], out: str, tokenizer_path: str | None 
         inputs = [{"path": str(p), "bytes": p.stat().st_size, "mtime_ns": p.stat().st_mtime_ns} for p in files]
         bytes_per_token = 1 if tokenizer.spec()["kind"] == "bytes" else 4
         total = sum(i["bytes"] for i in inputs)  # units: at most a shard each, and enough to keep every worker busy
-        target = max(1 << 20, min(shard_tokens * bytes_per_token, math.ceil(total / (4 * workers))))
+        target = max(MIN_UNIT_BYTES, min(shard_tokens * bytes_per_token, math.ceil(total / (4 * workers))))
         plan = {**identity, "units": plan_units(files, target), "inputs": inputs}
         write_json_atomically(folder / PLAN, plan)
     pending = [u for u in plan["units"] if not unit_record(folder, u["index"]).exists()]
