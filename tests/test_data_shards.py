@@ -78,8 +78,11 @@ def test_one_worker_and_many_write_the_same_stream_and_a_large_jsonl_is_split_by
     path.write_text("".join(json.dumps({"text": f"line {i} " * (i % 13 + 1)}) + "\n" for i in range(4000)))
     monkeypatch.setattr(tokenize_module, "BATCH_BYTES", 1000)  # many batches per unit
     one = tokenize_to_folder([str(path)], str(tmp_path / "one"), workers=1)
+    monkeypatch.setattr(tokenize_module, "MIN_UNIT_BYTES", 5000)
     many = tokenize_to_folder([str(path)], str(tmp_path / "many"), workers=2, shard_tokens=20_000)
     assert len(many["shards"]) > len(one["shards"]) == 1
+    pieces = [p for u in json.loads((tmp_path / "many" / "tokenize-plan.json").read_text())["units"] for p in u["pieces"]]
+    assert len(pieces) > 4 and all(p["path"] == str(path) and "start" in p for p in pieces)  # byte ranges
     a, b = (stream(TextDataModule(str(tmp_path / name), seq_len=8)) for name in ("one", "many"))
     np.testing.assert_array_equal(a, b)
     assert one["documents"] == many["documents"] == 4000
