@@ -29,6 +29,7 @@ PLAN = "tokenize-plan.json"
 SHARD_TOKENS = 1 << 28  # 268M tokens: 512 MiB of uint16 or 1 GiB of uint32 per shard
 BATCH_BYTES = 1 << 22  # text encoded per batch (4 MiB): a process's memory does not grow with the corpus
 MIN_UNIT_BYTES = 1 << 20  # units smaller than this cost more in start-up than they gain in balance
+PROGRESS_EVERY_S = 2.0
 FORMAT = "moe_lightning token shards v1"
 
 
@@ -241,8 +242,8 @@ class _InlineQueue:
 class Progress:
     """Input read, tokens written, tokens/s and ETA on stderr, every few seconds."""
 
-    def __init__(self, total_bytes: int, done_bytes: int, every_s: float = 2.0):
-        self.total, self.done, self.tokens, self.every = total_bytes, done_bytes, 0, every_s
+    def __init__(self, total_bytes: int, done_bytes: int):
+        self.total, self.done, self.tokens, self.every = total_bytes, done_bytes, 0, PROGRESS_EVERY_S
         self.start = self.last = time.monotonic()
         self.start_bytes = done_bytes
 
