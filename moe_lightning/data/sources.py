@@ -57,7 +57,7 @@ def resolve_source(source: str) -> list[Path] | Path:
     path = Path(source).expanduser()
     if path.suffix == ".npy" and path.is_file():
         return path
-    if path.is_dir() and (path / MANIFEST).is_file():
+    if path.is_dir() and (path / MANIFEST).is_file() and any(path.glob("part-*.npy")):
         return path
     if path.is_file():
         if path.suffix not in TABLE_SUFFIXES and is_binary(path):

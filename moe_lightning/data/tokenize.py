@@ -17,6 +17,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from queue import Empty
 
 import numpy as np
 
@@ -344,7 +345,7 @@ def _run_units(pending: list[dict], plan: dict, folder: Path, tokenizer_path, te
             while not all(r.ready() for r in results) or not queue.empty():
                 try:
                     progress.update(*queue.get(timeout=0.5))
-                except Exception:  # queue.Empty: nothing reported in the last half second
+                except Empty:  # nothing reported in the last half second
                     pass
             for r in results:
                 r.get()  # a worker's error surfaces here, unchanged
