@@ -229,3 +229,10 @@ def test_killed_two_process_mixture_run_resumes_exactly_on_two_and_on_one_proces
         assert on_one[step][0] == pytest.approx(reference[step][0], rel=1e-5)
     consumed = [tuple(s) for step in range(1, 7) for s in reference[step][1]]
     assert len(set(consumed)) == len(consumed)  # no sequence twice in the run (the sources are far from repeating)
+
+
+def test_samplers_hand_out_an_epoch_in_chunks_without_changing_the_order(monkeypatch):
+    from moe_lightning.data import ResumableSampler, sampling
+    whole = [list(sampler(2, 1)), list(ResumableSampler(list(range(1000)), 2, 1, seed=3))]
+    monkeypatch.setattr(sampling, "CHUNK", 7)  # many chunks, many crossing a source's pass
+    assert [list(sampler(2, 1)), list(ResumableSampler(list(range(1000)), 2, 1, seed=3))] == whole

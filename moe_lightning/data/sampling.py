@@ -15,6 +15,14 @@ from .sources import info
 from .tokens import TokenStream
 
 PATTERN_LENGTH = 10_000  # the mixture repeats a fixed pattern of this many draws
+CHUNK = 1 << 16  # indices handed out per step of a sampler's iterator
+
+
+def one_by_one(indices):
+    """Yield an epoch's indices (a tensor or array) as Python ints, a chunk at a time: a list of them all would
+    cost ~36 bytes per sequence (a GB per rank at 30M sequences)."""
+    for start in range(0, len(indices), CHUNK):
+        yield from indices[start:start + CHUNK].tolist()
 
 
 class PackedSequences(Dataset):
@@ -54,7 +62,7 @@ class ResumableSampler(DistributedSampler):
         generator.manual_seed(self.seed + self.epoch)
         order = torch.randperm(len(self.dataset), generator=generator)
         end = len(order) - len(order) % self.num_replicas
-        return iter(order[self._start() + self.rank:end:self.num_replicas].tolist())
+        return one_by_one(order[self._start() + self.rank:end:self.num_replicas])
 
 
 class MixtureSequences(Dataset):
@@ -125,18 +133,25 @@ class MixtureSampler(DistributedSampler):
 
     def __iter__(self):
         size = len(self.dataset)
-        end = size - size % self.num_replicas
-        n = self.epoch * size + np.arange(self._start() + self.rank, end, self.num_replicas, dtype=np.int64)
-        self._log_epochs(self.epoch * size + self._start(), self.epoch * size + end - 1)
-        k, c = self.draws(n)
-        source_epoch, position = c // self.lengths[k], c % self.lengths[k]
-        flat = np.empty_like(n)
-        for source in np.unique(k):
-            of_source = k == source
-            for epoch in np.unique(source_epoch[of_source]):
-                chosen = of_source & (source_epoch == epoch)
-                flat[chosen] = self.dataset.offsets[source] + self._permutation(source, epoch)[position[chosen]]
-        return iter(flat.tolist())
+        end, first = size - size % self.num_replicas, self.epoch * size
+        self._log_epochs(first + self._start(), first + end - 1)
+        permutations = {}  # (source, source epoch) -> its shuffle; only the current pass of each source is kept
+        step = CHUNK * self.num_replicas
+        for chunk in range(self._start() + self.rank, end, step):
+            n = first + np.arange(chunk, min(chunk + step, end), self.num_replicas, dtype=np.int64)
+            k, c = self.draws(n)
+            source_epoch, position = c // self.lengths[k], c % self.lengths[k]
+            flat = np.empty_like(n)
+            for source in np.unique(k):
+                of_source = k == source
+                for epoch in np.unique(source_epoch[of_source]):
+                    if (source, epoch) not in permutations:
+                        for old in [key for key in permutations if key[0] == source and key[1] < epoch]:
+                            del permutations[old]
+                        permutations[source, epoch] = self._permutation(source, epoch)
+                    chosen = of_source & (source_epoch == epoch)
+                    flat[chosen] = self.dataset.offsets[source] + permutations[source, epoch][position[chosen]]
+            yield from flat.tolist()
 
     def _log_epochs(self, first: int, last: int) -> None:
         """Say which epoch of each source the draws ``first..last`` read (rank 0, once per mixture epoch)."""
