@@ -10,7 +10,7 @@
    writes them in seconds) at two sizes 4x apart, the larger 400M tokens; and on two 400M-token files, as a
    plain list and as a weighted mixture (the old path concatenated them: +2.7 GB).
 4. The training loader's sequences/s with 0 and 2 workers on the 400M-token file, next to the tiny model's
-   training rate (sequences/s of forward + backward + AdamW on one process).
+   training rate (sequences/s of forward + backward + AdamW on one process, one thread).
 
 Every figure comes from a fresh process; peak RSS is ``getrusage(RUSAGE_CHILDREN).ru_maxrss`` of a wrapper
 that runs only that command (the largest of its processes, workers included).
@@ -168,7 +168,8 @@ print("RATE", steps * 16 / (time.perf_counter() - start))
 
 
 def rate(script: str, *args) -> float:
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    # one thread: on a shared, oversubscribed machine two OpenMP threads per process ran the tiny model 18x slower
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     out = subprocess.run([sys.executable, "-c", script, *map(str, args)], env=env, capture_output=True, text=True,
                          cwd=REPO)
     line = next((line for line in out.stdout.splitlines() if line.startswith("RATE")), None)
@@ -182,6 +183,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--quick", action="store_true", help="small sizes: check the script, not the figures")
     parser.add_argument("--workdir", default=None, help="where corpora go (default: a temporary folder)")
     parser.add_argument("--workers", type=int, default=os.cpu_count())
+    parser.add_argument("--parts", nargs="+", default=["throughput", "memory", "fit", "loader"],
+                        choices=["throughput", "memory", "fit", "loader"], help="which measurements (default: all)")
     args = parser.parse_args(argv)
     scale = 0.02 if args.quick else 1.0
     work = Path(args.workdir or tempfile.mkdtemp(prefix="data_scale_"))
@@ -193,30 +196,30 @@ def main(argv: list[str] | None = None) -> dict:
         report[name] = value
         print(json.dumps({name: value}), flush=True)
 
-    # 1. throughput, 1 vs N workers
-    corpus = text_corpus(work / "text.jsonl", 60 * scale)
-    tok = bpe(work / "bpe.json", corpus)
-    small_corpus = text_corpus(work / "text_small.jsonl", 6 * scale)  # BPE is ~100x slower than bytes
-    for kind, tokenizer, text in (("bytes", None, corpus), ("bpe8k", tok, small_corpus)):
-        rows = [tokenize(text, work / f"tp_{kind}_{w}", w, log, tokenizer) for w in sorted({1, args.workers})]
-        show(f"tokenize_throughput_{kind}", rows)
-    # 2. memory at two sizes 10x apart, the larger >= 300M tokens
-    for megabytes in (30, 350):  # JSON escapes make the text ~4 % smaller than the file: 350 MB gives > 300M tokens
-        sized = text_corpus(work / f"text_{megabytes}.jsonl", megabytes * scale)
-        show(f"tokenize_rss_{megabytes}mb", tokenize(sized, work / f"rss_{megabytes}", args.workers, log))
-        sized.unlink()
-    # 3. fit start-up and memory
+    if "throughput" in args.parts:  # 1. throughput, 1 vs N workers
+        corpus = text_corpus(work / "text.jsonl", 60 * scale)
+        tok = bpe(work / "bpe.json", corpus)
+        small_corpus = text_corpus(work / "text_small.jsonl", 6 * scale)  # BPE is ~100x slower than bytes
+        for kind, tokenizer, text in (("bytes", None, corpus), ("bpe8k", tok, small_corpus)):
+            rows = [tokenize(text, work / f"tp_{kind}_{w}", w, log, tokenizer) for w in sorted({1, args.workers})]
+            show(f"tokenize_throughput_{kind}", rows)
+    if "memory" in args.parts:  # 2. memory at two sizes >10x apart, the larger >= 300M tokens
+        for megabytes in (30, 350):  # JSON escapes make the text ~4 % smaller than the file
+            sized = text_corpus(work / f"text_{megabytes}.jsonl", megabytes * scale)
+            show(f"tokenize_rss_{megabytes}mb", tokenize(sized, work / f"rss_{megabytes}", args.workers, log))
+            sized.unlink()
     small, large = (token_file(work / f"tokens_{n}.npy", int(n * 1e6 * scale)) for n in (100, 400))
-    large2 = token_file(work / "tokens_400b.npy", int(400e6 * scale))
-    show("fit_one_file_100M", fit(str(small), log, work))
-    show("fit_one_file_400M", fit(str(large), log, work))
-    show("fit_list_of_two_400M", fit([str(large), str(large2)], log, work))
-    show("fit_mixture_of_two_400M", fit([{"path": str(large), "weight": 3}, {"path": str(large2), "weight": 1}],
-                                        log, work))
-    # 4. loader vs model
-    batches = 50 if args.quick else 400
-    show("loader_sequences_per_s", {w: round(rate(LOADER, large, w, batches)) for w in (0, 2)})
-    show("tiny_model_train_sequences_per_s", round(rate(TRAIN, REPO / "configs" / "tiny.yaml", 5), 1))
+    if "fit" in args.parts:  # 3. fit start-up and memory
+        large2 = token_file(work / "tokens_400b.npy", int(400e6 * scale))
+        show("fit_one_file_100M", fit(str(small), log, work))
+        show("fit_one_file_400M", fit(str(large), log, work))
+        show("fit_list_of_two_400M", fit([str(large), str(large2)], log, work))
+        show("fit_mixture_of_two_400M", fit([{"path": str(large), "weight": 3}, {"path": str(large2), "weight": 1}],
+                                            log, work))
+    if "loader" in args.parts:  # 4. loader vs model
+        batches = 50 if args.quick else 400
+        show("loader_sequences_per_s", {w: round(rate(LOADER, large, w, batches)) for w in (0, 2)})
+        show("tiny_model_train_sequences_per_s", round(rate(TRAIN, REPO / "configs" / "tiny.yaml", 5), 1))
     show("load_average_at_end", os.getloadavg())
     return report
 
