@@ -19,6 +19,7 @@ that runs only that command (the largest of its processes, workers included).
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -75,6 +76,7 @@ def bpe(path: Path, sample: Path) -> Path:
 
 
 def tokenize(corpus: Path, out: Path, workers: int, log: Path, tokenizer: Path | None = None) -> dict:
+    shutil.rmtree(out, ignore_errors=True)  # this script's own output of an earlier run in the same --workdir
     command = [sys.executable, "-m", "moe_lightning", "tokenize", str(corpus), "--out", str(out),
                "--workers", str(workers)] + (["--tokenizer", str(tokenizer)] if tokenizer else [])
     seconds, rss = measure(command, log)
