@@ -344,3 +344,24 @@ def test_attention_it_cannot_bound_is_refused_before_the_model_is_built(tmp_path
     with pytest.raises(ValueError, match=message):
         trainer_for(tmp_path, [QKClip(), Watch()]).fit(model, torch.utils.data.DataLoader(batches(1), batch_size=BATCH))
     assert not started and model.model is None
+
+
+@pytest.mark.slow  # ~40 s of tracing on 2 cores
+def test_compiled_blocks_record_what_eager_records():
+    """Per-block ``torch.compile`` with ``fullgraph=True`` (``aot_eager``: Dynamo and AOTAutograd, no Inductor
+    code generation) captures the recording as part of the graph, and two forwards fold into a running maximum."""
+    from moe_lightning.model import MoETransformer
+    from moe_lightning.module import compile_blocks
+    torch.manual_seed(0)
+    config = MoEConfig(**MLA, **DOCS, init_std=0.3)
+    eager, compiled = MoETransformer(config), MoETransformer(config)
+    compiled.load_state_dict(eager.state_dict())
+    compile_blocks(compiled.layers, backend="aot_eager")
+    tokens = [torch.randint(0, 64, (2, 16)) for _ in range(2)]
+    for model in (eager, compiled):
+        for attention in attention_modules(model):
+            attention.record_max_logits = True
+        for tokens_BS in tokens:
+            model(tokens_BS).sum().backward()
+    for ours, reference in zip(attention_modules(compiled), attention_modules(eager)):
+        torch.testing.assert_close(ours.max_logits, reference.max_logits, rtol=1e-6, atol=1e-6)
