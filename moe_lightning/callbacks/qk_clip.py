@@ -64,9 +64,13 @@ def scale_rows_(param: torch.Tensor, factor_R: torch.Tensor) -> None:
 @torch.no_grad()
 def clip_qk_(attentions: list[MaxLogitRecorder], max_logits_LH: torch.Tensor, threshold: float,
              alpha: float) -> torch.Tensor:
-    """Rescale each module's query/key rows for its row of ``max_logits_LH``; returns ``gamma_LH``."""
+    """Rescale each module's query/key rows for its row of ``max_logits_LH``; returns ``gamma_LH``.
+
+    The factors move to the parameters' device once (under ``cpu_offload`` one copy to the host, not one per
+    parameter)."""
     gamma_LH = clip_factors(max_logits_LH, threshold)
-    for attention, gamma_H in zip(attentions, gamma_LH):
+    param_device = next(attentions[0].parameters()).device
+    for attention, gamma_H in zip(attentions, gamma_LH.to(param_device)):
         for param, factor_R in attention.qk_clip_scales(gamma_H, alpha):
             scale_rows_(param, factor_R)
     return gamma_LH
