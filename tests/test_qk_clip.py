@@ -365,3 +365,19 @@ def test_compiled_blocks_record_what_eager_records():
             model(tokens_BS).sum().backward()
     for ours, reference in zip(attention_modules(compiled), attention_modules(eager)):
         torch.testing.assert_close(ours.max_logits, reference.max_logits, rtol=1e-6, atol=1e-6)
+
+
+def test_a_model_without_recording_attention_is_refused(tmp_path):
+    class NoAttention(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(4, 4)
+
+        def training_step(self, batch, batch_idx):
+            return self.linear(batch).sum()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    with pytest.raises(ValueError, match="QKClip: the model has no attention module"):
+        trainer_for(tmp_path, [QKClip()]).fit(NoAttention(), torch.utils.data.DataLoader(torch.randn(4, 4)))
