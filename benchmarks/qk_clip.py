@@ -5,8 +5,8 @@
 
 Each step's largest pre-softmax logit (over layers and heads, measured in that step's forward, i.e. before the
 step's clip) and the training loss are printed for both runs. Without the callback the logits climb; with it they
-stay at the threshold (a step can lift them by its own growth before the next clip brings them back). The plot
-goes to benchmarks/qk_clip.png when matplotlib is installed.
+stay near the threshold: each forward sees the weights clipped on the previous batch plus one Muon update, on a
+new batch, so it may read a little above. The plot goes to benchmarks/qk_clip.png when matplotlib is installed.
 """
 
 import argparse
