@@ -381,3 +381,29 @@ def test_a_model_without_recording_attention_is_refused(tmp_path):
 
     with pytest.raises(ValueError, match="QKClip: the model has no attention module"):
         trainer_for(tmp_path, [QKClip()]).fit(NoAttention(), torch.utils.data.DataLoader(torch.randn(4, 4)))
+
+
+def test_a_clipping_step_reads_nothing_back_to_the_host():
+    """Recording, the all-reduce-free single-rank combine, the rescaling and the logging stay on the device: with
+    QKClip on (heads clipped every step) a step reads back only what it reads without it."""
+    from collections import Counter
+
+    from moe_lightning.strategy import MoEFSDPStrategy
+    from tests.test_host_syncs import HostReads
+    probe, qk_clip = HostReads(), QKClip(threshold=0.5)
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=MoEFSDPStrategy(), max_steps=4, log_every_n_steps=2,
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, limit_val_batches=0, callbacks=[qk_clip, probe])
+    try:
+        trainer.fit(MoELanguageModel(MoEConfig(**MLA, **DOCS, init_std=0.3)),
+                    torch.utils.data.DataLoader(batches(2)[:8], batch_size=2))
+    finally:
+        probe.restore()
+    assert (qk_clip.last_gamma < 1).any()
+    assert len(probe.steps) == 4
+    for step, reads in enumerate(probe.steps):
+        reads = Counter({site: n for site, n in reads.items() if not site.startswith("item optimizer.py:_get_value")})
+        if (step + 1) % 2 == 0:  # logs written: the guard's one read and the logged values
+            reads.pop("tolist nonfinite.py:_max_over_ranks", None)
+            reads.pop("item apply_func.py:to_item", None)
+        assert not reads, f"step {step} reads back {dict(reads)}"
