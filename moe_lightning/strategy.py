@@ -210,6 +210,14 @@ class MoEFSDPStrategy(ModelParallelStrategy):
         if not tied:
             fully_shard([model.norm, model.output], mesh=dense_mesh, reshard_after_forward=False, **common)
             stages.append([model.norm])  # one FSDP unit for both; the norm runs first
+        # multi-token prediction runs after the final norm: its block is a unit like the others, its norms and
+        # eh_proj another (entered first)
+        for module in model.mtp:
+            shard = dict(mesh=dense_mesh, reshard_after_forward=self.reshard_after_forward, **common)
+            experts = [fully_shard(module.block.ffn.experts, **{**shard, "mesh": self._expert_fsdp_mesh})] \
+                if self.layout.ep > 1 and module.block.is_moe else []
+            block = fully_shard(module.block, **shard)
+            stages.append([fully_shard(module, **shard), block, *experts])
         self._fsdp_root = fully_shard(model, mesh=dense_mesh, reshard_after_forward=False, **common)
         self._set_prefetch(stages)
         if on_meta:  # (otherwise fully_shard has moved the buffers to the mesh's device)
