@@ -5,7 +5,6 @@ import importlib
 import inspect
 import json
 import re
-import shutil
 import sys
 from pathlib import Path
 
@@ -18,9 +17,9 @@ from .data import TextDataModule
 from .generate import Sampling, encode_prompt
 from .loading import checkpoint_tokenizer
 from .module import MoELanguageModel
-from .parallel.checkpoint import PARTIAL_SUFFIX
 from .resume import check_resume, checkpoint_hyperparameters
 from .tokenizer import load_tokenizer
+from . import runs
 
 # Every command with one line, for `moe-lightning --help` (LightningCLI's own listing shows only its four).
 COMMANDS = {
@@ -117,22 +116,6 @@ class MoEArgumentParser(LightningArgumentParser):
     def error(self, message: str, ex: Exception | None = None):
         short = summarize_parse_error(message)
         super().error(f"{message}\n{short}" if short else message, ex)
-
-
-def remove_empty_run_folder(log_dir: Path) -> bool:
-    """Delete a failed run's logger folder if it holds nothing but the config it was started with."""
-    if not log_dir.is_dir():
-        return False
-    for path in log_dir.rglob("*"):
-        if path.is_dir():
-            continue
-        if path.name in ("config.yaml", "hparams.yaml"):
-            continue
-        if path.name == "metrics.csv" and len(path.read_text().splitlines()) <= 1:
-            continue
-        return False
-    shutil.rmtree(log_dir)
-    return True
 
 
 def _import_class(class_path: str):
@@ -320,33 +303,33 @@ class MoECLI(LightningCLI):
 
     def before_fit(self) -> None:
         self._check_model_fits_data()
+        runs.add_preemption(self.trainer)  # SIGTERM/SLURM requeue: save, exit non-zero (runs.py)
+        config = self.config_init[self.subcommand]
+        if config.get("ckpt_path") == "last":  # any earlier run of this command, not only this version
+            config["ckpt_path"] = runs.resolve_last(self.trainer)
         self._remove_stale_partial_checkpoints()
 
     before_validate = before_test = _check_model_fits_data
 
     def _remove_stale_partial_checkpoints(self) -> None:
         """A run killed while saving leaves ``<name>.partial``: never loadable, so the next run of the folder
-        (resuming from it, or saving into it again) removes it."""
+        (resuming from it, or saving into it again) removes it, if our checkpointer's marker says it wrote it."""
         if rank_zero_only.rank != 0:
             return
         ckpt_path = self.config_init[self.subcommand].get("ckpt_path")
-        folders = {Path(ckpt_path).parent} if ckpt_path and Path(ckpt_path).exists() else set()  # not "last"
+        folders = {Path(ckpt_path).parent} if ckpt_path and Path(ckpt_path).exists() else set()
         folders |= {Path(cb.dirpath) for cb in self.trainer.checkpoint_callbacks if getattr(cb, "dirpath", None)}
-        for folder in folders:
-            for partial in folder.glob(f"*{PARTIAL_SUFFIX}"):
-                shutil.rmtree(partial) if partial.is_dir() else partial.unlink()
-                rank_zero_info(f"removed {partial}: an unfinished checkpoint of a run stopped while saving")
+        runs.remove_unfinished_saves(folders, keep=Path(ckpt_path) if ckpt_path else None)
 
     def _run_subcommand(self, subcommand: str) -> None:
-        logger = self.trainer.logger
-        log_dir = getattr(logger, "log_dir", None) if logger is not None and not self.trainer.fast_dev_run else None
-        fresh = log_dir is not None and not Path(log_dir).exists()
+        # This run's version_N, created exclusively (runs.py): only a folder created here may be removed.
+        log_dir = None if self.trainer.fast_dev_run else runs.allocate_run_folder(self.trainer.logger)
         try:
             super()._run_subcommand(subcommand)
         except BaseException:
             saved = any(getattr(cb, "best_model_path", "") or getattr(cb, "last_model_path", "")
                         for cb in self.trainer.checkpoint_callbacks)  # its config.yaml is what resumes them
-            if fresh and not saved and rank_zero_only.rank == 0 and remove_empty_run_folder(Path(log_dir)):
+            if log_dir is not None and not saved and runs.remove_empty_run_folder(log_dir):
                 rank_zero_info(f"removed {log_dir}: the run failed before writing anything but its config")
             raise
 

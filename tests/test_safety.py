@@ -21,6 +21,7 @@ from moe_lightning import MoEConfig, MoELanguageModel, TextDataModule
 from moe_lightning.callbacks import NonFiniteGuard, NonFiniteLossError
 from moe_lightning.cli import default_precision, run
 from moe_lightning.model.config import ConfigError
+from moe_lightning.parallel.checkpoint import MARKER_FILE
 from moe_lightning.resume import ResumeMismatchError
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
@@ -312,10 +313,12 @@ def test_partial_checkpoints_of_a_crashed_run_are_removed_by_the_next_run(tmp_pa
     folder = tmp_path / "ckpt"
     (folder / "step=50.ckpt.partial").mkdir(parents=True)
     (folder / "step=50.ckpt.partial" / "__0_0.distcp").write_bytes(b"half")
+    (folder / "step=50.ckpt.partial" / MARKER_FILE).write_bytes(b"")  # what our checkpointer writes first
     (folder / "step=25.ckpt").write_bytes(b"kept")
+    (folder / "notes.partial").write_text("the user's")  # not ours: stays (tests/test_runs.py has more)
     run(quick(tmp_path, "--trainer.callbacks+=ModelCheckpoint", f"--trainer.callbacks.dirpath={folder}",
               "--trainer.fast_dev_run=true"))
-    assert sorted(p.name for p in folder.iterdir()) == ["step=25.ckpt"]
+    assert sorted(p.name for p in folder.iterdir()) == ["notes.partial", "step=25.ckpt"]
     assert any("step=50.ckpt.partial: an unfinished checkpoint" in m for m in lightning_log)
 
 

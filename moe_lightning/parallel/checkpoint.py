@@ -42,6 +42,11 @@ from ..model import GroupedExperts
 METADATA_FILE = "meta.pt"  # Lightning's name for the non-tensor part of a sharded checkpoint
 PARTIAL_SUFFIX = ".partial"
 OLD_SUFFIX = ".old"
+MARKER_FILE = ".written-by-moe-lightning"  # in every checkpoint directory we create: clean-up removes only these
+
+
+def written_by_us(directory: Path) -> bool:
+    return (directory / MARKER_FILE).is_file()
 
 
 class CheckpointError(RuntimeError):
@@ -373,9 +378,14 @@ class ShardedCheckpointer:
         except CheckpointError as error:
             raise CheckpointError(f"Checkpoint metadata for {path} must be plain data (a callback or the "
                                   f"LightningModule stored an object in it): {error}") from None
+        if partial.exists() and not written_by_us(partial):  # every rank checks, before rank 0 touches it
+            raise CheckpointError(f"Cannot save {path}: {partial} exists and was not written by moe_lightning; "
+                                  "move it away (the save would need that name).")
+        self._barrier()
         if self._is_rank_zero():
-            remove(partial)  # left behind by a run killed while writing
+            remove(partial)  # left behind by a run killed while writing (it carries our marker)
             partial.mkdir(parents=True)
+            (partial / MARKER_FILE).write_bytes(b"")
             (partial / METADATA_FILE).write_bytes(buffer.getvalue())
         self._barrier()  # nobody writes into the directory while rank 0 clears it
         writer = self.storage_writer(partial)

@@ -1,0 +1,367 @@
+"""A run on a shared cluster: preemption, resuming by itself, run folders, and clean-up of only our own leftovers.
+
+- **Preemption.** SIGTERM (and SLURM's requeue signal, SIGUSR1 by default, when ``SLURMEnvironment`` requeues)
+  makes every rank finish the current optimizer step, write one checkpoint through ``trainer.save_checkpoint``
+  (the path periodic saves take, so sharded or single-file and atomic alike) and exit with ``128 + signal``,
+  printing ``preempted at step N, checkpoint at PATH``. It replaces Lightning's signal handling, which exits 0
+  after SIGTERM and, with several processes, broadcasts from inside the signal handler (a hang).
+- **Resume by itself.** ``--ckpt_path last`` resumes from the newest complete checkpoint of *any* earlier run of
+  the same logger name (``<save_dir>/<name>/version_*/checkpoints``, or the checkpoint callbacks' own
+  ``dirpath``), so a requeued job running the identical command continues; with none it starts fresh and says so.
+- **Run folders** (``version_N``) are created with an exclusive ``mkdir``: two jobs starting at once in one
+  folder get different versions.
+- **Clean-up** of unfinished saves removes only ``*.partial`` directories that carry the marker file the sharded
+  checkpointer writes into every directory it creates, never the path the user passed, never anything else.
+"""
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins.environments import LightningEnvironment, SLURMEnvironment
+from lightning.pytorch.callbacks import Callback, Checkpoint, ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnector
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
+
+from .parallel import checkpoint as ckpt
+
+# ---- run folders --------------------------------------------------------------------------------------------
+
+
+def allocate_run_folder(logger) -> Path | None:
+    """Create this run's ``version_N`` folder exclusively (rank 0) and pin the logger to it; return the folder
+    if this call created it, ``None`` if it existed (a fixed ``version`` reused) or the logger has no versions.
+
+    Lightning's loggers pick ``max(existing) + 1`` without creating it, so two jobs starting together both
+    chose ``version_0`` (and the loser's clean-up removed the winner's folder). ``mkdir`` fails for the second.
+    """
+    if not isinstance(logger, (CSVLogger, TensorBoardLogger)) or rank_zero_only.rank != 0:
+        return None
+    root = Path(logger.root_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    if logger._version is not None:  # the user fixed it: ours only if it did not exist yet
+        folder = Path(logger.log_dir)
+        try:
+            folder.mkdir(parents=True)
+        except FileExistsError:
+            return None
+        return folder
+    version = logger._get_next_version()
+    while True:
+        try:
+            (root / f"version_{version}").mkdir()
+        except FileExistsError:  # another job took it between the listing and now
+            version += 1
+            continue
+        logger._version = version
+        return root / f"version_{version}"
+
+
+def remove_empty_run_folder(log_dir: Path) -> bool:
+    """Delete a failed run's logger folder if it holds nothing but the config it was started with (call it only
+    for a folder this run created: ``allocate_run_folder``'s)."""
+    if not log_dir.is_dir():
+        return False
+    entries = list(log_dir.rglob("*"))
+    for path in entries:
+        if path.is_dir():
+            continue
+        if path.name in ("config.yaml", "hparams.yaml"):
+            continue
+        if path.name == "metrics.csv" and len(path.read_text().splitlines()) <= 1:
+            continue
+        return False
+    try:  # only what was checked: a file that appeared since stops the removal (rmdir of a non-empty folder)
+        for path in sorted(entries, reverse=True):
+            path.rmdir() if path.is_dir() else path.unlink()
+        log_dir.rmdir()
+    except OSError:
+        return False
+    return True
+
+
+# ---- resuming by itself -------------------------------------------------------------------------------------
+
+
+def checkpoint_folders(trainer) -> list[Path]:
+    """Where this run's checkpoints go and earlier runs of the same command left theirs: each checkpoint
+    callback's ``dirpath`` if given, else every version of the logger (``<save_dir>/<name>/*/checkpoints``)."""
+    folders, by_logger = [], False
+    for callback in trainer.checkpoint_callbacks:
+        if isinstance(callback, ModelCheckpoint) and callback.dirpath is not None:
+            folders.append(Path(callback.dirpath))
+        else:
+            by_logger = True
+    if by_logger or not folders:  # a preemption save without a ModelCheckpoint goes to the logger's folder too
+        if trainer.loggers:
+            logger = trainer.loggers[0]
+            root = Path(logger.save_dir or trainer.default_root_dir) / str(logger.name or "")
+            folders += sorted(p for p in root.glob("*/checkpoints") if p.is_dir())
+        else:
+            folders.append(Path(trainer.default_root_dir) / "checkpoints")
+    return list(dict.fromkeys(folders))
+
+
+def _checkpoint_step(path: Path) -> int | None:
+    """The ``global_step`` a complete checkpoint (file, or sharded directory with ``meta.pt``) was saved at."""
+    file = path / ckpt.METADATA_FILE if path.is_dir() else path
+    if not file.is_file():
+        return None  # a directory that is not a checkpoint
+    try:
+        return int(ckpt.load_metadata(file, mmap=True)["global_step"])
+    except Exception as error:  # unreadable, unsafe or not ours: never a resume candidate
+        rank_zero_warn(f"resume: skipping {path}: its step cannot be read ({str(error).splitlines()[0][:200]}).")
+        return None
+
+
+def newest_checkpoint(folders: list[Path]) -> tuple[Path, int] | None:
+    """The complete checkpoint with the highest step in ``folders`` (ties: the most recently written).
+
+    Complete: a ``*.ckpt`` file or directory (saves write ``*.partial`` and rename), or ``*.ckpt.old`` when
+    a crash fell between the two renames of a sharded commit and ``*.ckpt`` is missing.
+    """
+    found = []
+    for folder in folders:
+        for path in folder.glob("*.ckpt*") if folder.is_dir() else ():
+            old_only = path.name.endswith(".ckpt" + ckpt.OLD_SUFFIX) \
+                and not path.with_name(path.name[:-len(ckpt.OLD_SUFFIX)]).exists()
+            if not (path.name.endswith(".ckpt") or old_only):
+                continue
+            step = _checkpoint_step(path)
+            if step is not None:
+                found.append((step, path.stat().st_mtime, path))
+    if not found:
+        return None
+    step, _, path = max(found)
+    return path, step
+
+
+def resolve_last(trainer) -> str | None:
+    """``--ckpt_path last``: the newest complete checkpoint of this command's runs, or ``None`` (a fresh start)."""
+    folders = checkpoint_folders(trainer)
+    newest = newest_checkpoint(folders)
+    where = ", ".join(map(str, folders)) or "(no checkpoint folder)"
+    if newest is None:
+        rank_zero_info(f"resume: ckpt_path=last found no complete checkpoint in {where}: starting from scratch")
+        return None
+    path, step = newest
+    rank_zero_info(f"resume: ckpt_path=last -> {path} (step {step}), the newest complete checkpoint in {where}")
+    return str(path)
+
+
+# ---- clean-up of unfinished saves ---------------------------------------------------------------------------
+
+
+def remove_unfinished_saves(folders: set[Path], keep: Path | None = None) -> list[Path]:
+    """Delete ``*.partial`` directories that carry the marker our checkpointer writes (saves of a run killed while
+    writing; never loadable). Files, unmarked directories and ``keep`` (the path the user passed) stay."""
+    removed = []
+    for folder in folders:
+        for partial in sorted(folder.glob(f"*{ckpt.PARTIAL_SUFFIX}")) if folder.is_dir() else ():
+            if partial.is_symlink() or not partial.is_dir() or not ckpt.written_by_us(partial):
+                continue
+            if keep is not None and partial.resolve() == keep.resolve():
+                continue
+            ckpt.remove(partial)
+            removed.append(partial)
+            rank_zero_info(f"removed {partial}: an unfinished checkpoint of a run stopped while saving")
+    return removed
+
+
+# ---- preemption ---------------------------------------------------------------------------------------------
+
+
+class Preempted(SystemExit):
+    """Raised on every rank once the preemption checkpoint is written; the process exits with ``code``."""
+
+    def __init__(self, code: int, message: str):
+        super().__init__(code)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def _say(text: str) -> None:
+    os.write(2, (text.rstrip("\n") + "\n").encode())  # safe inside a signal handler, unlike print
+
+
+def _requeue_slurm_job() -> str:
+    array = os.environ.get("SLURM_ARRAY_JOB_ID")
+    job = f"{array}_{os.environ['SLURM_ARRAY_TASK_ID']}" if array else os.environ.get("SLURM_JOB_ID", "")
+    try:
+        result = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as error:
+        return f"; `scontrol requeue {job}` failed ({error}): resubmit the job"
+    if result.returncode != 0:
+        return f"; `scontrol requeue {job}` failed ({(result.stderr or result.stdout).strip()}): resubmit the job"
+    return f"; SLURM job {job} requeued"
+
+
+class _PreemptionSignals(_SignalConnector):
+    """Stands in for the trainer's signal connector (Lightning has no public hook to replace it): installs
+    ``Preemption.handle`` where Lightning would install its own, and restores the previous handlers at teardown.
+    ``received_sigterm`` stays False, so Lightning's loops never raise their exit-0 ``SIGTERMException``."""
+
+    def __init__(self, trainer, preemption: "Preemption"):
+        super().__init__(trainer)
+        self.preemption = preemption
+
+    def register_signal_handlers(self) -> None:
+        self.received_sigterm = False
+        self._original_handlers = {s: signal.getsignal(s) for s in self.preemption.signals}
+        for signum in self.preemption.signals:
+            self._register_signal(signum, self.preemption.handle)
+
+
+class Preemption(Callback):
+    """Save and exit non-zero on SIGTERM (and SLURM's requeue signal), every rank at the same step.
+
+    A signal may reach one rank only (``kill`` of the main process), or ranks in different steps. The ranks
+    agree through a flag all-reduced over a gloo group of CPU tensors: started asynchronously when an
+    optimizer step begins and read when it ends, so there is no device sync, and the host waits only if a
+    tiny all-reduce took longer than a whole step. Ranks stop after the first step at whose start any rank
+    had seen a signal (one step later than the signalled rank's own step when it came mid-step). One process
+    reads its own flag. A repeat of the signal more than ``repeat_grace_s`` after the first exits at once,
+    keeping the previous checkpoint (``timeout`` and process-group delivery send one signal twice at once);
+    during the save the repeat is left to the kernel (default action), so it works even inside a collective.
+
+    Args:
+        repeat_grace_s: A repeat within this many seconds of the first signal is the same request.
+    """
+
+    def __init__(self, repeat_grace_s: float = 1.0):
+        if not repeat_grace_s >= 0:
+            raise ValueError(f"Preemption.repeat_grace_s={repeat_grace_s!r} must be >= 0 (seconds).")
+        self.repeat_grace_s = repeat_grace_s
+        self.signals: list[int] = [signal.SIGTERM]
+        self.requeue_signal: int | None = None
+        self.signum: int | None = None  # the first signal this process received
+        self._first_at = 0.0
+        self._group = None
+        self._pending = None  # (work, flags) of the all-reduce of the step in progress
+        self._step: int | None = None
+
+    # ---- signals ------------------------------------------------------------------------------------------
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        if stage != "fit":
+            return
+        environment = getattr(trainer.strategy, "cluster_environment", None) \
+            or trainer._accelerator_connector.cluster_environment
+        if isinstance(environment, SLURMEnvironment) and environment.auto_requeue:
+            self.requeue_signal = int(environment.requeue_signal or signal.SIGUSR1)
+            self.signals = [signal.SIGTERM, self.requeue_signal]
+        trainer._signal_connector = _PreemptionSignals(trainer, self)
+        # Lightning also broadcasts its own SIGTERM flag from rank 0 before every batch (a collective and a
+        # device-to-host read per step); with its handler replaced that flag is always 0: skip it.
+        if hasattr(trainer.fit_loop.epoch_loop, "_broadcast_sigterm_tensor"):
+            trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = lambda: None
+
+    def handle(self, signum: int, frame) -> None:
+        now = time.monotonic()
+        name = signal.Signals(signum).name
+        if self.signum is None:
+            self.signum, self._first_at = signum, now
+            _say(f"[rank {rank_zero_only.rank}] {name} received: finishing the current step, then saving a "
+                 f"checkpoint (send it again to stop at once)")
+        elif now - self._first_at >= self.repeat_grace_s:
+            _say(f"[rank {rank_zero_only.rank}] {name} again: exiting at once without saving; earlier checkpoints "
+                 "are intact")
+            os._exit(128 + signum)
+
+    # ---- agreement ----------------------------------------------------------------------------------------
+    def on_train_start(self, trainer, pl_module) -> None:
+        self._step = trainer.global_step
+        if trainer.world_size > 1 and dist.is_initialized() and self._group is None:
+            self._group = dist.new_group(backend="gloo")  # CPU flags: never a device sync
+
+    def _flags(self) -> torch.Tensor:
+        requeue = self.signum is not None and self.signum == self.requeue_signal
+        return torch.tensor([int(self.signum is not None and not requeue), int(requeue)], dtype=torch.int32)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if self._group is not None and self._pending is None:  # the first micro-batch of a step
+            flags = self._flags()
+            self._pending = (dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._group, async_op=True), flags)
+
+    def _agreed(self) -> torch.Tensor:
+        if self._pending is None:
+            return self._flags()
+        work, flags = self._pending
+        self._pending = None
+        work.wait()
+        return flags
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step == self._step:
+            return  # a micro-batch that did not step the optimizer
+        self._step = trainer.global_step
+        terminate, requeue = self._agreed().tolist()
+        if (terminate or requeue) and not 0 <= trainer.max_steps <= trainer.global_step:
+            self._preempt(trainer, signal.SIGTERM if terminate else self.requeue_signal, bool(requeue))
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        if self._pending is not None:  # the flag of a last step that ended the run
+            self._pending[0].wait()
+            self._pending = None
+
+    # ---- the save ---------------------------------------------------------------------------------------
+    @staticmethod
+    def checkpoint_path(trainer) -> Path:
+        """``last.ckpt`` (the first ``ModelCheckpoint``'s ``CHECKPOINT_NAME_LAST``) in its folder, where
+        ``--ckpt_path last`` looks; without a ``ModelCheckpoint``, ``<log_dir>/checkpoints/last.ckpt``."""
+        for callback in trainer.checkpoint_callbacks:
+            if isinstance(callback, ModelCheckpoint) and callback.dirpath is not None:
+                metrics = {"epoch": torch.tensor(trainer.current_epoch), "step": torch.tensor(trainer.global_step)}
+                return Path(callback.format_checkpoint_name(metrics, filename=callback.CHECKPOINT_NAME_LAST))
+        return Path(trainer.log_dir or trainer.default_root_dir) / "checkpoints" / "last.ckpt"
+
+    def _arm_immediate_exit(self) -> None:
+        """From now on a repeat of the signal this rank received kills it at once, even inside a collective."""
+        if self.signum is None:
+            return  # this rank's first signal may still come: it must not kill the save
+        time.sleep(max(0.0, self._first_at + self.repeat_grace_s - time.monotonic()))
+        for signum in self.signals:
+            signal.signal(signum, signal.SIG_DFL)
+
+    def _preempt(self, trainer, signum: int, requeue: bool) -> None:
+        step, path = trainer.global_step, self.checkpoint_path(trainer)
+        name = signal.Signals(signum).name
+        if trainer.is_global_zero:
+            _say(f"preempted ({name}): saving step {step} to {path}; a second {name} now stops at once and "
+                 "keeps the previous checkpoint")
+        self._arm_immediate_exit()
+        trainer.save_checkpoint(path, weights_only=False)  # what periodic saves write: a full resume state
+        checkpointer = getattr(trainer.strategy, "checkpointer", None)
+        if checkpointer is not None:
+            checkpointer.wait()  # a background (async) save is committed before we say where it is
+        trainer.strategy.barrier("preempted")
+        # The step's logged metrics, which Lightning writes after this hook: the step is done, its row belongs in
+        # this run's log (the resumed run starts after it).
+        trainer._logger_connector.on_batch_end()
+        trainer._logger_connector.update_train_step_metrics()
+        message = f"preempted at step {step}, checkpoint at {path}"
+        if requeue and trainer.is_global_zero:
+            message += _requeue_slurm_job()
+        if trainer.is_global_zero:
+            _say(message)
+        # Ranks that Lightning started as children of the main process exit 0: its observer thread kills the main
+        # process (SIGKILL) as soon as a child exits non-zero, and the main process's status is the job's.
+        spawned_child = isinstance(trainer._accelerator_connector.cluster_environment, LightningEnvironment) \
+            and trainer.local_rank > 0
+        raise Preempted(0 if spawned_child else 128 + signum, message)
+
+
+def add_preemption(trainer) -> None:
+    """Give a trainer the ``Preemption`` callback (unless it has one), before its checkpoint callbacks so that a
+    preempted step is not saved twice."""
+    callbacks = trainer.callbacks
+    if any(isinstance(c, Preemption) for c in callbacks):
+        return
+    first = next((i for i, c in enumerate(callbacks) if isinstance(c, Checkpoint)), len(callbacks))
+    callbacks.insert(first, Preemption())
