@@ -58,6 +58,13 @@ def default_optimizer(groups) -> torch.optim.Optimizer:
     return torch.optim.AdamW(groups, lr=3e-4, betas=(0.9, 0.95))
 
 
+def default_lr_scheduler(optimizer: torch.optim.Optimizer) -> WarmupCosineLR:
+    """A named function, not a ``functools.partial``: jsonargparse writes it by import path in ``--print_config``
+    and the saved ``config.yaml``; a partial it cannot serialise (4.53 writes an error string, 4.32-4.47 refuse
+    every config)."""
+    return WarmupCosineLR(optimizer, warmup_steps=100)
+
+
 def _keep_requested_hyperparameters(optimizer: torch.optim.Optimizer, requested: list[dict]) -> None:
     """Optimizer ``load_state_dict`` post-hook: a resumed run trains with the hyperparameters it was given
     (learning rate, weight decay, betas...), not the checkpoint's; the LR keeps its place in the schedule."""
@@ -92,7 +99,7 @@ class MoELanguageModel(L.LightningModule):
     """
 
     def __init__(self, config: MoEConfig | None = None, optimizer: OptimizerCallable = default_optimizer,
-                 lr_scheduler: LRSchedulerCallable = partial(WarmupCosineLR, warmup_steps=100),
+                 lr_scheduler: LRSchedulerCallable = default_lr_scheduler,
                  weight_decay: float = 0.1, pretrained: str | None = None, loss_chunk_size: int | None = None,
                  compile: bool = False):
         super().__init__()
