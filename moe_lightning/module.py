@@ -12,9 +12,9 @@ from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from . import hf
+from .callbacks._logging import logs_written
 from .callbacks.nonfinite import NonFiniteGuard
 from .generate import stream
-from .loss import chunked_cross_entropy
 from .model import LocalTokenDispatcher, MoEConfig, MoETransformer
 from .optim import WarmupCosineLR, param_groups
 from .resume import check_resume
@@ -155,8 +155,7 @@ class MoELanguageModel(L.LightningModule):
             logits_BSV = self.model(inputs_BS)
             return F.cross_entropy(logits_BSV.flatten(0, 1).float(), targets_BS.flatten())
         h_BSD = self.model(inputs_BS, return_hidden=True)  # called as the module: FSDP's root hooks run
-        return chunked_cross_entropy(h_BSD.flatten(0, 1), self.model.output.weight, targets_BS.flatten(),
-                                     self.loss_chunk_size)
+        return self.model.output.cross_entropy(h_BSD.flatten(0, 1), targets_BS.flatten(), self.loss_chunk_size)
 
     def expert_counts(self) -> torch.Tensor | None:
         """``[moe_layers, experts]`` token counts of the last forward."""
@@ -184,7 +183,8 @@ class MoELanguageModel(L.LightningModule):
                 self.log("train/aux_loss", torch.stack(aux).sum())
         self.tokens_seen += batch_BS1[:, :-1].numel() * self.trainer.world_size
         self._log_train_loss(loss.detach().float(), batch_idx)
-        self.log("train/tokens_seen", float(self.tokens_seen))
+        if logs_written(self.trainer):  # a Python number logged costs a host-to-device copy and a sync
+            self.log("train/tokens_seen", float(self.tokens_seen))
         return loss
 
     def _log_train_loss(self, loss: torch.Tensor, batch_idx: int) -> None:
@@ -196,8 +196,7 @@ class MoELanguageModel(L.LightningModule):
         if self.trainer.fit_loop.epoch_loop._should_accumulate():  # not the step's last micro-batch
             return
         mean = self._train_loss_sum / (micro + 1)
-        written = self.trainer._logger_connector.should_update_logs or self.trainer.fast_dev_run  # as Lightning decides
-        if written and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        if logs_written(self.trainer) and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(mean)
             mean = mean / dist.get_world_size()
         self.log("train/loss", mean)  # not in the progress bar: Lightning would read it back to the host every step

@@ -35,7 +35,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      get_optimizer_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict)
 from torch.distributed.fsdp import (CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy,
-                                    fully_shard)
+                                    fully_shard, register_fsdp_forward_method)
 from torch.distributed.tensor import DTensor
 
 from .model import GroupedExperts, MoETransformer
@@ -177,7 +177,12 @@ class MoEFSDPStrategy(ModelParallelStrategy):
         return _DTYPES[name]
 
     def _parallelize(self) -> None:
-        """Expert parallelism, then ``fully_shard`` per block, embedding, norm + head and root (idempotent)."""
+        """Expert parallelism, then ``fully_shard`` per block, embedding, head and root (idempotent).
+
+        The head is a unit of its own, never grouped with the final norm: the chunked loss runs the head through
+        ``OutputHead.cross_entropy``, registered as an FSDP forward method, so the unit's forward completes
+        in every step. (A ``[norm, output]`` group whose ``output`` never runs stays "mid-forward" after a
+        validation on torch 2.11, and a checkpoint's reshard then breaks the next training step.)"""
         models = [m for m in self.lightning_module.modules() if isinstance(m, MoETransformer)]
         if len(models) != 1:
             raise TypeError(f"{type(self).__name__} needs exactly one MoETransformer in the LightningModule "
@@ -207,9 +212,9 @@ class MoEFSDPStrategy(ModelParallelStrategy):
                                          reshard_after_forward=self.reshard_after_forward, **common))
             stages.append([fully_shard(block, mesh=dense_mesh, reshard_after_forward=self.reshard_after_forward,
                                        **common)] + stage)
-        if not tied:
-            fully_shard([model.norm, model.output], mesh=dense_mesh, reshard_after_forward=False, **common)
-            stages.append([model.norm])  # one FSDP unit for both; the norm runs first
+        if not tied:  # the head is its own unit, whichever entry point runs it (the final norm stays in the root)
+            stages.append([fully_shard(model.output, mesh=dense_mesh, reshard_after_forward=False, **common)])
+            register_fsdp_forward_method(model.output, "cross_entropy")
         self._fsdp_root = fully_shard(model, mesh=dense_mesh, reshard_after_forward=False, **common)
         self._set_prefetch(stages)
         if on_meta:  # (otherwise fully_shard has moved the buffers to the mesh's device)

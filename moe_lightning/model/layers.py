@@ -4,6 +4,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..loss import chunked_cross_entropy
 from .grouped_mm import grouped_linear, grouped_weight_grad
 
 
@@ -42,6 +43,20 @@ class RMSNorm(nn.Module):
 
     def init_weights(self) -> None:
         nn.init.ones_(self.weight)
+
+
+class OutputHead(nn.Linear):
+    """The output projection, with a second entry point besides ``forward``: the chunked loss.
+
+    ``cross_entropy`` reads the weight without building the ``[tokens, vocab]`` logits. It is a method of the
+    head module, not a free function handed ``head.weight``, so that a wrapper sees the head run: FSDP2
+    registers it as a forward method (``register_fsdp_forward_method``), gathers the weight around it, and
+    the head's unit completes its forward in every step, validation included (torch 2.11 otherwise keeps the
+    unit "mid-forward" after a validation, and a checkpoint's reshard then breaks the next step).
+    """
+
+    def cross_entropy(self, h_TD: torch.Tensor, targets_T: torch.Tensor, chunk_size: int) -> torch.Tensor:
+        return chunked_cross_entropy(h_TD, self.weight, targets_T, chunk_size)
 
 
 def autocast_dtype(x: torch.Tensor) -> torch.dtype:
