@@ -197,8 +197,11 @@ class MoEFSDPStrategy(ModelParallelStrategy):
             apply_expert_parallel(model.moe_layers(), self.expert_mesh["ep"].get_group())
         dense_mesh = self._device_mesh
         offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if self.cpu_offload else OffloadPolicy()
-        common = dict(mp_policy=MixedPrecisionPolicy(param_dtype=self._dtype(self.param_dtype, torch.bfloat16),
-                                                     reduce_dtype=self._dtype(self.reduce_dtype, torch.float32)),
+        dtypes = dict(param_dtype=self._dtype(self.param_dtype, torch.bfloat16),
+                      reduce_dtype=self._dtype(self.reduce_dtype, torch.float32))
+        # Below the root, inputs arrive in the compute dtype already, except the rotary tables the root hands every
+        # block: they stay fp32, as on one device (FSDP2 would cast every floating argument to param_dtype).
+        common = dict(mp_policy=MixedPrecisionPolicy(**dtypes, cast_forward_inputs=False),
                       offload_policy=offload, shard_placement_fn=self._expert_placement(model))
         stages: list[list[nn.Module]] = []
         tied = model.config.tie_embeddings  # a tied embedding/head stays in the root group
@@ -215,7 +218,8 @@ class MoEFSDPStrategy(ModelParallelStrategy):
         if not tied:  # the head is its own unit, whichever entry point runs it (the final norm stays in the root)
             stages.append([fully_shard(model.output, mesh=dense_mesh, reshard_after_forward=False, **common)])
             register_fsdp_forward_method(model.output, "cross_entropy")
-        self._fsdp_root = fully_shard(model, mesh=dense_mesh, reshard_after_forward=False, **common)
+        self._fsdp_root = fully_shard(model, mesh=dense_mesh, reshard_after_forward=False,
+                                      **{**common, "mp_policy": MixedPrecisionPolicy(**dtypes)})
         self._set_prefetch(stages)
         if on_meta:  # (otherwise fully_shard has moved the buffers to the mesh's device)
             self._materialize(model)
