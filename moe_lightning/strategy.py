@@ -283,15 +283,25 @@ class MoEFSDPStrategy(ModelParallelStrategy):
         return lambda param: placement if id(param) in expert_params else None
 
     def _set_prefetch(self, stages: list[list[nn.Module]]) -> None:
-        """Explicit prefetch: each FSDP unit all-gathers the next ``prefetch_depth`` units of its pass."""
+        """Explicit prefetch: each FSDP unit all-gathers the next ``prefetch_depth`` units of its pass.
+
+        In forward, a stage's nested units (a block's ``experts`` under expert parallelism) hand their lists to
+        the block: FSDP2 runs a unit's forward prefetch whenever the unit runs forward (torch 2.11
+        ``FSDPState._pre_forward``), also when a checkpointed block is recomputed in backward, where the block
+        itself (already in its backward) skips it but a nested unit would all-gather the next block again, whose
+        backward is done, and hold it to the end of backward."""
         if self.prefetch_depth == 0:
             return
         forward = [m for stage in stages for m in stage]
         backward = [m for stage in reversed(stages) for m in stage]
-        for order, setter in ((forward, "set_modules_to_forward_prefetch"), (backward, "set_modules_to_backward_prefetch")):
-            for i, module in enumerate(order):
-                if ahead := order[i + 1:i + 1 + self.prefetch_depth]:
-                    getattr(module, setter)(ahead)
+        position = {id(m): i for i, m in enumerate(forward)}
+        for stage in stages:
+            lists = [forward[position[id(m)] + 1:position[id(m)] + 1 + self.prefetch_depth] for m in stage]
+            if targets := list(dict.fromkeys(t for ahead in lists for t in ahead)):
+                stage[0].set_modules_to_forward_prefetch(targets)
+        for i, module in enumerate(backward):
+            if targets := backward[i + 1:i + 1 + self.prefetch_depth]:
+                module.set_modules_to_backward_prefetch(targets)
 
     # ---- training -------------------------------------------------------------------------------
     def clip_grad_by_norm(self, optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:

@@ -2,6 +2,7 @@
 newest tested torch: units that must complete their forward, what each all-gathers, in which dtype blocks run."""
 
 import copy
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -12,7 +13,7 @@ import torch
 from moe_lightning import MoEConfig, MoELanguageModel
 from moe_lightning.parallel import MeshLayout
 from moe_lightning.strategy import MoEFSDPStrategy
-from tests.distributed import REPO_ROOT, clean_env, free_port
+from tests.distributed import REPO_ROOT, clean_env, free_port, run_ranks
 
 CONFIGS = REPO_ROOT / "configs"
 
@@ -77,3 +78,20 @@ def test_blocks_get_fp32_rotary_tables_and_a_bf16_sharded_forward_equals_the_one
     assert seen == [torch.float32] * config.n_layers
     assert logits_BSV.dtype == torch.bfloat16 and expected_BSV.abs().max() > 1  # O(1) logits, not a flat output
     torch.testing.assert_close(logits_BSV, expected_BSV, rtol=0, atol=0)
+
+
+@pytest.mark.slow
+def test_expert_parallel_with_recomputed_blocks_gathers_each_unit_once_per_pass():
+    """Expert parallelism nests an ``experts`` unit in each MoE block; ActivationOffload recomputes every block in
+    backward. Forward gathers every unit once; backward gathers again exactly the units resharded after forward
+    (embedding and blocks; the head and the root keep theirs). A recomputed ``experts`` unit that prefetched the
+    next block (whose backward is done) would add a gather of that block, and of the head, per MoE block."""
+    out = run_ranks(REPO_ROOT / "tests" / "fsdp_gathers_run.py", 2, "1", timeout=900)[0]
+    record = json.loads(out.strip().splitlines()[-1])
+    units = record["units"]
+    assert set(units) == {"<root>", "tok_embeddings", "layers.0", "layers.1", "layers.2", "layers.3", "output"}
+    resharded = ["tok_embeddings", "layers.0", "layers.1", "layers.2", "layers.3"]
+    assert len(record["steps"]) == 2
+    for step in record["steps"]:
+        assert step["forward"] == sorted(units.values())
+        assert step["backward"] == sorted(units[name] for name in resharded)
