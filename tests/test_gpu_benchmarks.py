@@ -143,19 +143,22 @@ def test_gpu_smoke_dry_run_trains_the_1t_mini_path_on_cpu(gpu_smoke, capsys):
     assert [row["step"] for row in rows] == [0, 1]  # one line per step, printed as it ends
 
 
-def test_gpu_smoke_names_the_package_frame_that_synchronised(gpu_smoke):
-    """On CUDA, set_sync_debug_mode("warn") warns inside the op; the probe records the innermost frame of
-    moe_lightning on the Python stack at that moment (here: the model's forward calling into a hooked op)."""
-    from moe_lightning.model import MoEConfig, MoETransformer
-    probe = gpu_smoke.SmokeProbe(probe_step=0)
-    model = MoETransformer(MoEConfig(vocab_size=32, dim=16, n_layers=1, n_heads=2, n_kv_heads=1, max_seq_len=8,
-                                     ffn_hidden=16, n_dense_layers=1, num_experts=2, top_k=1, expert_hidden=16))
-    model.norm.register_forward_hook(lambda *_: probe._show("called a synchronizing CUDA operation", UserWarning,
-                                                             "x.py", 1))
-    model(torch.zeros(1, 4, dtype=torch.long))
-    assert len(probe.sync_sites) == 1 and probe.sync_sites[0].startswith("transformer.py:")
-    probe._show("an unrelated warning", UserWarning, "x.py", 1)
-    assert len(probe.sync_sites) == 1
+def test_gpu_smoke_counts_every_blocking_cuda_call_and_names_the_package_frame(gpu_smoke):
+    """The profiler's CUDA runtime events, as ``events()`` gives them (name, enclosing op, that op's Python
+    stack, innermost first): stream, event and device synchronisation and synchronous copies count, launches
+    and asynchronous copies do not; each is named by the innermost frame of this package on the nearest stack."""
+    import moe_lightning
+    ours = str(Path(moe_lightning.__file__).resolve().parent / "module.py")
+    lightning_frame = str(Path(gpu_smoke.L.__file__).resolve().parent / "loops" / "x.py") + "(3): run"
+
+    def event(name, parent=None, stack=()):
+        return Namespace(name=name, cpu_parent=parent, stack=list(stack))
+    item = event("aten::item", stack=[f"{ours}(158): _loss", lightning_frame])
+    wait = event("aten::record_stream", stack=[lightning_frame])
+    events = [event("cudaLaunchKernel", item), event("cudaMemcpyAsync", item), event("cudaStreamSynchronize", item),
+              event("cudaEventSynchronize", wait), event("cudaDeviceSynchronize"), event("cudaMemcpy", item)]
+    assert gpu_smoke.sync_sites(events) == ["module.py(158): _loss", "x.py(3): run", "unknown",
+                                            "module.py(158): _loss"]
 
 
 def test_gpu_attention_reports_every_shape_before_failing_on_a_relative_difference(monkeypatch, capsys):
