@@ -12,10 +12,13 @@ d model dim, L layers, V vocabulary, K top-k; bytes are per GPU unless stated.
 - Gradients: ``4·P / S`` (fp32 after the reduce-scatter).
 - Optimizer state: AdamW ``8·P / S`` (two fp32 moments). Muon ``(4·P_muon + 8·P_adamw) / S``: one fp32
   momentum for block matrices and expert stacks, AdamW's two for embedding, head, router and norms.
-  ``--cpu-offload`` moves these three to host memory (FSDP2 ``CPUOffloadPolicy``).
+  ``--cpu-offload`` moves these three to host memory (FSDP2 ``CPUOffloadPolicy``), parameters and gradients
+  pinned, one block per parameter shard: each priced rounded up to a power of two (see below).
 - Boundary activations: ``L · b · s · d · 2`` (bf16 input of every checkpointed block). Offloaded
   (``ActivationOffload``), they live in host memory and the GPU keeps ``(1 + offload prefetch)`` of them:
-  the block in backward and those being copied back.
+  the block in backward and those being copied back. Pinned host memory comes from torch's
+  ``CachingHostAllocator``, which rounds every block up to a power of two (torch 2.11
+  ``ATen/core/CachingHostAllocator.h``, ``PowerOf2Ceil``): a 896 MiB boundary activation takes 1 GiB.
 - Block recompute working set: what one block's recomputed forward saves for its backward
   (see ``block_working_set_bytes``); the largest block counts.
 - Loss working set: unchunked, ``12 · V`` bytes per token (fp32 logits, log-softmax output and logit
@@ -34,6 +37,7 @@ Throughput: ``tokens/s per GPU = MFU · peak FLOP/s / training FLOPs per token``
 
 import argparse
 import json
+import math
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
@@ -170,6 +174,18 @@ def count_parameters(config: MoEConfig) -> tuple[dict[str, int], list[tuple[int,
     return roles, units
 
 
+def pinned_bytes(nbytes: int) -> int:
+    """Host memory one pinned allocation of ``nbytes`` takes: the next power of two (``CachingHostAllocator``)."""
+    return 0 if nbytes <= 0 else 1 << (int(nbytes) - 1).bit_length()
+
+
+def sharded_parameter_numels(config: MoEConfig, shard: int) -> list[int]:
+    """Elements of each parameter's shard on one rank (dim 0 split ``shard`` ways, padded as FSDP2 pads)."""
+    with torch.device("meta"):
+        model = MoETransformer(config)
+    return [math.ceil(p.shape[0] / shard) * (p.numel() // p.shape[0]) for p in model.parameters()]
+
+
 def block_working_set_bytes(config: MoEConfig, tokens: int, moe: bool, part: str = "block") -> int:
     """Bytes one block's recomputed forward saves for its backward, for ``tokens = b·s`` tokens.
 
@@ -243,7 +259,9 @@ def plan(config: MoEConfig, cluster: Cluster, work: Workload) -> dict:
         "reduce-scatter buffers": 6 * unit,
         "runtime reserve": work.reserve_gib * GiB,
     }
-    offloaded = (config.n_layers - 1) * boundary_one  # ActivationOffload's default keeps the last block's input
+    # ActivationOffload's default keeps the last block's input; each offloaded one is a pinned block
+    pinned_boundaries = (config.n_layers - 1) * pinned_bytes(boundary_one)
+    pinned_shards = sum(pinned_bytes(4 * n) for n in sharded_parameter_numels(config, S)) if work.cpu_offload else 0
     variants = {}
     for offload in (False, True):
         boundary = min(1 + work.offload_prefetch if offload else config.n_layers, config.n_layers) * boundary_one
@@ -251,8 +269,12 @@ def plan(config: MoEConfig, cluster: Cluster, work: Workload) -> dict:
         gpu["boundary activations"] = boundary
         gpu.update(transient)
         peak = sum(gpu.values()) - min(working_set, loss_set)  # the two transients never coexist
-        host_rows = dict(state) if work.cpu_offload else {}
-        host_rows["boundary activations (offloaded)"] = offloaded if offload else 0
+        host_rows = {}
+        if work.cpu_offload:  # parameters and gradients pinned, a power-of-two block per shard; the state pageable
+            optimizer_row = f"optimizer state ({work.optimizer})"
+            host_rows = {"sharded params (fp32, pinned)": pinned_shards, "gradients (fp32, pinned)": pinned_shards,
+                         optimizer_row: state[optimizer_row]}
+        host_rows["boundary activations (pinned)"] = pinned_boundaries if offload else 0
         host = sum(host_rows.values())
         fits = peak <= cluster.gpu_memory_gib * GiB and (
             cluster.host_memory_gib is None or host <= cluster.host_memory_gib * GiB)
