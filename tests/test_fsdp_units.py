@@ -14,6 +14,7 @@ from moe_lightning import MoEConfig, MoELanguageModel
 from moe_lightning.parallel import MeshLayout
 from moe_lightning.strategy import MoEFSDPStrategy
 from tests.distributed import REPO_ROOT, clean_env, free_port, run_ranks
+from tests.test_strategy import one_rank_group  # noqa: F401 (a fixture)
 
 CONFIGS = REPO_ROOT / "configs"
 
@@ -34,15 +35,6 @@ def test_chunked_loss_fit_survives_validation_and_checkpoint_on_two_processes(tm
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
     assert "`max_steps=5` reached" in done.stdout + done.stderr  # trained on after the validation and the save
     assert list(Path(tmp_path).glob("lightning_logs/tiny-fsdp/version_0/checkpoints/*.ckpt"))
-
-
-@pytest.fixture
-def one_rank_group():
-    torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        torch.distributed.destroy_process_group()
 
 
 def sharded(module: MoELanguageModel, **strategy_args) -> MoEFSDPStrategy:
