@@ -15,7 +15,7 @@ from . import hf
 from .callbacks._logging import logs_written
 from .callbacks.nonfinite import NonFiniteGuard
 from .generate import stream
-from .model import LocalTokenDispatcher, MoEConfig, MoETransformer
+from .model import LocalTokenDispatcher, MoEConfig, MoETransformer, mtp
 from .optim import WarmupCosineLR, param_groups
 from .resume import check_resume
 
@@ -151,11 +151,31 @@ class MoELanguageModel(L.LightningModule):
 
     def _loss(self, batch_BS1: torch.Tensor) -> torch.Tensor:
         inputs_BS, targets_BS = batch_BS1[:, :-1], batch_BS1[:, 1:]
+        if self.training and self.config.mtp_layers:
+            return self._multi_token_loss(batch_BS1)
         if self.loss_chunk_size is None:
             logits_BSV = self.model(inputs_BS)
             return F.cross_entropy(logits_BSV.flatten(0, 1).float(), targets_BS.flatten())
         h_BSD = self.model(inputs_BS, return_hidden=True)  # called as the module: FSDP's root hooks run
         return self.model.output.cross_entropy(h_BSD.flatten(0, 1), targets_BS.flatten(), self.loss_chunk_size)
+
+    def _multi_token_loss(self, batch_BS1: torch.Tensor) -> torch.Tensor:
+        """``main + λ/D · Σ_k CE_k`` (DeepSeek-V3), each ``CE_k`` the mean over depth k's targets that are not
+        ignored (0 if none is left); logs ``train/mtp_loss`` (the mean of the ``CE_k``) and returns the main
+        loss as ``self._main_loss`` for ``train/loss``, so that it stays comparable with ``val/loss``.
+
+        Every depth goes through one call of the head (``OutputHead.cross_entropy_sums``), so an FSDP head unit
+        runs one forward, is gathered once and reduced once, whatever the depth."""
+        hidden = self.model(batch_BS1[:, :-1], mtp=True)  # called as the module: FSDP's root hooks run
+        eod = self.config.eod_token_id if self.config.document_masking else None
+        targets = [mtp.targets(batch_BS1, depth, eod).flatten() for depth in range(len(hidden))]
+        totals = self.model.output.cross_entropy_sums([h_BSD.flatten(0, 1) for h_BSD in hidden], targets,
+                                                      self.loss_chunk_size)
+        losses = [total / (targets_T != -100).sum().clamp(min=1) for total, targets_T in zip(totals, targets)]
+        main, mtp_mean = losses[0], torch.stack(losses[1:]).mean()
+        self._main_loss = main
+        self.log("train/mtp_loss", mtp_mean.detach())
+        return main + self.config.mtp_loss_weight * mtp_mean
 
     def expert_counts(self) -> torch.Tensor | None:
         """``[moe_layers, experts]`` token counts of the last forward."""
@@ -172,6 +192,7 @@ class MoELanguageModel(L.LightningModule):
             moe.aux_loss_grad_scale = 1.0 / self.trainer.accumulate_grad_batches
 
     def training_step(self, batch_BS1: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        self._main_loss = None
         loss = self._loss(batch_BS1)
         counts_LE = self.expert_counts()
         if counts_LE is not None:  # read now: recomputation in backward would overwrite them
@@ -182,7 +203,7 @@ class MoELanguageModel(L.LightningModule):
             if aux:
                 self.log("train/aux_loss", torch.stack(aux).sum())
         self.tokens_seen += batch_BS1[:, :-1].numel() * self.trainer.world_size
-        self._log_train_loss(loss.detach().float(), batch_idx)
+        self._log_train_loss((loss if self._main_loss is None else self._main_loss).detach().float(), batch_idx)
         if logs_written(self.trainer):  # a Python number logged costs a host-to-device copy and a sync
             self.log("train/tokens_seen", float(self.tokens_seen))
         return loss

@@ -17,7 +17,7 @@ from .parallel import checkpoint as ckpt
 
 # MoEConfig fields a resumed run may change: they steer training, not what the weights compute.
 MAY_CHANGE = frozenset({"bias_update_rate", "aux_loss_coef", "z_loss_coef", "init_std", "max_seq_len",
-                        "document_masking", "eod_token_id"})
+                        "document_masking", "eod_token_id", "mtp_loss_weight"})
 _LIGHTNING_KEYS = ("_class_path", "_instantiator")
 
 

@@ -215,9 +215,18 @@ class MoEFSDPStrategy(ModelParallelStrategy):
                                          reshard_after_forward=self.reshard_after_forward, **common))
             stages.append([fully_shard(block, mesh=dense_mesh, reshard_after_forward=self.reshard_after_forward,
                                        **common)] + stage)
-        if not tied:  # the head is its own unit, whichever entry point runs it (the final norm stays in the root)
+        # multi-token prediction runs after the final norm: its block is a unit like the others, its norms and
+        # eh_proj another (entered first)
+        for module in model.mtp:
+            shard = dict(mesh=dense_mesh, reshard_after_forward=self.reshard_after_forward, **common)
+            experts = [fully_shard(module.block.ffn.experts, **{**shard, "mesh": self._expert_fsdp_mesh})] \
+                if self.layout.ep > 1 and module.block.is_moe else []
+            block = fully_shard(module.block, **shard)
+            stages.append([fully_shard(module, **shard), block, *experts])
+        if not tied:  # the head is its own unit, run last, whichever entry point runs it (the final norm: root)
             stages.append([fully_shard(model.output, mesh=dense_mesh, reshard_after_forward=False, **common)])
-            register_fsdp_forward_method(model.output, "cross_entropy")
+            for method in ("cross_entropy", "cross_entropy_sums"):
+                register_fsdp_forward_method(model.output, method)
         self._fsdp_root = fully_shard(model, mesh=dense_mesh, reshard_after_forward=False,
                                       **{**common, "mp_policy": MixedPrecisionPolicy(**dtypes)})
         self._set_prefetch(stages)
