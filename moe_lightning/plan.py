@@ -30,6 +30,8 @@ d model dim, L layers, V vocabulary, K top-k; bytes are per GPU unless stated.
   (a block's dense parameters plus its routed experts divided by the expert-parallel size).
 - Reduce-scatter buffers: ``6 · U`` (the unsharded bf16 gradient and its fp32 reduce copy).
 - Runtime reserve: CUDA context, communicator buffers and allocator slack (``--reserve``).
+- Async checkpoint staging (``async_checkpoint``): each background save first copies the sharded parameters
+  and optimizer state into new host memory (``4·P/S`` + the optimizer state), held while it is written.
 
 - Multi-token prediction (``mtp_layers``): its modules are not checkpointed, so what they keep for backward
   is its own row (``mtp_activation_bytes``); their parameters, FSDP units and FLOPs count like the blocks'.
@@ -92,6 +94,7 @@ class Workload:
     reserve_gib: float = 3.0
     activation_offload: bool = False  # the variant whose fit is the verdict (both are priced)
     offload_prefetch: int = 1
+    async_checkpoint: bool = False
 
     def __post_init__(self) -> None:
         if self.optimizer not in ("adamw", "muon"):
@@ -134,7 +137,8 @@ def read_run_config(path: str) -> dict[str, Any]:
     strategy = trainer.get("strategy")
     if _class_name(strategy) == "MoEFSDPStrategy":
         args = strategy.get("init_args") or {}
-        for key in ("replicate_size", "shard_size", "expert_parallel_size", "cpu_offload", "prefetch_depth"):
+        for key in ("replicate_size", "shard_size", "expert_parallel_size", "cpu_offload", "prefetch_depth",
+                    "async_checkpoint"):
             if key in args:
                 found[key] = None if args[key] == "auto" else args[key]
     callbacks = trainer.get("callbacks") or []
@@ -297,6 +301,9 @@ def plan(config: MoEConfig, cluster: Cluster, work: Workload) -> dict:
             host_rows = {"sharded params (fp32, pinned)": pinned_shards, "gradients (fp32, pinned)": pinned_shards,
                          optimizer_row: state[optimizer_row]}
         host_rows["boundary activations (pinned)"] = pinned_boundaries if offload else 0
+        if work.async_checkpoint:  # a fresh pageable host copy of the sharded state per save (DCP async_save)
+            host_rows["async checkpoint staging"] = state["sharded parameters (fp32)"] + state[
+                f"optimizer state ({work.optimizer})"]
         host = sum(host_rows.values())
         fits = peak <= cluster.gpu_memory_gib * GiB and (
             cluster.host_memory_gib is None or host <= cluster.host_memory_gib * GiB)
@@ -373,7 +380,7 @@ def _yes(flag: bool) -> str:
 # Inputs a config can set and a flag can override (``Cluster`` and ``Workload`` field names = flag names).
 PLANNED = ("nodes", "gpus_per_node", "replicate_size", "shard_size", "expert_parallel_size", "micro_batch",
            "seq_len", "optimizer", "cpu_offload", "prefetch_depth", "loss_chunk", "activation_offload",
-           "offload_prefetch")
+           "offload_prefetch", "async_checkpoint")
 
 
 def planned_inputs(args: argparse.Namespace, config: MoEConfig) -> dict[str, tuple[Any, str]]:
@@ -417,6 +424,8 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--cpu-offload", action=argparse.BooleanOptionalAction, help="FSDP keeps parameters, "
                         "gradients and optimizer state in host memory")
     parser.add_argument("--prefetch-depth", type=int, help="FSDP units all-gathered ahead")
+    parser.add_argument("--async-checkpoint", action=argparse.BooleanOptionalAction, help="background saves "
+                        "stage a host copy of the sharded state (default: the strategy's async_checkpoint)")
     parser.add_argument("--loss-chunk", type=int, help="tokens per loss chunk (default: model.loss_chunk_size; "
                         "0: unchunked)")
     parser.add_argument("--activation-offload", action=argparse.BooleanOptionalAction, help="the variant whose "

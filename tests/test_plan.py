@@ -79,6 +79,19 @@ def test_cpu_and_activation_offload_move_bytes_to_host():
     assert with_["host_bytes"] == 2 * pinned + 8 * TOTAL // 4 + 1 * 2 * 8 * 32 * 2  # the last block's input stays
 
 
+def test_async_checkpoint_stages_the_sharded_state_in_host_memory(tmp_path, capsys):
+    without = tiny_plan()["memory"]["with_offload"]
+    staged = tiny_plan(async_checkpoint=True)["memory"]["with_offload"]
+    assert staged["host_bytes_by_row"]["async checkpoint staging"] == (4 + 8) * TOTAL // 4  # fp32 shards + AdamW
+    assert staged["host_bytes"] == without["host_bytes"] + (4 + 8) * TOTAL // 4
+    config = tmp_path / "async.yaml"
+    config.write_text(yaml.safe_dump({"trainer": {"strategy": {"class_path": "moe_lightning.strategy.MoEFSDPStrategy",
+                                                               "init_args": {"async_checkpoint": True}}},
+                                      "model": {"init_args": {"config": {"vocab_size": 64}}}}))
+    run(["plan", "--config", str(config), "--json"])
+    assert json.loads(capsys.readouterr().out)["inputs"]["async_checkpoint"] == [True, "config"]
+
+
 def test_throughput_from_mfu():
     result = tiny_plan(mfu=0.5)
     assert result["flops_per_token"] == training_flops_per_token(TINY, 8)
@@ -160,7 +173,8 @@ def test_plan_of_a_yaml_uses_the_configs_mesh_offload_batch_chunk_and_optimizer(
     assert (w["micro_batch"], w["seq_len"], w["optimizer"], w["cpu_offload"], w["prefetch_depth"]) == \
         (3, 12, "muon", True, 2)
     assert (w["loss_chunk"], w["activation_offload"], w["offload_prefetch"]) == (5, True, 0)
-    assert [name for name, (_, origin) in result["inputs"].items() if origin != "config"] == ["shard_size"]
+    assert [name for name, (_, origin) in result["inputs"].items() if origin != "config"] == ["shard_size",
+                                                                                           "async_checkpoint"]
     # and the numbers follow: shard group of 2, 36 tokens, chunked loss, 1 + 0 boundary blocks kept on the GPU
     gpu, host = result["memory"]["with_offload"]["gpu_bytes"], result["memory"]["with_offload"]["host_bytes"]
     assert gpu["loss working set"] == 8 * 64 * 5 + 6 * 64 * 32
