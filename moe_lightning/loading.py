@@ -19,7 +19,7 @@ import torch
 
 from .hf import from_pretrained
 from .model import MoEConfig, MoETransformer
-from .parallel.checkpoint import (METADATA_FILE, PARTIAL_SUFFIX, load_metadata, read_sharded_weights,
+from .parallel.checkpoint import (METADATA_FILE, PARTIAL_SUFFIX, load_metadata, metadata_file, read_sharded_weights,
                                   resolve_checkpoint)
 from .tokenizer import ByteTokenizer, HFTokenizer, tokenizer_from_spec
 
@@ -56,8 +56,7 @@ def recorded_tokenizer(metadata: dict) -> dict:
 def checkpoint_tokenizer(checkpoint: str | Path) -> ByteTokenizer | HFTokenizer:
     """The tokenizer a sharded or single-file Lightning checkpoint recorded (its tensors memory-mapped, not read)."""
     path = resolve_checkpoint(Path(checkpoint))
-    file = path / METADATA_FILE if path.is_dir() else path
-    return tokenizer_from_spec(recorded_tokenizer(load_metadata(file, mmap=True)))
+    return tokenizer_from_spec(recorded_tokenizer(load_metadata(metadata_file(path), mmap=True)))
 
 
 def _plain_config(hparams: dict, path: Path) -> dict:

@@ -78,6 +78,9 @@ class Cluster:
         for name in ("nodes", "gpus_per_node"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')}={getattr(self, name)} must be >= 1.")
+        for flag, gib in (("--gpu-memory", self.gpu_memory_gib), ("--host-memory", self.host_memory_gib)):
+            if gib is not None and not gib > 0:
+                raise ValueError(f"{flag}={gib:g} must be > 0 (GiB per GPU).")
 
 
 @dataclass
@@ -398,6 +401,11 @@ def planned_inputs(args: argparse.Namespace, config: MoEConfig) -> dict[str, tup
             inputs[name] = (defaults[name], "config" if name == "seq_len" else "default")
     if inputs["loss_chunk"] == (0, "flag"):
         inputs["loss_chunk"] = (None, "flag")
+    seq_len, origin = inputs["seq_len"]
+    if seq_len > config.max_seq_len:
+        where = "--seq-len" if origin == "flag" else "data.init_args.seq_len"
+        raise ValueError(f"{where}={seq_len} exceeds model.init_args.config.max_seq_len={config.max_seq_len}: "
+                         "the model cannot train on longer sequences; lower it or raise max_seq_len.")
     optimizer, origin = inputs["optimizer"]
     if optimizer not in ("adamw", "muon"):
         raise ValueError(f"{args.config}: model.init_args.optimizer {optimizer} is neither AdamW nor Muon; pass "

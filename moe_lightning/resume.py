@@ -31,7 +31,7 @@ def checkpoint_hyperparameters(ckpt_path: str | Path) -> dict | None:
     if not path.exists() and not path.with_name(path.name + ckpt.OLD_SUFFIX).exists():
         return None  # "last", "best", a remote URL...: Lightning resolves those itself
     path = ckpt.resolve_checkpoint(path)
-    file = path / ckpt.METADATA_FILE if path.is_dir() else path
+    file = ckpt.metadata_file(path)  # refuses a directory that is not a checkpoint
     if not file.is_file():
         return None
     try:

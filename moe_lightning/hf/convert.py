@@ -11,8 +11,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
 
 from ..model import MoEConfig
 from ..parallel import checkpoint as ckpt
@@ -44,14 +42,8 @@ def open_checkpoint(path: str | Path) -> tuple[MoEConfig, Callable[[str], torch.
         if not (path / ckpt.METADATA_FILE).is_file():
             raise HFFormatError(f"{str(path)!r} is neither a sharded checkpoint ({ckpt.METADATA_FILE}) nor a file.")
         config = _config(_load(path / ckpt.METADATA_FILE).get("hyper_parameters", {}).get("config"))
-        metadata = FileSystemReader(path).read_metadata().state_dict_metadata
-
-        def get(name: str) -> torch.Tensor:
-            meta = metadata[f"state_dict.model.{name}"]
-            state = {"state_dict": {f"model.{name}": torch.empty(meta.size, dtype=meta.properties.dtype)}}
-            dcp.load(state, checkpoint_id=path, no_dist=True)
-            return state["state_dict"][f"model.{name}"]
-        return config, get
+        index = ckpt.sharded_model_index(path)
+        return config, lambda name: ckpt.read_sharded_tensors(path, index, [name])[name]
     payload = _load(path)
     if "config" in payload:  # the package's single file: {"config": dict, "state_dict": model state dict}
         stored = {name: _dtype(value) for name, value in payload.get("stored_dtypes", {}).items()}

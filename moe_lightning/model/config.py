@@ -1,5 +1,6 @@
 """Model hyperparameters, validated when built so a bad YAML fails before any tensor is allocated."""
 
+import warnings
 from dataclasses import dataclass
 from typing import Literal, Optional
 
@@ -211,6 +212,9 @@ class MoEConfig:
                     f"MoEConfig.dim={self.dim} is not divisible by n_heads={self.n_heads}: "
                     f"choose dim as a multiple of n_heads, or set head_dim explicitly.")
             self.head_dim = self.dim // self.n_heads
+        if not isinstance(self.head_dim, int) or self.head_dim < 1:
+            raise ConfigError(f"MoEConfig.head_dim={self.head_dim!r}: must be a positive even integer, or null for "
+                              f"dim // n_heads.")
         if self.head_dim % 2:
             raise ConfigError(f"MoEConfig.head_dim={self.head_dim} must be even for rotary embeddings.")
         if self.n_heads % self.n_kv_heads:
@@ -273,6 +277,11 @@ class MoEConfig:
         if self.qk_rope_head_dim % 2:
             raise ConfigError(f"MoEConfig.qk_rope_head_dim={self.qk_rope_head_dim} must be even for rotary "
                               f"embeddings: use e.g. {self.qk_rope_head_dim + 1}.")
+        ignored = [f"{name}={getattr(self, name)!r}" for name, unset in (
+            ("n_kv_heads", (MoEConfig.n_kv_heads, self.n_heads)), ("head_dim", (None,))) if getattr(self, name) not in unset]
+        if ignored:  # MLA's widths are its own five fields; a GQA value here is a mistaken config, not a choice
+            warnings.warn(f"MoEConfig.{' and '.join(ignored)}: ignored with attention='mla', whose head widths are "
+                          "qk_nope_head_dim, qk_rope_head_dim and v_head_dim; remove it from the config.", stacklevel=2)
 
     @property
     def n_moe_layers(self) -> int:
