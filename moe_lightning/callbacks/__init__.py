@@ -1,11 +1,13 @@
-"""Lightning callbacks for MoE training, added from YAML by ``class_path``: offload, memory, speed, expert load, curves."""
+"""Lightning callbacks for MoE training, added from YAML by ``class_path``: offload, memory, speed, expert load,
+curves, QK-clip."""
 
 from .activation_offload import ActivationOffload
 from .allocator_monitor import AllocatorMonitor
 from .expert_load import ExpertLoad, ExpertLoadMonitor
 from .nonfinite import NonFiniteGuard, NonFiniteLossError
+from .qk_clip import QKClip
 from .throughput import PEAK_BF16_FLOPS, MoEThroughputMonitor, peak_bf16_flops
 from .training_curves import TrainingCurves
 
 __all__ = ["ActivationOffload", "AllocatorMonitor", "ExpertLoad", "ExpertLoadMonitor", "MoEThroughputMonitor",
-           "NonFiniteGuard", "NonFiniteLossError", "PEAK_BF16_FLOPS", "TrainingCurves", "peak_bf16_flops"]
+           "NonFiniteGuard", "NonFiniteLossError", "PEAK_BF16_FLOPS", "QKClip", "TrainingCurves", "peak_bf16_flops"]
