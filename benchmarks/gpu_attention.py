@@ -7,8 +7,10 @@ For a GQA shape and a DeepSeek-V3 MLA shape (query/key 192, value 128) it runs `
 with the compiled block mask on CUDA) and plain SDPA given the dense boolean mask; prints the largest output
 and gradient differences, and for each kernel the median forward+backward time of ``--runs`` timed calls after
 two warm-up calls, and the peak memory. Each timed call builds its own mask from the document ids (the
-BlockMask, or the dense ``[B, 1, S, S]`` mask), as every training step does. bf16 on CUDA (tolerance 3e-2:
-bf16 rounding of O(1) outputs), fp32 on CPU (1e-5).
+BlockMask, or the dense ``[B, 1, S, S]`` mask), as every training step does. Differences are relative to the
+reference's largest magnitude (gradients reach ~30 at 8k tokens, where one bf16 step is 0.125): bf16 on CUDA
+(tolerance 2e-2: a few bf16 roundings, 2^-8 each, in two kernels' different summation orders), fp32 on CPU
+(1e-5). Every shape is measured and reported before any failure is raised.
 """
 
 import argparse
@@ -38,6 +40,11 @@ def run(fn, q, k, v, backward: bool):
     return out.detach(), grads, time.perf_counter() - start, peak
 
 
+def relative_diff(got: torch.Tensor, reference: torch.Tensor) -> float:
+    """Largest absolute difference over the reference's largest magnitude (fp32)."""
+    return ((got.float() - reference.float()).abs().max() / reference.float().abs().max().clamp_min(1e-30)).item()
+
+
 def timed(fn, q, k, v, backward: bool, warmup: int, runs: int):
     """Output and gradients of the last call; median seconds and largest peak over ``runs`` after ``warmup``."""
     for _ in range(warmup):
@@ -58,7 +65,7 @@ def main(argv=None) -> dict:
     device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
     seq, doc_len = (args.seq, args.doc_len) if not args.dry_run else (96, 20)
     warmup, runs = (2, args.runs) if not args.dry_run else (1, args.runs)
-    tolerance = 3e-2 if cuda else 1e-5
+    tolerance = 2e-2 if cuda else 1e-5
     g = torch.Generator().manual_seed(0)
     tokens = (torch.rand(1, seq, generator=g) < 1 / doc_len).long()  # 1 = end of document
     doc_BS = document_ids(tokens, 1).to(device)
@@ -78,12 +85,13 @@ def main(argv=None) -> dict:
                                                   enable_gqa=gqa)
         out, grads, seconds, peak = timed(ours, q, k, v, cuda, warmup, runs)
         ref_out, ref_grads, ref_seconds, ref_peak = timed(dense, q, k, v, cuda, warmup, runs)
-        diff = max([(out - ref_out).abs().max().item()] + [(a - b).abs().max().item() for a, b in zip(grads, ref_grads)])
-        report[name] = dict(max_diff=diff, flex_s=seconds, dense_s=ref_seconds, flex_mib=peak, dense_mib=ref_peak)
-        print(f"{name}: seq {seq}, {int(tokens.sum()) + 1} documents, max diff {diff:.2e} "
+        diff = max(relative_diff(a, b) for a, b in zip((out, *grads), (ref_out, *ref_grads)))
+        report[name] = dict(max_rel_diff=diff, flex_s=seconds, dense_s=ref_seconds, flex_mib=peak, dense_mib=ref_peak)
+        print(f"{name}: seq {seq}, {int(tokens.sum()) + 1} documents, max relative diff {diff:.2e} "
               f"(tolerance {tolerance:.0e}); median of {runs} (mask built in each): ours {seconds * 1e3:.1f} ms / "
               f"{peak:.0f} MiB peak, dense-mask SDPA {ref_seconds * 1e3:.1f} ms / {ref_peak:.0f} MiB", flush=True)
-        assert diff < tolerance, f"{name}: FlexAttention differs from the dense-mask reference by {diff}"
+    failed = {name: r["max_rel_diff"] for name, r in report.items() if not r["max_rel_diff"] < tolerance}
+    assert not failed, f"FlexAttention differs from the dense-mask reference by (relative) {failed}"
     return report
 
 

@@ -8,8 +8,9 @@ Reads the model, strategy, ActivationOffload, Muon, loss chunk, clipping and seq
 (expert parallelism needs two ranks, so one device runs ``expert_parallel_size=1``), trains on random tokens
 with an end-of-document token every few hundred positions, asserts every loss is finite, and prints one
 JSON line per step as it ends, then a summary: step time, peak allocated/reserved memory, and every host
-sync that one steady-state step performs (``torch.cuda.set_sync_debug_mode("warn")``, with the frame of this
-package or Lightning that caused it). No jsonargparse needed.
+sync that one steady-state step performs, counted from the profiler's CUDA runtime events (the blocking calls
+of ``SYNC_CALLS``: also event waits and synchronous copies, which ``set_sync_debug_mode`` misses), each named by
+the frame of this package or Lightning on the Python stack of the op that made it. No jsonargparse needed.
 """
 
 import argparse
@@ -17,8 +18,6 @@ import json
 import math
 import sys
 import time
-import traceback
-import warnings
 from functools import partial
 from pathlib import Path
 
@@ -54,15 +53,31 @@ def packed_tokens(n: int, seq_len: int, vocab: int, eod: int, doc_len: int) -> t
     return tokens
 
 
-def _frame_of_interest(stack: list[traceback.FrameSummary]) -> str:
-    """The innermost frame in this package (else Lightning, else the last one): where the sync came from."""
+SYNC_CALLS = ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize", "cudaMemcpy", "cudaMemcpy2D")
+
+
+def _frame_of_interest(stack: list[str]) -> str:
+    """The innermost frame (``"path(line): name"``, innermost first, as the profiler records them) in this
+    package, else Lightning, else the innermost one: where a sync came from."""
     for package in (moe_lightning, L):
         root = str(Path(package.__file__).resolve().parent)
-        for frame in reversed(stack):
-            if str(Path(frame.filename).resolve()).startswith(root):
-                return f"{Path(frame.filename).name}:{frame.lineno} {frame.name}: {(frame.line or '').strip()}"
-    frame = stack[-1]
-    return f"{Path(frame.filename).name}:{frame.lineno} {frame.name}"
+        for frame in stack:
+            if frame.startswith(root):
+                return Path(frame.split("(")[0]).name + frame[len(frame.split("(")[0]):]
+    return stack[0] if stack else "unknown"
+
+
+def sync_sites(events) -> list[str]:
+    """One entry per blocking CUDA runtime call among profiler ``events`` (``cudaMemcpy`` without ``Async``
+    included), named by the nearest enclosing op that has a Python stack (``with_stack=True``)."""
+    sites = []
+    for event in events:
+        if event.name in SYNC_CALLS:
+            owner = event
+            while owner is not None and not owner.stack:
+                owner = owner.cpu_parent
+            sites.append(_frame_of_interest(owner.stack if owner is not None else []))
+    return sites
 
 
 class SmokeProbe(L.Callback):
@@ -70,32 +85,25 @@ class SmokeProbe(L.Callback):
 
     def __init__(self, probe_step: int):
         self.probe_step, self.rows, self.sync_sites = probe_step, [], []
-        self._start, self._warnings = None, None
+        self._start, self._profiler = None, None
 
     def _sync(self, pl_module):
         if pl_module.device.type == "cuda":
             torch.cuda.synchronize(pl_module.device)
 
-    def _show(self, message, category, filename, lineno, file=None, line=None):
-        """Sync warnings come from C++ during an op: the Python stack at this moment says who called it."""
-        if "synchroniz" in str(message):
-            self.sync_sites.append(_frame_of_interest(traceback.extract_stack()[:-1]))
-
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         self._sync(pl_module)
         self._start = time.perf_counter()
         if batch_idx == self.probe_step and pl_module.device.type == "cuda":
-            self._warnings = warnings.catch_warnings()  # restores filters and showwarning on exit
-            self._warnings.__enter__()
-            warnings.simplefilter("always")
-            warnings.showwarning = self._show
-            torch.cuda.set_sync_debug_mode("warn")
+            activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+            self._profiler = torch.profiler.profile(activities=activities, with_stack=True)
+            self._profiler.__enter__()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        if self._warnings is not None:
-            torch.cuda.set_sync_debug_mode(0)
-            self._warnings.__exit__(None, None, None)
-            self._warnings = None
+        if self._profiler is not None:
+            self._profiler.__exit__(None, None, None)
+            self.sync_sites = sync_sites(self._profiler.events())
+            self._profiler = None
         self._sync(pl_module)
         loss = float(outputs["loss"])
         row = {"step": batch_idx, "loss": round(loss, 4), "step_s": round(time.perf_counter() - self._start, 3)}

@@ -94,11 +94,32 @@ def run_variant(variant: dict, shapes: dict, warmup: int, steps: int, peak_flops
     return result
 
 
+_children: list[subprocess.Popen] = []  # the variant running now, stopped with us (see stop_children_on_sigterm)
+
+
+def stop_children_on_sigterm() -> None:
+    """A child runs in its own session (so a timeout can kill Lightning's per-GPU processes with it), which also
+    keeps it out of reach of the signal that ends this process: ``timeout`` in gpu_all.sh sends SIGTERM to us
+    only. Kill the child's whole group then, so nothing keeps training on the GPU after our time box."""
+    def stop(signum, frame):
+        for child in _children:
+            if child.poll() is None:
+                os.killpg(child.pid, signal.SIGKILL)
+        raise SystemExit(128 + signum)
+    signal.signal(signal.SIGTERM, stop)
+
+
+def default_budget() -> float:
+    """Seconds for all variants: the time box gpu_all.sh gives this part ($GPU_ALL_BOX_S), less 10 s to report."""
+    return float(os.environ.get("GPU_ALL_BOX_S", 95)) - 10
+
+
 def run_child(index: int, args, timeout: float) -> dict:
     """One variant in a fresh process (clean allocator and peak statistics); never raises."""
     cmd = [sys.executable, __file__, "--variant", str(index), "--devices", str(args.devices), "--warmup",
            str(args.warmup), "--steps", str(args.steps)] + (["--peak-flops", str(args.peak_flops)] if args.peak_flops else [])
     child = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    _children[:] = [child]
     try:
         stdout, stderr = child.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -117,7 +138,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--devices", type=int, default=None, help="GPUs to use (default: all visible)")
-    parser.add_argument("--budget", type=float, default=85.0, help="seconds for all variants together")
+    parser.add_argument("--budget", type=float, default=default_budget(),
+                        help="seconds for all variants together (default: gpu_all.sh's time box less 10 s)")
     parser.add_argument("--peak-flops", type=float, default=None, help="override the GPU's bf16 peak FLOP/s")
     parser.add_argument("--variant", type=int, default=None, help=argparse.SUPPRESS)  # child process mode
     args = parser.parse_args(argv)
@@ -133,6 +155,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         return [result]
     if not torch.cuda.is_available():
         parser.error("no CUDA device: run with --dry-run on CPU")
+    stop_children_on_sigterm()
     args.devices = args.devices or torch.cuda.device_count()
     indices = list(range(len(VARIANTS)))
     if args.devices == 1:

@@ -7,12 +7,10 @@ logits and turns them into that chunk's gradient. What autograd saves is the hid
 (the parameter itself, not a copy), the targets and the log-sum-exps; the largest transient is a few
 ``[chunk, vocab]`` buffers plus, in backward, the head's gradient.
 
-The head weight enters the graph once, as one input of one autograd node, whatever the number of chunks:
-under FSDP2 the norm + head unit is gathered once when the final norm runs (it is not resharded after
-forward) and its gradient is reduced once, after the norm's backward. The head module itself never runs;
-torch 2.13 completes such a partly-run FSDP group at the root's post-forward (checked on 2 gloo ranks in
-tests/test_loss.py). Earlier FSDP2 sources lack that step; read, not run (only 2.13 is installed here),
-they warn once that a module of the group did not run forward and reset the group after backward.
+The head weight enters the graph once, as one input of one autograd node, whatever the number of chunks.
+The model calls it through ``OutputHead.cross_entropy``, a method of the head module, so that under FSDP2 the
+head's unit runs a whole forward (gathered once, registered as an FSDP forward method) and its gradient is
+reduced once.
 """
 
 import torch

@@ -12,9 +12,9 @@ from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from . import hf
+from .callbacks._logging import logs_written
 from .callbacks.nonfinite import NonFiniteGuard
 from .generate import stream
-from .loss import chunked_cross_entropy
 from .model import LocalTokenDispatcher, MoEConfig, MoETransformer, mtp
 from .optim import WarmupCosineLR, param_groups
 from .resume import check_resume
@@ -58,6 +58,13 @@ def default_optimizer(groups) -> torch.optim.Optimizer:
     return torch.optim.AdamW(groups, lr=3e-4, betas=(0.9, 0.95))
 
 
+def default_lr_scheduler(optimizer: torch.optim.Optimizer) -> WarmupCosineLR:
+    """A named function, not a ``functools.partial``: jsonargparse writes it by import path in ``--print_config``
+    and the saved ``config.yaml``; a partial it cannot serialise (4.53 writes an error string, 4.32-4.47 refuse
+    every config)."""
+    return WarmupCosineLR(optimizer, warmup_steps=100)
+
+
 def _keep_requested_hyperparameters(optimizer: torch.optim.Optimizer, requested: list[dict]) -> None:
     """Optimizer ``load_state_dict`` post-hook: a resumed run trains with the hyperparameters it was given
     (learning rate, weight decay, betas...), not the checkpoint's; the LR keeps its place in the schedule."""
@@ -92,7 +99,7 @@ class MoELanguageModel(L.LightningModule):
     """
 
     def __init__(self, config: MoEConfig | None = None, optimizer: OptimizerCallable = default_optimizer,
-                 lr_scheduler: LRSchedulerCallable = partial(WarmupCosineLR, warmup_steps=100),
+                 lr_scheduler: LRSchedulerCallable = default_lr_scheduler,
                  weight_decay: float = 0.1, pretrained: str | None = None, loss_chunk_size: int | None = None,
                  compile: bool = False):
         super().__init__()
@@ -150,28 +157,21 @@ class MoELanguageModel(L.LightningModule):
             logits_BSV = self.model(inputs_BS)
             return F.cross_entropy(logits_BSV.flatten(0, 1).float(), targets_BS.flatten())
         h_BSD = self.model(inputs_BS, return_hidden=True)  # called as the module: FSDP's root hooks run
-        return chunked_cross_entropy(h_BSD.flatten(0, 1), self.model.output.weight, targets_BS.flatten(),
-                                     self.loss_chunk_size)
+        return self.model.output.cross_entropy(h_BSD.flatten(0, 1), targets_BS.flatten(), self.loss_chunk_size)
 
     def _multi_token_loss(self, batch_BS1: torch.Tensor) -> torch.Tensor:
         """``main + λ/D · Σ_k CE_k`` (DeepSeek-V3), each ``CE_k`` the mean over depth k's targets that are not
         ignored (0 if none is left); logs ``train/mtp_loss`` (the mean of the ``CE_k``) and returns the main
         loss as ``self._main_loss`` for ``train/loss``, so that it stays comparable with ``val/loss``.
 
-        Every depth reads the head's weight directly (as the chunked loss does): the head module never runs, so
-        an FSDP head unit is gathered once and reduced once, whatever the depth."""
+        Every depth goes through one call of the head (``OutputHead.cross_entropy_sums``), so an FSDP head unit
+        runs one forward, is gathered once and reduced once, whatever the depth."""
         hidden = self.model(batch_BS1[:, :-1], mtp=True)  # called as the module: FSDP's root hooks run
         eod = self.config.eod_token_id if self.config.document_masking else None
-        w_VD = self.model.output.weight
-        losses = []
-        for depth, h_BSD in enumerate(hidden):
-            targets_T = mtp.targets(batch_BS1, depth, eod).flatten()
-            h_TD = h_BSD.flatten(0, 1)
-            if self.loss_chunk_size is None:
-                total = F.cross_entropy(F.linear(h_TD, w_VD).float(), targets_T, reduction="sum")
-            else:
-                total = chunked_cross_entropy(h_TD, w_VD, targets_T, self.loss_chunk_size, reduction="sum")
-            losses.append(total / (targets_T != -100).sum().clamp(min=1))
+        targets = [mtp.targets(batch_BS1, depth, eod).flatten() for depth in range(len(hidden))]
+        totals = self.model.output.cross_entropy_sums([h_BSD.flatten(0, 1) for h_BSD in hidden], targets,
+                                                      self.loss_chunk_size)
+        losses = [total / (targets_T != -100).sum().clamp(min=1) for total, targets_T in zip(totals, targets)]
         main, mtp_mean = losses[0], torch.stack(losses[1:]).mean()
         self._main_loss = main
         self.log("train/mtp_loss", mtp_mean.detach())
@@ -204,7 +204,8 @@ class MoELanguageModel(L.LightningModule):
                 self.log("train/aux_loss", torch.stack(aux).sum())
         self.tokens_seen += batch_BS1[:, :-1].numel() * self.trainer.world_size
         self._log_train_loss((loss if self._main_loss is None else self._main_loss).detach().float(), batch_idx)
-        self.log("train/tokens_seen", float(self.tokens_seen))
+        if logs_written(self.trainer):  # a Python number logged costs a host-to-device copy and a sync
+            self.log("train/tokens_seen", float(self.tokens_seen))
         return loss
 
     def _log_train_loss(self, loss: torch.Tensor, batch_idx: int) -> None:
@@ -216,8 +217,7 @@ class MoELanguageModel(L.LightningModule):
         if self.trainer.fit_loop.epoch_loop._should_accumulate():  # not the step's last micro-batch
             return
         mean = self._train_loss_sum / (micro + 1)
-        written = self.trainer._logger_connector.should_update_logs or self.trainer.fast_dev_run  # as Lightning decides
-        if written and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        if logs_written(self.trainer) and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(mean)
             mean = mean / dist.get_world_size()
         self.log("train/loss", mean)  # not in the progress bar: Lightning would read it back to the host every step

@@ -12,10 +12,13 @@ d model dim, L layers, V vocabulary, K top-k; bytes are per GPU unless stated.
 - Gradients: ``4·P / S`` (fp32 after the reduce-scatter).
 - Optimizer state: AdamW ``8·P / S`` (two fp32 moments). Muon ``(4·P_muon + 8·P_adamw) / S``: one fp32
   momentum for block matrices and expert stacks, AdamW's two for embedding, head, router and norms.
-  ``--cpu-offload`` moves these three to host memory (FSDP2 ``CPUOffloadPolicy``).
+  ``--cpu-offload`` moves these three to host memory (FSDP2 ``CPUOffloadPolicy``), parameters and gradients
+  pinned, one block per parameter shard: each priced rounded up to a power of two (see below).
 - Boundary activations: ``L · b · s · d · 2`` (bf16 input of every checkpointed block). Offloaded
   (``ActivationOffload``), they live in host memory and the GPU keeps ``(1 + offload prefetch)`` of them:
-  the block in backward and those being copied back.
+  the block in backward and those being copied back. Pinned host memory comes from torch's
+  ``CachingHostAllocator``, which rounds every block up to a power of two (torch 2.11
+  ``ATen/core/CachingHostAllocator.h``, ``PowerOf2Ceil``): a 896 MiB boundary activation takes 1 GiB.
 - Block recompute working set: what one block's recomputed forward saves for its backward
   (see ``block_working_set_bytes``); the largest block counts.
 - Loss working set: unchunked, ``12 · V`` bytes per token (fp32 logits, log-softmax output and logit
@@ -27,6 +30,8 @@ d model dim, L layers, V vocabulary, K top-k; bytes are per GPU unless stated.
   (a block's dense parameters plus its routed experts divided by the expert-parallel size).
 - Reduce-scatter buffers: ``6 · U`` (the unsharded bf16 gradient and its fp32 reduce copy).
 - Runtime reserve: CUDA context, communicator buffers and allocator slack (``--reserve``).
+- Async checkpoint staging (``async_checkpoint``): each background save first copies the sharded parameters
+  and optimizer state into new host memory (``4·P/S`` + the optimizer state), held while it is written.
 
 - Multi-token prediction (``mtp_layers``): its modules are not checkpointed, so what they keep for backward
   is its own row (``mtp_activation_bytes``); their parameters, FSDP units and FLOPs count like the blocks'.
@@ -37,6 +42,7 @@ Throughput: ``tokens/s per GPU = MFU · peak FLOP/s / training FLOPs per token``
 
 import argparse
 import json
+import math
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
@@ -91,6 +97,7 @@ class Workload:
     reserve_gib: float = 3.0
     activation_offload: bool = False  # the variant whose fit is the verdict (both are priced)
     offload_prefetch: int = 1
+    async_checkpoint: bool = False
 
     def __post_init__(self) -> None:
         if self.optimizer not in ("adamw", "muon"):
@@ -133,7 +140,8 @@ def read_run_config(path: str) -> dict[str, Any]:
     strategy = trainer.get("strategy")
     if _class_name(strategy) == "MoEFSDPStrategy":
         args = strategy.get("init_args") or {}
-        for key in ("replicate_size", "shard_size", "expert_parallel_size", "cpu_offload", "prefetch_depth"):
+        for key in ("replicate_size", "shard_size", "expert_parallel_size", "cpu_offload", "prefetch_depth",
+                    "async_checkpoint"):
             if key in args:
                 found[key] = None if args[key] == "auto" else args[key]
     callbacks = trainer.get("callbacks") or []
@@ -176,6 +184,18 @@ def count_parameters(config: MoEConfig) -> tuple[dict[str, int], list[tuple[int,
     units += [(sum(p.numel() for p in module.parameters()) - sum(p.numel() for p in module.block.parameters()), 0)
               for module in model.mtp]  # each MTP module's norms and eh_proj: a unit of their own
     return roles, units
+
+
+def pinned_bytes(nbytes: int) -> int:
+    """Host memory one pinned allocation of ``nbytes`` takes: the next power of two (``CachingHostAllocator``)."""
+    return 0 if nbytes <= 0 else 1 << (int(nbytes) - 1).bit_length()
+
+
+def sharded_parameter_numels(config: MoEConfig, shard: int) -> list[int]:
+    """Elements of each parameter's shard on one rank (dim 0 split ``shard`` ways, padded as FSDP2 pads)."""
+    with torch.device("meta"):
+        model = MoETransformer(config)
+    return [math.ceil(p.shape[0] / shard) * (p.numel() // p.shape[0]) for p in model.parameters()]
 
 
 def mtp_activation_bytes(config: MoEConfig, tokens: int) -> int:
@@ -266,7 +286,9 @@ def plan(config: MoEConfig, cluster: Cluster, work: Workload) -> dict:
         "reduce-scatter buffers": 6 * unit,
         "runtime reserve": work.reserve_gib * GiB,
     }
-    offloaded = (config.n_layers - 1) * boundary_one  # ActivationOffload's default keeps the last block's input
+    # ActivationOffload's default keeps the last block's input; each offloaded one is a pinned block
+    pinned_boundaries = (config.n_layers - 1) * pinned_bytes(boundary_one)
+    pinned_shards = sum(pinned_bytes(4 * n) for n in sharded_parameter_numels(config, S)) if work.cpu_offload else 0
     variants = {}
     for offload in (False, True):
         boundary = min(1 + work.offload_prefetch if offload else config.n_layers, config.n_layers) * boundary_one
@@ -276,8 +298,15 @@ def plan(config: MoEConfig, cluster: Cluster, work: Workload) -> dict:
             gpu["multi-token prediction activations"] = mtp_activation_bytes(config, tokens)
         gpu.update(transient)
         peak = sum(gpu.values()) - min(working_set, loss_set)  # the two transients never coexist
-        host_rows = dict(state) if work.cpu_offload else {}
-        host_rows["boundary activations (offloaded)"] = offloaded if offload else 0
+        host_rows = {}
+        if work.cpu_offload:  # parameters and gradients pinned, a power-of-two block per shard; the state pageable
+            optimizer_row = f"optimizer state ({work.optimizer})"
+            host_rows = {"sharded params (fp32, pinned)": pinned_shards, "gradients (fp32, pinned)": pinned_shards,
+                         optimizer_row: state[optimizer_row]}
+        host_rows["boundary activations (pinned)"] = pinned_boundaries if offload else 0
+        if work.async_checkpoint:  # a fresh pageable host copy of the sharded state per save (DCP async_save)
+            host_rows["async checkpoint staging"] = state["sharded parameters (fp32)"] + state[
+                f"optimizer state ({work.optimizer})"]
         host = sum(host_rows.values())
         fits = peak <= cluster.gpu_memory_gib * GiB and (
             cluster.host_memory_gib is None or host <= cluster.host_memory_gib * GiB)
@@ -354,7 +383,7 @@ def _yes(flag: bool) -> str:
 # Inputs a config can set and a flag can override (``Cluster`` and ``Workload`` field names = flag names).
 PLANNED = ("nodes", "gpus_per_node", "replicate_size", "shard_size", "expert_parallel_size", "micro_batch",
            "seq_len", "optimizer", "cpu_offload", "prefetch_depth", "loss_chunk", "activation_offload",
-           "offload_prefetch")
+           "offload_prefetch", "async_checkpoint")
 
 
 def planned_inputs(args: argparse.Namespace, config: MoEConfig) -> dict[str, tuple[Any, str]]:
@@ -403,6 +432,8 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--cpu-offload", action=argparse.BooleanOptionalAction, help="FSDP keeps parameters, "
                         "gradients and optimizer state in host memory")
     parser.add_argument("--prefetch-depth", type=int, help="FSDP units all-gathered ahead")
+    parser.add_argument("--async-checkpoint", action=argparse.BooleanOptionalAction, help="background saves "
+                        "stage a host copy of the sharded state (default: the strategy's async_checkpoint)")
     parser.add_argument("--loss-chunk", type=int, help="tokens per loss chunk (default: model.loss_chunk_size; "
                         "0: unchunked)")
     parser.add_argument("--activation-offload", action=argparse.BooleanOptionalAction, help="the variant whose "

@@ -35,7 +35,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      get_optimizer_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict)
 from torch.distributed.fsdp import (CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy,
-                                    fully_shard)
+                                    fully_shard, register_fsdp_forward_method)
 from torch.distributed.tensor import DTensor
 
 from .model import GroupedExperts, MoETransformer
@@ -188,7 +188,12 @@ class MoEFSDPStrategy(ModelParallelStrategy):
         return _DTYPES[name]
 
     def _parallelize(self) -> None:
-        """Expert parallelism, then ``fully_shard`` per block, embedding, norm + head and root (idempotent)."""
+        """Expert parallelism, then ``fully_shard`` per block, embedding, head and root (idempotent).
+
+        The head is a unit of its own, never grouped with the final norm: the chunked loss runs the head through
+        ``OutputHead.cross_entropy``, registered as an FSDP forward method, so the unit's forward completes
+        in every step. (A ``[norm, output]`` group whose ``output`` never runs stays "mid-forward" after a
+        validation on torch 2.11, and a checkpoint's reshard then breaks the next training step.)"""
         models = [m for m in self.lightning_module.modules() if isinstance(m, MoETransformer)]
         if len(models) != 1:
             raise TypeError(f"{type(self).__name__} needs exactly one MoETransformer in the LightningModule "
@@ -203,8 +208,11 @@ class MoEFSDPStrategy(ModelParallelStrategy):
             apply_expert_parallel(model.moe_layers(), self.expert_mesh["ep"].get_group())
         dense_mesh = self._device_mesh
         offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if self.cpu_offload else OffloadPolicy()
-        common = dict(mp_policy=MixedPrecisionPolicy(param_dtype=self._dtype(self.param_dtype, torch.bfloat16),
-                                                     reduce_dtype=self._dtype(self.reduce_dtype, torch.float32)),
+        dtypes = dict(param_dtype=self._dtype(self.param_dtype, torch.bfloat16),
+                      reduce_dtype=self._dtype(self.reduce_dtype, torch.float32))
+        # Below the root, inputs arrive in the compute dtype already, except the rotary tables the root hands every
+        # block: they stay fp32, as on one device (FSDP2 would cast every floating argument to param_dtype).
+        common = dict(mp_policy=MixedPrecisionPolicy(**dtypes, cast_forward_inputs=False),
                       offload_policy=offload, shard_placement_fn=self._expert_placement(model))
         stages: list[list[nn.Module]] = []
         tied = model.config.tie_embeddings  # a tied embedding/head stays in the root group
@@ -218,9 +226,6 @@ class MoEFSDPStrategy(ModelParallelStrategy):
                                          reshard_after_forward=self.reshard_after_forward, **common))
             stages.append([fully_shard(block, mesh=dense_mesh, reshard_after_forward=self.reshard_after_forward,
                                        **common)] + stage)
-        if not tied:
-            fully_shard([model.norm, model.output], mesh=dense_mesh, reshard_after_forward=False, **common)
-            stages.append([model.norm])  # one FSDP unit for both; the norm runs first
         # multi-token prediction runs after the final norm: its block is a unit like the others, its norms and
         # eh_proj another (entered first)
         for module in model.mtp:
@@ -229,7 +234,12 @@ class MoEFSDPStrategy(ModelParallelStrategy):
                 if self.layout.ep > 1 and module.block.is_moe else []
             block = fully_shard(module.block, **shard)
             stages.append([fully_shard(module, **shard), block, *experts])
-        self._fsdp_root = fully_shard(model, mesh=dense_mesh, reshard_after_forward=False, **common)
+        if not tied:  # the head is its own unit, run last, whichever entry point runs it (the final norm: root)
+            stages.append([fully_shard(model.output, mesh=dense_mesh, reshard_after_forward=False, **common)])
+            for method in ("cross_entropy", "cross_entropy_sums"):
+                register_fsdp_forward_method(model.output, method)
+        self._fsdp_root = fully_shard(model, mesh=dense_mesh, reshard_after_forward=False,
+                                      **{**common, "mp_policy": MixedPrecisionPolicy(**dtypes)})
         self._set_prefetch(stages)
         if on_meta:  # (otherwise fully_shard has moved the buffers to the mesh's device)
             self._materialize(model)
@@ -293,15 +303,25 @@ class MoEFSDPStrategy(ModelParallelStrategy):
         return lambda param: placement if id(param) in expert_params else None
 
     def _set_prefetch(self, stages: list[list[nn.Module]]) -> None:
-        """Explicit prefetch: each FSDP unit all-gathers the next ``prefetch_depth`` units of its pass."""
+        """Explicit prefetch: each FSDP unit all-gathers the next ``prefetch_depth`` units of its pass.
+
+        In forward, a stage's nested units (a block's ``experts`` under expert parallelism) hand their lists to
+        the block: FSDP2 runs a unit's forward prefetch whenever the unit runs forward (torch 2.11
+        ``FSDPState._pre_forward``), also when a checkpointed block is recomputed in backward, where the block
+        itself (already in its backward) skips it but a nested unit would all-gather the next block again, whose
+        backward is done, and hold it to the end of backward."""
         if self.prefetch_depth == 0:
             return
         forward = [m for stage in stages for m in stage]
         backward = [m for stage in reversed(stages) for m in stage]
-        for order, setter in ((forward, "set_modules_to_forward_prefetch"), (backward, "set_modules_to_backward_prefetch")):
-            for i, module in enumerate(order):
-                if ahead := order[i + 1:i + 1 + self.prefetch_depth]:
-                    getattr(module, setter)(ahead)
+        position = {id(m): i for i, m in enumerate(forward)}
+        for stage in stages:
+            lists = [forward[position[id(m)] + 1:position[id(m)] + 1 + self.prefetch_depth] for m in stage]
+            if targets := list(dict.fromkeys(t for ahead in lists for t in ahead)):
+                stage[0].set_modules_to_forward_prefetch(targets)
+        for i, module in enumerate(backward):
+            if targets := backward[i + 1:i + 1 + self.prefetch_depth]:
+                module.set_modules_to_backward_prefetch(targets)
 
     # ---- training -------------------------------------------------------------------------------
     def clip_grad_by_norm(self, optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:

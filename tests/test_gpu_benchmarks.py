@@ -6,9 +6,11 @@ test (succeed, fail, hang), so the driver's budget, time boxes and exit status a
 
 import json
 import os
+import signal
 import stat
 import subprocess
 import sys
+import time
 from argparse import Namespace
 from pathlib import Path
 
@@ -22,6 +24,7 @@ FAKE_PYTHON = """#!/usr/bin/env bash
 # stand-in interpreter: "-c" prints a version line; a benchmark script behaves as $BEHAVIOUR_<name> says
 [[ $1 == -c ]] && { echo "torch fake lightning fake gpus 1"; exit 0; }
 name=$(basename "$1" .py)
+echo "{\\"part\\": \\"$name\\", \\"box_s\\": $GPU_ALL_BOX_S}"
 case $(printenv "BEHAVIOUR_$name") in
   fail) echo "{\\"part\\": \\"$name\\", \\"status\\": \\"failed\\"}"; exit 3 ;;
   hang) echo "{\\"part\\": \\"$name\\", \\"started\\": true}"; sleep 60 ;;
@@ -36,7 +39,7 @@ def run_gpu_all(tmp_path: Path, budget: int, **behaviour: str) -> subprocess.Com
     fake = bin_dir / "python"
     fake.write_text(FAKE_PYTHON)
     fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
-    env = clean_env(PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", OUT=str(tmp_path / "out"),
+    env = clean_env(PYTHON=str(fake), OUT=str(tmp_path / "out"),
                     **{f"BEHAVIOUR_{k}": v for k, v in behaviour.items()})
     return subprocess.run(["bash", str(REPO_ROOT / "benchmarks" / "gpu_all.sh"), str(budget)], env=env,
                           capture_output=True, text=True, timeout=120)
@@ -47,10 +50,11 @@ def test_gpu_all_runs_every_part_reports_failures_and_exits_nonzero(tmp_path):
     lines = done.stdout.splitlines()
     assert "gpu_all: total budget 420 s" in lines[0]
     parts = [line.split("--- ")[1].split(" ")[0] for line in lines if "--- " in line]
-    assert parts == ["smoke", "offload", "attention", "muon", "strategy", "memory"]  # smoke first, then by value
+    assert parts == ["smoke", "offload", "attention", "muon", "strategy"]  # smoke first, then by value
     assert "gpu_all: FAILED muon (exit 3)" in lines and "gpu_all: ok strategy" in lines
     assert done.returncode == 1 and "FAILED PARTS: muon:exit3" in done.stdout
-    assert (tmp_path / "out" / "strategy.log").read_text().strip() == '{"part": "gpu_strategy", "status": "ok"}'
+    assert (tmp_path / "out" / "strategy.log").read_text().splitlines() == [
+        '{"part": "gpu_strategy", "box_s": 60}', '{"part": "gpu_strategy", "status": "ok"}']  # told its time box
 
 
 def test_gpu_all_exits_zero_only_when_every_part_succeeded(tmp_path):
@@ -62,7 +66,7 @@ def test_gpu_all_time_boxes_a_hanging_part_and_skips_what_the_budget_cannot_hold
     done = run_gpu_all(tmp_path, 17, gpu_offload="hang")
     assert '{"part": "gpu_offload", "started": true}' in done.stdout  # printed before the hang, kept
     assert "gpu_all: TIMEOUT offload" in done.stdout
-    assert "gpu_all: SKIPPED muon" in done.stdout and "gpu_all: SKIPPED memory" in done.stdout
+    assert "gpu_all: SKIPPED muon" in done.stdout and "gpu_all: SKIPPED strategy" in done.stdout
     assert done.returncode == 1
 
 
@@ -78,6 +82,45 @@ def child_args(**overrides) -> Namespace:
 def test_gpu_strategy_reports_a_child_that_runs_out_of_time(gpu_strategy):
     result = gpu_strategy.run_child(0, child_args(), timeout=0.5)
     assert result["status"] == "timeout" and result["unshard_async_op"] is False and result["prefetch_depth"] == 1
+
+
+def test_gpu_strategy_budget_follows_the_time_box_and_sigterm_kills_the_child_group(tmp_path):
+    """gpu_all.sh's ``timeout`` signals gpu_strategy.py only; its variant runs in a session of its own, so the
+    script must kill that group itself, or a timed-out variant keeps training on the GPU."""
+    os.environ["GPU_ALL_BOX_S"] = "60"
+    try:
+        assert load_benchmark("gpu_strategy").default_budget() == 50  # 10 s left to report and stop
+    finally:
+        del os.environ["GPU_ALL_BOX_S"]
+    child_pid = tmp_path / "child.pid"
+    script = f"""
+import os, sys, time
+sys.path.insert(0, {str(REPO_ROOT)!r})
+from tests.benchmark_script import load_benchmark
+from argparse import Namespace
+module = load_benchmark("gpu_strategy")
+fake_child = {str(tmp_path / "child.sh")!r}
+module.sys.executable = fake_child
+module.stop_children_on_sigterm()
+module.run_child(0, Namespace(devices=1, warmup=1, steps=1, peak_flops=None), timeout=300)
+"""
+    (tmp_path / "child.sh").write_text(f"#!/usr/bin/env bash\necho $$ > {child_pid}\nsleep 300\n")
+    (tmp_path / "child.sh").chmod(0o755)
+    parent = subprocess.Popen([sys.executable, "-c", script], env=clean_env())
+    for _ in range(3000):  # importing torch and Lightning may take a while on a loaded machine
+        if child_pid.exists() and child_pid.read_text().strip() or parent.poll() is not None:
+            break
+        time.sleep(0.1)
+    pid = int(child_pid.read_text())
+    parent.send_signal(signal.SIGTERM)
+    assert parent.wait(timeout=60) == 128 + signal.SIGTERM
+    for _ in range(100):
+        if subprocess.run(["ps", "-o", "stat=", "-p", str(pid)], capture_output=True, text=True).stdout.strip() in ("", "Z"):
+            break
+        time.sleep(0.1)
+    else:
+        os.killpg(pid, signal.SIGKILL)
+        raise AssertionError("the variant's process outlived gpu_strategy.py")
 
 
 def test_gpu_strategy_reports_a_child_that_fails_with_its_error(gpu_strategy, monkeypatch):
@@ -100,16 +143,35 @@ def test_gpu_smoke_dry_run_trains_the_1t_mini_path_on_cpu(gpu_smoke, capsys):
     assert [row["step"] for row in rows] == [0, 1]  # one line per step, printed as it ends
 
 
-def test_gpu_smoke_names_the_package_frame_that_synchronised(gpu_smoke):
-    """On CUDA, set_sync_debug_mode("warn") warns inside the op; the probe records the innermost frame of
-    moe_lightning on the Python stack at that moment (here: the model's forward calling into a hooked op)."""
-    from moe_lightning.model import MoEConfig, MoETransformer
-    probe = gpu_smoke.SmokeProbe(probe_step=0)
-    model = MoETransformer(MoEConfig(vocab_size=32, dim=16, n_layers=1, n_heads=2, n_kv_heads=1, max_seq_len=8,
-                                     ffn_hidden=16, n_dense_layers=1, num_experts=2, top_k=1, expert_hidden=16))
-    model.norm.register_forward_hook(lambda *_: probe._show("called a synchronizing CUDA operation", UserWarning,
-                                                             "x.py", 1))
-    model(torch.zeros(1, 4, dtype=torch.long))
-    assert len(probe.sync_sites) == 1 and probe.sync_sites[0].startswith("transformer.py:")
-    probe._show("an unrelated warning", UserWarning, "x.py", 1)
-    assert len(probe.sync_sites) == 1
+def test_gpu_smoke_counts_every_blocking_cuda_call_and_names_the_package_frame(gpu_smoke):
+    """The profiler's CUDA runtime events, as ``events()`` gives them (name, enclosing op, that op's Python
+    stack, innermost first): stream, event and device synchronisation and synchronous copies count, launches
+    and asynchronous copies do not; each is named by the innermost frame of this package on the nearest stack."""
+    import moe_lightning
+    ours = str(Path(moe_lightning.__file__).resolve().parent / "module.py")
+    lightning_frame = str(Path(gpu_smoke.L.__file__).resolve().parent / "loops" / "x.py") + "(3): run"
+
+    def event(name, parent=None, stack=()):
+        return Namespace(name=name, cpu_parent=parent, stack=list(stack))
+    item = event("aten::item", stack=[f"{ours}(158): _loss", lightning_frame])
+    wait = event("aten::record_stream", stack=[lightning_frame])
+    events = [event("cudaLaunchKernel", item), event("cudaMemcpyAsync", item), event("cudaStreamSynchronize", item),
+              event("cudaEventSynchronize", wait), event("cudaDeviceSynchronize"), event("cudaMemcpy", item)]
+    assert gpu_smoke.sync_sites(events) == ["module.py(158): _loss", "x.py(3): run", "unknown",
+                                            "module.py(158): _loss"]
+
+
+def test_gpu_attention_reports_every_shape_before_failing_on_a_relative_difference(monkeypatch, capsys):
+    """A wrong kernel must still leave the numbers of both shapes (GQA, then MLA) in the log; the difference is
+    relative to the reference's magnitude (outputs and gradients reach ~30 at 8k tokens: an absolute bound
+    would fail on bf16 rounding alone)."""
+    module = load_benchmark("gpu_attention")
+    flex_attend = module.flex_attend
+    monkeypatch.setattr(module, "flex_attend", lambda *args: flex_attend(*args) * 1.001)
+    with pytest.raises(AssertionError, match="gqa.*mla"):
+        module.main(["--dry-run", "--runs", "1"])
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(":")[0] for line in lines] == ["gqa", "mla"]
+    assert all("max relative diff 1.0" in line for line in lines)  # 1e-3: the 0.1 % the stand-in kernel adds
+    big = torch.full((4,), 30.0)
+    assert module.relative_diff(big + 0.125, big) == pytest.approx(0.125 / 30)

@@ -199,4 +199,5 @@ def test_fsdp_chunked_run_equals_unchunked_and_gathers_the_head_once(fsdp_runs):
     # 32 tokens x 2 sequences in chunks of 5: 13 chunks, yet the same collectives as the full-logits run
     for c, f in zip(chunked["batches"], full["batches"]):
         assert c["calls"] == f["calls"] and c["bytes"] == f["bytes"]
-    assert full["batches"][1]["calls"].get("all_gather_single", 0) > 0  # the counter sees FSDP2's gathers
+    calls = full["batches"][1]["calls"]  # the counter sees FSDP2's gathers (whichever API the torch version uses)
+    assert calls.get("all_gather_single", 0) + calls.get("all_gather_into_tensor", 0) > 0

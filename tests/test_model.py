@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from moe_lightning.model import ConfigError, GroupedExperts, MoEConfig, MoELayer, MoETransformer, Router
+from moe_lightning.model.grouped_mm import grouped_mm_runs
 
 TINY = dict(vocab_size=64, dim=32, n_layers=3, n_heads=4, n_kv_heads=2, max_seq_len=32, ffn_hidden=64,
             n_dense_layers=1, num_experts=8, top_k=2, expert_hidden=16, n_shared_experts=1)
@@ -237,6 +238,24 @@ def test_expert_widths_grouped_mm_cannot_align_fall_back_to_the_loop():
     logits = model(tokens)
     torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens.flatten()).backward()
     assert model.layers[1].ffn.experts.w1_EFD.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("device, dtype, rows, capability, compiling, grouped", [
+    ("cpu", torch.float32, (128, 256), None, False, True),
+    ("cpu", torch.float32, (128, 40), None, False, False),        # 10-wide fp32 rows: not 16-byte multiples
+    ("cuda", torch.bfloat16, (256, 512), (9, 0), False, True),    # Hopper: the fused kernel
+    ("cuda", torch.bfloat16, (256, 512), (8, 0), False, False),   # Ampere, eager: the loop syncs once per layer,
+    ("cuda", torch.float32, (128, 256), (9, 0), False, False),    # _grouped_mm's fallback once per call
+    ("cuda", torch.float32, (128, 256), (9, 0), True, True),      # compiled: the fallback, no graph break
+    ("cuda", torch.bfloat16, (256, 512), (8, 0), True, True),
+    ("cuda", torch.float16, (256, 512), (7, 5), True, True),
+    ("cuda", torch.float32, (128, 40), (9, 0), True, False),      # misaligned rows fail on every device
+    ("cuda", torch.float64, (128, 256), (9, 0), True, False),     # no _grouped_mm for fp64
+    ("mps", torch.float32, (128, 256), None, True, False),
+])
+def test_experts_take_grouped_mm_wherever_it_runs_and_the_loop_only_where_it_costs_less(
+        device, dtype, rows, capability, compiling, grouped):
+    assert grouped_mm_runs(device, dtype, rows, capability, compiling) is grouped
 
 
 def test_router_scores_stay_fp32_under_bf16_autocast():

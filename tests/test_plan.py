@@ -3,13 +3,15 @@
 import contextlib
 import io
 import json
+import math
 
 import pytest
+import torch
 import yaml
 
 from moe_lightning.cli import run
 from moe_lightning.flops import training_flops_per_token
-from moe_lightning.model import MoEConfig
+from moe_lightning.model import MoEConfig, MoETransformer
 from moe_lightning.plan import GiB, Cluster, Workload, count_parameters, plan
 from tests.distributed import REPO_ROOT
 
@@ -56,13 +58,38 @@ def test_memory_formulas_adamw_and_muon():
     assert adamw["memory"]["without_offload"]["gpu_peak_bytes"] == peak
 
 
+def pinned_shards(shard: int) -> int:
+    """Pinned host bytes of TINY's fp32 parameter shards (dim 0 split ``shard`` ways), a power-of-two block each."""
+    with torch.device("meta"):
+        shards = [math.ceil(p.shape[0] / shard) * p[0].numel() * 4 for p in MoETransformer(TINY).parameters()]
+    pinned = sum(2 ** math.ceil(math.log2(b)) for b in shards)
+    assert pinned > sum(shards)  # the rounding shows at this size
+    return pinned
+
+
 def test_cpu_and_activation_offload_move_bytes_to_host():
     result = tiny_plan(cpu_offload=True, offload_prefetch=0)  # ActivationOffload(prefetch=0)
     without, with_ = result["memory"]["without_offload"], result["memory"]["with_offload"]
     assert "gradients (fp32)" not in without["gpu_bytes"]
-    assert without["host_bytes"] == 16 * TOTAL // 4
+    # parameters and gradients pinned: each fp32 shard (dim 0 split 4 ways) in a power-of-two block; AdamW's
+    # state pageable
+    pinned = pinned_shards(4)
+    assert without["host_bytes"] == 2 * pinned + 8 * TOTAL // 4
     assert with_["gpu_bytes"]["boundary activations"] == 2 * 8 * 32 * 2  # only the block in backward
-    assert with_["host_bytes"] == 16 * TOTAL // 4 + 1 * 2 * 8 * 32 * 2  # 2 layers, the last one's input stays
+    assert with_["host_bytes"] == 2 * pinned + 8 * TOTAL // 4 + 1 * 2 * 8 * 32 * 2  # the last block's input stays
+
+
+def test_async_checkpoint_stages_the_sharded_state_in_host_memory(tmp_path, capsys):
+    without = tiny_plan()["memory"]["with_offload"]
+    staged = tiny_plan(async_checkpoint=True)["memory"]["with_offload"]
+    assert staged["host_bytes_by_row"]["async checkpoint staging"] == (4 + 8) * TOTAL // 4  # fp32 shards + AdamW
+    assert staged["host_bytes"] == without["host_bytes"] + (4 + 8) * TOTAL // 4
+    config = tmp_path / "async.yaml"
+    config.write_text(yaml.safe_dump({"trainer": {"strategy": {"class_path": "moe_lightning.strategy.MoEFSDPStrategy",
+                                                               "init_args": {"async_checkpoint": True}}},
+                                      "model": {"init_args": {"config": {"vocab_size": 64}}}}))
+    run(["plan", "--config", str(config), "--json"])
+    assert json.loads(capsys.readouterr().out)["inputs"]["async_checkpoint"] == [True, "config"]
 
 
 def test_throughput_from_mfu():
@@ -85,6 +112,8 @@ def test_one_trillion_on_384_gh200_matches_the_reference_run():
     # Offloading moves all but (1 + prefetch) of the 61 boundary activations (53.4 GiB) off the GPU.
     saved = memory["without_offload"]["gpu_peak_bytes"] - memory["with_offload"]["gpu_peak_bytes"]
     assert saved == 59 * 65536 * 7168 * 2
+    # each offloaded boundary activation (896 MiB) is a pinned block of 1 GiB: 60 GiB, not 52.5
+    assert memory["with_offload"]["host_bytes_by_row"]["boundary activations (pinned)"] == 60 * GiB
     assert abs(result["parameters"]["total"] / 951.9e9 - 1) < 0.01
 
 
@@ -96,8 +125,8 @@ def test_table_output_and_clear_errors(capsys):
     assert "boundary activations 53.4 GiB per GPU" in table
     rows = ["boundary activations", "block recompute working set", "loss working set", "all-gather buffers (bf16)",
             "reduce-scatter buffers", "runtime reserve", "peak (larger working set only)",
-            "host: sharded parameters (fp32)", "host: gradients (fp32)", "host: optimizer state (muon)",
-            "host: boundary activations (offloaded)", "host memory per GPU", "fits"]
+            "host: sharded params (fp32, pinned)", "host: gradients (fp32, pinned)", "host: optimizer state (muon)",
+            "host: boundary activations (pinned)", "host memory per GPU", "fits"]
     assert all(any(line.startswith(row + " ") for line in table.splitlines()) for row in rows)
     # 1t.yaml runs ActivationOffload with FSDP CPU offload: that column is the verdict, and it fits
     assert "act. offload*" in table and "verdict           fits as configured" in table
@@ -144,13 +173,15 @@ def test_plan_of_a_yaml_uses_the_configs_mesh_offload_batch_chunk_and_optimizer(
     assert (w["micro_batch"], w["seq_len"], w["optimizer"], w["cpu_offload"], w["prefetch_depth"]) == \
         (3, 12, "muon", True, 2)
     assert (w["loss_chunk"], w["activation_offload"], w["offload_prefetch"]) == (5, True, 0)
-    assert [name for name, (_, origin) in result["inputs"].items() if origin != "config"] == ["shard_size"]
+    assert [name for name, (_, origin) in result["inputs"].items() if origin != "config"] == ["shard_size",
+                                                                                           "async_checkpoint"]
     # and the numbers follow: shard group of 2, 36 tokens, chunked loss, 1 + 0 boundary blocks kept on the GPU
     gpu, host = result["memory"]["with_offload"]["gpu_bytes"], result["memory"]["with_offload"]["host_bytes"]
     assert gpu["loss working set"] == 8 * 64 * 5 + 6 * 64 * 32
     assert gpu["boundary activations"] == 36 * 32 * 2
     muon = ROLES["hidden_matrix"] + ROLES["expert_stack"]
-    assert host == (8 * TOTAL + 4 * muon + 8 * (TOTAL - muon)) // 2 + 36 * 32 * 2  # state / 2 + block 0's input
+    # pinned parameter and gradient shards, Muon's state / 2, block 0's input (2304 B) in a 4096 B pinned block
+    assert host == 2 * pinned_shards(2) + (4 * muon + 8 * (TOTAL - muon)) // 2 + 4096
     largest_unit = 64 + ATTENTION + 128 + 1536 + 6144 // 2
     assert gpu["all-gather buffers (bf16)"] == 3 * 2 * largest_unit  # prefetch_depth 2
     assert result["configured"] == "with_offload" and result["fits"] == result["memory"]["with_offload"]["fits"]

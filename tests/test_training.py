@@ -47,6 +47,15 @@ def test_print_config_documents_model_data_and_optimizer_arguments(capsys):
     assert printed["data"]["init_args"]["source"] == "stdlib"
 
 
+def test_default_lr_scheduler_is_written_as_an_import_path(capsys):
+    """The default schedule must round-trip through ``config.yaml``: a ``functools.partial`` default is written
+    as "Unable to serialize instance ..." (jsonargparse 4.53) or refuses every config (4.32-4.47)."""
+    with pytest.raises(SystemExit):
+        run(["fit", "--model", "moe_lightning.MoELanguageModel", "--print_config"])
+    scheduler = yaml.safe_load(capsys.readouterr().out)["model"]["init_args"]["lr_scheduler"]
+    assert scheduler == "moe_lightning.module.default_lr_scheduler"
+
+
 def test_vocab_smaller_than_tokenizer_is_refused_before_training(tmp_path):
     with pytest.raises(ValueError, match="model.config.vocab_size"):
         run(["fit", "--config", str(CONFIGS / "tiny.yaml"), "--model.init_args.config.vocab_size=200",

@@ -28,3 +28,11 @@ def log_to_loggers(trainer: L.Trainer, metrics: dict[str, float]) -> None:
     """Bypasses ``self.log``: Lightning would drop values logged off its own ``log_every_n_steps`` grid."""
     for logger in trainer.loggers:
         logger.log_metrics(metrics, step=trainer.global_step)
+
+
+def logs_written(trainer: L.Trainer) -> bool:
+    """Whether Lightning writes what ``self.log`` receives in this training batch: the optimizer step's last
+    micro-batch on the ``log_every_n_steps`` grid (its ``update_train_step_metrics``). Log per-step numbers only
+    then: each Python number logged becomes a device tensor through a blocking host-to-device copy."""
+    return not trainer.fit_loop._should_accumulate() and bool(trainer._logger_connector.should_update_logs
+                                                              or trainer.fast_dev_run)

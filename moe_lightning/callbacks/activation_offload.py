@@ -24,6 +24,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from ._logging import logs_written
+
 
 class _Boundary:
     """One block's input for one forward: kept on device, or offloaded with a host copy."""
@@ -81,9 +83,10 @@ class ActivationOffload(L.Callback):
         self.reset_counters()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        pl_module.log_dict({"offload/bytes": float(self.bytes_offloaded),
-                            "offload/tensors_out": float(self.tensors_offloaded),
-                            "offload/tensors_in": float(self.tensors_copied_in)})
+        if logs_written(trainer):  # Python numbers: each logged one is a blocking host-to-device copy
+            pl_module.log_dict({"offload/bytes": float(self.bytes_offloaded),
+                                "offload/tensors_out": float(self.tensors_offloaded),
+                                "offload/tensors_in": float(self.tensors_copied_in)})
 
     def reset_counters(self) -> None:
         self.bytes_offloaded = self.tensors_offloaded = self.tensors_copied_in = 0

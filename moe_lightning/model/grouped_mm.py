@@ -9,6 +9,38 @@ Rows of ``x_TI`` are grouped by expert; ``offsets_E`` (int32) holds the cumulati
 
 import torch
 
+GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # _grouped_mm_validate_inputs (GroupedMMUtils.h)
+
+
+def grouped_mm_runs(device_type: str, dtype: torch.dtype, row_bytes: tuple[int, ...],
+                    capability: tuple[int, int] | None, compiling: bool) -> bool:
+    """Whether the experts use ``torch._grouped_mm`` (else the per-expert loop of ``GroupedExperts``).
+
+    It runs on CPU, and on CUDA in fp32/bf16/fp16 on any GPU: bf16 on Hopper (sm90) or newer takes the fused
+    kernel, everything else ``_grouped_mm_fallback`` (torch 2.11 ``ATen/native/GroupedMMUtils.h``), which
+    copies the offsets to the host (``offs.cpu()``) in every call: 3 syncs per MoE layer in forward and up
+    to 6 in backward, where the loop syncs once (``tolist``). So on CUDA without the fused kernel the loop runs
+    in eager mode, and the fallback only under ``torch.compile``, where the loop's ``tolist`` cannot be traced
+    (``fullgraph=True`` fails) but an opaque kernel may sync inside. Every operand's rows (and strides) must
+    be multiples of 16 bytes on every device (``check_valid_strides_and_return_transposed``).
+    """
+    if dtype not in GROUPED_MM_DTYPES or any(n % 16 for n in row_bytes):
+        return False
+    if device_type == "cpu":
+        return True
+    if device_type != "cuda":
+        return False
+    fused = dtype == torch.bfloat16 and capability is not None and capability[0] >= 9
+    return fused or compiling
+
+
+def use_grouped_mm(x_TD: torch.Tensor, hidden: int) -> bool:
+    """``grouped_mm_runs`` for expert inputs ``x_TD`` and expert hidden size ``hidden``."""
+    cuda = x_TD.device.type == "cuda"
+    return grouped_mm_runs(x_TD.device.type, x_TD.dtype, tuple(n * x_TD.element_size() for n in (x_TD.shape[-1], hidden)),
+                           torch.cuda.get_device_capability(x_TD.device) if cuda else None,
+                           torch.compiler.is_compiling())
+
 
 @torch.library.custom_op("moe_lightning::grouped_linear", mutates_args=())
 def grouped_linear(x_TI: torch.Tensor, w_EOI: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:

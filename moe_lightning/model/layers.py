@@ -4,6 +4,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..loss import chunked_cross_entropy
 from .grouped_mm import grouped_linear, grouped_weight_grad
 
 
@@ -42,6 +43,29 @@ class RMSNorm(nn.Module):
 
     def init_weights(self) -> None:
         nn.init.ones_(self.weight)
+
+
+class OutputHead(nn.Linear):
+    """The output projection, with a second entry point besides ``forward``: the chunked loss.
+
+    ``cross_entropy`` reads the weight without building the ``[tokens, vocab]`` logits (``cross_entropy_sums``:
+    several at once, for multi-token prediction). They are methods of the head module, not free functions handed
+    ``head.weight``, so that a wrapper sees the head run: FSDP2
+    registers it as a forward method (``register_fsdp_forward_method``), gathers the weight around it, and
+    the head's unit completes its forward in every step, validation included (torch 2.11 otherwise keeps the
+    unit "mid-forward" after a validation, and a checkpoint's reshard then breaks the next step).
+    """
+
+    def cross_entropy(self, h_TD: torch.Tensor, targets_T: torch.Tensor, chunk_size: int) -> torch.Tensor:
+        return chunked_cross_entropy(h_TD, self.weight, targets_T, chunk_size)
+
+    def cross_entropy_sums(self, hs_TD: list[torch.Tensor], targets: list[torch.Tensor],
+                           chunk_size: int | None) -> list[torch.Tensor]:
+        """Summed cross-entropy of each ``(h_TD, targets_T)`` pair (multi-token prediction's depths) in one call
+        of the head, chunked or not."""
+        return [F.cross_entropy(F.linear(h_TD, self.weight).float(), targets_T, reduction="sum") if chunk_size is None
+                else chunked_cross_entropy(h_TD, self.weight, targets_T, chunk_size, reduction="sum")
+                for h_TD, targets_T in zip(hs_TD, targets)]
 
 
 def autocast_dtype(x: torch.Tensor) -> torch.dtype:

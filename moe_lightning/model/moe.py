@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import MoEConfig
-from .grouped_mm import grouped_linear
+from .grouped_mm import grouped_linear, use_grouped_mm
 from .layers import SwiGLU, autocast_dtype, gated_down
 
 
@@ -82,16 +82,6 @@ class Router(nn.Module):
         self.expert_bias.zero_()
 
 
-def _grouped_mm_supported(x: torch.Tensor, hidden: int) -> bool:
-    """``torch._grouped_mm`` runs on CPU (any float) and on CUDA in bf16 on Hopper or newer, and needs rows
-    of every operand to be multiples of 16 bytes; anything else takes the per-expert loop."""
-    if any(n * x.element_size() % 16 for n in (x.shape[-1], hidden)):
-        return False
-    if x.device.type == "cpu":
-        return True
-    return x.device.type == "cuda" and x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device)[0] >= 9
-
-
 class GroupedExperts(nn.Module):
     """All routed experts of a layer as 3-D stacks ``[E, out, in]`` so each expert is one matrix.
 
@@ -114,7 +104,7 @@ class GroupedExperts(nn.Module):
         """Each row through its expert, times its routing weight ``scale_T1`` if given."""
         x_TD = x_TD.to(autocast_dtype(x_TD))
         scale_T1 = scale_T1.to(x_TD.dtype) if scale_T1 is not None else None
-        if not _grouped_mm_supported(x_TD, self.w1_EFD.shape[1]):
+        if not use_grouped_mm(x_TD, self.w1_EFD.shape[1]):
             return self.forward_loop(x_TD, tokens_per_expert_E, scale_T1)
         w1, w3 = (w.to(x_TD.dtype) for w in (self.w1_EFD, self.w3_EFD))
         offsets_E = torch.cumsum(tokens_per_expert_E, dim=0, dtype=torch.int32)

@@ -10,7 +10,7 @@ from torch import nn
 from .attention import DocumentMask, GroupedQueryAttention, document_ids
 from .config import MoEConfig
 from .kv_cache import KVCache
-from .layers import RMSNorm, SwiGLU
+from .layers import OutputHead, RMSNorm, SwiGLU
 from .mla import MultiHeadLatentAttention
 from .moe import MoELayer
 from .mtp import MTPModule
@@ -48,7 +48,7 @@ class MoETransformer(nn.Module):
         self.layers = nn.ModuleList(Block(config, i) for i in range(config.n_layers))
         self.norm = RMSNorm(config.dim, config.norm_eps)
         self.rotary = Rotary(config, config.qk_rope_head_dim if config.attention == "mla" else config.head_dim)
-        self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
+        self.output = OutputHead(config.dim, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         # each module's block is shaped like the last layer (dense or MoE); built last, so models without
@@ -61,7 +61,7 @@ class MoETransformer(nn.Module):
     def forward(self, tokens_BS: torch.Tensor, *, cache: KVCache | None = None,
                 return_hidden: bool = False, mtp: bool = False) -> torch.Tensor | list[torch.Tensor]:
         """Logits ``[B, S, V]``, or with ``return_hidden`` the final-normed hidden states ``[B, S, D]`` (for a
-        loss that applies ``self.output`` itself, e.g. chunk by chunk). With ``cache`` the tokens continue the
+        loss that applies the head itself: ``self.output.cross_entropy``). With ``cache`` the tokens continue the
         cached positions, which it then holds. With ``mtp`` (training, no cache): the hidden states of every
         depth, ``[h^0 [B, S, D], h^1 [B, S-1, D], ..., h^D [B, S-D, D]]`` (``h^0`` the main model's; see
         ``model/mtp.py``), each ready for the shared output head.
