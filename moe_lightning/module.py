@@ -12,6 +12,7 @@ from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from . import hf
+from .callbacks.final_checkpoint import FinalCheckpoint
 from .callbacks.nonfinite import NonFiniteGuard
 from .generate import stream
 from .loss import chunked_cross_entropy
@@ -197,10 +198,10 @@ class MoELanguageModel(L.LightningModule):
         self.log("train/perplexity", mean.exp())
 
     def configure_callbacks(self):
-        """The non-finite-loss guard runs in every fit (unless the trainer already has one, e.g. from YAML)."""
-        if self._trainer is not None and any(isinstance(cb, NonFiniteGuard) for cb in self.trainer.callbacks):
-            return []
-        return [NonFiniteGuard()]
+        """The non-finite-loss guard and the final checkpoint run in every fit (unless the trainer already has
+        them, e.g. from YAML)."""
+        present = self.trainer.callbacks if self._trainer is not None else []
+        return [cls() for cls in (NonFiniteGuard, FinalCheckpoint) if not any(isinstance(cb, cls) for cb in present)]
 
     def on_before_optimizer_step(self, optimizer) -> None:
         """Once per optimizer step, after every micro-batch's backward: move the balancing bias using the

@@ -18,7 +18,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 
 from moe_lightning import MoEConfig, MoELanguageModel, TextDataModule
-from moe_lightning.callbacks import NonFiniteGuard, NonFiniteLossError
+from moe_lightning.callbacks import FinalCheckpoint, NonFiniteGuard, NonFiniteLossError
 from moe_lightning.cli import default_precision, run
 from moe_lightning.model.config import ConfigError
 from moe_lightning.resume import ResumeMismatchError
@@ -116,10 +116,10 @@ def test_no_checkpoint_with_a_nonfinite_tensor_is_written_and_earlier_ones_stay(
 
 def test_model_adds_the_guard_once():
     module = MoELanguageModel(MoEConfig(**SMALL))
-    assert [type(c) for c in module.configure_callbacks()] == [NonFiniteGuard]
+    assert [type(c) for c in module.configure_callbacks()] == [NonFiniteGuard, FinalCheckpoint]
     trainer = L.Trainer(accelerator="cpu", callbacks=[NonFiniteGuard(check_every_n_steps=1)], logger=False)
     module.trainer = trainer
-    assert module.configure_callbacks() == []  # the one from the config (its cadence) is kept
+    assert [type(c) for c in module.configure_callbacks()] == [FinalCheckpoint]  # the config's guard is kept
 
 
 # ---- 2. resuming a different model ------------------------------------------------------------
