@@ -84,8 +84,9 @@ class MoELanguageModel(L.LightningModule):
             ``param_names``); built in ``configure_optimizers`` so it sees the sharded parameters.
         lr_scheduler: Builds the per-step LR schedule from the optimizer.
         weight_decay: Decoupled weight decay for matrices (never norms, biases, embeddings).
-        pretrained: A Hugging Face model directory to start from: its ``config.json`` gives the model (``config``
-            may only change training settings) and its safetensors the weights, read by each rank for its shards.
+        pretrained: A Hugging Face model directory to start from: its ``config.json`` gives the model's shape
+            (``config`` keeps only its training settings, the other fields it sets are replaced and logged) and its
+            safetensors the weights, read by each rank for its shards.
         loss_chunk_size: Tokens per chunk of the output head + cross-entropy (``moe_lightning.loss``), so
             the ``[tokens, vocab]`` logits never exist at once; ``None``: one full-logits cross-entropy.
         compile: ``torch.compile`` every block's forward (see ``compile_blocks``); works in fp32 and bf16,
@@ -105,7 +106,10 @@ class MoELanguageModel(L.LightningModule):
         if isinstance(config, dict):  # rebuilt from a checkpoint's hyperparameters (load_from_checkpoint)
             config = MoEConfig(**config)
         if pretrained is not None:
-            config = hf.merge_config(pretrained, config)  # before save_hyperparameters, which records it
+            given, config = config, hf.merge_config(pretrained, config)  # before save_hyperparameters records it
+            if given is not None and (replaced := hf.replaced_fields(given, config)):
+                rank_zero_info(f"pretrained={pretrained!r} gives the model's shape; replaced from the config: "
+                               + ", ".join(replaced))
         self.pretrained, self._pretrained_filled = pretrained, False
         self.config = config if config is not None else MoEConfig()
         self.optimizer_factory, self.lr_scheduler_factory = optimizer, lr_scheduler
