@@ -1,4 +1,5 @@
-"""``moe-lightning``: LightningCLI's fit/validate/test/predict, plus generate, tokenize, plan, export."""
+"""LightningCLI's fit/validate/test/predict for ``moe-lightning`` (the command table and the other commands:
+``moe_lightning.commands``)."""
 
 import importlib
 import inspect
@@ -13,25 +14,13 @@ from jsonargparse import DefaultHelpFormatter, Namespace
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 
+from .commands import COMMANDS, EXTRA_COMMANDS, main, run  # noqa: F401  (re-exported: the entry points before)
 from .data import TextDataModule
 from .generate import Sampling, encode_prompt
 from .loading import checkpoint_tokenizer
 from .module import MoELanguageModel
 from .parallel.checkpoint import PARTIAL_SUFFIX
 from .resume import check_resume, checkpoint_hyperparameters
-
-# Every command with one line, for `moe-lightning --help` (LightningCLI's own listing shows only its four).
-COMMANDS = {
-    "fit": "train a model from a YAML config (--config configs/tiny.yaml)",
-    "validate": "loss on the validation split, from a config and --ckpt_path",
-    "test": "loss and perplexity on the held-out split (or another --data.init_args.source)",
-    "predict": "continue every prompt of a JSONL file (--prompts in.jsonl --out out.jsonl)",
-    "generate": "continue a prompt from any checkpoint, streaming the text (CKPT --prompt TEXT)",
-    "tokenize": "pre-tokenize a corpus into a memory-mapped .npy token file",
-    "plan": "memory and speed plan of a config on a cluster, without GPUs",
-    "export": "write any checkpoint as one inference file that records its tokenizer",
-    "convert": "Hugging Face folder <-> single-file checkpoint",
-}
 
 
 class SaveConfigBesideLogs(SaveConfigCallback):
@@ -302,41 +291,8 @@ class MoECLI(LightningCLI):
             raise
 
 
-# Commands beside LightningCLI's subcommands: name -> "module:function(argv)", imported only when used.
-EXTRA_COMMANDS = {
-    "generate": "moe_lightning.generate:main",
-    "tokenize": "moe_lightning.data:tokenize_main",
-    "plan": "moe_lightning.plan:main",
-    "export": "moe_lightning.hf.convert:export_main",  # --hf writes Hugging Face; otherwise loading.export_main
-    "convert": "moe_lightning.hf.convert:convert_main",
-}
-
-
-def print_commands() -> None:
-    """Every command this install has (``convert`` comes with ``moe_lightning.hf``)."""
-    names = [name for name in COMMANDS if name in EXTRA_COMMANDS or name in MoECLI.subcommands()]
-    width = max(map(len, names))
-    lines = [f"  {name:<{width}}  {COMMANDS[name]}" for name in names]
-    print("usage: moe-lightning COMMAND [options]   (moe-lightning COMMAND --help for its options)\n\n"
-          "Train Mixture-of-Experts language models with Lightning.\n\ncommands:\n" + "\n".join(lines))
-
-
-def main(argv: list[str] | None = None) -> None:
-    """Console entry point (its return value would become the exit status, so it returns nothing)."""
-    run(argv)
-
-
-def run(argv: list[str] | None = None) -> MoECLI | None:
-    """Run a command and return the CLI object (for tests and notebooks); ``argv=None`` reads the command line."""
-    if "" not in sys.path and "." not in sys.path:
-        sys.path.insert(0, "")  # like `python -m`: class_paths from the user's project resolve from cwd
-    words = sys.argv[1:] if argv is None else argv
-    if not words or words[0] in ("-h", "--help"):
-        print_commands()
-        return None
-    if words[0] in EXTRA_COMMANDS:
-        module_name, function_name = EXTRA_COMMANDS[words[0]].split(":")
-        return getattr(importlib.import_module(module_name), function_name)(words[1:])
+def lightning_cli(argv: list[str] | None = None) -> MoECLI:
+    """fit/validate/test/predict (``moe_lightning.commands.run`` dispatches here)."""
     descriptions = {name: {"description": COMMANDS[name]} for name in MoECLI.subcommands()}
     return MoECLI(MoELanguageModel, TextDataModule, subclass_mode_model=True, subclass_mode_data=True, args=argv,
                   parser_kwargs=descriptions, parser_class=MoEArgumentParser,
