@@ -45,19 +45,26 @@ def folder_kind(path: Path) -> str:
                      "nor a Hugging Face model (config.json).")
 
 
-def recorded_tokenizer(metadata: dict) -> dict:
-    """The spec a DataModule's ``state_dict`` put in the checkpoint; bytes for checkpoints older than that."""
+def recorded_tokenizer(metadata: dict) -> dict | None:
+    """The spec a DataModule's ``state_dict`` (or ``export``) put in the checkpoint; bytes for our checkpoints
+    older than that; ``None`` for a file converted from a Hugging Face folder, which records none."""
+    if "tokenizer" in metadata and "hyper_parameters" not in metadata:  # an export: {"config", "state_dict", ...}
+        return metadata["tokenizer"] or ByteTokenizer().spec()
     for value in metadata.values():
         if isinstance(value, dict) and isinstance(value.get("tokenizer"), dict) and "kind" in value["tokenizer"]:
             return value["tokenizer"]
-    return ByteTokenizer().spec()
+    return ByteTokenizer().spec() if "hyper_parameters" in metadata else None
+
+
+def tokenizer_spec(checkpoint: str | Path) -> dict | None:
+    """``recorded_tokenizer`` of any of our checkpoint kinds (tensors memory-mapped, not read)."""
+    path = resolve_checkpoint(Path(checkpoint))
+    return recorded_tokenizer(load_metadata(path / METADATA_FILE if path.is_dir() else path, mmap=True))
 
 
 def checkpoint_tokenizer(checkpoint: str | Path) -> ByteTokenizer | HFTokenizer:
-    """The tokenizer a sharded or single-file Lightning checkpoint recorded (its tensors memory-mapped, not read)."""
-    path = resolve_checkpoint(Path(checkpoint))
-    file = path / METADATA_FILE if path.is_dir() else path
-    return tokenizer_from_spec(recorded_tokenizer(load_metadata(file, mmap=True)))
+    """The tokenizer a checkpoint recorded, bytes when it recorded none."""
+    return tokenizer_from_spec(tokenizer_spec(checkpoint) or ByteTokenizer().spec())
 
 
 def _plain_config(hparams: dict, path: Path) -> dict:

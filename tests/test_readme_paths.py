@@ -44,3 +44,45 @@ def test_readme_fit_from_a_released_model_with_the_tiny_config(family, tmp_path,
     assert run.model.config == shape.__class__(**{**shape.__dict__, "max_seq_len": 128})
     replaced = next(m for m in lightning_log if "gives the model's shape; replaced from the config" in m)
     assert "dim=128 -> 32" in replaced and "ffn_hidden=384 -> 48" in replaced and "max_seq_len" not in replaced
+
+
+def _byte_run_checkpoint(tmp_path: Path) -> Path:
+    """A Lightning checkpoint of a byte-tokenizer run whose model Mixtral can hold."""
+    import lightning as L
+    import torch
+
+    from moe_lightning import MoEConfig, MoELanguageModel, TextDataModule
+
+    L.seed_everything(0)
+    config = MoEConfig(vocab_size=260, dim=32, n_layers=2, n_heads=2, n_kv_heads=1, max_seq_len=32, ffn_hidden=64,
+                       num_experts=4, top_k=2, expert_hidden=32, n_shared_experts=0, n_dense_layers=0,
+                       bias_update_rate=0.0)
+    trainer = L.Trainer(max_steps=3, accelerator="cpu", logger=False, enable_progress_bar=False, limit_val_batches=0,
+                        default_root_dir=tmp_path, enable_model_summary=False)
+    trainer.fit(MoELanguageModel(config, optimizer=lambda g: torch.optim.AdamW(g, lr=1e-2)),
+                TextDataModule("stdlib", seq_len=32, batch_size=2, max_tokens=20_000))
+    return next((tmp_path / "checkpoints").iterdir())
+
+
+def test_export_hf_of_a_byte_run_reads_back_in_tokenizers_transformers_and_generate(tmp_path, capsys):
+    tokenizers = pytest.importorskip("tokenizers")
+    ckpt = _byte_run_checkpoint(tmp_path)
+    cli.run(["export", str(ckpt), "--hf", "--out", str(tmp_path / "hf")])
+    text = "héllo wörld\n\tdef f(x):  return x ✓ 日本"
+    ids = list(text.encode("utf-8"))  # the byte tokenizer's ids
+
+    tok = tokenizers.Tokenizer.from_file(str(tmp_path / "hf" / "tokenizer.json"))
+    assert tok.encode(text).ids == ids and tok.decode(ids) == text
+    assert tok.token_to_id("<|endoftext|>") == 256 and tok.decode([*ids, 256]) == text
+
+    auto = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    assert auto(text)["input_ids"] == ids  # no BOS or other token added
+    assert auto.eos_token_id == 256 and auto.decode(ids) == text
+    assert auto.decode([*ids[:3], 256], skip_special_tokens=True) == text[:2]  # "h", "é" (2 bytes)
+
+    capsys.readouterr()
+    continuations = []
+    for source in (ckpt, tmp_path / "hf"):  # the export continues a prompt exactly as the checkpoint does
+        cli.run(["generate", str(source), "--prompt", "def ", "--max-new-tokens", "12", "--temperature", "0"])
+        continuations.append(capsys.readouterr().out)
+    assert continuations[0] == continuations[1] and continuations[0].startswith("def ")

@@ -172,8 +172,10 @@ def choose_family(config: MoEConfig, architecture: str | None = None):
 
 
 def write_pretrained(config: MoEConfig, get: Callable[[str], torch.Tensor], path: str | Path,
-                     architecture: str | None = None, max_shard_bytes: int = 5 * 2**30) -> Path:
-    """Write a Hugging Face directory, asking ``get(name)`` for one of our tensors at a time (streaming)."""
+                     architecture: str | None = None, max_shard_bytes: int = 5 * 2**30,
+                     files: dict[str, str] | None = None) -> Path:
+    """Write a Hugging Face directory, asking ``get(name)`` for one of our tensors at a time (streaming); ``files``
+    (name -> text, e.g. the tokenizer's) go in with it."""
     family = choose_family(config, architecture)
     hf_config = family.config_to_hf(config)
     sources = family.sources(config)
@@ -188,7 +190,7 @@ def write_pretrained(config: MoEConfig, get: Callable[[str], torch.Tensor], path
                 if key not in written:  # a tied head is the embedding
                     written.add(key)
                     yield key, tensor
-    return write_directory(path, hf_config, tensors(), max_shard_bytes)
+    return write_directory(path, hf_config, tensors(), max_shard_bytes, files)
 
 
 def save_pretrained(model: MoETransformer, path: str | Path, architecture: str | None = None,
