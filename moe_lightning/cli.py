@@ -1,6 +1,7 @@
 """LightningCLI's fit/validate/test/predict for ``moe-lightning`` (the command table and the other commands:
 ``moe_lightning.commands``)."""
 
+import dataclasses
 import importlib
 import inspect
 import json
@@ -16,7 +17,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 
 from .commands import COMMANDS, EXTRA_COMMANDS, main, run  # noqa: F401  (re-exported: the entry points before)
 from .data import TextDataModule
-from .generate import Sampling, encode_prompt
+from .generate import add_sampling_arguments, encode_prompt, sampling_from
 from .loading import checkpoint_tokenizer
 from .module import MoELanguageModel
 from .parallel.checkpoint import PARTIAL_SUFFIX
@@ -214,24 +215,22 @@ class MoECLI(LightningCLI):
         parser = super()._prepare_subcommand_parser(klass, subcommand, **kwargs)
         if subcommand == "predict":
             self._subcommand_method_arguments["predict"] += parser.add_method_arguments(
-                type(self), "predict", as_group=False, skip={"model", "datamodule", "trainer_kwargs"})
+                type(self), "predict", as_group=False, skip={"model", "datamodule", "trainer_kwargs", "sampling"})
+            self._subcommand_method_arguments["predict"] += add_sampling_arguments(parser)  # generate's, alike
         return parser
 
     def predict(self, model: MoELanguageModel, datamodule: TextDataModule | None = None, *, prompts: str = "",
-                out: str | None = None, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int | None = None,
-                top_p: float | None = None, stop: bool = True, seed: int = 0, **trainer_kwargs) -> None:
+                out: str | None = None, **trainer_and_sampling_kwargs) -> None:
         """Continue every prompt of a JSONL file; write one JSONL record per prompt with ``completion`` added.
+        The sampling flags are ``generate``'s (``generate.add_sampling_arguments``); prompt i uses seed + i.
 
         Args:
             prompts: JSONL file, one record per line with the text to continue under ``prompt``.
             out: Output JSONL (default: ``predictions.jsonl`` in the run's log folder).
-            max_new_tokens: Tokens to sample per prompt.
-            temperature: Sampling temperature (0 = greedy).
-            top_k: Sample among the k most likely tokens.
-            top_p: Sample among the most likely tokens holding this probability mass.
-            stop: End a continuation at the end-of-document token.
-            seed: Sampling seed of the first prompt (prompt i uses seed + i).
         """
+        sampling_keys = {"max_new_tokens", "temperature", "top_k", "top_p", "stop", "seed"}
+        sampling = sampling_from(**{k: v for k, v in trainer_and_sampling_kwargs.items() if k in sampling_keys})
+        trainer_kwargs = {k: v for k, v in trainer_and_sampling_kwargs.items() if k not in sampling_keys}
         if self.trainer.world_size > 1:  # the distributed sampler would split the prompts across processes
             raise ValueError(f"predict runs in one process (trainer.world_size={self.trainer.world_size}): pass "
                              "--trainer.devices=1 --trainer.num_nodes=1, or use `moe-lightning generate`.")
@@ -247,7 +246,7 @@ class MoECLI(LightningCLI):
         recorded = ckpt_path and Path(ckpt_path).exists()  # not "last"/"best", which Lightning resolves
         tokenizer = checkpoint_tokenizer(ckpt_path) if recorded else datamodule.tokenizer
         batches = [{"tokens_1S": encode_prompt(tokenizer, r["prompt"], "cpu"), "eod_id": tokenizer.eos_id,
-                    "sampling": Sampling(max_new_tokens, temperature, top_k, top_p, stop, seed + i)}
+                    "sampling": dataclasses.replace(sampling, seed=sampling.seed + i)}
                    for i, r in enumerate(records)]
         loader = torch.utils.data.DataLoader(batches, batch_size=None)
         predictions = self.trainer.predict(model, dataloaders=loader, **trainer_kwargs)

@@ -100,9 +100,14 @@ def read_checkpoint(checkpoint: str | Path) -> Checkpoint:
 
 @dataclass
 class Loaded:
+    """The model (eval mode), its run's tokenizer and the checkpoint kind; unpacks as ``model, tokenizer``."""
+
     model: MoETransformer
     tokenizer: ByteTokenizer | HFTokenizer
     kind: str
+
+    def __iter__(self):
+        return iter((self.model, self.tokenizer))
 
 
 def load_model(checkpoint: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> Loaded:

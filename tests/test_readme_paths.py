@@ -86,3 +86,13 @@ def test_export_hf_of_a_byte_run_reads_back_in_tokenizers_transformers_and_gener
         cli.run(["generate", str(source), "--prompt", "def ", "--max-new-tokens", "12", "--temperature", "0"])
         continuations.append(capsys.readouterr().out)
     assert continuations[0] == continuations[1] and continuations[0].startswith("def ")
+
+
+def test_load_model_unpacks_as_the_readme_writes(tmp_path):
+    from moe_lightning.loading import load_model
+
+    ckpt = _byte_run_checkpoint(tmp_path)
+    model, tokenizer = load_model(ckpt)
+    loaded = load_model(ckpt)
+    assert not model.training and tokenizer.eos_id == 256 and loaded.kind == "lightning"
+    assert all(p.equal(q) for p, q in zip(model.parameters(), loaded.model.parameters()))
