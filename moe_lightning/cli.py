@@ -8,6 +8,7 @@ import json
 import re
 import shutil
 import sys
+import warnings
 from pathlib import Path
 
 import torch
@@ -172,6 +173,14 @@ class MoECLI(LightningCLI):
         a pretrained directory's ``tokenizer.json`` as the data's tokenizer unless one is set."""
         config = self.config[self.subcommand] if self.subcommand else self.config
         check_weight_decay(config.model)
+        # Each run has its own folder, so every resume restores a ModelCheckpoint whose dirpath was another run's,
+        # and Lightning warns "The dirpath has changed" each time (the log already says what was resumed).
+        warnings.filterwarnings("ignore", message="The dirpath has changed from")
+        logger_args = config.trainer.get("logger")
+        logger_args = logger_args.get("init_args") if isinstance(logger_args, Namespace) else None
+        if self.subcommand != "fit" and isinstance(logger_args, Namespace) and "name" in logger_args:
+            # validate/test/predict log beside the training runs (<name>-test/version_N), never as a new run folder
+            logger_args.name = f"{logger_args.name or 'lightning_logs'}-{self.subcommand}"
         pretrained = config.get("model.init_args.pretrained")
         tokenizer = Path(pretrained or "") / "tokenizer.json"
         if pretrained and "data.init_args.tokenizer" in config and config.get("data.init_args.tokenizer") is None \

@@ -81,7 +81,10 @@ def read_checkpoint(checkpoint: str | Path) -> Checkpoint:
     if path.is_dir():
         if folder_kind(path) == "hf":
             raise ValueError(f"checkpoint={str(path)!r} is a Hugging Face folder: load it with load_model.")
-        weights, metadata = read_sharded_weights(path)
+        from .hf.convert import single_process_dcp
+
+        with single_process_dcp():
+            weights, metadata = read_sharded_weights(path)
         kind = "sharded"
     else:  # a Lightning checkpoint or an export: plain data either way, never unpickled classes
         metadata = load_metadata(path)

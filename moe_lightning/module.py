@@ -225,7 +225,8 @@ class MoELanguageModel(L.LightningModule):
         self.log("val/loss", loss, prog_bar=True, sync_dist=True)
 
     def on_validation_epoch_end(self) -> None:
-        self.log("val/perplexity", self.val_loss_mean.compute().exp())
+        # compute() has already reduced over ranks; sync_dist (a no-op mean of equal values) is what Lightning asks
+        self.log("val/perplexity", self.val_loss_mean.compute().exp(), sync_dist=True)
         self.val_loss_mean.reset()
 
     def test_step(self, batch_BS1: torch.Tensor, batch_idx: int) -> None:
@@ -235,7 +236,7 @@ class MoELanguageModel(L.LightningModule):
         self.log("test/loss", loss, sync_dist=True, batch_size=batch_BS1.shape[0])
 
     def on_test_epoch_end(self) -> None:
-        self.log("test/perplexity", self.val_loss_mean.compute().exp())
+        self.log("test/perplexity", self.val_loss_mean.compute().exp(), sync_dist=True)  # as val/perplexity
         self.val_loss_mean.reset()
 
     def predict_step(self, batch: dict, batch_idx: int) -> list[int]:

@@ -3,6 +3,7 @@
 import logging
 import os
 import signal
+import warnings
 from pathlib import Path
 
 import lightning as L
@@ -46,7 +47,9 @@ def test_a_20_step_run_keeps_its_weights_and_resumes_from_them(tmp_path, lightni
     on_disk = torch.load(saved[0], weights_only=False)["state_dict"]
     assert all(torch.equal(t, short.model.state_dict()[k]) for k, t in on_disk.items())
 
-    resumed = _tiny(tmp_path, "resumed", 24, f"--ckpt_path={saved[0]}")
+    with warnings.catch_warnings(record=True) as caught:
+        resumed = _tiny(tmp_path, "resumed", 24, f"--ckpt_path={saved[0]}")
+    assert not [w for w in caught if "dirpath has changed" in str(w.message)]  # resuming into a new run folder
     straight = _tiny(tmp_path, "straight", 24)
     assert resumed.trainer.global_step == straight.trainer.global_step == 24
     assert resumed.model.tokens_seen == straight.model.tokens_seen  # restored from step 20, not restarted

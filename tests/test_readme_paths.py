@@ -96,3 +96,16 @@ def test_load_model_unpacks_as_the_readme_writes(tmp_path):
     loaded = load_model(ckpt)
     assert not model.training and tokenizer.eos_id == 256 and loaded.kind == "lightning"
     assert all(p.equal(q) for p, q in zip(model.parameters(), loaded.model.parameters()))
+
+
+def test_test_and_predict_do_not_create_training_run_folders(tmp_path):
+    """After ``fit`` wrote ``tiny/version_0``, ``test`` logs to ``tiny-test/``: the README's ``version_0`` paths
+    keep naming the training run."""
+    common = ["--config", str(CONFIGS / "tiny.yaml"), f"--trainer.logger.init_args.save_dir={tmp_path}",
+              "--data.init_args.batch_size=2", "--data.init_args.max_tokens=50000",
+              "--trainer.enable_progress_bar=false"]
+    fit = cli.run(["fit", *common, "--trainer.max_steps=1"])
+    ckpt = next(Path(fit.trainer.log_dir, "checkpoints").iterdir())
+    cli.run(["test", *common, f"--ckpt_path={ckpt}", "--trainer.limit_test_batches=1"])
+    assert sorted(p.name for p in (tmp_path / "tiny").iterdir()) == ["version_0"]
+    assert (tmp_path / "tiny-test" / "version_0" / "metrics.csv").is_file()

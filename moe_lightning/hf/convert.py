@@ -5,8 +5,10 @@ so writing a Hugging Face directory never holds more than one shard of it.
 """
 
 import argparse
+import contextlib
 import dataclasses
 import os
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -21,6 +23,15 @@ from .pretrained import FAMILIES, from_pretrained, stored_dtype_getter, write_pr
 from .tokenizer_files import tokenizer_files
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@contextlib.contextmanager
+def single_process_dcp():
+    """DCP warns "torch.distributed is disabled ... assuming the intent is to load in a single process" even when
+    told so (``no_dist=True``): it is the intent here (export, generate read a sharded checkpoint in one process)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
 
 
 def _config(value) -> MoEConfig:
@@ -54,7 +65,8 @@ def open_checkpoint(path: str | Path) -> tuple[MoEConfig, Callable[[str], torch.
         def get(name: str) -> torch.Tensor:
             meta = metadata[f"state_dict.model.{name}"]
             state = {"state_dict": {f"model.{name}": torch.empty(meta.size, dtype=meta.properties.dtype)}}
-            dcp.load(state, checkpoint_id=path, no_dist=True)
+            with single_process_dcp():
+                dcp.load(state, checkpoint_id=path, no_dist=True)
             return state["state_dict"][f"model.{name}"]
         return config, get, recorded_tokenizer(meta)
     payload = _load(path)
