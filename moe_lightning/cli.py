@@ -2,6 +2,7 @@
 ``moe_lightning.commands``)."""
 
 import dataclasses
+import hashlib
 import importlib
 import inspect
 import json
@@ -23,6 +24,7 @@ from .loading import checkpoint_tokenizer
 from .module import MoELanguageModel
 from .parallel.checkpoint import PARTIAL_SUFFIX
 from .resume import check_resume, checkpoint_hyperparameters
+from .tokenizer import load_tokenizer
 
 
 class SaveConfigBesideLogs(SaveConfigCallback):
@@ -147,6 +149,41 @@ def check_weight_decay(model: Namespace) -> None:
         f"model.init_args.weight_decay={own} and leave the optimizer's weight_decay unset.")
 
 
+def check_gradient_clip(trainer: Namespace) -> None:
+    value = trainer.get("gradient_clip_val")
+    if value is not None and value < 0:  # clipping scales by min(1, value / norm): a negative value flips gradients
+        raise ValueError(f"trainer.gradient_clip_val={value}: must be >= 0 (a negative norm would turn every "
+                         "gradient around); 0 or null disables clipping.")
+
+
+def tokenizer_identity(spec: dict) -> tuple:
+    """What makes two tokenizer specs tokenize alike: the kind, and for a JSON tokenizer its content and EOS."""
+    if spec.get("kind") != "tokenizers":
+        return ("bytes",)
+    return "tokenizers", spec.get("sha256") or hashlib.sha256(spec["json"].encode("utf-8")).hexdigest(), \
+        spec.get("eos_token")
+
+
+def check_tokenizer(config: Namespace, subcommand: str) -> None:
+    """The data's tokenizer must be the one the checkpoint was trained with: the same ids would mean other text.
+    (``predict`` without a tokenizer uses the checkpoint's own.)"""
+    ckpt_path = config.get("ckpt_path")
+    if not ckpt_path or not Path(ckpt_path).exists() or "data.init_args.tokenizer" not in config:
+        return  # "last"/"best" are resolved by Lightning; a custom DataModule may have no tokenizer argument
+    requested = config.get("data.init_args.tokenizer")
+    if subcommand == "predict" and requested is None:
+        return
+    recorded = checkpoint_tokenizer(ckpt_path).spec()
+    if tokenizer_identity(load_tokenizer(requested).spec()) == tokenizer_identity(recorded):
+        return
+    if recorded["kind"] == "tokenizers":
+        saved, fix = f"the tokenizers file {recorded['path']}", f"pass --data.init_args.tokenizer={recorded['path']}"
+    else:
+        saved, fix = "the byte-level tokenizer", "leave data.init_args.tokenizer unset"
+    raise ValueError(f"data.init_args.tokenizer={requested!r} is not the tokenizer ckpt_path={str(ckpt_path)!r} was "
+                     f"trained with ({saved}): its token ids would stand for other text. {fix}.")
+
+
 class MoECLI(LightningCLI):
     """LightningCLI with the MoE model and text data as defaults (subclasses allowed by ``class_path``)."""
 
@@ -186,6 +223,8 @@ class MoECLI(LightningCLI):
         if pretrained and "data.init_args.tokenizer" in config and config.get("data.init_args.tokenizer") is None \
                 and tokenizer.is_file():
             config["data.init_args.tokenizer"] = str(tokenizer)
+        check_gradient_clip(config.trainer)
+        check_tokenizer(config, self.subcommand)
         self._precision_defaulted = config.trainer.precision is None
         if self._precision_defaulted:
             cuda = torch.cuda.is_available()
@@ -200,6 +239,16 @@ class MoECLI(LightningCLI):
             if cause is error:
                 raise
             raise cause from None  # our message last, not jsonargparse's namespace dump
+
+    def instantiate_trainer(self, **kwargs):
+        """The trainer, writing single-file checkpoints beside and renaming them (unless a plugin says otherwise)."""
+        from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+        from .strategy import FileCheckpointIO
+
+        trainer = super().instantiate_trainer(**kwargs)
+        if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # Lightning's default
+            trainer.strategy.checkpoint_io = FileCheckpointIO()
+        return trainer
 
     def after_instantiate_classes(self) -> None:
         how = " (the default on this accelerator; set trainer.precision to change it)" if self._precision_defaulted else ""

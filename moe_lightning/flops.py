@@ -33,15 +33,18 @@ def attention_flops_per_token(config: MoEConfig, seq_len: int, causal: bool = Tr
     MLA scores over ``qk_nope_head_dim + qk_rope_head_dim`` and mixes ``v_head_dim``.
     """
     qk_dim, v_dim = config.attention_head_dims
-    flops = 6 * config.n_layers * config.n_heads * (qk_dim + v_dim) * seq_len
+    layers = config.n_layers + config.mtp_layers  # each multi-token prediction module has one attention layer
+    flops = 6 * layers * config.n_heads * (qk_dim + v_dim) * seq_len
     return flops / 2 if causal else flops
 
 
 def training_flops_per_token(config: MoEConfig, seq_len: int, causal: bool = True,
                              counts: dict[str, int] | None = None) -> float:
-    """``6 × active matmul parameters`` (the embedding lookup is not a matmul) plus attention.
+    """``6 × active matmul parameters`` (the embedding lookup is not a matmul) plus attention. Multi-token
+    prediction modules count once each (their parameters are in ``active``) and apply the shared head again.
 
     ``counts``: ``parameter_counts(config)`` when the caller has it already (it builds a meta model)."""
     counts = counts or parameter_counts(config)
     matmul_params = counts["active"] - (0 if config.tie_embeddings else counts["embedding"])
-    return 6 * matmul_params + attention_flops_per_token(config, seq_len, causal)
+    shared_head = config.mtp_layers * config.vocab_size * config.dim
+    return 6 * (matmul_params + shared_head) + attention_flops_per_token(config, seq_len, causal)

@@ -19,7 +19,7 @@ import torch
 
 from .hf import from_pretrained
 from .model import MoEConfig, MoETransformer
-from .parallel.checkpoint import (METADATA_FILE, PARTIAL_SUFFIX, load_metadata, read_sharded_weights,
+from .parallel.checkpoint import (METADATA_FILE, PARTIAL_SUFFIX, load_metadata, metadata_file, read_sharded_weights,
                                   resolve_checkpoint)
 from .tokenizer import ByteTokenizer, HFTokenizer, tokenizer_from_spec
 
@@ -59,7 +59,7 @@ def recorded_tokenizer(metadata: dict) -> dict | None:
 def tokenizer_spec(checkpoint: str | Path) -> dict | None:
     """``recorded_tokenizer`` of any of our checkpoint kinds (tensors memory-mapped, not read)."""
     path = resolve_checkpoint(Path(checkpoint))
-    return recorded_tokenizer(load_metadata(path / METADATA_FILE if path.is_dir() else path, mmap=True))
+    return recorded_tokenizer(load_metadata(metadata_file(path), mmap=True))
 
 
 def checkpoint_tokenizer(checkpoint: str | Path) -> ByteTokenizer | HFTokenizer:

@@ -22,7 +22,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
     """Mean cross-entropy of ``h_TD @ w_VD.T`` against ``targets_T``; see ``chunked_cross_entropy``."""
 
     @staticmethod
-    def forward(ctx, h_TD, w_VD, targets_T, chunk_size: int, ignore_index: int):
+    def forward(ctx, h_TD, w_VD, targets_T, chunk_size: int, ignore_index: int, mean: bool = True):
         dtype = _compute_dtype(h_TD, w_VD)
         w_cast_VD = w_VD.to(dtype)  # no copy unless autocast narrows an fp32 weight
         valid_T = targets_T != ignore_index
@@ -33,7 +33,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
             logits_CV = (h_CD.to(dtype) @ w_cast_VD.T).float()
             torch.logsumexp(logits_CV, dim=-1, out=lse_C)
             total += ((lse_C - logits_CV.gather(1, t_C[:, None]).squeeze(1)) * v_C).sum()
-        count = valid_T.sum()
+        count = valid_T.sum() if mean else torch.ones((), dtype=torch.long, device=h_TD.device)
         ctx.save_for_backward(h_TD, w_VD, safe_T, valid_T, lse_T, count)
         ctx.chunk_size, ctx.dtype = chunk_size, dtype
         return total / count  # 0/0 = nan when every target is ignored, as F.cross_entropy gives
@@ -55,7 +55,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
             g_CV = g_CV.mul_(v_C[:, None] * scale).to(ctx.dtype)
             grad_h_CD.copy_(g_CV @ w_cast_VD)
             grad_w_VD += g_CV.T @ h_CD
-        return grad_h_TD, grad_w_VD.to(w_VD.dtype), None, None, None
+        return grad_h_TD, grad_w_VD.to(w_VD.dtype), None, None, None, None
 
 
 def _compute_dtype(h_TD: torch.Tensor, w_VD: torch.Tensor) -> torch.dtype:
@@ -67,9 +67,10 @@ def _compute_dtype(h_TD: torch.Tensor, w_VD: torch.Tensor) -> torch.dtype:
 
 
 def chunked_cross_entropy(h_TD: torch.Tensor, w_VD: torch.Tensor, targets_T: torch.Tensor, chunk_size: int,
-                          ignore_index: int = -100) -> torch.Tensor:
-    """``F.cross_entropy((h_TD @ w_VD.T).float(), targets_T, ignore_index=ignore_index)`` (the mean over
-    targets that are not ``ignore_index``), computed ``chunk_size`` tokens at a time, softmax in fp32.
+                          ignore_index: int = -100, reduction: str = "mean") -> torch.Tensor:
+    """``F.cross_entropy((h_TD @ w_VD.T).float(), targets_T, ignore_index=ignore_index, reduction=reduction)``
+    (``mean``: over targets that are not ``ignore_index``; ``sum``: their sum, 0 when none is left), computed
+    ``chunk_size`` tokens at a time, softmax in fp32.
 
     Takes the head's weight rather than the head module: calling an FSDP-wrapped module once per chunk
     would run its hooks, and possibly its gradient reduction, once per chunk.
@@ -79,4 +80,6 @@ def chunked_cross_entropy(h_TD: torch.Tensor, w_VD: torch.Tensor, targets_T: tor
     if h_TD.dim() != 2 or w_VD.dim() != 2 or targets_T.shape != h_TD.shape[:1] or h_TD.shape[1] != w_VD.shape[1]:
         raise ValueError(f"chunked_cross_entropy: expected h [T, D], w [V, D], targets [T]; got {tuple(h_TD.shape)}, "
                          f"{tuple(w_VD.shape)}, {tuple(targets_T.shape)}.")
-    return _ChunkedCrossEntropy.apply(h_TD, w_VD, targets_T, chunk_size, ignore_index)
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"chunked_cross_entropy: reduction={reduction!r}: use 'mean' or 'sum'.")
+    return _ChunkedCrossEntropy.apply(h_TD, w_VD, targets_T, chunk_size, ignore_index, reduction == "mean")

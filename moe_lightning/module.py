@@ -16,7 +16,7 @@ from .callbacks.final_checkpoint import FinalCheckpoint
 from .callbacks.nonfinite import NonFiniteGuard
 from .generate import stream
 from .loss import chunked_cross_entropy
-from .model import LocalTokenDispatcher, MoEConfig, MoETransformer
+from .model import LocalTokenDispatcher, MoEConfig, MoETransformer, mtp
 from .optim import WarmupCosineLR, param_groups
 from .resume import check_resume
 
@@ -149,12 +149,38 @@ class MoELanguageModel(L.LightningModule):
 
     def _loss(self, batch_BS1: torch.Tensor) -> torch.Tensor:
         inputs_BS, targets_BS = batch_BS1[:, :-1], batch_BS1[:, 1:]
+        if self.training and self.config.mtp_layers:
+            return self._multi_token_loss(batch_BS1)
         if self.loss_chunk_size is None:
             logits_BSV = self.model(inputs_BS)
             return F.cross_entropy(logits_BSV.flatten(0, 1).float(), targets_BS.flatten())
         h_BSD = self.model(inputs_BS, return_hidden=True)  # called as the module: FSDP's root hooks run
         return chunked_cross_entropy(h_BSD.flatten(0, 1), self.model.output.weight, targets_BS.flatten(),
                                      self.loss_chunk_size)
+
+    def _multi_token_loss(self, batch_BS1: torch.Tensor) -> torch.Tensor:
+        """``main + λ/D · Σ_k CE_k`` (DeepSeek-V3), each ``CE_k`` the mean over depth k's targets that are not
+        ignored (0 if none is left); logs ``train/mtp_loss`` (the mean of the ``CE_k``) and returns the main
+        loss as ``self._main_loss`` for ``train/loss``, so that it stays comparable with ``val/loss``.
+
+        Every depth reads the head's weight directly (as the chunked loss does): the head module never runs, so
+        an FSDP head unit is gathered once and reduced once, whatever the depth."""
+        hidden = self.model(batch_BS1[:, :-1], mtp=True)  # called as the module: FSDP's root hooks run
+        eod = self.config.eod_token_id if self.config.document_masking else None
+        w_VD = self.model.output.weight
+        losses = []
+        for depth, h_BSD in enumerate(hidden):
+            targets_T = mtp.targets(batch_BS1, depth, eod).flatten()
+            h_TD = h_BSD.flatten(0, 1)
+            if self.loss_chunk_size is None:
+                total = F.cross_entropy(F.linear(h_TD, w_VD).float(), targets_T, reduction="sum")
+            else:
+                total = chunked_cross_entropy(h_TD, w_VD, targets_T, self.loss_chunk_size, reduction="sum")
+            losses.append(total / (targets_T != -100).sum().clamp(min=1))
+        main, mtp_mean = losses[0], torch.stack(losses[1:]).mean()
+        self._main_loss = main
+        self.log("train/mtp_loss", mtp_mean.detach())
+        return main + self.config.mtp_loss_weight * mtp_mean
 
     def expert_counts(self) -> torch.Tensor | None:
         """``[moe_layers, experts]`` token counts of the last forward."""
@@ -171,6 +197,7 @@ class MoELanguageModel(L.LightningModule):
             moe.aux_loss_grad_scale = 1.0 / self.trainer.accumulate_grad_batches
 
     def training_step(self, batch_BS1: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        self._main_loss = None
         loss = self._loss(batch_BS1)
         counts_LE = self.expert_counts()
         if counts_LE is not None:  # read now: recomputation in backward would overwrite them
@@ -181,7 +208,7 @@ class MoELanguageModel(L.LightningModule):
             if aux:
                 self.log("train/aux_loss", torch.stack(aux).sum())
         self.tokens_seen += batch_BS1[:, :-1].numel() * self.trainer.world_size
-        self._log_train_loss(loss.detach().float(), batch_idx)
+        self._log_train_loss((loss if self._main_loss is None else self._main_loss).detach().float(), batch_idx)
         self.log("train/tokens_seen", float(self.tokens_seen))
         return loss
 

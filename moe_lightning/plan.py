@@ -28,6 +28,9 @@ d model dim, L layers, V vocabulary, K top-k; bytes are per GPU unless stated.
 - Reduce-scatter buffers: ``6 · U`` (the unsharded bf16 gradient and its fp32 reduce copy).
 - Runtime reserve: CUDA context, communicator buffers and allocator slack (``--reserve``).
 
+- Multi-token prediction (``mtp_layers``): its modules are not checkpointed, so what they keep for backward
+  is its own row (``mtp_activation_bytes``); their parameters, FSDP units and FLOPs count like the blocks'.
+
 Throughput: ``tokens/s per GPU = MFU · peak FLOP/s / training FLOPs per token`` (model FLOPs,
 ``moe_lightning.flops``: 6 × active matmul parameters + causal attention at sequence length s).
 """
@@ -68,6 +71,9 @@ class Cluster:
         for name in ("nodes", "gpus_per_node"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')}={getattr(self, name)} must be >= 1.")
+        for flag, gib in (("--gpu-memory", self.gpu_memory_gib), ("--host-memory", self.host_memory_gib)):
+            if gib is not None and not gib > 0:
+                raise ValueError(f"{flag}={gib:g} must be > 0 (GiB per GPU).")
 
 
 @dataclass
@@ -163,10 +169,27 @@ def count_parameters(config: MoEConfig) -> tuple[dict[str, int], list[tuple[int,
         roles[role] = roles.get(role, 0) + params[name].numel()
     units = [(model.tok_embeddings.weight.numel(), 0),
              (model.output.weight.numel() + model.norm.weight.numel(), 0)]
-    for block in model.layers:
+    for block in [*model.layers, *(module.block for module in model.mtp)]:
         routed = sum(p.numel() for p in block.ffn.experts.parameters()) if block.is_moe else 0
         units.append((sum(p.numel() for p in block.parameters()) - routed, routed))
+    units += [(sum(p.numel() for p in module.parameters()) - sum(p.numel() for p in module.block.parameters()), 0)
+              for module in model.mtp]  # each MTP module's norms and eh_proj: a unit of their own
     return roles, units
+
+
+def mtp_activation_bytes(config: MoEConfig, tokens: int) -> int:
+    """What the multi-token prediction modules keep from forward to backward (they are not checkpointed), bf16.
+
+    Per token and depth: the reciprocal RMS of ``enorm`` and ``hnorm`` ``8``, the concatenation ``4d``, the block
+    input ``2d``, the block's working set (``block_working_set_bytes``), the final norm ``2d + 4`` and its output,
+    kept by the loss, ``2d``; once: the embedding output ``2d`` the modules read (the main hidden state is kept by
+    the main loss anyway). ``tests/test_mtp.py`` checks it with saved-tensor hooks.
+    """
+    if not config.mtp_layers:
+        return 0
+    d = config.dim
+    block = block_working_set_bytes(config, 1, moe=config.is_moe_layer(config.n_layers - 1))
+    return (config.mtp_layers * (10 * d + 12 + block) + 2 * d) * tokens
 
 
 def block_working_set_bytes(config: MoEConfig, tokens: int, moe: bool, part: str = "block") -> int:
@@ -248,6 +271,8 @@ def plan(config: MoEConfig, cluster: Cluster, work: Workload) -> dict:
         boundary = min(1 + work.offload_prefetch if offload else config.n_layers, config.n_layers) * boundary_one
         gpu = {} if work.cpu_offload else dict(state)
         gpu["boundary activations"] = boundary
+        if config.mtp_layers:
+            gpu["multi-token prediction activations"] = mtp_activation_bytes(config, tokens)
         gpu.update(transient)
         peak = sum(gpu.values()) - min(working_set, loss_set)  # the two transients never coexist
         host_rows = dict(state) if work.cpu_offload else {}
@@ -346,6 +371,11 @@ def planned_inputs(args: argparse.Namespace, config: MoEConfig) -> dict[str, tup
             inputs[name] = (defaults[name], "config" if name == "seq_len" else "default")
     if inputs["loss_chunk"] == (0, "flag"):
         inputs["loss_chunk"] = (None, "flag")
+    seq_len, origin = inputs["seq_len"]
+    if seq_len > config.max_seq_len:
+        where = "--seq-len" if origin == "flag" else "data.init_args.seq_len"
+        raise ValueError(f"{where}={seq_len} exceeds model.init_args.config.max_seq_len={config.max_seq_len}: "
+                         "the model cannot train on longer sequences; lower it or raise max_seq_len.")
     optimizer, origin = inputs["optimizer"]
     if optimizer not in ("adamw", "muon"):
         raise ValueError(f"{args.config}: model.init_args.optimizer {optimizer} is neither AdamW nor Muon; pass "

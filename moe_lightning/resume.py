@@ -17,7 +17,7 @@ from .parallel import checkpoint as ckpt
 
 # MoEConfig fields a resumed run may change: they steer training, not what the weights compute.
 MAY_CHANGE = frozenset({"bias_update_rate", "aux_loss_coef", "z_loss_coef", "init_std", "max_seq_len",
-                        "document_masking", "eod_token_id"})
+                        "document_masking", "eod_token_id", "mtp_loss_weight"})
 _LIGHTNING_KEYS = ("_class_path", "_instantiator")
 
 
@@ -31,7 +31,7 @@ def checkpoint_hyperparameters(ckpt_path: str | Path) -> dict | None:
     if not path.exists() and not path.with_name(path.name + ckpt.OLD_SUFFIX).exists():
         return None  # "last", "best", a remote URL...: Lightning resolves those itself
     path = ckpt.resolve_checkpoint(path)
-    file = path / ckpt.METADATA_FILE if path.is_dir() else path
+    file = ckpt.metadata_file(path)  # refuses a directory that is not a checkpoint
     if not file.is_file():
         return None
     try:

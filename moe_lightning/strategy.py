@@ -17,7 +17,6 @@ Initialisation, two ways:
 """
 
 import math
-import pickle
 from collections.abc import Generator
 from contextlib import contextmanager
 from datetime import timedelta
@@ -27,6 +26,7 @@ from typing import Any, Literal, Optional, Union
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
@@ -77,6 +77,16 @@ def clip_grads_(grads: list[torch.Tensor], max_norm: float, device: torch.device
     for (grad_device, _), local in groups.items():
         torch._foreach_mul_(local, scale.to(grad_device))
     return total
+
+
+class FileCheckpointIO(TorchCheckpointIO):
+    """Lightning's single-file checkpoint I/O, except that the file is written beside and renamed
+    (``checkpoint.save_file``): a full disk or a kill never leaves a truncated file under the final name."""
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Optional[Any] = None) -> None:
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__}.save_checkpoint(storage_options=...) is not supported.")
+        ckpt.save_file(checkpoint, Path(path))
 
 
 class MoEFSDPStrategy(ModelParallelStrategy):
@@ -136,6 +146,7 @@ class MoEFSDPStrategy(ModelParallelStrategy):
         self._fsdp_root: FSDPModule | None = None
         self.async_checkpoint, self._fitting = async_checkpoint, False  # background saves only inside fit
         self.checkpointer = ckpt.ShardedCheckpointer()
+        self.checkpoint_io = FileCheckpointIO()  # single-file saves (save_distributed_checkpoint=False)
 
     # ---- mesh -----------------------------------------------------------------------------------
     @property
@@ -210,6 +221,14 @@ class MoEFSDPStrategy(ModelParallelStrategy):
         if not tied:
             fully_shard([model.norm, model.output], mesh=dense_mesh, reshard_after_forward=False, **common)
             stages.append([model.norm])  # one FSDP unit for both; the norm runs first
+        # multi-token prediction runs after the final norm: its block is a unit like the others, its norms and
+        # eh_proj another (entered first)
+        for module in model.mtp:
+            shard = dict(mesh=dense_mesh, reshard_after_forward=self.reshard_after_forward, **common)
+            experts = [fully_shard(module.block.ffn.experts, **{**shard, "mesh": self._expert_fsdp_mesh})] \
+                if self.layout.ep > 1 and module.block.is_moe else []
+            block = fully_shard(module.block, **shard)
+            stages.append([fully_shard(module, **shard), block, *experts])
         self._fsdp_root = fully_shard(model, mesh=dense_mesh, reshard_after_forward=False, **common)
         self._set_prefetch(stages)
         if on_meta:  # (otherwise fully_shard has moved the buffers to the mesh's device)
@@ -329,12 +348,9 @@ class MoEFSDPStrategy(ModelParallelStrategy):
         Always ``weights_only``: checkpoints hold plain data only, and loading one never runs code from it.
         """
         path = ckpt.resolve_checkpoint(Path(self.broadcast(str(checkpoint_path))))
-        if not (path / ckpt.METADATA_FILE).is_file():
-            try:
-                return super().load_checkpoint(path, weights_only=True)
-            except pickle.UnpicklingError as error:
-                raise ckpt.unsafe_file_error(path, error) from None
-        metadata = ckpt.load_metadata(path / ckpt.METADATA_FILE)  # refuse an unsafe file before any tensor
+        if not path.is_dir():
+            return self._load_single_file(path)
+        metadata = ckpt.load_metadata(ckpt.metadata_file(path))  # refuse an unsafe file before any tensor
         config = getattr(self.lightning_module, "config", None)
         if config is not None:  # also for ckpt_path="last"/"best", which the CLI cannot see before the run
             check_resume(metadata.get("hyper_parameters", {}), {"config": config}, str(path))
@@ -347,6 +363,58 @@ class MoEFSDPStrategy(ModelParallelStrategy):
         for i, optimizer in enumerate(self.optimizers):
             set_optimizer_state_dict(self.model, optimizer, state[f"optimizer_{i}"])
         return metadata
+
+    def _load_single_file(self, path: Path) -> dict[str, Any]:
+        """A single-file checkpoint (full tensors, e.g. of a one-process run): every rank reads the file (memory-
+        mapped) and copies out the part of each tensor its shards hold. (Lightning's own path keys the optimizer
+        state by ``model.parameters()`` order, not the optimizer's, and ignores the ``ep`` split of experts.)"""
+        checkpoint = ckpt.load_metadata(path, mmap=True)
+        config = getattr(self.lightning_module, "config", None)
+        if config is not None:
+            check_resume(checkpoint.get("hyper_parameters", {}), {"config": config}, str(path))
+        full = checkpoint.pop("state_dict")
+        names = ckpt.expert_parameter_names(self.lightning_module)
+        state = get_model_state_dict(self.model)
+        with ckpt.global_expert_views(state, names, self.expert_mesh):
+            for key, value in state.items():
+                if key in full:
+                    local = value.to_local() if isinstance(value, DTensor) else value
+                    local.copy_(ckpt.local_part(full[key], value, f"{path}: {key}"))
+        set_model_state_dict(self.model, state, options=StateDictOptions(strict=self.lightning_module.strict_loading))
+        experts = {id(p) for name, p in self.model.named_parameters() if name in names}
+        for optimizer, saved in zip(self.optimizers, checkpoint.pop("optimizer_states", [])):
+            optimizer.load_state_dict(self._sharded_optimizer_state(optimizer, saved, experts, path))
+        return checkpoint
+
+    def _sharded_optimizer_state(self, optimizer: torch.optim.Optimizer, saved: dict, experts: set[int],
+                                 path: Path) -> dict:
+        """``saved`` (a full, id-keyed optimizer state) as ``optimizer.state_dict()`` of this rank's shards.
+        Groups match by position, parameters by the groups' ``param_names`` (ids follow the writer's order)."""
+        if len(saved["param_groups"]) != len(optimizer.param_groups):
+            raise ckpt.CheckpointError(f"{path}: its optimizer has {len(saved['param_groups'])} parameter groups, "
+                                       f"this run's {len(optimizer.param_groups)}: resume with the same optimizer.")
+
+        def shard(value: Any, p: torch.Tensor, what: str) -> Any:
+            if not isinstance(p, DTensor) or not torch.is_tensor(value) or value.ndim == 0:
+                return value
+            like = ckpt.global_expert_view(p, self.expert_mesh) if id(p) in experts and self.expert_mesh else p
+            out = torch.empty_like(p)
+            out.to_local().copy_(ckpt.local_part(value, like, what))
+            return out
+
+        state, groups, first = {}, [], 0
+        for ours, theirs in zip(optimizer.param_groups, saved["param_groups"]):
+            ids = theirs["params"]
+            if "param_names" in ours and "param_names" in theirs:
+                by_name = dict(zip(theirs["param_names"], ids))
+                ids = [by_name[name] for name in ours["param_names"]]
+            indices = list(range(first, first + len(ours["params"])))
+            for index, saved_id, p in zip(indices, ids, ours["params"]):
+                for key, value in saved["state"].get(saved_id, {}).items():
+                    state.setdefault(index, {})[key] = shard(value, p, f"{path}: optimizer state {saved_id}.{key}")
+            groups.append({**theirs, "params": indices})
+            first += len(indices)
+        return {"state": state, "param_groups": groups}
 
     def remove_checkpoint(self, filepath: _PATH) -> None:
         if self.checkpointer.pending_path == Path(filepath):

@@ -4,7 +4,10 @@ Every rank also builds the unsharded model and steps a single-process Muon with 
 so each rank can compare its sharded result against the single-process one. Prints one JSON line.
 Modes (comma-separated, run in turn): fsdp (1-D mesh), hsdp (replicate x shard), ep (experts sliced
 over ep ranks, dense FSDP over all), experts_only (only expert stacks in Muon), expert_rows (expert
-stacks Shard(1): per-expert owners), offload (FSDP CPUOffloadPolicy), bad_layout (a column-sharded matrix).
+stacks Shard(1): per-expert owners), offload (FSDP CPUOffloadPolicy), bad_layout (a column-sharded matrix),
+missing_grad (fsdp, with a row-sharded matrix's gradient None on the last rank only at step 1 (the reference's
+gradient has that rank's rows zero) and another's None on every rank at step 2 (the reference has None too)),
+frozen_one_rank (a row-sharded matrix frozen on the last rank only).
 """
 
 import json
@@ -95,6 +98,21 @@ def max_diff(model, ep, ref) -> float:
                for n, p in model.named_parameters())
 
 
+DROPPED_ON_LAST_RANK, DROPPED_EVERYWHERE = "layers.1.attention.wq.weight", "layers.2.attention.wo.weight"
+
+
+def drop_grads(ref, model, step: int, rank: int, world: int) -> None:
+    """``missing_grad``: the gradients missing at ``step``, and what they mean in the one-process reference."""
+    if step == 1:
+        rows = model.get_parameter(DROPPED_ON_LAST_RANK).to_local().shape[0]
+        ref.get_parameter(DROPPED_ON_LAST_RANK).grad[-rows:] = 0  # torch.chunk: the last rank holds the last rows
+        if rank == world - 1:
+            model.get_parameter(DROPPED_ON_LAST_RANK).grad = None
+    if step == 2:
+        ref.get_parameter(DROPPED_EVERYWHERE).grad = None
+        model.get_parameter(DROPPED_EVERYWHERE).grad = None
+
+
 def check(mode: str, ckpt_dir: str) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
@@ -103,6 +121,18 @@ def check(mode: str, ckpt_dir: str) -> None:
     model, ep = build(mode, world)
     opt = make_optimizer(model, mode)
     result = {"mode": mode, "rank": rank}
+    if mode == "frozen_one_rank":
+        if rank == world - 1:
+            model.get_parameter(DROPPED_ON_LAST_RANK).requires_grad_(False)
+        set_grads([(ref, None), (model, ep)], 0)
+        before = full(model.get_parameter("layers.0.attention.wq.weight").detach()).clone()
+        try:
+            opt.step()
+        except FlexShardLayoutError as err:
+            result["error"] = str(err)
+        result["unchanged"] = torch.equal(before, full(model.get_parameter("layers.0.attention.wq.weight").detach()))
+        print(json.dumps(result))
+        return
     if mode == "bad_layout":
         set_grads([(ref, None), (model, ep)], 0)
         try:
@@ -114,10 +144,15 @@ def check(mode: str, ckpt_dir: str) -> None:
     comm_counts = []
     for step in range(3):
         set_grads([(ref, None), (model, ep)], step)
+        if mode == "missing_grad":
+            drop_grads(ref, model, step, rank, world)
+            before = full(model.get_parameter(DROPPED_EVERYWHERE).detach()).clone()
         ref_opt.step()
         with CommDebugMode() as comm:
             opt.step()
         comm_counts.append({str(k): v for k, v in comm.get_comm_counts().items()})
+        if mode == "missing_grad" and step == 2:  # skipped like the reference's, not just left out of max_diff
+            result["everywhere_moved"] = (before - full(model.get_parameter(DROPPED_EVERYWHERE).detach())).abs().max().item()
     result["max_diff"] = max_diff(model, ep, ref)
     result["comm_counts"] = comm_counts
     plan = opt._plan[1]

@@ -81,3 +81,17 @@ def test_1t_mini_killed_mid_run_resumes_exactly(flagship_runs):
     assert [row["step"] for row in resumed] == [5, 6]
     for before, after in zip(full[4:], resumed):
         assert after["loss"] == pytest.approx(before["loss"], abs=1e-6)  # same arithmetic, same data order
+
+
+@pytest.mark.slow
+def test_1t_mini_with_multi_token_prediction_trains_and_resumes_exactly(tmp_path):
+    """The flagship path with one MTP module (its block MoE, expert-parallel, its own FSDP units, Muon roles):
+    2 processes, every optimization on, SIGKILL after the step-4 checkpoint, resumed steps equal the full run."""
+    mtp = "--model.init_args.config.mtp_layers=1"
+    full = fit_1t_mini(tmp_path, "full", mtp)
+    fit_1t_mini(tmp_path, "killed", mtp, "--trainer.callbacks.save_at_steps=[4]", "--trainer.callbacks.kill_at_step=5",
+                expect_kill=True)
+    resumed = fit_1t_mini(tmp_path, "resumed", mtp, f"--ckpt_path={tmp_path / 'killed' / 'step=4.ckpt'}")
+    assert [row["step"] for row in full] == [1, 2, 3, 4, 5, 6] and [row["step"] for row in resumed] == [5, 6]
+    for before, after in zip(full[4:], resumed):
+        assert after["loss"] == pytest.approx(before["loss"], abs=1e-6)

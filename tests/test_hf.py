@@ -444,9 +444,10 @@ def test_convert_to_pt_refuses_flags_it_would_ignore(tmp_path, capsys):
 
 @pytest.fixture(scope="module")
 def sharded_load(tmp_path_factory):
-    """DeepSeek-V3 loaded by 2 gloo ranks with expert_parallel_size 2, then saved as a sharded checkpoint."""
+    """DeepSeek-V3 with its MTP layer loaded by 2 gloo ranks with expert_parallel_size 2 (one training step at lr 0
+    runs the MTP block too), then saved as a sharded checkpoint."""
     tmp = tmp_path_factory.mktemp("sharded")
-    build_reference("deepseek_v3").save_pretrained(tmp / "hf", max_shard_size="20KB")
+    mtp_checkpoint(tmp / "hf")
     run_ranks(REPO_ROOT / "tests" / "hf_shard_run.py", 2, "--pretrained", str(tmp / "hf"), "--out",
               str(tmp / "result.json"), "--ckpt", str(tmp / "sharded.ckpt"))
     return tmp, [json.loads((tmp / f"result.json.{rank}").read_text()) for rank in range(2)]
@@ -456,9 +457,10 @@ def test_sharded_load_equals_single_process_and_reads_only_local_slices(sharded_
     tmp, results = sharded_load
     total = sum(t.numel() * t.element_size() for t in safetensors_of(tmp / "hf").values())
     for rank, result in enumerate(results):
-        assert result["mismatched"] == [] and result["compared"] == 32
-        experts = {int(k.split(".")[5]) for k in result["reads"] if ".mlp.experts." in k}
-        assert experts == set(range(4 * rank, 4 * rank + 4))  # ep rank r owns experts [4r, 4r + 4)
+        assert result["mismatched"] == [] and result["compared"] == 32 + 4 + 17  # main, MTP norms + proj, MTP block
+        for layer in (1, 2):  # the last main block and the MTP block
+            experts = {int(k.split(".")[5]) for k in result["reads"] if f"layers.{layer}.mlp.experts." in k}
+            assert experts == set(range(4 * rank, 4 * rank + 4))  # ep rank r owns experts [4r, 4r + 4)
         assert sum(result["reads"].values()) < 0.6 * total  # no rank reads the whole model
 
 
@@ -471,3 +473,95 @@ def test_export_sharded_checkpoint_to_hf_is_bitwise(sharded_load):
     state = torch.load(tmp / "model.pt", weights_only=False)["state_dict"]
     assert torch.equal(state["layers.1.ffn.router.expert_bias"],
                        original["model.layers.1.mlp.gate.e_score_correction_bias"])
+
+
+# ---- DeepSeek-V3 multi-token prediction layers ----------------------------------------------------------------
+
+def mtp_checkpoint(path: Path) -> MoETransformer:
+    """A DeepSeek-V3 directory with one MTP layer (``model.layers.2.*``), written from our model with O(1) weights."""
+    config = dataclasses.replace(hf.load_config(_v3_dir(path.parent / "plain")), mtp_layers=1)
+    torch.manual_seed(3)
+    model = MoETransformer(config)
+    with torch.no_grad():
+        for name, tensor in model.state_dict().items():
+            if name.endswith("norm.weight"):
+                tensor.copy_(1 + 0.2 * torch.randn_like(tensor))
+            elif name.endswith("expert_bias"):
+                tensor.copy_(0.1 * torch.randn_like(tensor))
+            elif tensor.ndim >= 2:
+                tensor.normal_(0, 0.3)
+    hf.save_pretrained(model, path, max_shard_bytes=20 * 2**10)
+    return model
+
+
+def _v3_dir(path: Path) -> Path:
+    build_reference("deepseek_v3").save_pretrained(path)
+    return path
+
+
+def test_mtp_layer_uses_the_released_names_and_round_trips_bitwise(tmp_path):
+    mtp_checkpoint(tmp_path / "mtp")
+    written = safetensors_of(tmp_path / "mtp")
+    p = "model.layers.2."
+    for key in ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight", "shared_head.head.weight",
+                "embed_tokens.weight", "self_attn.kv_a_proj_with_mqa.weight", "mlp.experts.7.down_proj.weight",
+                "mlp.gate.e_score_correction_bias", "input_layernorm.weight"):
+        assert p + key in written, key
+    assert written[p + "eh_proj.weight"].shape == (32, 64)
+    assert torch.equal(written[p + "embed_tokens.weight"], written["model.embed_tokens.weight"])
+    assert torch.equal(written[p + "shared_head.head.weight"], written["lm_head.weight"])
+    assert json.loads((tmp_path / "mtp" / "config.json").read_text())["num_nextn_predict_layers"] == 1
+    loaded = hf.from_pretrained(tmp_path / "mtp")
+    assert loaded.config.mtp_layers == 1 and loaded.mtp[0].block.is_moe
+    again = safetensors_of(hf.save_pretrained(loaded, tmp_path / "again"))
+    assert set(again) == set(written) and all(torch.equal(again[k], written[k]) for k in written)
+    cli.run(["convert", str(tmp_path / "mtp"), "--out", str(tmp_path / "model.pt")])  # and through our .pt file
+    cli.run(["convert", str(tmp_path / "model.pt"), "--out", str(tmp_path / "back")])
+    back = safetensors_of(tmp_path / "back")
+    assert set(back) == set(written) and all(torch.equal(back[k], written[k]) for k in written)
+
+
+@torch.no_grad()
+def test_mtp_layer_computes_what_transformers_mtp_model_computes(tmp_path):
+    """transformers' own ``MtpModel`` (the speculative-decoding drafter) loads the layer by its released names and
+    gives the same depth-1 logits: the ``[enorm(embedding), hnorm(hidden)]`` order and every name are checked."""
+    ours = mtp_checkpoint(tmp_path / "mtp").eval()
+    from transformers.modeling_layers import MtpModel
+
+    main = transformers.DeepseekV3ForCausalLM.from_pretrained(tmp_path / "mtp").eval()
+    main._keys_to_ignore_on_load_unexpected = [r"model\.layers\.2.*"]  # its list names layer 61 (the full model's)
+    drafter = MtpModel.from_pretrained(main).eval()
+    ids = tokens(12)
+    h0 = main.model(ids).last_hidden_state  # the main model's final-normed hidden state, as ours passes it
+    torch.testing.assert_close(h0, ours(ids, return_hidden=True), atol=1e-4, rtol=0)
+    positions = torch.arange(1, 12)[None].expand(2, -1)  # the token k=1 ahead, at its own position
+    h1 = drafter.forward_layer(0, h0[:, :-1], positions, None, input_ids=ids[:, 1:])
+    expected = drafter._project_to_logits(h1)
+    assert expected.abs().mean() > 0.5
+    torch.testing.assert_close(ours.output(ours(ids, mtp=True)[1]), expected, atol=1e-4, rtol=0)
+
+
+def test_mtp_tensors_without_mtp_layers_are_refused_as_before(tmp_path):
+    mtp_checkpoint(tmp_path / "mtp")
+    config = json.loads((tmp_path / "mtp" / "config.json").read_text())
+    (tmp_path / "mtp" / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 0}))
+    with pytest.raises(HFFormatError, match=r"multi-token-prediction layer tensors such as .*model\.layers\.2\."):
+        hf.from_pretrained(tmp_path / "mtp")
+
+
+def test_mtp_copies_of_embedding_or_head_that_differ_are_refused(tmp_path):
+    mtp_checkpoint(tmp_path / "mtp")
+    files = {f: load_file(f) for f in glob.glob(f"{tmp_path / 'mtp'}/*.safetensors")}
+    for file, tensors in files.items():
+        if "model.layers.2.shared_head.head.weight" in tensors:
+            tensors["model.layers.2.shared_head.head.weight"][0, 0] += 1
+            save_file(tensors, file, metadata={"format": "pt"})
+    with pytest.raises(HFFormatError, match=r"'model.layers.2.shared_head.head.weight' differs from 'lm_head.weight'"):
+        hf.from_pretrained(tmp_path / "mtp")
+
+
+def test_mtp_layers_cannot_be_written_where_the_format_has_none(tmp_path):
+    build_reference("mixtral").save_pretrained(tmp_path)
+    config = dataclasses.replace(hf.load_config(tmp_path), mtp_layers=1)
+    with pytest.raises(HFFormatError, match=r"mtp_layers=1 cannot be written as MixtralForCausalLM"):
+        hf.FAMILIES["MixtralForCausalLM"].config_to_hf(config)

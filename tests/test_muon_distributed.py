@@ -36,8 +36,9 @@ def check_flexshard(ranks: list[dict], world: int, group_size: int, matrices: in
     assert len(ranks) == world
     for r in ranks:
         assert r["max_diff"] <= TOL, r
-        # one all-to-all to the owners and one back per step, whatever the number of matrices
-        assert r["comm_counts"] == [{"c10d.alltoall_base_": 2}] * 3
+        # one all-to-all to the owners and one back per step, whatever the number of matrices; at the first step
+        # the plan's check that every rank trains the same matrices (all_gather_object: sizes, then names)
+        assert r["comm_counts"] == [{"c10d.allgather_": 2, "c10d.alltoall_base_": 2}] + [{"c10d.alltoall_base_": 2}] * 2
         assert r["group_sizes"] == [group_size]
         assert r["owners"] == ranks[0]["owners"]  # every rank computed the same owners
     owners, shapes = ranks[0]["owners"][0], ranks[0]["shapes"][0]
@@ -47,8 +48,14 @@ def check_flexshard(ranks: list[dict], world: int, group_size: int, matrices: in
     assert max(loads) - min(loads) <= max(costs)  # LPT balance: no rank more than one job ahead
 
 
-def test_two_processes(tmp_path):
-    results = run("fsdp,experts_only,expert_rows,offload,bad_layout", 2, tmp_path)
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory):
+    return run("fsdp,experts_only,expert_rows,offload,bad_layout,missing_grad,frozen_one_rank", 2,
+               tmp_path_factory.mktemp("two"))
+
+
+def test_two_processes(two_processes):
+    results = two_processes
     check_flexshard(results["fsdp"], 2, 2)
     check_flexshard(results["offload"], 2, 2)  # parameters and state kept in host memory by FSDP
     check_flexshard(results["expert_rows"], 2, 2, matrices=21 + 2 * 3 * 4)  # + every expert of 2 MoE layers
@@ -58,6 +65,19 @@ def test_two_processes(tmp_path):
         assert r["comm_counts"] == [{}] * 3 and r["max_diff"] == 0.0 and r["ckpt_diff"] == 0.0
     for r in results["bad_layout"]:
         assert "layers.0.attention.wq.weight" in r["error"] and "Shard(dim=1)" in r["error"]
+
+
+def test_a_gradient_missing_on_one_rank_counts_as_zero_and_one_missing_everywhere_is_skipped(two_processes):
+    """Issue 18: the exchange sizes came from each rank's own gradients, so a ``None`` on one rank aborted gloo's
+    all_to_all ("Received data size doesn't match expected size"). The reference is one process whose gradient has
+    that rank's rows zero at step 1, and no gradient at all for a second matrix at step 2."""
+    results = two_processes
+    check_flexshard(results["missing_grad"], 2, 2)
+    for r in results["missing_grad"]:
+        assert r["everywhere_moved"] == 0.0 and r["ckpt_diff"] == 0.0
+    for r in results["frozen_one_rank"]:
+        assert "layers.1.attention.wq.weight': [1]" in r["error"] and "on every rank" in r["error"]
+        assert r["unchanged"]  # refused before any parameter moved
 
 
 def test_four_processes_fsdp_hsdp_ep(tmp_path):

@@ -13,8 +13,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
 
 from ..model import MoEConfig
 from ..parallel import checkpoint as ckpt
@@ -60,14 +58,11 @@ def open_checkpoint(path: str | Path) -> tuple[MoEConfig, Callable[[str], torch.
             raise HFFormatError(f"{str(path)!r} is neither a sharded checkpoint ({ckpt.METADATA_FILE}) nor a file.")
         meta = _load(path / ckpt.METADATA_FILE)
         config = _config(meta.get("hyper_parameters", {}).get("config"))
-        metadata = FileSystemReader(path).read_metadata().state_dict_metadata
+        index = ckpt.sharded_model_index(path)
 
         def get(name: str) -> torch.Tensor:
-            meta = metadata[f"state_dict.model.{name}"]
-            state = {"state_dict": {f"model.{name}": torch.empty(meta.size, dtype=meta.properties.dtype)}}
             with single_process_dcp():
-                dcp.load(state, checkpoint_id=path, no_dist=True)
-            return state["state_dict"][f"model.{name}"]
+                return ckpt.read_sharded_tensors(path, index, [name])[name]
         return config, get, recorded_tokenizer(meta)
     payload = _load(path)
     if "config" in payload:  # the package's single file: {"config": dict, "state_dict": model state dict}

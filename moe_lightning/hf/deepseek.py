@@ -8,9 +8,9 @@ their best two scores; V2 with softmax, no bias, groups ranked by their best sco
 import torch
 
 from ..model import MoEConfig
-from .mapping import (Copy, HFFormatError, Rows, check_representable, common_config, common_to_hf, expert_sources,
-                      field, half_split_perm, layer_sources, no_bias_slot, outer_sources, refuse, refuse_common,
-                      swiglu_sources, with_defaults)
+from .mapping import (Copy, HFFormatError, Rows, Shared, check_representable, common_config, common_to_hf,
+                      expert_sources, field, half_split_perm, layer_sources, no_bias_slot, outer_sources, refuse,
+                      refuse_common, swiglu_sources, with_defaults)
 
 V3, V2 = "DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM"
 LATENT_NORM_EPS = 1e-6  # transformers builds q_a_layernorm / kv_a_layernorm with this, whatever rms_norm_eps says
@@ -90,6 +90,28 @@ def _sources(config: MoEConfig, bias, interleaved: bool = True) -> dict:
     out = outer_sources(config)
     for i in range(config.n_layers):
         out.update(layer_sources(config, i, attention(f"model.layers.{i}."), moe))
+    out.update(_mtp_sources(config, attention, moe, out))
+    return out
+
+
+def _mtp_sources(config: MoEConfig, attention, moe, outer: dict) -> dict:
+    """DeepSeek-V3's multi-token prediction layers ``model.layers.{n_layers + k}``: ``enorm``, ``hnorm``,
+    ``eh_proj``, ``shared_head.norm``, a block shaped like the last main one, and copies of the embedding and
+    head (``embed_tokens``, ``shared_head.head``), which the main tensors' sources read and check."""
+    out, embeddings, heads = {}, [], []
+    for k in range(config.mtp_layers):
+        i = config.n_layers + k
+        p = f"model.layers.{i}."
+        out.update(layer_sources(config, i, attention(p), moe, ours=f"mtp.{k}.block",
+                                 is_moe=config.is_moe_layer(config.n_layers - 1)))
+        out.update({f"mtp.{k}.enorm.weight": Copy(f"{p}enorm.weight"), f"mtp.{k}.hnorm.weight": Copy(f"{p}hnorm.weight"),
+                    f"mtp.{k}.eh_proj.weight": Copy(f"{p}eh_proj.weight"),
+                    f"mtp.{k}.norm.weight": Copy(f"{p}shared_head.norm.weight")})
+        embeddings.append(f"{p}embed_tokens.weight")
+        heads.append(f"{p}shared_head.head.weight")
+    if config.mtp_layers:
+        out["tok_embeddings.weight"] = Shared(outer["tok_embeddings.weight"].key, embeddings)
+        out["output.weight"] = Shared(outer["output.weight"].key, heads)
     return out
 
 
@@ -107,9 +129,11 @@ class DeepseekV3:
         refuse(hf, "scoring_func", lambda v: v not in (None, "sigmoid"), "DeepSeek-V3 routes with sigmoid scores")
         refuse(hf, "topk_method", lambda v: v not in (None, "noaux_tc"),
                "DeepSeek-V3 routes with topk_method='noaux_tc'")
+        # transformers' default for an absent num_nextn_predict_layers is 1, but its main model never reads those
+        # layers: only the checkpoint's own count says that they are there
         return MoEConfig(**_mla_config(hf), score_func="sigmoid", route_norm=bool(hf["norm_topk_prob"]),
                          n_expert_groups=hf["n_group"] or 1, n_limited_groups=hf["topk_group"] or 1,
-                         group_score="top2_sum")
+                         group_score="top2_sum", mtp_layers=hf.get("num_nextn_predict_layers") or 0)
 
     @staticmethod
     def config_to_hf(config: MoEConfig) -> dict:
@@ -121,7 +145,7 @@ class DeepseekV3:
                                 f"{config.num_experts // 2} groups.")
         return {**_mla_to_hf(config, V3, "deepseek_v3"), "norm_topk_prob": config.route_norm,
                 "scoring_func": "sigmoid", "topk_method": "noaux_tc", "rope_interleave": True,
-                "num_nextn_predict_layers": 0}
+                "num_nextn_predict_layers": config.mtp_layers}
 
     @classmethod
     def sources(cls, config: MoEConfig, hf: dict | None = None) -> dict:

@@ -58,6 +58,34 @@ class Copy(Source):
         return {self.key: tensor}
 
 
+class Shared(Copy):
+    """One of our tensors that the checkpoint repeats under ``copies`` (DeepSeek-V3's MTP layers store the shared
+    embedding and head again): read from ``key``, the same region checked equal in every copy, written to all."""
+
+    def __init__(self, key: str, copies: list[str]):
+        super().__init__(key)
+        self.copies = copies
+
+    def keys(self) -> list[str]:
+        return [self.key, *self.copies]
+
+    def check(self, shape_of, shape, name) -> None:
+        for key in self.keys():
+            Copy(key).check(shape_of, shape, name)
+
+    def read(self, get, index):
+        tensor = get(self.key)[index]
+        for key in self.copies:
+            if not torch.equal(get(key)[index], tensor):
+                raise HFFormatError(f"checkpoint tensor {key!r} differs from {self.key!r}: the multi-token "
+                                    f"prediction layers share the main model's embedding and output head here (as "
+                                    f"DeepSeek-V3 trains them), so they cannot load separate copies.")
+        return tensor
+
+    def write(self, tensor, name):
+        return {key: tensor for key in self.keys()}
+
+
 class Rows(Copy):
     """``ours[i] = hf[perm[i]]`` along dim 0: the rotary layout change of half-split families."""
 
@@ -237,7 +265,14 @@ def gqa_config(hf: dict) -> dict:
                 head_dim=hf.get("head_dim"))
 
 
+MTP_ARCHITECTURES = ("DeepseekV3ForCausalLM",)  # formats with multi-token prediction layers
+
+
 def common_to_hf(config: MoEConfig, architecture: str, model_type: str) -> dict:
+    if config.mtp_layers and architecture not in MTP_ARCHITECTURES:
+        raise HFFormatError(f"MoEConfig.mtp_layers={config.mtp_layers} cannot be written as {architecture}, which has "
+                            f"no multi-token prediction layers: use one of {list(MTP_ARCHITECTURES)}, or export a "
+                            f"model built with mtp_layers=0 (e.g. convert to .pt and drop the mtp.* tensors).")
     return {"architectures": [architecture], "model_type": model_type, "vocab_size": config.vocab_size,
             "hidden_size": config.dim, "num_hidden_layers": config.n_layers,
             "num_attention_heads": config.n_heads, "max_position_embeddings": config.max_seq_len,
@@ -275,10 +310,12 @@ def expert_sources(config: MoEConfig, hf: str, names=("gate_proj", "up_proj", "d
             for w, n in zip(("w1_EFD", "w3_EFD", "w2_EDF"), names)}
 
 
-def layer_sources(config: MoEConfig, i: int, attention: dict[str, Source], moe: Callable[[str], dict]) -> dict:
-    """One block: norms, attention, and a dense FFN (``mlp.*_proj``) or the family's MoE layer."""
+def layer_sources(config: MoEConfig, i: int, attention: dict[str, Source], moe: Callable[[str], dict],
+                  ours: str | None = None, is_moe: bool | None = None) -> dict:
+    """One block ``model.layers.{i}`` as ours ``layers.{i}`` (or ``ours``): norms, attention, and a dense FFN
+    (``mlp.*_proj``) or the family's MoE layer (``is_moe``, default: as the config says for block ``i``)."""
     p = f"model.layers.{i}."
     out = {"attention_norm.weight": Copy(f"{p}input_layernorm.weight"),
            "ffn_norm.weight": Copy(f"{p}post_attention_layernorm.weight"), **attention}
-    out.update(moe(p) if config.is_moe_layer(i) else swiglu_sources("ffn", f"{p}mlp"))
-    return {f"layers.{i}.{k}": v for k, v in out.items()}
+    out.update(moe(p) if (config.is_moe_layer(i) if is_moe is None else is_moe) else swiglu_sources("ffn", f"{p}mlp"))
+    return {f"{ours or f'layers.{i}'}.{k}": v for k, v in out.items()}

@@ -35,7 +35,7 @@ def load_config(path: str | Path) -> MoEConfig:
 
 # Settings of training, not of the released weights: a config given beside ``pretrained`` may change them.
 TRAINING_FIELDS = {"bias_update_rate", "aux_loss_coef", "z_loss_coef", "init_std", "max_seq_len",
-                   "document_masking", "eod_token_id"}
+                   "document_masking", "eod_token_id", "mtp_loss_weight"}
 
 
 def merge_config(path: str | Path, config: MoEConfig | None = None) -> MoEConfig:

@@ -1,5 +1,6 @@
 """Model hyperparameters, validated when built so a bad YAML fails before any tensor is allocated."""
 
+import warnings
 from dataclasses import dataclass
 from typing import Literal, Optional
 
@@ -69,6 +70,9 @@ class MoEConfig:
         document_masking: Attend only within each document of a packed sequence (documents end at
             ``eod_token_id``, which belongs to the document it ends); off: plain causal attention.
         eod_token_id: End-of-document token id (the byte tokenizer's is 256).
+        mtp_layers: Multi-token prediction depth D (DeepSeek-V3; ``model/mtp.py``): D extra modules, each one
+            block shaped like the last, predicting the token ``k + 1`` ahead in training; 0 disables.
+        mtp_loss_weight: λ of the training loss ``main + λ / D · Σ_k CE_k`` (DeepSeek-V3: 0.3, later 0.1).
     """
 
     vocab_size: int = 320
@@ -118,6 +122,8 @@ class MoEConfig:
     init_std: float = 0.02
     document_masking: bool = False
     eod_token_id: int = 256
+    mtp_layers: int = 0
+    mtp_loss_weight: float = 0.3
 
     def __post_init__(self) -> None:
         positive = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "max_seq_len",
@@ -174,6 +180,16 @@ class MoEConfig:
         self._validate_qk()
         if self.route_scale <= 0:
             raise ConfigError(f"MoEConfig.route_scale={self.route_scale} must be > 0.")
+        self._validate_mtp()
+
+    def _validate_mtp(self) -> None:
+        if not isinstance(self.mtp_layers, int) or isinstance(self.mtp_layers, bool) or self.mtp_layers < 0:
+            raise ConfigError(f"MoEConfig.mtp_layers={self.mtp_layers!r}: must be an integer >= 0 (multi-token "
+                              "prediction depth; 0 disables it, DeepSeek-V3 uses 1).")
+        weight = self.mtp_loss_weight
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0 <= weight < float("inf"):
+            raise ConfigError(f"MoEConfig.mtp_loss_weight={weight!r}: must be a finite number >= 0 (λ of the "
+                              "multi-token prediction loss; DeepSeek-V3 uses 0.3).")
 
     def _validate_qk(self) -> None:
         if self.qk_norm not in ("none", "head", "full"):
@@ -196,6 +212,9 @@ class MoEConfig:
                     f"MoEConfig.dim={self.dim} is not divisible by n_heads={self.n_heads}: "
                     f"choose dim as a multiple of n_heads, or set head_dim explicitly.")
             self.head_dim = self.dim // self.n_heads
+        if not isinstance(self.head_dim, int) or self.head_dim < 1:
+            raise ConfigError(f"MoEConfig.head_dim={self.head_dim!r}: must be a positive even integer, or null for "
+                              f"dim // n_heads.")
         if self.head_dim % 2:
             raise ConfigError(f"MoEConfig.head_dim={self.head_dim} must be even for rotary embeddings.")
         if self.n_heads % self.n_kv_heads:
@@ -258,6 +277,11 @@ class MoEConfig:
         if self.qk_rope_head_dim % 2:
             raise ConfigError(f"MoEConfig.qk_rope_head_dim={self.qk_rope_head_dim} must be even for rotary "
                               f"embeddings: use e.g. {self.qk_rope_head_dim + 1}.")
+        ignored = [f"{name}={getattr(self, name)!r}" for name, unset in (
+            ("n_kv_heads", (MoEConfig.n_kv_heads, self.n_heads)), ("head_dim", (None,))) if getattr(self, name) not in unset]
+        if ignored:  # MLA's widths are its own five fields; a GQA value here is a mistaken config, not a choice
+            warnings.warn(f"MoEConfig.{' and '.join(ignored)}: ignored with attention='mla', whose head widths are "
+                          "qk_nope_head_dim, qk_rope_head_dim and v_head_dim; remove it from the config.", stacklevel=2)
 
     @property
     def n_moe_layers(self) -> int:

@@ -13,6 +13,7 @@ from .kv_cache import KVCache
 from .layers import RMSNorm, SwiGLU
 from .mla import MultiHeadLatentAttention
 from .moe import MoELayer
+from .mtp import MTPModule
 from .rotary import Rotary
 
 
@@ -37,7 +38,8 @@ class Block(nn.Module):
 
 
 class MoETransformer(nn.Module):
-    """Embedding → ``layers`` (the repeated blocks every plug-in wraps) → final norm → output head."""
+    """Embedding → ``layers`` (the repeated blocks every plug-in wraps) → final norm → output head; with
+    ``config.mtp_layers``, the multi-token prediction modules ``mtp`` (training only, see ``model/mtp.py``)."""
 
     def __init__(self, config: MoEConfig):
         super().__init__()
@@ -49,23 +51,32 @@ class MoETransformer(nn.Module):
         self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
+        # each module's block is shaped like the last layer (dense or MoE); built last, so models without
+        # multi-token prediction draw the same initial weights as before it existed
+        self.mtp = nn.ModuleList(MTPModule(config, Block(config, config.n_layers - 1))
+                                 for _ in range(config.mtp_layers))
         if self.tok_embeddings.weight.device.type != "meta":
             self.init_weights()
 
     def forward(self, tokens_BS: torch.Tensor, *, cache: KVCache | None = None,
-                return_hidden: bool = False) -> torch.Tensor:
+                return_hidden: bool = False, mtp: bool = False) -> torch.Tensor | list[torch.Tensor]:
         """Logits ``[B, S, V]``, or with ``return_hidden`` the final-normed hidden states ``[B, S, D]`` (for a
         loss that applies ``self.output`` itself, e.g. chunk by chunk). With ``cache`` the tokens continue the
-        cached positions, which it then holds.
+        cached positions, which it then holds. With ``mtp`` (training, no cache): the hidden states of every
+        depth, ``[h^0 [B, S, D], h^1 [B, S-1, D], ..., h^D [B, S-D, D]]`` (``h^0`` the main model's; see
+        ``model/mtp.py``), each ready for the shared output head.
 
         What every block shares is built here once, outside the blocks (a compiled block only reads it): the
         rotary tables and the attention mask (with FlexAttention, its block mask)."""
         B, S = tokens_BS.shape
+        if mtp and (cache is not None or S <= len(self.mtp)):
+            raise ValueError(f"multi-token prediction runs in training only, without a KV cache, on more than "
+                             f"mtp_layers={len(self.mtp)} tokens; got cache={cache is not None}, {S} tokens.")
         start = 0 if cache is None else cache.length
         if cache is not None and start + S > cache.capacity:
             raise ValueError(f"KV cache holds {cache.capacity} positions; {start} are cached and {S} more were "
                              f"given: start a new cache from the latest tokens.")
-        h_BSD = self.tok_embeddings(tokens_BS)
+        emb_BSD = h_BSD = self.tok_embeddings(tokens_BS)
         mask = None
         if self.config.document_masking:
             eod = self.config.eod_token_id
@@ -77,7 +88,23 @@ class MoETransformer(nn.Module):
         for i, layer in enumerate(self.layers):
             h_BSD = layer(h_BSD, mask=mask, cache=None if cache is None else cache.layers[i], cos_sin=cos_sin)
         h_BSD = self.norm(h_BSD)
+        if mtp:
+            return self._multi_token_hidden(tokens_BS, emb_BSD, h_BSD)
         return h_BSD if return_hidden else self.output(h_BSD)
+
+    def _multi_token_hidden(self, tokens_BS: torch.Tensor, emb_BSD: torch.Tensor,
+                            h_BSD: torch.Tensor) -> list[torch.Tensor]:
+        """``[h^0, ..., h^D]``: depth k pairs ``h^{k-1}`` at positions ``0..S-k-1`` with the embeddings of
+        ``t[k..S-1]``; its blocks attend causally (within documents) over those ``S - k`` positions."""
+        S = tokens_BS.shape[1]
+        doc_BS = document_ids(tokens_BS, self.config.eod_token_id) if self.config.document_masking else None
+        hidden = [h_BSD]
+        for k, module in enumerate(self.mtp, start=1):
+            n = S - k
+            mask = None if doc_BS is None else DocumentMask(doc_BS[:, :n])
+            hidden.append(module(hidden[-1][:, :n], emb_BSD[:, k:], mask=mask, cache=None,
+                                 cos_sin=self.rotary.cos_sin(0, n, device=tokens_BS.device)))
+        return hidden
 
     @torch.no_grad()
     def init_weights(self) -> None:
@@ -93,9 +120,13 @@ class MoETransformer(nn.Module):
         self.norm.init_weights()
         if not self.config.tie_embeddings:
             nn.init.normal_(self.output.weight, std=self.config.dim ** -0.5)
+        for module in self.mtp:
+            module.init_weights(std, out_std)
 
     def moe_layers(self) -> list[MoELayer]:
-        return [block.ffn for block in self.layers if block.is_moe]
+        """Every MoE layer, the multi-token prediction blocks' last (they route, count and balance alike)."""
+        blocks = [*self.layers, *(module.block for module in self.mtp)]
+        return [block.ffn for block in blocks if block.is_moe]
 
     def num_parameters(self, active: bool = False) -> int:
         """Total parameters, or those one token touches (routed experts scaled by top_k/num_experts)."""

@@ -107,6 +107,23 @@ def plan_shard_groups(names: list[str], params: list[torch.Tensor], ns_steps: in
     return list(groups.values())
 
 
+def check_trainable_agree(trainable: list[str]) -> None:
+    """Every rank must train the same Muon parameters: the row exchanges are planned from them, so a parameter
+    frozen (or left out) on some ranks only would make ranks plan exchanges of different sizes. One collective,
+    when the plan is made (at the first step, before any parameter changes)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    everyone: list[list[str] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, sorted(trainable))
+    if any(names != everyone[0] for names in everyone):
+        some = sorted(set().union(*everyone) - set.intersection(*map(set, everyone)))
+        ranks = {name: [r for r, names in enumerate(everyone) if name not in names] for name in some}
+        raise FlexShardLayoutError(
+            f"Muon parameters frozen (requires_grad=False) or left out of the optimizer on some ranks only: {ranks} "
+            "(parameter: the ranks that do not train it). Freeze the same parameters on every rank, before the "
+            "first step.")
+
+
 def comm_device(group: dist.ProcessGroup, compute_device: torch.device) -> torch.device:
     """Device whose tensors the group's backend moves: NCCL needs CUDA (even when Newton–Schulz runs on the
     CPU), gloo moves host tensors."""
@@ -116,58 +133,78 @@ def comm_device(group: dist.ProcessGroup, compute_device: torch.device) -> torch
 
 
 class RowExchange:
-    """One shard group's gather-to-owner and scatter-back, each a single async ``all_to_all_single``."""
+    """One shard group's gather-to-owner and scatter-back, each a single async ``all_to_all_single``.
+
+    Every matrix travels with one flag per rank: in the gather, whether that rank has a gradient for it (a rank
+    without one counts it as zero); in the scatter, whether any rank had one. So the sizes of both exchanges never
+    depend on which gradients exist (every rank computes the same ones from the plan), and a matrix no rank has
+    a gradient for is left untouched, as optimizers leave a parameter whose ``grad`` is ``None``.
+    """
 
     def __init__(self, sg: ShardGroup, device: torch.device):
         self.sg, self.device = sg, device
         me = sg.rank
         self.rows = rows = [sg.rows(m) for m, _ in sg.shapes]
         self.mine = [k for k, o in enumerate(sg.owners) if o == me]  # matrices this rank orthogonalizes
-        # elements this rank sends to each owner, and receives from each rank, in the gather
-        self.to_owner = [sum(rows[k][me] * n for k, (o, (_, n)) in enumerate(zip(sg.owners, sg.shapes)) if o == dst)
-                         for dst in range(sg.size)]
-        self.from_rank = [sum(rows[k][src] * sg.shapes[k][1] for k in self.mine) for src in range(sg.size)]
-        self.gather_order = sorted(range(len(sg.shapes)), key=lambda k: sg.owners[k])  # stable: matrix order per owner
+        # elements this rank sends to each owner, and receives from each rank, in the gather: rows, then flags
+        self.by_owner = [[k for k, o in enumerate(sg.owners) if o == dst] for dst in range(sg.size)]
+        self.to_owner = [sum(rows[k][me] * sg.shapes[k][1] + 1 for k in ks) for ks in self.by_owner]
+        self.from_rank = [sum(rows[k][src] * sg.shapes[k][1] + 1 for k in self.mine) for src in range(sg.size)]
         self.work = None
 
-    def start_gather(self, shards: list[torch.Tensor]) -> None:
-        """Send each local row shard (bf16, the dtype Newton–Schulz starts from) to its owner."""
-        send = torch.cat([shards[k].to(self.device, torch.bfloat16).flatten() for k in self.gather_order]) if shards \
-            else torch.empty(0, dtype=torch.bfloat16, device=self.device)
+    def start_gather(self, shards: list[torch.Tensor], present: list[bool]) -> None:
+        """Send each local row shard (bf16, the dtype Newton–Schulz starts from) to its owner, with the flag saying
+        whether this rank has a gradient for it (a shard without one is its momentum's share of the update)."""
+        pieces = []
+        for ks in self.by_owner:
+            flags = torch.ones(len(ks), dtype=torch.bfloat16, device=self.device)  # filled on the device: no copy
+            for j, k in enumerate(ks):
+                pieces.append(shards[k].to(self.device, torch.bfloat16).flatten())
+                if not present[k]:
+                    flags[j] = 0
+            pieces.append(flags)
+        send = torch.cat(pieces)
         self.recv = torch.empty(sum(self.from_rank), dtype=torch.bfloat16, device=self.device)
         self.work = dist.all_to_all_single(self.recv, send, self.from_rank, self.to_owner,
                                            group=self.sg.group, async_op=True)
 
     def owned_matrices(self) -> list[torch.Tensor]:
-        """Wait for the gather; whole ``[m, n]`` matrices this rank owns, rows in rank order."""
+        """Wait for the gather; whole ``[m, n]`` matrices this rank owns, rows in rank order (multiplied by the
+        any-rank-has-a-gradient flag, which exchanges as ``self.present``, one per owned matrix)."""
         self.work.wait()
         pieces: list[list[torch.Tensor]] = [[] for _ in self.mine]
+        flags = []
         for src, chunk in enumerate(self.recv.split(self.from_rank)):
             offset = 0
             for j, k in enumerate(self.mine):
                 r, n = self.rows[k][src], self.sg.shapes[k][1]
                 pieces[j].append(chunk[offset:offset + r * n].view(r, n))
                 offset += r * n
-        return [torch.cat(p) for p in pieces]
+            flags.append(chunk[offset:])
+        self.present = torch.stack(flags).amax(0) if flags else torch.empty(0, dtype=torch.bfloat16)
+        return [torch.cat(p).mul_(self.present[j]) for j, p in enumerate(pieces)]
 
     def start_scatter(self, results: list[torch.Tensor]) -> None:
-        """Send each rank its rows of the orthogonalized matrices this rank owns."""
+        """Send each rank its rows of the orthogonalized matrices this rank owns, and their flags."""
         rows_by_rank = [result.split(self.rows[k]) for result, k in zip(results, self.mine)]
-        send = [rows[dst].flatten() for dst in range(self.sg.size) for rows in rows_by_rank]
+        send = [piece.flatten().to(self.device, torch.bfloat16) for dst in range(self.sg.size)
+                for piece in [rows[dst] for rows in rows_by_rank] + [self.present.to(self.device)]]
         send = torch.cat(send) if send else torch.empty(0, dtype=torch.bfloat16, device=self.device)
         self.recv = torch.empty(sum(self.to_owner), dtype=torch.bfloat16, device=self.device)
-        self.work = dist.all_to_all_single(self.recv, send.to(self.device, torch.bfloat16),
-                                           self.to_owner, self.from_rank, group=self.sg.group, async_op=True)
+        self.work = dist.all_to_all_single(self.recv, send, self.to_owner, self.from_rank, group=self.sg.group,
+                                           async_op=True)
 
-    def local_rows(self) -> list[torch.Tensor]:
-        """Wait for the scatter; this rank's rows of every matrix of the group, in group order."""
+    def local_rows(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Wait for the scatter; this rank's rows of every matrix of the group and whether any rank had a
+        gradient for it (a 0-d tensor, 1 or 0), in group order."""
         self.work.wait()
         me, out = self.sg.rank, [None] * len(self.sg.shapes)
-        for src, chunk in enumerate(self.recv.split(self.to_owner)):
+        for ks, chunk in zip(self.by_owner, self.recv.split(self.to_owner)):
+            offset = sum(self.rows[k][me] * self.sg.shapes[k][1] for k in ks)
+            flags = chunk[offset:]
             offset = 0
-            for k, (o, (_, n)) in enumerate(zip(self.sg.owners, self.sg.shapes)):
-                if o == src:
-                    r = self.rows[k][me]
-                    out[k] = chunk[offset:offset + r * n].view(r, n)
-                    offset += r * n
+            for j, k in enumerate(ks):
+                r, n = self.rows[k][me], self.sg.shapes[k][1]
+                out[k] = (chunk[offset:offset + r * n].view(r, n), flags[j])
+                offset += r * n
         return out

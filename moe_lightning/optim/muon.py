@@ -8,7 +8,7 @@ from typing import Literal
 import torch
 from torch.distributed.tensor import DTensor
 
-from .flexshard import RowExchange, comm_device, plan_shard_groups
+from .flexshard import RowExchange, check_trainable_agree, classify, comm_device, plan_shard_groups
 from .muon_groups import split_by_algorithm
 from .newton_schulz import coefficient_schedule, newton_schulz
 
@@ -109,8 +109,7 @@ class Muon(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        muon = [(g, p) for g in self.param_groups if g["algorithm"] == "muon"
-                for p in g["params"] if p.grad is not None]
+        muon = [(g, p) for g in self.param_groups if g["algorithm"] == "muon" for p in g["params"] if p.requires_grad]
         finish_muon = self._muon_step(muon) if muon else None
         for group in self.param_groups:  # while the scatters are in flight
             if group["algorithm"] == "adamw":
@@ -121,16 +120,32 @@ class Muon(torch.optim.Optimizer):
 
     def _muon_step(self, muon: list[tuple[dict, torch.Tensor]]):
         """Momentum on local shards; start row exchanges; local NS meanwhile; NS of owned matrices; start
-        the scatters. Returns the function that waits for them and applies the row-sharded updates."""
-        updates = [self._momentum_update(g, p) for g, p in muon]
+        the scatters. Returns the function that waits for them and applies the row-sharded updates.
+
+        ``muon`` holds every trainable Muon parameter, with or without a gradient: the row exchanges are planned
+        from all of them, identically on every rank. A parameter without a gradient here is skipped if it is
+        orthogonalized locally; if it is row-sharded its gradient counts as zero, and the step is applied only
+        if some rank had one (``RowExchange``'s flags)."""
         device = self._compute_device(_local(muon[0][1]))
         exchanges = self._exchanges(muon, device)
-        for ex in exchanges:
-            ex.start_gather([updates[i] if e is None else updates[i][e] for i, e in ex.sg.indices])
         sharded = {i for ex in exchanges for i, _ in ex.sg.indices}
+        present = [p.grad is not None for _, p in muon]
+        pending = {}  # row-sharded parameters without a gradient: their momentum buffer after this step
+        updates = []
+        for i, (group, p) in enumerate(muon):
+            if present[i]:
+                updates.append(self._momentum_update(group, p))
+            elif i in sharded:
+                pending[i], update = self._momentum_without_grad(group, p)
+                updates.append(update)
+            else:
+                updates.append(None)
+        for ex in exchanges:
+            ex.start_gather([updates[i] if e is None else updates[i][e] for i, e in ex.sg.indices],
+                            [present[i] for i, _ in ex.sg.indices])
         schedules = {id(g): self._schedule(g) for g, _ in muon}  # once per group, not per matrix
         for i, (group, p) in enumerate(muon):
-            if i not in sharded:
+            if i not in sharded and present[i]:
                 self._apply(group, p, newton_schulz(updates[i].to(device), schedules[id(group)], group["eps"]))
         for ex in exchanges:  # NS of every owned matrix first, so all scatters are in flight together
             groups = [muon[ex.sg.indices[k][0]][0] for k in ex.mine]
@@ -140,10 +155,16 @@ class Muon(torch.optim.Optimizer):
         def finish():
             for ex in exchanges:
                 rows: dict[int, list[torch.Tensor]] = {}
-                for (i, _), O_rN in zip(ex.sg.indices, ex.local_rows()):
+                anyone: dict[int, torch.Tensor] = {}  # some rank had a gradient (0-d, 1 or 0)
+                for (i, _), (O_rN, flag) in zip(ex.sg.indices, ex.local_rows()):
                     rows.setdefault(i, []).append(O_rN)
+                    anyone[i] = flag
                 for i, O in rows.items():  # an expert stack's experts come back in order: restack them
-                    self._apply(muon[i][0], muon[i][1], torch.stack(O) if muon[i][1].ndim == 3 else O[0])
+                    group, p = muon[i]
+                    if i in pending:  # no gradient here: the momentum step counts only if some rank had one
+                        buffer = _local(self.state[p]["momentum_buffer"])
+                        buffer.copy_(torch.where(anyone[i].to(buffer.device) > 0, pending[i], buffer))
+                    self._apply(group, p, torch.stack(O) if p.ndim == 3 else O[0], anyone[i] if i in pending else None)
         return finish
 
     def _shard_groups(self, muon):
@@ -151,6 +172,9 @@ class Muon(torch.optim.Optimizer):
         key = tuple(id(p) for _, p in muon)
         if self._plan is None or self._plan[0] != key:
             names = [self._name(g, p) for g, p in muon]
+            if any(classify(self._name(g, p), p) for g in self.param_groups if g["algorithm"] == "muon"
+                   for p in g["params"]):  # row-sharded matrices (the same on every rank, trained or not)
+                check_trainable_agree(names)
             steps = {g["ns_steps"] for g, _ in muon}
             self._plan = (key, plan_shard_groups(names, [p for _, p in muon], max(steps)))
         return self._plan[1]
@@ -180,11 +204,22 @@ class Muon(torch.optim.Optimizer):
         buf.lerp_(grad, 1 - group["momentum"])
         return grad.lerp(buf, group["momentum"]) if group["nesterov"] else buf
 
+    def _momentum_without_grad(self, group: dict, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``_momentum_update`` for a zero gradient, without changing the buffer: (new buffer, local update)."""
+        state = self.state[p]
+        if "momentum_buffer" not in state:
+            state["momentum_buffer"] = torch.zeros_like(p)
+        zero = torch.zeros_like(_local(state["momentum_buffer"]))
+        buffer = _local(state["momentum_buffer"]).lerp(zero, 1 - group["momentum"])  # the ops of a zero gradient
+        return buffer, zero.lerp(buffer, group["momentum"]) if group["nesterov"] else buffer
+
     @staticmethod
-    def _apply(group: dict, p: torch.Tensor, O: torch.Tensor) -> None:
-        """Decoupled weight decay, then the orthogonalized step with the shape-dependent LR scale."""
+    def _apply(group: dict, p: torch.Tensor, O: torch.Tensor, anyone: torch.Tensor | None = None) -> None:
+        """Decoupled weight decay, then the orthogonalized step with the shape-dependent LR scale. ``anyone``: 0
+        when no rank had a gradient (``O`` is then zero too), which leaves ``p`` untouched."""
         local = _local(p)
-        local.mul_(1 - group["lr"] * group["weight_decay"])
+        decay = group["lr"] * group["weight_decay"]
+        local.mul_(1 - decay if anyone is None else 1 - decay * anyone.to(local.device, local.dtype))
         local.add_(O.to(local.device), alpha=-group["lr"] * lr_scale(p.shape, group["adjust_lr_fn"]))
 
     def _adamw_step(self, group: dict) -> None:

@@ -7,9 +7,12 @@ with the ``ep`` split included: the checkpoint always holds global ``[E, ...]`` 
 loaded at any world size or ``ep``.
 
 Loading never runs code from a file: metadata is plain data (the model config as a dict) and is read with
-``torch.load(weights_only=True)``.
+``torch.load(weights_only=True)``; DCP's own ``.metadata`` is unpickled admitting only the classes it is made of
+(``SafeReader``), and its non-tensor items are read with ``weights_only=True`` (``SafeLoadPlanner``; DCP's
+default reader and planner unpickle both without limits). Every sharded read goes through ``load_sharded``.
 """
 
+import errno
 import io
 import os
 import pickle
@@ -25,10 +28,13 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch import nn
 
 from ..model import GroupedExperts
@@ -51,13 +57,109 @@ def load_metadata(path: Path | io.BytesIO, mmap: bool = False) -> dict[str, Any]
         raise unsafe_file_error(path, error) from None
 
 
-def unsafe_file_error(path: Path | io.BytesIO, error: pickle.UnpicklingError) -> CheckpointError:
-    found = re.search(r"GLOBAL (\S+)", str(error))
-    reason = f"it names {found.group(1)}" if found else str(error).strip().split("\n")[0][:200]
+def unsafe_file_error(path: Path | io.BytesIO, error: pickle.UnpicklingError, item: str = "") -> CheckpointError:
+    """``item``: which entry of the file, where it holds several."""
     return CheckpointError(
-        f"Refusing to load {path}: it holds pickled objects other than plain data, and unpickling them could run "
-        f"code from the file ({reason}). Checkpoints written by moe_lightning hold only plain data; load only "
-        "files you trust, and re-save a trusted old one with its objects converted to dicts.")
+        f"Refusing to load {path}{item}: it holds pickled objects other than plain data, and unpickling them could "
+        f"run code from the file ({_pickle_reason(error)}). Checkpoints written by moe_lightning hold only plain "
+        "data; load only files you trust, and re-save a trusted old one with its objects converted to dicts.")
+
+
+def _pickle_reason(error: pickle.UnpicklingError) -> str:
+    found = re.search(r"GLOBAL (\S+)", str(error))
+    return f"it names {found.group(1)}" if found else str(error).strip().split("\n")[0][:200]
+
+
+# What DCP's ``.metadata`` pickle is made of (torch 2.11 to 2.13), besides torch dtypes: nothing else is unpickled.
+_DCP_METADATA_GLOBALS = {
+    "torch.distributed.checkpoint.metadata": {"Metadata", "MetadataIndex", "StorageMeta", "TensorProperties",
+                                              "TensorStorageMetadata", "BytesStorageMetadata",
+                                              "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING"},
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch": {"Size"},
+    "torch.serialization": {"_get_layout"},  # a torch.layout from its name
+    "pathlib": {"Path", "PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"},  # the checkpoint_id
+}
+_DCP_METADATA_GLOBALS["pathlib._local"] = _DCP_METADATA_GLOBALS["pathlib"]  # Python >= 3.13
+
+
+class _ForbiddenGlobal(pickle.UnpicklingError):
+    pass
+
+
+class _DCPMetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        if name in _DCP_METADATA_GLOBALS.get(module, ()) or (
+                module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
+            return super().find_class(module, name)
+        raise _ForbiddenGlobal(f"GLOBAL {module}.{name} is not a class of DCP metadata")
+
+
+class SafeReader(FileSystemReader):
+    """DCP's file reader, except that ``.metadata`` is unpickled admitting only DCP's metadata classes (and read
+    once: ``load_sharded`` reads it before ``dcp.load``, which would bury a refusal in its own report)."""
+
+    _metadata: Metadata | None = None
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if self._metadata is None or kwargs.get("rank") is not None:
+            self._metadata = self._read_metadata(kwargs.get("rank"))
+        self._metadata.storage_meta.load_id = self.load_id
+        return self._metadata
+
+    def _read_metadata(self, rank: int | None) -> Metadata:
+        path = self._get_metadata_path(rank)
+        try:
+            with self.fs.create_stream(path, "rb") as file:
+                metadata = _DCPMetadataUnpickler(file).load()
+        except _ForbiddenGlobal as error:
+            raise CheckpointError(
+                f"Refusing to load {path}: DCP metadata holds only DCP's own metadata classes, and unpickling "
+                f"anything else could run code from the file ({_pickle_reason(error)}). Load only checkpoints you "
+                "trust.") from None
+        except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError) as error:
+            raise CheckpointError(f"{path} is not a readable DCP metadata file ({type(error).__name__}: {error}): "
+                                  "the checkpoint is damaged or was not written by DCP.") from None
+        if not isinstance(metadata, Metadata):
+            raise CheckpointError(f"{path} is not DCP metadata (it holds a {type(metadata).__name__}).")
+        if getattr(metadata, "storage_meta", None) is None:  # as FileSystemReader does
+            metadata.storage_meta = StorageMeta()
+        return metadata
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's default load planner, except that non-tensor items are read as plain data only
+    (``torch.load(weights_only=True)``, where DCP's own uses ``weights_only=False``)."""
+
+    def __init__(self, reader: SafeReader):
+        super().__init__()
+        self.reader = reader
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        fqn = read_item.dest_index.fqn
+        try:
+            loaded = torch.load(value, weights_only=True)
+        except pickle.UnpicklingError as error:
+            where = self.reader.storage_data[read_item.storage_index].relative_path
+            raise unsafe_file_error(Path(self.reader.path) / where, error, f" (item {fqn})") from None
+        if self.flatten_state_dict:  # where DefaultLoadPlanner.load_bytes puts it
+            set_element(self.original_state_dict, self.mappings[fqn], loaded)
+        else:
+            self.state_dict[fqn] = loaded
+
+
+def load_sharded(state: dict[str, Any], path: Path, no_dist: bool = False) -> None:
+    """``dcp.load`` through ``SafeReader`` and ``SafeLoadPlanner``; a refusal is raised as itself, not inside
+    DCP's per-rank report."""
+    reader = SafeReader(path)
+    reader.read_metadata()
+    try:
+        dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(reader), no_dist=no_dist)
+    except dcp.api.CheckpointException as error:
+        refused = [e for e, _ in error.failures.values() if isinstance(e, CheckpointError)]
+        if refused:
+            raise refused[0] from None
+        raise
 
 
 def expert_parameter_names(module: nn.Module) -> set[str]:
@@ -65,7 +167,7 @@ def expert_parameter_names(module: nn.Module) -> set[str]:
             for p, _ in m.named_parameters(recurse=False)}
 
 
-def _global_expert_view(tensor: DTensor, expert_mesh: DeviceMesh) -> DTensor:
+def global_expert_view(tensor: DTensor, expert_mesh: DeviceMesh) -> DTensor:
     """The same local shard, described on ``(replicate, ep, efsdp)`` with experts split by ``ep`` first.
 
     Built like FSDP builds its own DTensors (no ``from_local``), so a shard kept in host memory (CPU
@@ -96,7 +198,7 @@ def global_expert_views(state: dict[str, Any], names: set[str], expert_mesh: Dev
                 visit(value, expert)
             elif expert and isinstance(value, DTensor) and value.ndim == 3:
                 swapped.append((container, key, value))
-                container[key] = _global_expert_view(value, expert_mesh)
+                container[key] = global_expert_view(value, expert_mesh)
 
     if expert_mesh is not None:
         visit(state, False)
@@ -105,6 +207,67 @@ def global_expert_views(state: dict[str, Any], names: set[str], expert_mesh: Dev
     finally:
         for container, key, value in swapped:
             container[key] = value
+
+
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
+def disk_full_error(path: Path, needed: int | None) -> CheckpointError:
+    """One line for a save the disk had no room for (``needed``: bytes this process writes, when known)."""
+    free = shutil.disk_usage(path.parent if path.parent.exists() else Path.cwd()).free
+    size = f"{needed:,} bytes needed, " if needed is not None else ""
+    return CheckpointError(f"Checkpoint {path} was not written: the disk is full ({size}{free:,} bytes free on "
+                           f"{path.parent}). Earlier checkpoints are intact; free space or save elsewhere.")
+
+
+def is_disk_full(error: BaseException) -> bool:
+    """ENOSPC/EDQUOT anywhere in ``error``'s chain or DCP's per-rank failures; torch's zip writer reports a short
+    write as "unexpected pos"."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if getattr(error, "errno", None) in DISK_FULL or "unexpected pos" in str(error):
+            return True
+        if isinstance(error, dcp.api.CheckpointException):
+            return any(is_disk_full(e) for e, _ in error.failures.values())
+        error = error.__cause__ or error.__context__
+    return False
+
+
+def save_file(obj: Any, path: Path) -> None:
+    """``torch.save`` as ``<path>.partial``, synced to disk, then renamed over ``path``: a failure (a full disk, a
+    kill) never leaves a truncated file under ``path`` nor replaces the file already there."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    data = buffer.getbuffer()
+    partial = path.with_name(path.name + PARTIAL_SUFFIX)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            written = 0
+            while written < len(data):  # os.write may write less than asked (a short write)
+                written += os.write(fd, data[written:])
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(partial, path)
+    except OSError as error:
+        remove(partial)
+        if error.errno in DISK_FULL:
+            raise disk_full_error(path, len(data)) from None
+        raise
+
+
+def local_part(full: torch.Tensor, like: torch.Tensor, name: str) -> torch.Tensor:
+    """The part of the global tensor ``full`` that ``like`` (a DTensor, e.g. a global expert view, or a plain
+    tensor) holds on this rank."""
+    if full.shape != like.shape:
+        raise CheckpointError(f"{name}: the checkpoint holds shape {tuple(full.shape)}, the model {tuple(like.shape)}.")
+    if not isinstance(like, DTensor):
+        return full
+    shape, offset = compute_local_shape_and_global_offset(like.shape, like.device_mesh, like.placements)
+    return full[tuple(slice(o, o + s) for o, s in zip(offset, shape))]
 
 
 def commit_directory(partial: Path, path: Path) -> None:
@@ -132,6 +295,31 @@ def resolve_checkpoint(path: Path) -> Path:
     if not path.exists():
         raise FileNotFoundError(f"ckpt_path={str(path)!r} does not exist.")
     return path
+
+
+def _local_bytes(state: dict[str, Any]) -> int:
+    """Bytes of the tensors this rank writes (its shards), in a nested state dict."""
+    if isinstance(state, dict):
+        return sum(_local_bytes(v) for v in state.values())
+    if isinstance(state, (list, tuple)):
+        return sum(_local_bytes(v) for v in state)
+    if isinstance(state, torch.Tensor):
+        local = state.to_local() if isinstance(state, DTensor) else state
+        return local.numel() * local.element_size()
+    return 0
+
+
+def metadata_file(path: Path) -> Path:
+    """The file holding a checkpoint's non-tensor state: ``path`` itself, or a sharded directory's ``meta.pt``.
+    A directory that is no checkpoint is refused here, before anything is built."""
+    if not path.is_dir():
+        return path
+    if not (path / METADATA_FILE).is_file():
+        inside = sorted(p.name for p in path.iterdir() if p.name.endswith(".ckpt"))[:3]
+        hint = f" It holds {', '.join(inside)}: pass one of those." if inside else ""
+        raise ValueError(f"ckpt_path={str(path)!r} is a directory but not a checkpoint (a sharded checkpoint "
+                         f"directory holds {METADATA_FILE} and DCP's .metadata).{hint}")
+    return path / METADATA_FILE
 
 
 class _HostCopyWriter(FileSystemWriter):
@@ -193,7 +381,14 @@ class ShardedCheckpointer:
         writer = self.storage_writer(partial)
         with global_expert_views(state, expert_names, expert_mesh):
             if not background:
-                dcp.save(state, storage_writer=writer)
+                try:
+                    dcp.save(state, storage_writer=writer)
+                except BaseException as error:  # DCP's CheckpointException is a BaseException
+                    if not is_disk_full(error):
+                        raise
+                    if self._is_rank_zero():
+                        remove(partial)  # every rank's write has failed (DCP gathers them): give the space back
+                    raise disk_full_error(path, _local_bytes(state)) from None
             else:
                 if self._group is None and dist.is_initialized():
                     self._group = dist.new_group(backend="gloo")
@@ -218,6 +413,8 @@ class ShardedCheckpointer:
         try:
             write.result()
         except (Exception, dcp.api.CheckpointException) as error:  # the latter is a BaseException
+            if is_disk_full(error):
+                raise disk_full_error(path, None) from error
             raise CheckpointError(f"Asynchronous checkpoint {path} failed while writing ({error!r}): it was not "
                                   f"committed (its files stay in {partial}); earlier checkpoints are intact."
                                   ) from error
@@ -235,7 +432,32 @@ class ShardedCheckpointer:
         """Fill ``state`` in place from the directory ``path`` (read its metadata with ``load_metadata``)."""
         self.wait()
         with global_expert_views(state, expert_names, expert_mesh):
-            dcp.load(state, checkpoint_id=path)
+            load_sharded(state, path)
+
+
+MODEL_KEYS = "state_dict.model."  # where a sharded checkpoint holds the ``MoETransformer`` weights
+
+
+def sharded_model_index(path: Path) -> dict[str, TensorStorageMetadata]:
+    """The model tensors of a sharded checkpoint by ``MoETransformer`` name, read in one process once its DCP
+    metadata and every non-tensor item have been read as plain data: a tampered checkpoint is refused whole,
+    naming the file, before any tensor is read."""
+    entries = SafeReader(path).read_metadata().state_dict_metadata
+    plain = {key: None for key, meta in entries.items() if isinstance(meta, BytesStorageMetadata)}
+    if plain:
+        load_sharded(plain, path, no_dist=True)
+    if misplaced := [key for key in plain if key.startswith(MODEL_KEYS)]:
+        raise CheckpointError(f"{path / '.metadata'} lists model weights that are not tensors ({misplaced[:3]}): "
+                              "the checkpoint is damaged.")
+    return {key[len(MODEL_KEYS):]: meta for key, meta in entries.items() if key.startswith(MODEL_KEYS)}
+
+
+def read_sharded_tensors(path: Path, index: dict[str, TensorStorageMetadata], names: list[str]) -> dict[str, torch.Tensor]:
+    """The named model tensors (global, in host memory) of the sharded checkpoint ``path`` indexed by ``index``."""
+    state = {"state_dict": {f"model.{name}": torch.empty(index[name].size, dtype=index[name].properties.dtype)
+                            for name in names}}
+    load_sharded(state, path, no_dist=True)
+    return {name: state["state_dict"][f"model.{name}"] for name in names}
 
 
 def read_sharded_weights(checkpoint: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
@@ -245,11 +467,5 @@ def read_sharded_weights(checkpoint: str | Path) -> tuple[dict[str, torch.Tensor
     if not (src / METADATA_FILE).is_file():
         raise ValueError(f"checkpoint={str(src)!r} is not a sharded checkpoint directory (no {METADATA_FILE}).")
     metadata = load_metadata(src / METADATA_FILE)  # refuses an unsafe file before any tensor is read
-    prefix = "state_dict.model."
-    tensors = {key: torch.empty(meta.size, dtype=meta.properties.dtype)
-               for key, meta in FileSystemReader(src).read_metadata().state_dict_metadata.items()
-               if key.startswith(prefix) and isinstance(meta, TensorStorageMetadata)}
-    state = {"state_dict": {key[len("state_dict."):]: t for key, t in tensors.items()}}
-    dcp.load(state, checkpoint_id=src, no_dist=True)
-    weights = {key[len("model."):]: t for key, t in state["state_dict"].items()}
-    return weights, metadata
+    index = sharded_model_index(src)
+    return read_sharded_tensors(src, index, list(index)), metadata
