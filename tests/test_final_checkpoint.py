@@ -1,6 +1,5 @@
 """Every fit that ends keeps its final weights (FinalCheckpoint), and a short run resumes from them."""
 
-import logging
 import os
 import signal
 import warnings
@@ -17,17 +16,6 @@ from moe_lightning.cli import run
 TINY = Path(__file__).resolve().parent.parent / "configs" / "tiny.yaml"
 SMALL = dict(vocab_size=260, dim=32, n_layers=2, n_heads=2, n_kv_heads=1, max_seq_len=32, ffn_hidden=64,
              num_experts=4, top_k=2, expert_hidden=32, n_shared_experts=0)
-
-
-@pytest.fixture
-def lightning_log():
-    messages = []
-    handler = logging.Handler(logging.INFO)
-    handler.emit = lambda record: messages.append(record.getMessage())
-    logger = logging.getLogger("lightning.pytorch")
-    logger.addHandler(handler)
-    yield messages
-    logger.removeHandler(handler)
 
 
 def _tiny(tmp_path: Path, name: str, max_steps: int, *extra: str):

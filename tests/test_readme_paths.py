@@ -1,7 +1,6 @@
 """The README's paths as a new user runs them: start from a released model with a shipped config, export and
 read back the byte tokenizer, one set of sampling flags for generate and predict, load_model as documented."""
 
-import logging
 from pathlib import Path
 
 import pytest
@@ -10,20 +9,10 @@ transformers = pytest.importorskip("transformers")
 
 from moe_lightning import cli, hf  # noqa: E402
 
+from .test_cli_imports import byte_run_checkpoint  # noqa: E402
 from .test_hf import build_reference  # noqa: E402
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
-
-
-@pytest.fixture
-def lightning_log():
-    messages = []
-    handler = logging.Handler(logging.INFO)
-    handler.emit = lambda record: messages.append(record.getMessage())
-    logger = logging.getLogger("lightning.pytorch")
-    logger.addHandler(handler)
-    yield messages
-    logger.removeHandler(handler)
 
 
 @pytest.mark.parametrize("family", ["mixtral", "deepseek_v3"])
@@ -46,27 +35,9 @@ def test_readme_fit_from_a_released_model_with_the_tiny_config(family, tmp_path,
     assert "dim=128 -> 32" in replaced and "ffn_hidden=384 -> 48" in replaced and "max_seq_len" not in replaced
 
 
-def _byte_run_checkpoint(tmp_path: Path) -> Path:
-    """A Lightning checkpoint of a byte-tokenizer run whose model Mixtral can hold."""
-    import lightning as L
-    import torch
-
-    from moe_lightning import MoEConfig, MoELanguageModel, TextDataModule
-
-    L.seed_everything(0)
-    config = MoEConfig(vocab_size=260, dim=32, n_layers=2, n_heads=2, n_kv_heads=1, max_seq_len=32, ffn_hidden=64,
-                       num_experts=4, top_k=2, expert_hidden=32, n_shared_experts=0, n_dense_layers=0,
-                       bias_update_rate=0.0)
-    trainer = L.Trainer(max_steps=3, accelerator="cpu", logger=False, enable_progress_bar=False, limit_val_batches=0,
-                        default_root_dir=tmp_path, enable_model_summary=False)
-    trainer.fit(MoELanguageModel(config, optimizer=lambda g: torch.optim.AdamW(g, lr=1e-2)),
-                TextDataModule("stdlib", seq_len=32, batch_size=2, max_tokens=20_000))
-    return next((tmp_path / "checkpoints").iterdir())
-
-
 def test_export_hf_of_a_byte_run_reads_back_in_tokenizers_transformers_and_generate(tmp_path, capsys):
     tokenizers = pytest.importorskip("tokenizers")
-    ckpt = _byte_run_checkpoint(tmp_path)
+    ckpt = byte_run_checkpoint(tmp_path)
     cli.run(["export", str(ckpt), "--hf", "--out", str(tmp_path / "hf")])
     text = "héllo wörld\n\tdef f(x):  return x ✓ 日本"
     ids = list(text.encode("utf-8"))  # the byte tokenizer's ids
@@ -91,7 +62,7 @@ def test_export_hf_of_a_byte_run_reads_back_in_tokenizers_transformers_and_gener
 def test_load_model_unpacks_as_the_readme_writes(tmp_path):
     from moe_lightning.loading import load_model
 
-    ckpt = _byte_run_checkpoint(tmp_path)
+    ckpt = byte_run_checkpoint(tmp_path)
     model, tokenizer = load_model(ckpt)
     loaded = load_model(ckpt)
     assert not model.training and tokenizer.eos_id == 256 and loaded.kind == "lightning"

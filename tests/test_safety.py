@@ -2,7 +2,6 @@
 
 import csv
 import dataclasses
-import logging
 import math
 import subprocess
 import sys
@@ -27,18 +26,6 @@ CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 TINY = CONFIGS / "tiny.yaml"
 SMALL = dict(vocab_size=260, dim=32, n_layers=2, n_heads=2, n_kv_heads=1, max_seq_len=32, ffn_hidden=64,
              num_experts=4, top_k=2, expert_hidden=32, n_shared_experts=0)
-
-
-@pytest.fixture
-def lightning_log():
-    """Messages Lightning's logger emits (it does not propagate to the root logger, so caplog misses them)."""
-    messages = []
-    handler = logging.Handler(logging.INFO)
-    handler.emit = lambda record: messages.append(record.getMessage())
-    logger = logging.getLogger("lightning.pytorch")
-    logger.addHandler(handler)
-    yield messages
-    logger.removeHandler(handler)
 
 
 def quick(tmp_path, *extra: str) -> list[str]:
