@@ -8,7 +8,6 @@ import inspect
 import json
 import re
 import shutil
-import sys
 import warnings
 from pathlib import Path
 

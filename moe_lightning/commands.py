@@ -15,7 +15,7 @@ COMMANDS = {
     "test": "loss and perplexity on the held-out split (or another --data.init_args.source)",
     "predict": "continue every prompt of a JSONL file (--prompts in.jsonl --out out.jsonl)",
     "generate": "continue a prompt from any checkpoint, streaming the text (CKPT --prompt TEXT)",
-    "tokenize": "pre-tokenize a corpus into a memory-mapped .npy token file",
+    "tokenize": "tokenize a corpus on every core into .npy token shards and a manifest",
     "plan": "memory and speed plan of a config on a cluster, without GPUs",
     "export": "write any checkpoint as one inference file that records its tokenizer",
     "convert": "Hugging Face folder <-> single-file checkpoint",
@@ -26,7 +26,7 @@ TRAINER_COMMANDS = ("fit", "validate", "test", "predict")  # LightningCLI's subc
 # Commands beside LightningCLI's subcommands: name -> "module:function(argv)", imported only when used.
 EXTRA_COMMANDS = {
     "generate": "moe_lightning.generate:main",
-    "tokenize": "moe_lightning.data:tokenize_main",
+    "tokenize": "moe_lightning.data.tokenize:tokenize_main",
     "plan": "moe_lightning.plan:main",
     "export": "moe_lightning.hf.convert:export_main",  # --hf writes Hugging Face; otherwise loading.export_main
     "convert": "moe_lightning.hf.convert:convert_main",

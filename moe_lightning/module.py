@@ -246,12 +246,20 @@ class MoELanguageModel(L.LightningModule):
         for moe, counts_E in zip(self.model.moe_layers(), counts_LE):
             moe.router.update_bias(counts_E, self.config.bias_update_rate)
 
-    def validation_step(self, batch_BS1: torch.Tensor, batch_idx: int) -> None:
+    def validation_step(self, batch_BS1: torch.Tensor, batch_idx: int, dataloader_idx: int = 0) -> None:
         loss = self._loss(batch_BS1)
         self.val_loss_mean.update(loss)
-        self.log("val/loss", loss, prog_bar=True, sync_dist=True)
+        loaders = self.trainer.val_dataloaders
+        if isinstance(loaders, (list, tuple)) and len(loaders) > 1:  # a data mixture: one held-out split per source
+            name = getattr(loaders[dataloader_idx], "name", dataloader_idx)
+            self.log(f"val/loss/{name}", loss, sync_dist=True, add_dataloader_idx=False)
+        else:
+            self.log("val/loss", loss, prog_bar=True, sync_dist=True)
 
     def on_validation_epoch_end(self) -> None:
+        loaders = self.trainer.val_dataloaders
+        if isinstance(loaders, (list, tuple)) and len(loaders) > 1:  # overall: the mean over every source's batches
+            self.log("val/loss", self.val_loss_mean.compute(), prog_bar=True, sync_dist=True)
         # compute() has already reduced over ranks; sync_dist (a no-op mean of equal values) is what Lightning asks
         self.log("val/perplexity", self.val_loss_mean.compute().exp(), sync_dist=True)
         self.val_loss_mean.reset()

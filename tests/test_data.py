@@ -32,7 +32,7 @@ def test_stdlib_source_is_found_without_installed_packages():
 def test_packing_makes_shifted_windows_separated_by_end_of_document(corpus):
     dm = TextDataModule(str(corpus), seq_len=16, batch_size=2, val_fraction=0.25)
     dm.setup()
-    tokens = dm.train_set.tokens
+    tokens = dm.train_set.tokens[:]
     expected = np.concatenate([
         np.append(np.frombuffer(b"hello world " * 40, np.uint8), ByteTokenizer.eos_id),
         np.append(np.frombuffer(b"second document " * 30, np.uint8), ByteTokenizer.eos_id)])
@@ -75,8 +75,8 @@ def test_token_file_round_trip_matches_text_and_is_memory_mapped(corpus, tmp_pat
     from_file = TextDataModule(str(out), seq_len=16)
     from_text = TextDataModule(str(corpus), seq_len=16)
     from_file.setup(), from_text.setup()
-    assert isinstance(from_file.train_set.tokens, np.memmap)
-    np.testing.assert_array_equal(from_file.train_set.tokens, from_text.train_set.tokens)
+    assert isinstance(from_file.train_set.tokens.parts[0].array(), np.memmap)
+    np.testing.assert_array_equal(from_file.train_set.tokens[:], from_text.train_set.tokens[:])
     assert torch.equal(from_file.val_set[0], from_text.val_set[0])
 
 
@@ -202,3 +202,57 @@ def test_no_validation_sequence_is_refused_while_validation_is_on(tmp_path):
     (tmp_path / "short.txt").write_text("x" * 200)  # 12 sequences of 16; every 20th held out: none
     with pytest.raises(ValueError, match="no validation sequence.*limit_val_batches=0"):
         fit_until_data_check(TextDataModule(str(tmp_path / "short.txt"), seq_len=16, batch_size=2))
+
+
+def test_a_list_of_token_files_is_read_as_one_stream_without_concatenating(corpus, tmp_path):
+    a = write_token_file([str(corpus / "a.txt")], str(tmp_path / "a.npy"))
+    b = write_token_file([str(corpus / "sub")], str(tmp_path / "b.npy"))
+    dm = TextDataModule([str(a), str(b)], seq_len=16)
+    dm.setup()
+    stream = dm.train_set.tokens
+    assert [type(p.array()) for p in stream.parts] == [np.memmap, np.memmap]  # both mapped, nothing copied
+    joined = np.concatenate([np.load(a), np.load(b)])
+    np.testing.assert_array_equal(stream[470:500], joined[470:500])  # a window across the boundary
+    assert len(stream) == len(joined)
+
+
+def test_empty_token_file_is_refused_naming_it(tmp_path):
+    np.save(tmp_path / "empty.npy", np.zeros(0, dtype=np.uint16))
+    with pytest.raises(ValueError, match=r"empty.npy' holds no tokens"):
+        TextDataModule(str(tmp_path / "empty.npy"))
+
+
+@pytest.mark.parametrize("sidecar", ["{not json", json.dumps({"tokenizer": None}), json.dumps({"vocab_size": "big"}),
+                                     json.dumps([257])])
+def test_corrupt_or_keyless_sidecar_is_refused_naming_it(corpus, tmp_path, sidecar):
+    out = write_token_file([str(corpus)], str(tmp_path / "tokens.npy"))
+    (tmp_path / "tokens.npy.json").write_text(sidecar)
+    with pytest.raises(ValueError, match=r"tokens.npy.json: the token file's sidecar is corrupt or lacks 'vocab_size'"):
+        TextDataModule(str(out))
+
+
+def test_sidecar_records_the_largest_id_and_a_larger_one_than_the_vocabulary_is_refused(corpus, tmp_path):
+    out = write_token_file([str(corpus)], str(tmp_path / "tokens.npy"))
+    info = json.loads((tmp_path / "tokens.npy.json").read_text())
+    assert info["max_id"] == 256 and info["vocab_size"] == 257
+    (tmp_path / "tokens.npy.json").write_text(json.dumps({**info, "max_id": 257}))
+    with pytest.raises(ValueError, match="data.tokenizer"):
+        TextDataModule(str(out))
+
+
+def test_ids_outside_the_vocabulary_past_the_start_up_scan_are_refused_when_read(tmp_path, monkeypatch):
+    from moe_lightning.data import tokens
+    monkeypatch.setattr(tokens, "SCAN_TOKENS", 100)  # start-up checks a bounded prefix only
+    ids = np.full(1000, 7, dtype=np.uint32)
+    ids[500] = 70000
+    np.save(tmp_path / "foreign.npy", ids)
+    dm = TextDataModule(str(tmp_path / "foreign.npy"), seq_len=10)
+    dm.setup()
+    dm.train_set.tokens[0:100]  # clean windows read fine
+    with pytest.raises(ValueError, match=r"foreign.npy: token ids outside 0..256 near position 4"):
+        dm.train_set.tokens[490:510]
+
+
+def test_max_tokens_must_be_positive():
+    with pytest.raises(ValueError, match="data.max_tokens=0"):
+        TextDataModule("stdlib", max_tokens=0)

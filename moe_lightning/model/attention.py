@@ -11,7 +11,10 @@ import torch.nn.functional as F
 from torch import nn
 # FlexAttention, create_block_mask and torch.compiler.is_compiling exist in torch >= 2.5; torch.compile of
 # create_block_mask is what 2.13 recommends instead of its deprecated ``_compile=True``.
-from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, create_mask, flex_attention
+# AuxRequest(max_scores=True): per-row maxima of the scaled, masked scores from the kernel itself (torch >= 2.11;
+# CUDA only: on CPU torch 2.11-2.13 raise NotImplementedError for it)
+from torch.nn.attention.flex_attention import AuxRequest
 
 from .config import MoEConfig
 from .layers import RMSNorm, autocast_dtype
@@ -50,6 +53,16 @@ def document_mask_mod(doc_BT: torch.Tensor):
     return same_document_causal
 
 
+def _causal(b, h, q_idx, kv_idx):
+    return q_idx >= kv_idx
+
+
+def causal_block_mask(T: int, device: torch.device) -> BlockMask:
+    """FlexAttention block mask of plain causal attention (used on CUDA when max logits are recorded)."""
+    build = _compiled_on_cuda(create_block_mask, _create_block_mask_compiled, device)
+    return build(_causal, None, None, T, T, device=device)
+
+
 def document_block_mask(doc_BT: torch.Tensor) -> BlockMask:
     """FlexAttention block mask of a square document mask (one per batch row, shared by the heads)."""
     B, T = doc_BT.shape
@@ -76,15 +89,43 @@ class DocumentMask:
         self.dense_B1ST: torch.Tensor | None = None if flex else dense_mask(doc_kv_BT, q_len)
 
 
-def flex_attend(q_BHSK, k_BGSK, v_BGSV, block_mask: BlockMask, scale: float | None) -> torch.Tensor:
-    """FlexAttention with a block mask; compiled on CUDA (fused kernel), eager elsewhere (tests)."""
+def flex_attend(q_BHSK, k_BGSK, v_BGSV, block_mask: BlockMask, scale: float | None,
+                return_max_logits: bool = False):
+    """FlexAttention with a block mask; compiled on CUDA (fused kernel), eager elsewhere (tests).
+
+    ``return_max_logits``: also the largest scaled, unmasked score per query head ``[H]`` (fp32), which the
+    kernel tracks anyway for its online softmax (``AuxRequest(max_scores=True)``: no second pass)."""
     kernel = _compiled_on_cuda(flex_attention, _flex_attention_compiled, q_BHSK.device)
-    return kernel(q_BHSK, k_BGSK, v_BGSV, block_mask=block_mask, scale=scale,
-                  enable_gqa=q_BHSK.shape[1] != k_BGSK.shape[1])
+    gqa = q_BHSK.shape[1] != k_BGSK.shape[1]
+    if not return_max_logits:
+        return kernel(q_BHSK, k_BGSK, v_BGSV, block_mask=block_mask, scale=scale, enable_gqa=gqa)
+    out_BHSV, aux = kernel(q_BHSK, k_BGSK, v_BGSV, block_mask=block_mask, scale=scale, enable_gqa=gqa,
+                           return_aux=AuxRequest(max_scores=True))
+    return out_BHSV, aux.max_scores.float().amax(dim=(0, 2))
+
+
+@torch.no_grad()
+def exact_max_logits(q_BHSK: torch.Tensor, k_BGTK: torch.Tensor, mask: DocumentMask | None,
+                     scale: float | None) -> torch.Tensor:
+    """Largest scaled ``q·k`` per query head ``[H]`` over the batch and every visible (query, key) pair, in fp32
+    from the q and k the kernel gets. Builds the ``[B, H, S, T]`` scores: the CPU path's exact reference."""
+    B, H, S, K = q_BHSK.shape
+    G, T = k_BGTK.shape[1], k_BGTK.shape[2]
+    scale = K ** -0.5 if scale is None else scale
+    q_BGRSK = q_BHSK.float().view(B, G, H // G, S, K)  # query head g * H/G + r reads key head g
+    scores_BGRST = q_BGRSK @ k_BGTK.float().transpose(-1, -2)[:, :, None] * scale
+    if mask is not None and mask.dense_B1ST is not None:
+        visible_B1ST = mask.dense_B1ST
+    elif mask is not None:  # FlexAttention's block mask: evaluate its predicate at every position
+        visible_B1ST = create_mask(mask.block_mask.mask_mod, B, 1, S, T, device=q_BHSK.device)
+    else:
+        visible_B1ST = dense_mask(k_BGTK.new_zeros(B, T, dtype=torch.long), S)
+    scores_BGRST = scores_BGRST.masked_fill(~visible_B1ST[:, :, None], float("-inf"))
+    return scores_BGRST.amax(dim=(0, 3, 4)).flatten()
 
 
 def attend(q_BHSK: torch.Tensor, k_BGTK: torch.Tensor, v_BGTV: torch.Tensor, mask: DocumentMask | None = None,
-           scale: float | None = None) -> torch.Tensor:
+           scale: float | None = None, return_max_logits: bool = False):
     """Causal attention of the ``S`` queries (the last ``S`` of ``T`` positions) over ``T`` keys: the kernel choice.
 
     - no document mask, ``S == T``: SDPA's own causal flag (fused kernels);
@@ -95,7 +136,13 @@ def attend(q_BHSK: torch.Tensor, k_BGTK: torch.Tensor, v_BGTV: torch.Tensor, mas
 
     q, k and v reach the kernel in one dtype: autocast's when enabled (FlexAttention is not an autocast op, and
     a QK-norm with fp32 weights returns fp32 q/k), else v's.
+
+    ``return_max_logits`` (training, ``S == T``): returns ``(out, max_logits_H)``, the largest scaled score per
+    query head over the batch and the visible positions (QK-clip's input). On CUDA it comes from FlexAttention
+    (with a causal block mask when there is no document mask); elsewhere ``exact_max_logits`` computes it.
     """
+    if return_max_logits:
+        return _attend_with_max_logits(q_BHSK, k_BGTK, v_BGTV, mask, scale)
     B, H, S, K = q_BHSK.shape
     G, T = k_BGTK.shape[1], k_BGTK.shape[2]
     dtype = autocast_dtype(v_BGTV)  # is_autocast_enabled/get_autocast_dtype(device) exist since torch 2.4
@@ -117,7 +164,40 @@ def attend(q_BHSK: torch.Tensor, k_BGTK: torch.Tensor, v_BGTV: torch.Tensor, mas
                                           enable_gqa=gqa)
 
 
-class GroupedQueryAttention(nn.Module):
+def _attend_with_max_logits(q_BHSK, k_BGTK, v_BGTV, mask: DocumentMask | None, scale: float | None):
+    S, T = q_BHSK.shape[2], k_BGTK.shape[2]
+    if S != T:
+        raise ValueError(f"attend(return_max_logits=True) records training forwards (S == T); got {S} queries "
+                         f"after {T - S} cached keys.")
+    dtype = autocast_dtype(v_BGTV)
+    q_BHSK, k_BGTK, v_BGTV = q_BHSK.to(dtype), k_BGTK.to(dtype), v_BGTV.to(dtype)
+    if q_BHSK.is_cuda and (mask is None or mask.block_mask is not None):
+        block_mask = causal_block_mask(T, q_BHSK.device) if mask is None else mask.block_mask
+        return flex_attend(q_BHSK, k_BGTK, v_BGTV, block_mask, scale, return_max_logits=True)
+    return attend(q_BHSK, k_BGTK, v_BGTV, mask, scale), exact_max_logits(q_BHSK, k_BGTK, mask, scale)
+
+
+class MaxLogitRecorder:
+    """The QK-clip seam of an attention module: while ``record_max_logits`` is on, every training forward folds
+    its per-head maximum pre-softmax logit into ``max_logits`` (``[n_heads]``, fp32, on the activations' device).
+
+    A running maximum until a reader sets ``max_logits = None``: the micro-batches of a step fold in, and a block
+    recomputed in backward (activation checkpointing) records the same values again, which changes nothing.
+    Off by default, so training without QK-clip pays nothing. ``qk_clip_scales`` says which weight rows to scale.
+    """
+
+    record_max_logits: bool = False
+    max_logits: torch.Tensor | None = None
+
+    def _record(self, max_logits_H: torch.Tensor) -> None:
+        max_logits_H = max_logits_H.detach()
+        self.max_logits = max_logits_H if self.max_logits is None else torch.maximum(self.max_logits, max_logits_H)
+
+    def _recording(self, cache) -> bool:
+        return self.record_max_logits and self.training and cache is None
+
+
+class GroupedQueryAttention(MaxLogitRecorder, nn.Module):
     """``n_heads`` query heads share ``n_kv_heads`` key/value heads; optional QK-norm and q/k/v clipping."""
 
     def __init__(self, config: MoEConfig):
@@ -154,8 +234,29 @@ class GroupedQueryAttention(nn.Module):
         v_BTGK = v_BSGK
         if cache is not None:
             k_BTGK, v_BTGK = cache.append(k_BTGK, v_BTGK)
-        out_BHSK = attend(q_BSHK.transpose(1, 2), k_BTGK.transpose(1, 2), v_BTGK.transpose(1, 2), mask)
+        q_BHSK, k_BGTK, v_BGTK = q_BSHK.transpose(1, 2), k_BTGK.transpose(1, 2), v_BTGK.transpose(1, 2)
+        if self._recording(cache):
+            out_BHSK, max_logits_H = attend(q_BHSK, k_BGTK, v_BGTK, mask, return_max_logits=True)
+            self._record(max_logits_H)
+        else:
+            out_BHSK = attend(q_BHSK, k_BGTK, v_BGTK, mask)
         return self.wo(out_BHSK.transpose(1, 2).reshape(B, S, -1))
+
+    def qk_clip_scales(self, gamma_H: torch.Tensor, alpha: float) -> list[tuple[nn.Parameter, torch.Tensor]]:
+        """QK-clip's weight operation as ``(parameter, factor per row)`` pairs: every logit of query head ``h``
+        is multiplied by ``gamma_H[h]`` or less. Query rows of head ``h`` get ``gamma_H[h] ** alpha``; a key head
+        shared by several query heads (GQA) gets the smallest ``gamma`` of its group, ``min(gamma) ** (1 - alpha)``,
+        so its other query heads' logits shrink too (by that factor; their query rows stay as they are).
+        Rotary rotation commutes with scaling a head's rows. With ``qk_norm="full"`` the projection's scale is
+        normalised away, so the norm's per-feature weights are scaled instead."""
+        if self.qk_norm == "head" or self.clip_qkv is not None:
+            raise ValueError(qk_clip_unsupported(self.qk_norm, self.clip_qkv))
+        q_rows = (gamma_H ** alpha).repeat_interleave(self.head_dim)
+        gamma_G = gamma_H.view(self.n_kv_heads, -1).amin(dim=1)
+        k_rows = (gamma_G ** (1 - alpha)).repeat_interleave(self.head_dim)
+        if self.qk_norm == "full":
+            return [(self.q_norm.weight, q_rows), (self.k_norm.weight, k_rows)]
+        return [(self.wq.weight, q_rows), (self.wk.weight, k_rows)]
 
     def init_weights(self, std: float, out_std: float) -> None:
         for linear in (self.wq, self.wk, self.wv):
@@ -164,3 +265,15 @@ class GroupedQueryAttention(nn.Module):
         if self.qk_norm != "none":
             self.q_norm.init_weights()
             self.k_norm.init_weights()
+
+
+def qk_clip_unsupported(qk_norm: str, clip_qkv: float | None) -> str | None:
+    """Why QK-clip cannot bound this GQA's logits by rescaling weights, or None when it can."""
+    if qk_norm == "head":
+        return ("QKClip: config.qk_norm='head' normalises every head with one shared weight, so no weight scales "
+                "a single head's logits; use qk_norm='full' or 'none', or remove QKClip (QK-norm already bounds "
+                "the logits' scale).")
+    if clip_qkv is not None:
+        return (f"QKClip: config.clip_qkv={clip_qkv} clamps q and k after the projections, so scaling their rows "
+                "does not scale the logits; set clip_qkv to null or remove QKClip.")
+    return None

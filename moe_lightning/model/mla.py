@@ -8,13 +8,13 @@ one rotary key per token shared by every head, so the compressed latent itself c
 import torch
 from torch import nn
 
-from .attention import DocumentMask, attend
+from .attention import DocumentMask, MaxLogitRecorder, attend
 from .config import MoEConfig
 from .layers import RMSNorm
 from .rotary import Rotary, apply_rotary, mla_softmax_scale
 
 
-class MultiHeadLatentAttention(nn.Module):
+class MultiHeadLatentAttention(MaxLogitRecorder, nn.Module):
     """Causal MLA with low-rank query (optional, ``q_lora_rank > 0``) and key/value projections."""
 
     def __init__(self, config: MoEConfig):
@@ -58,8 +58,27 @@ class MultiHeadLatentAttention(nn.Module):
         k_nope_BSHN, v_BSHV = kv_BSHX.split([self.nope_dim, self.v_dim], dim=-1)
         q_BSHK = torch.cat([q_nope_BSHN, q_rope_BSHR], dim=-1)
         k_BSHK = torch.cat([k_nope_BSHN, k_rope_BSR.unsqueeze(2).expand(-1, -1, H, -1)], dim=-1)
-        out_BHSV = attend(q_BSHK.transpose(1, 2), k_BSHK.transpose(1, 2), v_BSHV.transpose(1, 2), mask, self.scale)
+        q_BHSK, k_BHSK, v_BHSV = q_BSHK.transpose(1, 2), k_BSHK.transpose(1, 2), v_BSHV.transpose(1, 2)
+        if self._recording(cache):
+            out_BHSV, max_logits_H = attend(q_BHSK, k_BHSK, v_BHSV, mask, self.scale, return_max_logits=True)
+            self._record(max_logits_H)
+        else:
+            out_BHSV = attend(q_BHSK, k_BHSK, v_BHSV, mask, self.scale)
         return self.wo(out_BHSV.transpose(1, 2).reshape(B, S, H * self.v_dim))
+
+    def qk_clip_scales(self, gamma_H: torch.Tensor, alpha: float) -> list[tuple[nn.Parameter, torch.Tensor]]:
+        """QK-clip's weight operation as ``(parameter, factor per row)`` pairs, as Kimi K2 does it for MLA: every
+        logit of head ``h`` is multiplied by ``gamma_H[h]``. The head's non-rotary query rows get
+        ``gamma ** alpha`` and its non-rotary key rows (in ``wkv_b``) ``gamma ** (1 - alpha)`` (``sqrt(gamma)``
+        each at ``alpha = 0.5``), its rotary query rows ``gamma``; the rotary key is shared by all heads and never
+        scaled, nor are the values."""
+        ones = gamma_H.new_ones(())
+        q_HX = torch.cat([(gamma_H ** alpha)[:, None].expand(-1, self.nope_dim),
+                          gamma_H[:, None].expand(-1, self.rope_dim)], dim=1)
+        kv_HX = torch.cat([(gamma_H ** (1 - alpha))[:, None].expand(-1, self.nope_dim),
+                           ones.expand(len(gamma_H), self.v_dim)], dim=1)
+        wq = self.wq_b if self.q_lora_rank else self.wq
+        return [(wq.weight, q_HX.flatten()), (self.wkv_b.weight, kv_HX.flatten())]
 
     def _attend_latent(self, q_nope_BSHN, q_rope_BSHR, latent_BTC, k_rope_BTR, mask) -> torch.Tensor:
         """Attention over cached latents without expanding them to per-head keys and values.

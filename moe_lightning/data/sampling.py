@@ -1,0 +1,165 @@
+"""Sequences cut from token streams, the train/validation split, and the orders ranks read them in.
+
+``ResumableSampler`` shuffles one corpus; ``MixtureSampler`` interleaves several by weight. Both deal one
+global order out to ranks (rank ``r`` of ``W`` takes every ``W``-th index), so the order never depends on the
+world size and a resumed run, at any world size, skips exactly the samples already consumed.
+"""
+
+import bisect
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset, DistributedSampler
+
+from .sources import info
+from .tokens import TokenStream
+
+PATTERN_LENGTH = 10_000  # the mixture repeats a fixed pattern of this many draws
+CHUNK = 1 << 16  # indices handed out per step of a sampler's iterator
+
+
+def one_by_one(indices):
+    """Yield an epoch's indices (a tensor or array) as Python ints, a chunk at a time: a list of them all would
+    cost ~36 bytes per sequence (a GB per rank at 30M sequences)."""
+    for start in range(0, len(indices), CHUNK):
+        yield from indices[start:start + CHUNK].tolist()
+
+
+class PackedSequences(Dataset):
+    """Sequence ``i`` is ``tokens[i*S : i*S + S + 1]`` (inputs and shifted targets share the slice)."""
+
+    def __init__(self, tokens: TokenStream | np.ndarray, seq_len: int, indices: np.ndarray):
+        self.tokens, self.seq_len, self.indices = tokens, seq_len, indices
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        start = int(self.indices[i]) * self.seq_len
+        return torch.from_numpy(self.tokens[start:start + self.seq_len + 1].astype(np.int64))
+
+
+def split_indices(num_sequences: int, val_fraction: float) -> tuple[np.ndarray, np.ndarray]:
+    """Every k-th sequence (k = round(1/val_fraction)) goes to validation: deterministic and spread out."""
+    every = max(2, round(1 / val_fraction))
+    all_indices = np.arange(num_sequences)
+    is_val = all_indices % every == every - 1
+    return all_indices[~is_val], all_indices[is_val]
+
+
+class ResumableSampler(DistributedSampler):
+    """Shuffles by ``(seed, epoch)`` and deals the order out to ranks; can start an epoch part-way through."""
+
+    def __init__(self, dataset: Dataset, num_replicas: int = 1, rank: int = 0, seed: int = 0):
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed, drop_last=True)
+        self.resume_epoch, self.resume_samples = -1, 0
+
+    def _start(self) -> int:
+        return self.resume_samples if self.epoch == self.resume_epoch else 0
+
+    def __iter__(self):
+        generator = torch.Generator()
+        generator.manual_seed(self.seed + self.epoch)
+        order = torch.randperm(len(self.dataset), generator=generator)
+        end = len(order) - len(order) % self.num_replicas
+        return one_by_one(order[self._start() + self.rank:end:self.num_replicas])
+
+
+class MixtureSequences(Dataset):
+    """Several sources' sequences under one index: ``offsets[k] + i`` is sequence ``i`` of source ``k``."""
+
+    def __init__(self, sources: list[PackedSequences]):
+        self.sources = sources
+        self.offsets = np.cumsum([0] + [len(s) for s in sources]).tolist()
+
+    def __len__(self) -> int:
+        return self.offsets[-1]
+
+    def __getitem__(self, flat: int) -> torch.Tensor:
+        k = bisect.bisect_right(self.offsets, flat) - 1
+        return self.sources[k][flat - self.offsets[k]]
+
+
+def interleave_pattern(weights: list[float], length: int = PATTERN_LENGTH) -> np.ndarray:
+    """Which source each of ``length`` consecutive draws comes from: every source gets its share of the
+    pattern (largest remainders, at least one draw each), spread evenly by always drawing the source furthest
+    behind its share. Repeated, any window of ``length`` draws holds each source's share to 1/length."""
+    shares = np.asarray(weights, dtype=np.float64) / sum(weights)
+    counts = np.maximum(np.floor(shares * length).astype(np.int64), 1)
+    while counts.sum() < length:  # largest remainders first
+        counts[np.argmax(shares * length - counts)] += 1
+    while counts.sum() > length:  # tiny weights rounded up to one draw: take it back from the largest
+        counts[np.argmax(counts)] -= 1
+    pattern, drawn = np.empty(length, dtype=np.int64), np.zeros(len(counts))
+    for position in range(length):
+        k = int(np.argmax(counts * (position + 1) / length - drawn))
+        pattern[position], drawn[k] = k, drawn[k] + 1
+    return pattern
+
+
+class MixtureSampler(DistributedSampler):
+    """Weighted interleave of several sources, dealt out to ranks; resumable at any world size.
+
+    Draw ``n`` of the endless mixture (epoch ``e``, position ``i``: ``n = e * len(dataset) + i``) comes from
+    source ``pattern[n % P]``; it is that source's ``c``-th draw, so sequence ``perm_{k,c // len_k}[c % len_k]``
+    where each pass over a source (a source epoch) has its own shuffle seeded by ``(seed, k, source epoch)``.
+    A source that runs out starts its next epoch with a new shuffle while the others go on.
+    """
+
+    def __init__(self, dataset: MixtureSequences, weights: list[float], names: list[str], num_replicas: int = 1,
+                 rank: int = 0, seed: int = 0):
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed, drop_last=True)
+        self.names, self.resume_epoch, self.resume_samples = names, -1, 0
+        self.pattern = interleave_pattern(weights)
+        self.per_pattern = np.bincount(self.pattern, minlength=len(weights))
+        onehot = np.eye(len(weights), dtype=np.int64)[self.pattern]
+        self.before = np.cumsum(onehot, axis=0) - onehot  # [P, K]: draws of each source before each position
+        self.lengths = np.array([len(s) for s in dataset.sources])
+
+    def _start(self) -> int:
+        return self.resume_samples if self.epoch == self.resume_epoch else 0
+
+    def count(self, n, k):
+        """How many of the global draws before draw ``n`` came from source ``k`` (both may be arrays)."""
+        return (n // len(self.pattern)) * self.per_pattern[k] + self.before[n % len(self.pattern), k]
+
+    def draws(self, n: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Source of each global draw number ``n`` and how many draws of that source came before it."""
+        k = self.pattern[n % len(self.pattern)]
+        return k, self.count(n, k)
+
+    def _permutation(self, k: int, source_epoch: int) -> np.ndarray:
+        return np.random.default_rng([self.seed, k, source_epoch]).permutation(self.lengths[k])
+
+    def __iter__(self):
+        size = len(self.dataset)
+        end, first = size - size % self.num_replicas, self.epoch * size
+        self._log_epochs(first + self._start(), first + end - 1)
+        permutations = {}  # (source, source epoch) -> its shuffle; only the current pass of each source is kept
+        step = CHUNK * self.num_replicas
+        for chunk in range(self._start() + self.rank, end, step):
+            n = first + np.arange(chunk, min(chunk + step, end), self.num_replicas, dtype=np.int64)
+            k, c = self.draws(n)
+            source_epoch, position = c // self.lengths[k], c % self.lengths[k]
+            flat = np.empty_like(n)
+            for source in np.unique(k):
+                of_source = k == source
+                for epoch in np.unique(source_epoch[of_source]):
+                    if (source, epoch) not in permutations:
+                        for old in [key for key in permutations if key[0] == source and key[1] < epoch]:
+                            del permutations[old]
+                        permutations[source, epoch] = self._permutation(source, epoch)
+                    chosen = of_source & (source_epoch == epoch)
+                    flat[chosen] = self.dataset.offsets[source] + permutations[source, epoch][position[chosen]]
+            yield from flat.tolist()
+
+    def _log_epochs(self, first: int, last: int) -> None:
+        """Say which epoch of each source the draws ``first..last`` read (rank 0, once per mixture epoch)."""
+        if last < first:
+            return
+        spans = []
+        for k, name in enumerate(self.names):
+            e0, e1 = (int(self.count(n, k)) // self.lengths[k] for n in (first, last))
+            spans.append(f"{name} on its epoch {e0}" if e0 == e1 else f"{name} on its epochs {e0}-{e1}")
+        info(f"data: mixture epoch {self.epoch} reads " + ", ".join(spans)
+             + " (a source that runs out repeats with a new shuffle)")

@@ -1,0 +1,240 @@
+"""What a ``data.source`` names: documents to tokenize (text, JSONL, Parquet, Arrow) or token files.
+
+Nothing here imports Lightning: ``moe-lightning tokenize`` reads the same sources without the trainer.
+A remote reader (object storage) would add one more branch to ``resolve_source`` and ``iter_documents``.
+"""
+
+import glob
+import json
+import logging
+import math
+import os
+import sysconfig
+from pathlib import Path
+
+TEXT_SUFFIXES = {".txt", ".md", ".rst", ".py", ".c", ".h", ".json", ".yaml", ".yml", ".toml", ".html", ".tex"}
+TABLE_SUFFIXES = {".parquet", ".arrow"}  # read through pyarrow, one document per row
+READ_SUFFIXES = TEXT_SUFFIXES | {".jsonl"} | TABLE_SUFFIXES  # what a folder source reads
+MANIFEST = "manifest.json"  # the index of a shard folder written by `moe-lightning tokenize`
+
+# Lightning's console handler sits on "lightning.pytorch": these lines appear where Lightning's own do.
+log = logging.getLogger("lightning.pytorch.moe_lightning.data")
+
+
+def info(message: str) -> None:
+    """Log once per job (rank 0), as Lightning's ``rank_zero_info`` does, without importing Lightning."""
+    rank = next((os.environ[k] for k in ("RANK", "LOCAL_RANK", "SLURM_PROCID") if k in os.environ), "0")
+    if rank == "0":
+        log.info(message)
+
+
+def stdlib_files() -> list[Path]:
+    """The interpreter's own standard library sources, in a stable order (installed packages excluded)."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    return sorted(p for p in root.rglob("*.py") if "site-packages" not in p.relative_to(root).parts)
+
+
+def is_binary(path: Path) -> bool:
+    """A NUL byte in the first 8 KiB: what ``git`` and ``grep`` take for a binary file (text never has one)."""
+    with open(path, "rb") as f:
+        return b"\0" in f.read(8192)
+
+
+def is_token_source(resolved) -> bool:
+    """A ``.npy`` token file or a shard folder (as ``resolve_source`` returns them), not documents."""
+    return isinstance(resolved, Path)
+
+
+def resolve_source(source: str) -> list[Path] | Path:
+    """The document files a source names, or the path of a token source (a ``.npy`` file or a shard folder
+    with its manifest); raise if it names nothing.
+
+    A file named directly must be text or a table; folders and globs skip what is not, and say what they
+    skipped. A folder holding Parquet/Arrow files is read as a table folder (only those files).
+    """
+    if source == "stdlib":
+        return stdlib_files()
+    path = Path(source).expanduser()
+    if path.suffix == ".npy" and path.is_file():
+        return path
+    if path.is_dir() and (path / MANIFEST).is_file() and any(path.glob("part-*.npy")):
+        return path
+    if path.is_file():
+        if path.suffix not in TABLE_SUFFIXES and is_binary(path):
+            raise ValueError(f"data.source={source!r} is a binary file (it has NUL bytes), not text: pass text files, "
+                             "a folder, .jsonl, .parquet/.arrow, or token files written by `moe-lightning tokenize`.")
+        return [path]
+    if path.is_dir():
+        candidates, looked_for = sorted(p for p in path.rglob("*") if p.is_file()), f"{sorted(READ_SUFFIXES)}"
+        if any(p.name.startswith("part-") and p.name.endswith(".npy") for p in candidates):
+            raise FileNotFoundError(f"data.source={source!r} holds token shards but no {MANIFEST}: the tokenize run "
+                                    "that wrote it did not finish (the manifest is written last). Rerun the same "
+                                    "`moe-lightning tokenize ... --resume` to complete it.")
+    else:
+        candidates = sorted(Path(p) for p in glob.glob(os.path.expanduser(source), recursive=True) if Path(p).is_file())
+        looked_for = "text files"
+        if not candidates:
+            raise FileNotFoundError(f"data.source={source!r}: no such file, folder or glob match. Use 'stdlib' for "
+                                    "the built-in corpus, or a path to text, .jsonl, Parquet/Arrow or .npy token files.")
+    table_folder = path.is_dir() and any(p.suffix in TABLE_SUFFIXES for p in candidates)
+    files, skipped = [], []
+    for p in candidates:
+        shown = p.relative_to(path) if path.is_dir() else p
+        if table_folder and p.suffix not in TABLE_SUFFIXES:
+            skipped.append(f"{shown} (a folder of Parquet/Arrow files: only those are read)")
+        elif path.is_dir() and p.suffix not in READ_SUFFIXES:
+            skipped.append(f"{shown} (suffix {p.suffix or 'none'!r} not read)")
+        elif p.suffix == ".npy":
+            skipped.append(f"{p} (token files are read only when named directly)")
+        elif p.suffix not in TABLE_SUFFIXES and is_binary(p):
+            skipped.append(f"{shown} (binary)")
+        else:
+            files.append(p)
+    if skipped:
+        shown = "; ".join(skipped[:10]) + (f"; and {len(skipped) - 10} more" if len(skipped) > 10 else "")
+        info(f"data.source={source!r}: skipped {len(skipped)} file(s): {shown}")
+    if not files:
+        raise ValueError(f"data.source={source!r}: no text files to read (looked for {looked_for}; "
+                         f"skipped {len(skipped)}).")
+    return files
+
+
+def iter_documents(files: list[Path], text_field: str):
+    """Every document's text, in file order (a text file is one document; a JSONL line or table row is one)."""
+    for path in files:
+        if path.suffix == ".jsonl":
+            yield from iter_jsonl(path, text_field)
+        elif path.suffix in TABLE_SUFFIXES:
+            for texts in iter_table_batches(path, text_field):
+                yield from texts
+        else:
+            yield path.read_text(encoding="utf-8", errors="replace")
+
+
+def iter_jsonl(path: Path, text_field: str, start: int = 0, end: int | None = None):
+    """Texts of the lines that begin in bytes ``[start, end)`` (a worker's slice of a large file)."""
+    with open(path, "rb") as f:
+        if start:
+            f.seek(start - 1)
+            f.readline()  # finish the line that straddles ``start``: it belongs to the previous slice
+        line_no = None if start else 0  # line numbers are known only when reading from the top
+        while end is None or f.tell() < end:
+            raw = f.readline()
+            if not raw:
+                break
+            line_no = None if line_no is None else line_no + 1
+            line = raw.decode("utf-8", errors="replace")
+            if line.strip():
+                yield _jsonl_text(line, path, line_no if line_no is not None else f"byte {f.tell() - len(raw)}",
+                                  text_field)
+
+
+def _jsonl_text(line: str, path: Path, line_no, text_field: str) -> str:
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path}:{line_no}: not valid JSON ({error.msg} at column {error.colno}); "
+                         "each line of a .jsonl file must be one JSON object.") from None
+    if not isinstance(record, dict):
+        raise ValueError(f"{path}:{line_no}: a JSON {type(record).__name__}, not an object with a "
+                         f"{text_field!r} field.")
+    if text_field not in record:
+        raise KeyError(f"{path}:{line_no}: record has no field {text_field!r}; set "
+                       f"data.text_field (tokenize: --text-field) to one of {sorted(record)}.")
+    if not isinstance(record[text_field], str):
+        raise ValueError(f"{path}:{line_no}: field {text_field!r} holds a {type(record[text_field]).__name__}, "
+                         "not text.")
+    return record[text_field]
+
+
+def pyarrow_modules():
+    """``(pyarrow, pyarrow.parquet)``, or an error saying how to install them."""
+    try:
+        import pyarrow
+        import pyarrow.parquet
+    except ImportError:
+        raise ImportError("reading Parquet/Arrow files needs pyarrow: pip install 'moe-lightning[data]' "
+                          "(or pip install pyarrow).") from None
+    return pyarrow, pyarrow.parquet
+
+
+def _open_arrow(path: Path):
+    """An Arrow IPC reader: the random-access file format, else the stream format (what ``datasets`` saves)."""
+    pa, _ = pyarrow_modules()
+    try:
+        return pa.ipc.open_file(pa.OSFile(str(path)))
+    except pa.ArrowInvalid:
+        return pa.ipc.open_stream(pa.OSFile(str(path)))
+
+
+def table_row_groups(path: Path) -> list[tuple[int, int]]:
+    """``(rows, uncompressed bytes)`` per Parquet row group from the footer alone; one entry for an Arrow file."""
+    _, pq = pyarrow_modules()
+    if path.suffix == ".parquet":
+        meta = pq.ParquetFile(str(path)).metadata
+        return [(meta.row_group(i).num_rows, meta.row_group(i).total_byte_size) for i in range(meta.num_row_groups)]
+    return [(0, path.stat().st_size)]
+
+
+def iter_table_batches(path: Path, text_field: str, row_groups: list[int] | None = None, batch_rows: int = 1024):
+    """Lists of texts, ``batch_rows`` rows at a time (memory stays bounded whatever the file's size)."""
+    pa, pq = pyarrow_modules()
+    if path.suffix == ".parquet":
+        file = pq.ParquetFile(str(path))
+        schema, batches = file.schema_arrow, None
+    else:
+        reader = _open_arrow(path)
+        schema = reader.schema
+    if text_field not in schema.names:
+        raise KeyError(f"{path}: no column {text_field!r}; set data.text_field (tokenize: --text-field) to one of "
+                       f"{schema.names}.")
+    kind = schema.field(text_field).type
+    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+        raise ValueError(f"{path}: column {text_field!r} holds {kind}, not text; set data.text_field "
+                         "(tokenize: --text-field) to a string column.")
+    if path.suffix == ".parquet":
+        batches = file.iter_batches(batch_size=batch_rows, columns=[text_field], row_groups=row_groups)
+    elif hasattr(reader, "num_record_batches"):
+        batches = (reader.get_batch(i) for i in range(reader.num_record_batches))
+    else:
+        batches = iter(reader)
+    for batch in batches:
+        column = batch.column(batch.schema.get_field_index(text_field))
+        yield [text for text in column.to_pylist() if text is not None]
+
+
+def parse_sources(source) -> tuple[list[dict], bool]:
+    """``data.source`` as ``[{"path", "weight", "name"}]`` and whether it is a weighted mixture.
+
+    A string or a plain list of strings is one corpus (today's meaning: concatenated, one split); any entry
+    written as ``{path: ..., weight: ...}`` makes the list a mixture (strings in it weigh 1).
+    """
+    entries = [source] if isinstance(source, str) else source
+    if not isinstance(entries, (list, tuple)) or not entries:
+        raise ValueError(f"data.source={source!r}: give a path, a list of paths, or a list of "
+                         "{path: ..., weight: ...} entries.")
+    mixture = any(isinstance(e, dict) for e in entries)
+    parsed = []
+    for i, entry in enumerate(entries):
+        where = f"data.source[{i}]"
+        if isinstance(entry, str):
+            entry = {"path": entry}
+        if not isinstance(entry, dict):
+            raise ValueError(f"{where}={entry!r}: each source is a path or {{path: ..., weight: ...}}.")
+        unknown = set(entry) - {"path", "weight", "name"}
+        if unknown:
+            raise ValueError(f"{where} has unknown key(s) {sorted(unknown)}: a source takes path, weight, name.")
+        if not isinstance(entry.get("path"), str):
+            raise ValueError(f"{where}={entry!r}: needs a path (a string).")
+        weight = entry.get("weight", 1)
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight) \
+                or weight <= 0:
+            raise ValueError(f"{where}.weight={weight!r} (source {entry['path']!r}): weights must be positive "
+                             "numbers (they are relative: 3 and 1 give 75 % and 25 %).")
+        name = entry.get("name") or Path(entry["path"].rstrip("/")).name.removesuffix(".npy") or entry["path"]
+        parsed.append({"path": entry["path"], "weight": float(weight), "name": str(name)})
+    names = [e["name"] for e in parsed]
+    for e in parsed:  # names label the per-source validation losses: make them unique
+        if names.count(e["name"]) > 1:
+            e["name"] = f"{e['name']}_{parsed.index(e)}"
+    return parsed, mixture

@@ -1,0 +1,187 @@
+"""Token sources read lazily: ``.npy`` files memory-mapped, shard folders through their manifest.
+
+Start-up reads headers and manifests only; token ids are read when a sequence is sampled, so each rank
+reads its own samples and nothing else, and a list of sources is never concatenated in memory.
+"""
+
+import bisect
+import json
+from pathlib import Path
+
+import numpy as np
+
+from .sources import MANIFEST, iter_documents
+
+SCAN_TOKENS = 1 << 22  # a bare .npy without a sidecar: ids checked in its first 4M tokens at start-up
+
+
+def tokenizer_identity(tokenizer) -> dict:
+    """What a token file must have been written with: the tokenizer's kind and content hash (not its JSON)."""
+    return {k: v for k, v in tokenizer.spec().items() if k in ("kind", "sha256")}
+
+
+class TokenPart:
+    """One token array: an in-memory array (tokenized text) or a ``.npy`` file opened on first read.
+
+    ``check_ids`` is the vocabulary size to check every read against, for files whose largest id is unknown.
+    """
+
+    def __init__(self, length: int, path: Path | None = None, array: np.ndarray | None = None,
+                 check_ids: int | None = None):
+        self.length, self.path, self._array, self.check_ids = length, path, array, check_ids
+
+    def array(self) -> np.ndarray:
+        if self._array is None:
+            self._array = np.load(self.path, mmap_mode="r")
+            if self._array.shape != (self.length,):
+                raise ValueError(f"{self.path}: holds {self._array.shape} tokens but its manifest says "
+                                 f"({self.length},): the file changed after tokenize wrote it; tokenize again.")
+        return self._array
+
+    def read(self, start: int, stop: int) -> np.ndarray:
+        window = self.array()[start:stop]
+        if self.check_ids is not None and len(window) and (int(window.max()) >= self.check_ids or
+                                                           (window.dtype.kind == "i" and int(window.min()) < 0)):
+            raise ValueError(f"{self.path}: token ids outside 0..{self.check_ids - 1} near position {start} "
+                             "(the file was written for another vocabulary): pass the tokenizer it was written "
+                             "with as data.tokenizer.")
+        return window
+
+    def __getstate__(self) -> dict:
+        """DataLoader workers started by spawn receive the path, never a copy of a memory-mapped file."""
+        state = dict(self.__dict__)
+        if self.path is not None:
+            state["_array"] = None
+        return state
+
+
+class TokenStream:
+    """Several token arrays read as one stream (what concatenating them would give) without concatenating."""
+
+    def __init__(self, parts: list[TokenPart], limit: int | None = None):
+        self.parts = [p for p in parts if p.length]
+        self.starts = np.cumsum([0] + [p.length for p in self.parts]).tolist()
+        self.length = self.starts[-1] if limit is None else min(limit, self.starts[-1])
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, window: slice) -> np.ndarray:
+        start, stop, _ = window.indices(self.length)
+        first = bisect.bisect_right(self.starts, start) - 1
+        pieces = []
+        while start < stop:
+            part_start = self.starts[first]
+            end = min(stop, self.starts[first + 1])
+            pieces.append(self.parts[first].read(start - part_start, end - part_start))
+            start, first = end, first + 1
+        if len(pieces) == 1:
+            return pieces[0]
+        return np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.uint16)
+
+
+def _sidecar(path: Path) -> Path:
+    return path.with_name(path.name + ".json")
+
+
+def open_token_file(path: Path, tokenizer) -> TokenPart:
+    """A ``.npy`` token file (header and sidecar read; ids checked against the vocabulary without a full scan)."""
+    where = f"data.source={str(path)!r}"
+    try:
+        tokens = np.load(path, mmap_mode="r")
+    except ValueError as error:
+        raise ValueError(f"{where}: not a readable .npy file ({error}); write token files with "
+                         "`moe-lightning tokenize`.") from None
+    if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
+        raise ValueError(f"{where} holds a {tokens.dtype} array of shape {tokens.shape}; token "
+                         "files hold one flat array of integer ids: write one with `moe-lightning tokenize`.")
+    if len(tokens) == 0:
+        raise ValueError(f"{where} holds no tokens (an empty array): point data.source at a token file with "
+                         "text in it.")
+    sidecar = _sidecar(path)
+    if sidecar.exists():
+        try:
+            info = json.loads(sidecar.read_text())
+            written_for = int(info["vocab_size"])
+            max_id = info.get("max_id")
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError) as error:
+            raise ValueError(f"{sidecar}: the token file's sidecar is corrupt or lacks 'vocab_size' "
+                             f"({type(error).__name__}: {error}); rewrite it with `moe-lightning tokenize`, or "
+                             "delete it to have the ids checked against the tokenizer instead.") from None
+        check_ids = None
+    else:  # no record of its vocabulary: scan a bounded prefix now, check every window when it is read
+        head = np.asarray(tokens[:SCAN_TOKENS])
+        if np.issubdtype(tokens.dtype, np.signedinteger) and int(head.min()) < 0:
+            raise ValueError(f"{where} holds negative token ids (min {int(head.min())}); ids run "
+                             "from 0 to the vocabulary size - 1: write the file with `moe-lightning tokenize`.")
+        written_for, max_id, check_ids = int(head.max()) + 1, None, tokenizer.vocab_size
+    if written_for > tokenizer.vocab_size or (max_id is not None and max_id >= tokenizer.vocab_size):
+        raise ValueError(f"{where} holds token ids of a {written_for}-token vocabulary but the "
+                         f"tokenizer has {tokenizer.vocab_size}: pass the tokenizer it was written with as "
+                         "data.tokenizer.")
+    return TokenPart(len(tokens), path=path, array=tokens, check_ids=check_ids)
+
+
+def read_manifest(folder: Path) -> dict:
+    manifest_path = folder / MANIFEST
+    try:
+        manifest = json.loads(manifest_path.read_text())
+        [(s["file"], int(s["tokens"])) for s in manifest["shards"]]
+        manifest["vocab_size"], manifest["tokenizer"]["kind"]
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError) as error:
+        raise ValueError(f"{manifest_path}: not a token-shard manifest ({type(error).__name__}: {error}); "
+                         "write the folder with `moe-lightning tokenize`.") from None
+    return manifest
+
+
+def open_shard_folder(folder: Path, tokenizer) -> list[TokenPart]:
+    """The shards a manifest lists, unopened; refused if written by another tokenizer or vocabulary."""
+    manifest, where = read_manifest(folder), f"data.source={str(folder)!r}"
+    written_with, ours = manifest["tokenizer"], tokenizer_identity(tokenizer)
+    if written_with != ours or manifest["vocab_size"] != tokenizer.vocab_size:
+        raise ValueError(f"{where} was tokenized with {written_with} ({manifest['vocab_size']} tokens) but "
+                         f"data.tokenizer is {ours} ({tokenizer.vocab_size} tokens): pass the tokenizer it was "
+                         "written with as data.tokenizer, or tokenize the corpus again with this one.")
+    if int(manifest.get("max_id", 0)) >= tokenizer.vocab_size:
+        raise ValueError(f"{where}: its manifest records token id {manifest['max_id']}, outside the tokenizer's "
+                         f"{tokenizer.vocab_size} ids: tokenize the corpus again.")
+    parts = []
+    for shard in manifest["shards"]:
+        path = folder / shard["file"]
+        if not path.is_file():
+            raise FileNotFoundError(f"{where}: shard {shard['file']} listed in {MANIFEST} is missing; copy the "
+                                    "whole folder, or tokenize again.")
+        parts.append(TokenPart(int(shard["tokens"]), path=path))
+    if sum(p.length for p in parts) == 0:
+        raise ValueError(f"{where}: its manifest lists no tokens (an empty corpus): tokenize text into it.")
+    return parts
+
+
+def tokenize_in_memory(files: list[Path], tokenizer, text_field: str,
+                       max_tokens: int | None) -> tuple[np.ndarray, int]:
+    """Documents tokenized at start-up (small corpora; large ones go through ``moe-lightning tokenize``):
+    every document's tokens followed by the end-of-document token; and how many files were read."""
+    dtype = np.uint16 if tokenizer.vocab_size <= 2**16 else np.uint32
+    chunks, count, files_read = [], 0, 0
+    for path in files:
+        files_read += 1
+        for text in iter_documents([path], text_field):
+            ids = tokenizer.encode(text)
+            if len(ids):
+                chunks.append(np.append(ids, tokenizer.eos_id).astype(dtype))
+                count += len(chunks[-1])
+        if max_tokens is not None and count >= max_tokens:
+            break
+    return (np.concatenate(chunks) if chunks else np.zeros(0, dtype=dtype)), files_read
+
+
+def open_tokens(resolved, tokenizer, text_field: str, max_tokens: int | None) -> tuple[list[TokenPart], int]:
+    """The token parts of one resolved source (see ``sources.resolve_source``) and the files they come from;
+    ``max_tokens`` stops tokenizing text early (token files are cut by ``TokenStream``'s limit instead)."""
+    if isinstance(resolved, Path) and resolved.is_dir():
+        parts = open_shard_folder(resolved, tokenizer)
+        return parts, len(parts)
+    if isinstance(resolved, Path):
+        return [open_token_file(resolved, tokenizer)], 1
+    array, files_read = tokenize_in_memory(resolved, tokenizer, text_field, max_tokens)
+    return [TokenPart(len(array), array=array)], files_read

@@ -1,0 +1,238 @@
+"""Weighted mixtures: the realized share, determinism, repeats, per-source validation; exact resume with mixtures,
+shard folders and worker processes, reported to Lightning as resumable."""
+
+import logging
+import warnings
+from functools import partial
+
+import lightning as L
+import numpy as np
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+
+from moe_lightning import MoEConfig, MoELanguageModel
+from moe_lightning.data import MixtureSampler, MixtureSequences, TextDataModule, tokenize_to_folder, write_token_file
+
+WEIGHTS, LENGTHS = [3.0, 1.0, 0.5], [5000, 300, 40]
+
+
+def sampler(num_replicas=1, rank=0, seed=0, weights=WEIGHTS, lengths=LENGTHS):
+    data = MixtureSequences([list(range(n)) for n in lengths])
+    return MixtureSampler(data, weights, [f"s{k}" for k in range(len(lengths))], num_replicas, rank, seed)
+
+
+def source_of(s: MixtureSampler, flat: np.ndarray) -> np.ndarray:
+    return np.searchsorted(np.array(s.dataset.offsets), flat, side="right") - 1
+
+
+def test_realized_share_is_within_1_5_points_over_any_10000_consecutive_sequences():
+    s = sampler()
+    order = []
+    for epoch in range(4):  # consecutive epochs: the mixture continues across them
+        s.set_epoch(epoch)
+        order += list(s)
+    sources = source_of(s, np.array(order))
+    target = np.array(WEIGHTS) / sum(WEIGHTS)
+    worst = 0.0
+    for start in range(0, len(sources) - 10_000, 613):
+        share = np.bincount(sources[start:start + 10_000], minlength=3) / 10_000
+        worst = max(worst, np.abs(share - target).max())
+    assert worst < 0.015
+    assert worst < 0.001  # the interleave holds it far tighter than the promise (iid sampling would not)
+
+
+def test_order_is_seeded_and_the_same_at_every_world_size():
+    one = list(sampler())
+    assert one == list(sampler())  # deterministic
+    assert one != list(sampler(seed=1))  # the seed changes the shuffles, not the interleave
+    assert (source_of(sampler(), np.array(one)) == source_of(sampler(), np.array(list(sampler(seed=1))))).all()
+    for world in (2, 3):
+        ranks = [list(sampler(world, r)) for r in range(world)]
+        dealt = [i for row in zip(*ranks) for i in row]
+        assert dealt == one[:len(dealt)] and len(one) - len(dealt) < world
+
+
+def test_a_source_that_runs_out_repeats_with_a_new_shuffle_and_the_log_says_which_epoch(caplog):
+    s = sampler()
+    with caplog.at_level(logging.INFO, logger="lightning.pytorch"):
+        order = np.array(list(s))
+    small = order[source_of(s, order) == 2] - s.dataset.offsets[2]
+    epochs = [small[i:i + 40] for i in range(0, len(small) - 39, 40)]
+    assert len(epochs) > 10
+    assert all(sorted(e) == list(range(40)) for e in epochs)  # each pass reads every sequence once
+    assert len({tuple(e) for e in epochs}) == len(epochs)  # each pass its own shuffle
+    line = next(r.getMessage() for r in caplog.records if "mixture epoch 0" in r.getMessage())
+    assert f"s2 on its epochs 0-{len(small) // 40 - (len(small) % 40 == 0)}" in line and "s0 on its epoch 0" in line
+
+
+def test_resume_at_another_world_size_skips_exactly_what_was_consumed():
+    one = list(sampler())
+    resumed = sampler(2, 1)
+    resumed.resume_epoch, resumed.resume_samples = 0, 1000  # consumed by all ranks together
+    assert list(resumed) == one[1001::2][:len(list(resumed))]
+    assert len(one) - 1000 - 2 * len(list(resumed)) < 2
+    resumed.set_epoch(1)
+    full = sampler(2, 1)
+    full.set_epoch(1)
+    assert list(resumed) == list(full)  # only the interrupted epoch is shortened
+
+
+@pytest.mark.parametrize("entry, match", [
+    ({"path": "stdlib", "weight": 0}, r"data.source\[1\].weight=0 .*positive"),
+    ({"path": "stdlib", "weight": -2}, r"data.source\[1\].weight=-2"),
+    ({"path": "stdlib", "weight": "3"}, r"data.source\[1\].weight='3'"),
+    ({"path": "stdlib", "weight": True}, r"data.source\[1\].weight=True"),
+    ({"path": "stdlib", "wieght": 2}, r"data.source\[1\] has unknown key\(s\) \['wieght'\]"),
+    ({"weight": 2}, r"data.source\[1\]=.*needs a path"),
+])
+def test_bad_mixture_entries_are_refused_naming_the_entry(entry, match):
+    with pytest.raises(ValueError, match=match):
+        TextDataModule([{"path": "stdlib", "weight": 1}, entry])
+
+
+def test_a_mixture_source_too_small_is_named(tmp_path):
+    (tmp_path / "tiny.txt").write_text("abc")
+    dm = TextDataModule([{"path": "stdlib", "weight": 1}, {"path": str(tmp_path / "tiny.txt"), "weight": 1}],
+                        seq_len=16, max_tokens=10_000)
+    with pytest.raises(ValueError, match=r"data.source\[1\] \('.*tiny.txt'\): only 4 tokens"):
+        dm.setup()
+
+
+# ---- training on mixtures -----------------------------------------------------------------------------------
+
+TINY = dict(vocab_size=260, dim=32, n_layers=2, n_heads=2, n_kv_heads=1, ffn_hidden=64, n_dense_layers=1,
+            num_experts=4, top_k=2, expert_hidden=32, max_seq_len=16)
+
+
+class Record(Callback):
+    def __init__(self):
+        self.rows = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.rows.append({"step": trainer.global_step, "loss": outputs["loss"].item(), "first": batch[:, :4].tolist()})
+
+
+def fit(dm, max_steps, ckpt_dir=None, resume=None, limit_val_batches=0, val_every=None):
+    L.seed_everything(0, verbose=False)
+    module = MoELanguageModel(MoEConfig(**TINY), optimizer=partial(torch.optim.AdamW, lr=1e-2))
+    record = Record()
+    callbacks = [record] + ([ModelCheckpoint(dirpath=ckpt_dir, filename="{step}", every_n_train_steps=2,
+                                             save_top_k=-1)] if ckpt_dir else [])
+    trainer = L.Trainer(accelerator="cpu", max_steps=max_steps, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=limit_val_batches,
+                        val_check_interval=val_every, check_val_every_n_epoch=None if val_every else 1,
+                        callbacks=callbacks, enable_checkpointing=bool(ckpt_dir))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(module, dm, ckpt_path=resume)
+    return record.rows, trainer, module, [str(w.message) for w in caught]
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory):
+    """A shard folder (several shards) and a `.npy` file, both byte tokens."""
+    import os
+    tmp = tmp_path_factory.mktemp("mix")
+    tokenize_to_folder([os.path.dirname(os.__file__) + "/json"], str(tmp / "web"), workers=1, shard_tokens=20_000)
+    write_token_file([os.__file__], str(tmp / "code.npy"))
+    return str(tmp / "web"), str(tmp / "code.npy")
+
+
+def mixture(sources, **kwargs):
+    web, code = sources
+    return TextDataModule([{"path": web, "weight": 3}, {"path": code, "weight": 1, "name": "code"}], seq_len=16,
+                          batch_size=4, **kwargs)
+
+
+def test_mixture_of_shards_and_a_token_file_resumes_exactly_with_workers_and_no_resumable_warning(sources, tmp_path):
+    full, _, _, _ = fit(mixture(sources, num_workers=2), 6, ckpt_dir=tmp_path / "ckpt")
+    resumed, _, _, said = fit(mixture(sources, num_workers=2), 6, resume=str(tmp_path / "ckpt" / "step=2.ckpt"))
+    assert [r["step"] for r in resumed] == [3, 4, 5, 6]
+    assert [r["first"] for r in resumed] == [r["first"] for r in full[2:]]  # the very next batches
+    assert [r["loss"] for r in resumed] == pytest.approx([r["loss"] for r in full[2:]], abs=1e-6)
+    assert not [w for w in said if "not resumable" in w]
+    loops = torch.load(tmp_path / "ckpt" / "step=2.ckpt", weights_only=True)["loops"]
+    state = loops["fit_loop"]["state_dict"]["combined_loader"]
+    assert state == [{"epoch": 0, "samples": 8, "mixture": [["web", 3.0, state[0]["mixture"][0][2]],
+                                                            ["code", 1.0, state[0]["mixture"][1][2]]]}]
+    web_only = TextDataModule([{"path": sources[0], "weight": 1}, {"path": sources[1], "weight": 1, "name": "code"}],
+                              seq_len=16, batch_size=4)
+    with pytest.raises(ValueError, match="the checkpoint was trained on the mixture"):
+        fit(web_only, 6, resume=str(tmp_path / "ckpt" / "step=2.ckpt"))
+
+
+def test_one_corpus_resumes_without_the_resumable_warning(sources, tmp_path):
+    dm = partial(TextDataModule, sources[1], seq_len=16, batch_size=4)
+    full, _, _, _ = fit(dm(), 4, ckpt_dir=tmp_path / "ckpt")
+    resumed, _, _, said = fit(dm(), 4, resume=str(tmp_path / "ckpt" / "step=2.ckpt"))
+    assert [r["loss"] for r in resumed] == pytest.approx([r["loss"] for r in full[2:]], abs=1e-6)
+    assert not [w for w in said if "not resumable" in w]
+
+
+def test_validation_logs_each_source_and_the_overall_loss(sources):
+    _, trainer, module, _ = fit(mixture(sources), 2, limit_val_batches=2, val_every=2)
+    metrics = trainer.callback_metrics
+    dm = trainer.datamodule
+    module.eval()
+    per_source = {}
+    with torch.no_grad():
+        for loader in dm.val_dataloader():
+            batches = [b for _, b in zip(range(2), loader)]
+            per_source[loader.name] = [module._loss(b).item() for b in batches]
+    assert metrics["val/loss/web"].item() == pytest.approx(np.mean(per_source["web"]), abs=1e-6)
+    assert metrics["val/loss/code"].item() == pytest.approx(np.mean(per_source["code"]), abs=1e-6)
+    everything = per_source["web"] + per_source["code"]
+    assert metrics["val/loss"].item() == pytest.approx(np.mean(everything), abs=1e-6)
+    assert metrics["val/perplexity"].item() == pytest.approx(np.exp(np.mean(everything)), rel=1e-5)
+
+
+# ---- real processes: kill -9, resume at the same and at another world size -----------------------------------
+
+@pytest.mark.slow
+def test_killed_two_process_mixture_run_resumes_exactly_on_two_and_on_one_process(sources, tmp_path):
+    """Two ranks of MoEFSDPStrategy, two loader workers each, on a mixture of a shard folder and a token file;
+    SIGKILL after step 3, resume from the step-2 checkpoint. On two processes the losses repeat the
+    uninterrupted run's to 1e-6 (the same arithmetic); on one process with the same global batch the same
+    sequences are trained in each step (none repeated or skipped) and the losses agree to 1e-5 (gradients are
+    reduced in another order, see test_strategy)."""
+    import json
+    from pathlib import Path
+    from tests.distributed import run_ranks
+    run = Path(__file__).with_name("data_resume_run.py")
+    source = json.dumps([{"path": sources[0], "weight": 3}, {"path": sources[1], "weight": 1}])
+
+    def launch(name, world, *args):
+        run_ranks(run, world, "--source", source, "--batch-size", str(4 // world), "--out", str(tmp_path / name),
+                  *args, timeout=600)
+        return [json.loads((tmp_path / f"{name}.rank{r}.json").read_text()) for r in range(world)]
+
+    def per_step(ranks):
+        """Step -> (world-mean loss, the global batch's sequences in any order)."""
+        steps = {}
+        for rows in ranks:
+            for row in rows:
+                loss, seqs = steps.get(row["step"], (row["loss"], []))
+                steps[row["step"]] = (loss, sorted(seqs + row["sequences"]))
+        return steps
+
+    reference = per_step(launch("reference", 2))
+    with pytest.raises(RuntimeError, match="exit -9"):
+        launch("killed", 2, "--ckpt-dir", str(tmp_path / "ckpt"), "--kill-at-step", "3")
+    checkpoint = str(tmp_path / "ckpt" / "step=2.ckpt")
+    on_two = per_step(launch("on_two", 2, "--resume", checkpoint))
+    on_one = per_step(launch("on_one", 1, "--resume", checkpoint))
+    assert sorted(on_two) == sorted(on_one) == [3, 4, 5, 6]
+    for step in (3, 4, 5, 6):
+        assert on_two[step][1] == on_one[step][1] == reference[step][1]
+        assert on_two[step][0] == pytest.approx(reference[step][0], abs=1e-6)
+        assert on_one[step][0] == pytest.approx(reference[step][0], rel=1e-5)
+    consumed = [tuple(s) for step in range(1, 7) for s in reference[step][1]]
+    assert len(set(consumed)) == len(consumed)  # no sequence twice in the run (the sources are far from repeating)
+
+
+def test_samplers_hand_out_an_epoch_in_chunks_without_changing_the_order(monkeypatch):
+    from moe_lightning.data import ResumableSampler, sampling
+    whole = [list(sampler(2, 1)), list(ResumableSampler(list(range(1000)), 2, 1, seed=3))]
+    monkeypatch.setattr(sampling, "CHUNK", 7)  # many chunks, many crossing a source's pass
+    assert [list(sampler(2, 1)), list(ResumableSampler(list(range(1000)), 2, 1, seed=3))] == whole

@@ -1,0 +1,172 @@
+"""`moe-lightning tokenize` into shard folders, and reading them: same tokens as tokenizing at start-up,
+parallel, resumable, atomic, refusing bad inputs with one clear line."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from moe_lightning.data import TextDataModule, tokenize_to_folder
+from moe_lightning.data import tokenize as tokenize_module
+from moe_lightning.data.tokenize import tokenize_main
+
+
+def bpe_tokenizer(path, text: str) -> str:
+    """A small trained byte-level BPE (what real corpora use), written as a tokenizers JSON file."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    tok.train_from_iterator([text], trainers.BpeTrainer(vocab_size=400, show_progress=False,
+                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.save(str(path))
+    return str(path)
+
+
+@pytest.fixture
+def corpus(tmp_path, monkeypatch):
+    """Every input kind: text files, JSONL, Parquet (three row groups), Arrow stream (as `datasets` saves);
+    units of a few KB, so that a tiny corpus is still cut into many units."""
+    monkeypatch.setattr(tokenize_module, "MIN_UNIT_BYTES", 2000)
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    root = tmp_path / "corpus"
+    (root / "text").mkdir(parents=True)
+    for i in range(5):
+        (root / "text" / f"doc{i}.txt").write_text(f"plain text number {i} " * (20 + 7 * i))
+    (root / "text" / "empty.txt").write_text("")  # an empty document adds nothing, not even its end token
+    with open(root / "docs.jsonl", "w") as f:
+        for i in range(300):
+            f.write(json.dumps({"body": f"json record {i} élan " * (1 + i % 9), "id": i}) + "\n")
+    rows = [f"parquet row {i} " * (1 + i % 5) for i in range(600)]
+    (root / "table").mkdir()
+    pq.write_table(pa.table({"body": rows, "n": list(range(600))}), root / "table" / "a.parquet", row_group_size=200)
+    (root / "table" / "README.md").write_text("a table folder's other files are not documents")
+    with pa.ipc.new_stream(root / "b.arrow", pa.schema([("body", pa.string())])) as writer:
+        for start in (0, 50):
+            writer.write_batch(pa.record_batch([pa.array([f"arrow row {i} " * 3 for i in range(start, start + 50)])],
+                                               names=["body"]))
+    return [str(root / "text"), str(root / "docs.jsonl"), str(root / "table"), str(root / "b.arrow")]
+
+
+def stream(dm) -> np.ndarray:
+    dm.setup()
+    return dm.train_set.tokens[:]
+
+
+@pytest.mark.parametrize("kind", ["bytes", "bpe"])
+def test_shards_hold_exactly_the_tokens_of_tokenizing_at_start_up_for_every_input_kind(corpus, tmp_path, kind):
+    tokenizer = None if kind == "bytes" else bpe_tokenizer(tmp_path / "bpe.json", "json record parquet row " * 50)
+    # small shards and units: several workers, several shards per unit, Parquet split by row groups
+    manifest = tokenize_to_folder(corpus, str(tmp_path / "shards"), tokenizer, "body", workers=2, shard_tokens=3000)
+    expected = stream(TextDataModule(corpus, seq_len=8, tokenizer=tokenizer, text_field="body"))
+    got = stream(TextDataModule(str(tmp_path / "shards"), seq_len=8, tokenizer=tokenizer))
+    np.testing.assert_array_equal(got, expected)
+    assert manifest["tokens"] == len(expected) and len(manifest["shards"]) > 5
+    plan = json.loads((tmp_path / "shards" / "tokenize-plan.json").read_text())
+    assert any(p.get("row_groups") == [1] for u in plan["units"] for p in u["pieces"])  # Parquet cut by row group
+    assert manifest["documents"] == 5 + 300 + 600 + 100  # the empty text file is no document
+    assert manifest["dtype"] == "uint16" and manifest["max_id"] == int(expected.max())
+    written = sum(len(np.load(tmp_path / "shards" / s["file"])) for s in manifest["shards"])
+    assert written == manifest["tokens"] == sum(s["tokens"] for s in manifest["shards"])
+    assert {os.path.basename(i["path"]) for i in manifest["inputs"]} >= {"docs.jsonl", "a.parquet", "b.arrow"}
+    assert not any(i["path"].endswith("README.md") for i in manifest["inputs"])
+
+
+def test_one_worker_and_many_write_the_same_stream_and_a_large_jsonl_is_split_by_lines(tmp_path, monkeypatch):
+    path = tmp_path / "big.jsonl"
+    path.write_text("".join(json.dumps({"text": f"line {i} " * (i % 13 + 1)}) + "\n" for i in range(4000)))
+    monkeypatch.setattr(tokenize_module, "BATCH_BYTES", 1000)  # many batches per unit
+    one = tokenize_to_folder([str(path)], str(tmp_path / "one"), workers=1)
+    monkeypatch.setattr(tokenize_module, "MIN_UNIT_BYTES", 5000)
+    many = tokenize_to_folder([str(path)], str(tmp_path / "many"), workers=2, shard_tokens=20_000)
+    assert len(many["shards"]) > len(one["shards"]) == 1
+    pieces = [p for u in json.loads((tmp_path / "many" / "tokenize-plan.json").read_text())["units"] for p in u["pieces"]]
+    assert len(pieces) > 4 and all(p["path"] == str(path) and "start" in p for p in pieces)  # byte ranges
+    a, b = (stream(TextDataModule(str(tmp_path / name), seq_len=8)) for name in ("one", "many"))
+    np.testing.assert_array_equal(a, b)
+    assert one["documents"] == many["documents"] == 4000
+
+
+def test_resume_redoes_only_unfinished_units_and_a_folder_without_manifest_is_never_read(corpus, tmp_path, capsys):
+    out = tmp_path / "shards"
+    tokenize_to_folder(corpus, str(out), text_field="body", workers=2, shard_tokens=3000)
+    reference = stream(TextDataModule(str(out), seq_len=8))
+    # the state a kill leaves: the manifest not yet written, one unit's record missing, a shard half written
+    (out / "manifest.json").unlink()
+    (out / "part-00001.done.json").unlink()
+    (out / "part-00001-000.npy.tmp").write_bytes(b"half a shard")
+    finished = {p.name: p.stat().st_mtime_ns for p in out.glob("part-00000-*.npy")}
+    with pytest.raises(FileNotFoundError, match="no manifest.json.*--resume"):
+        TextDataModule(str(out))
+    with pytest.raises(FileExistsError, match="--resume"):
+        tokenize_to_folder(corpus, str(out), text_field="body")
+    with pytest.raises(tokenize_module.TokenizeError, match="text_field"):
+        tokenize_to_folder(corpus, str(out), text_field="text", resume=True)
+    tokenize_to_folder(corpus, str(out), text_field="body", workers=1, shard_tokens=3000, resume=True)
+    assert {p.name: p.stat().st_mtime_ns for p in out.glob("part-00000-*.npy")} == finished  # not redone
+    assert not list(out.glob("*.tmp"))
+    np.testing.assert_array_equal(stream(TextDataModule(str(out), seq_len=8)), reference)
+    tokenize_main([*corpus, "--out", str(out), "--text-field", "body", "--resume"])
+    assert "already complete" in capsys.readouterr().err
+
+
+def test_progress_goes_to_stderr_with_rate_and_eta(corpus, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(tokenize_module, "PROGRESS_EVERY_S", 0.0)  # a line per batch
+    tokenize_main([*corpus, "--out", str(tmp_path / "s"), "--text-field", "body", "--workers", "1"])
+    captured = capsys.readouterr()
+    lines = [line for line in captured.err.splitlines() if line.startswith("tokenize:")]
+    assert len(lines) > 3 and "tokens/s" in lines[0] and "ETA" in lines[0] and lines[-1].endswith("done")
+    assert "shard(s)" in captured.out and "tokenize:" not in captured.out
+
+
+def test_disk_full_is_one_line_naming_the_file_and_leaves_no_shard_behind(corpus, tmp_path, capsys, monkeypatch):
+    create = tokenize_module._create  # shards go to /dev/full: the kernel's own "no space left on device"
+    monkeypatch.setattr(tokenize_module, "_create",
+                        lambda path: open("/dev/full", "wb", buffering=0) if path.name.endswith(".npy.tmp") else
+                        create(path))
+    with pytest.raises(SystemExit) as exit_:
+        tokenize_main([*corpus, "--out", str(tmp_path / "s"), "--text-field", "body", "--workers", "1"])
+    assert exit_.value.code == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"no space left writing {tmp_path / 's' / 'part-00000-000.npy.tmp'}" in err[0]
+    assert "--resume" in err[0]
+    assert not list((tmp_path / "s").glob("*.npy")) and not (tmp_path / "s" / "manifest.json").exists()
+
+
+def test_missing_text_column_and_missing_pyarrow_are_named(corpus, tmp_path, capsys, monkeypatch):
+    with pytest.raises(SystemExit):
+        tokenize_main([corpus[2], "--out", str(tmp_path / "s"), "--text-field", "content", "--workers", "1"])
+    err = capsys.readouterr().err
+    assert "no column 'content'" in err and "--text-field" in err and "['body', 'n']" in err
+    import sys
+    monkeypatch.setitem(sys.modules, "pyarrow", None)
+    with pytest.raises(ImportError, match=r"moe-lightning\[data\]"):
+        TextDataModule(corpus[2], text_field="body").setup()
+
+
+def test_shard_folder_of_another_tokenizer_or_vocabulary_is_refused_before_training(corpus, tmp_path):
+    tokenize_to_folder(corpus[:1], str(tmp_path / "bytes"), workers=1)
+    bpe = bpe_tokenizer(tmp_path / "bpe.json", "plain text number " * 40)
+    with pytest.raises(ValueError, match=r"tokenized with \{'kind': 'bytes'\}.*data.tokenizer"):
+        TextDataModule(str(tmp_path / "bytes"), tokenizer=bpe)
+    manifest_path = tmp_path / "bytes" / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    manifest_path.write_text(json.dumps({**manifest, "max_id": 300}))
+    with pytest.raises(ValueError, match="token id 300, outside the tokenizer's 257 ids"):
+        TextDataModule(str(tmp_path / "bytes"))
+    manifest_path.write_text(json.dumps({**manifest, "tokens": 0, "shards": []}))
+    with pytest.raises(ValueError, match="lists no tokens"):
+        TextDataModule(str(tmp_path / "bytes"))
+    manifest_path.write_text("{not json")
+    with pytest.raises(ValueError, match="manifest.json: not a token-shard manifest"):
+        TextDataModule(str(tmp_path / "bytes"))
+
+
+def test_a_shard_changed_after_tokenize_is_refused_when_read(corpus, tmp_path):
+    manifest = tokenize_to_folder(corpus[:1], str(tmp_path / "s"), workers=1)
+    np.save(tmp_path / "s" / manifest["shards"][0]["file"], np.zeros(10, dtype=np.uint16))
+    dm = TextDataModule(str(tmp_path / "s"), seq_len=4)
+    dm.setup()  # start-up reads the manifest only
+    with pytest.raises(ValueError, match="file changed after tokenize wrote it"):
+        dm.train_set[0]
