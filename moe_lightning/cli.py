@@ -1,11 +1,13 @@
-"""``moe-lightning``: LightningCLI's fit/validate/test/predict, plus generate, tokenize, plan, export."""
+"""LightningCLI's fit/validate/test/predict for ``moe-lightning`` (the command table and the other commands:
+``moe_lightning.commands``)."""
 
+import dataclasses
 import hashlib
 import importlib
 import inspect
 import json
 import re
-import sys
+import warnings
 from pathlib import Path
 
 import torch
@@ -13,26 +15,14 @@ from jsonargparse import DefaultHelpFormatter, Namespace
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 
+from .commands import COMMANDS, EXTRA_COMMANDS, main, run  # noqa: F401  (re-exported: the entry points before)
 from .data import TextDataModule
-from .generate import Sampling, encode_prompt
+from .generate import add_sampling_arguments, encode_prompt, sampling_from
 from .loading import checkpoint_tokenizer
 from .module import MoELanguageModel
 from .resume import check_resume, checkpoint_hyperparameters
 from .tokenizer import load_tokenizer
 from . import runs
-
-# Every command with one line, for `moe-lightning --help` (LightningCLI's own listing shows only its four).
-COMMANDS = {
-    "fit": "train a model from a YAML config (--config configs/tiny.yaml)",
-    "validate": "loss on the validation split, from a config and --ckpt_path",
-    "test": "loss and perplexity on the held-out split (or another --data.init_args.source)",
-    "predict": "continue every prompt of a JSONL file (--prompts in.jsonl --out out.jsonl)",
-    "generate": "continue a prompt from any checkpoint, streaming the text (CKPT --prompt TEXT)",
-    "tokenize": "tokenize a corpus on every core into .npy token shards and a manifest",
-    "plan": "memory and speed plan of a config on a cluster, without GPUs",
-    "export": "write any checkpoint as one inference file that records its tokenizer",
-    "convert": "Hugging Face folder <-> single-file checkpoint",
-}
 
 
 class SaveConfigBesideLogs(SaveConfigCallback):
@@ -202,6 +192,14 @@ class MoECLI(LightningCLI):
         a pretrained directory's ``tokenizer.json`` as the data's tokenizer unless one is set."""
         config = self.config[self.subcommand] if self.subcommand else self.config
         check_weight_decay(config.model)
+        # Each run has its own folder, so every resume restores a ModelCheckpoint whose dirpath was another run's,
+        # and Lightning warns "The dirpath has changed" each time (the log already says what was resumed).
+        warnings.filterwarnings("ignore", message="The dirpath has changed from")
+        logger_args = config.trainer.get("logger")
+        logger_args = logger_args.get("init_args") if isinstance(logger_args, Namespace) else None
+        if self.subcommand != "fit" and isinstance(logger_args, Namespace) and "name" in logger_args:
+            # validate/test/predict log beside the training runs (<name>-test/version_N), never as a new run folder
+            logger_args.name = f"{logger_args.name or 'lightning_logs'}-{self.subcommand}"
         pretrained = config.get("model.init_args.pretrained")
         tokenizer = Path(pretrained or "") / "tokenizer.json"
         if pretrained and "data.init_args.tokenizer" in config and config.get("data.init_args.tokenizer") is None \
@@ -257,24 +255,22 @@ class MoECLI(LightningCLI):
         parser = super()._prepare_subcommand_parser(klass, subcommand, **kwargs)
         if subcommand == "predict":
             self._subcommand_method_arguments["predict"] += parser.add_method_arguments(
-                type(self), "predict", as_group=False, skip={"model", "datamodule", "trainer_kwargs"})
+                type(self), "predict", as_group=False, skip={"model", "datamodule", "trainer_kwargs", "sampling"})
+            self._subcommand_method_arguments["predict"] += add_sampling_arguments(parser)  # generate's, alike
         return parser
 
     def predict(self, model: MoELanguageModel, datamodule: TextDataModule | None = None, *, prompts: str = "",
-                out: str | None = None, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int | None = None,
-                top_p: float | None = None, stop: bool = True, seed: int = 0, **trainer_kwargs) -> None:
+                out: str | None = None, **trainer_and_sampling_kwargs) -> None:
         """Continue every prompt of a JSONL file; write one JSONL record per prompt with ``completion`` added.
+        The sampling flags are ``generate``'s (``generate.add_sampling_arguments``); prompt i uses seed + i.
 
         Args:
             prompts: JSONL file, one record per line with the text to continue under ``prompt``.
             out: Output JSONL (default: ``predictions.jsonl`` in the run's log folder).
-            max_new_tokens: Tokens to sample per prompt.
-            temperature: Sampling temperature (0 = greedy).
-            top_k: Sample among the k most likely tokens.
-            top_p: Sample among the most likely tokens holding this probability mass.
-            stop: End a continuation at the end-of-document token.
-            seed: Sampling seed of the first prompt (prompt i uses seed + i).
         """
+        sampling_keys = {"max_new_tokens", "temperature", "top_k", "top_p", "stop", "seed"}
+        sampling = sampling_from(**{k: v for k, v in trainer_and_sampling_kwargs.items() if k in sampling_keys})
+        trainer_kwargs = {k: v for k, v in trainer_and_sampling_kwargs.items() if k not in sampling_keys}
         if self.trainer.world_size > 1:  # the distributed sampler would split the prompts across processes
             raise ValueError(f"predict runs in one process (trainer.world_size={self.trainer.world_size}): pass "
                              "--trainer.devices=1 --trainer.num_nodes=1, or use `moe-lightning generate`.")
@@ -290,7 +286,7 @@ class MoECLI(LightningCLI):
         recorded = ckpt_path and Path(ckpt_path).exists()  # not "last"/"best", which Lightning resolves
         tokenizer = checkpoint_tokenizer(ckpt_path) if recorded else datamodule.tokenizer
         batches = [{"tokens_1S": encode_prompt(tokenizer, r["prompt"], "cpu"), "eod_id": tokenizer.eos_id,
-                    "sampling": Sampling(max_new_tokens, temperature, top_k, top_p, stop, seed + i)}
+                    "sampling": dataclasses.replace(sampling, seed=sampling.seed + i)}
                    for i, r in enumerate(records)]
         loader = torch.utils.data.DataLoader(batches, batch_size=None)
         predictions = self.trainer.predict(model, dataloaders=loader, **trainer_kwargs)
@@ -334,41 +330,8 @@ class MoECLI(LightningCLI):
             raise
 
 
-# Commands beside LightningCLI's subcommands: name -> "module:function(argv)", imported only when used.
-EXTRA_COMMANDS = {
-    "generate": "moe_lightning.generate:main",
-    "tokenize": "moe_lightning.data.tokenize:tokenize_main",
-    "plan": "moe_lightning.plan:main",
-    "export": "moe_lightning.hf.convert:export_main",  # --hf writes Hugging Face; otherwise loading.export_main
-    "convert": "moe_lightning.hf.convert:convert_main",
-}
-
-
-def print_commands() -> None:
-    """Every command this install has (``convert`` comes with ``moe_lightning.hf``)."""
-    names = [name for name in COMMANDS if name in EXTRA_COMMANDS or name in MoECLI.subcommands()]
-    width = max(map(len, names))
-    lines = [f"  {name:<{width}}  {COMMANDS[name]}" for name in names]
-    print("usage: moe-lightning COMMAND [options]   (moe-lightning COMMAND --help for its options)\n\n"
-          "Train Mixture-of-Experts language models with Lightning.\n\ncommands:\n" + "\n".join(lines))
-
-
-def main(argv: list[str] | None = None) -> None:
-    """Console entry point (its return value would become the exit status, so it returns nothing)."""
-    run(argv)
-
-
-def run(argv: list[str] | None = None) -> MoECLI | None:
-    """Run a command and return the CLI object (for tests and notebooks); ``argv=None`` reads the command line."""
-    if "" not in sys.path and "." not in sys.path:
-        sys.path.insert(0, "")  # like `python -m`: class_paths from the user's project resolve from cwd
-    words = sys.argv[1:] if argv is None else argv
-    if not words or words[0] in ("-h", "--help"):
-        print_commands()
-        return None
-    if words[0] in EXTRA_COMMANDS:
-        module_name, function_name = EXTRA_COMMANDS[words[0]].split(":")
-        return getattr(importlib.import_module(module_name), function_name)(words[1:])
+def lightning_cli(argv: list[str] | None = None) -> MoECLI:
+    """fit/validate/test/predict (``moe_lightning.commands.run`` dispatches here)."""
     descriptions = {name: {"description": COMMANDS[name]} for name in MoECLI.subcommands()}
     return MoECLI(MoELanguageModel, TextDataModule, subclass_mode_model=True, subclass_mode_data=True, args=argv,
                   parser_kwargs=descriptions, parser_class=MoEArgumentParser,

@@ -4,6 +4,19 @@ import torch
 
 from .model import MoEConfig, MoETransformer
 
+# Dense bf16 tensor-core peak per GPU (datasheet, no sparsity). Matched against the CUDA device name,
+# longest key first, so "GH200" is not read as "H200" nor "H100 PCIe" as "H100".
+PEAK_BF16_FLOPS = {"GH200": 989e12, "H200": 989e12, "H100 PCIe": 756e12, "H100": 989e12, "B200": 2250e12}
+
+
+def peak_bf16_flops(device_name: str) -> float | None:
+    """Peak dense bf16 FLOP/s for a device name such as ``torch.cuda.get_device_name()``; None if unknown."""
+    name = device_name.upper()
+    for key in sorted(PEAK_BF16_FLOPS, key=len, reverse=True):
+        if key.upper() in name:
+            return PEAK_BF16_FLOPS[key]
+    return None
+
 
 def parameter_counts(config: MoEConfig) -> dict[str, int]:
     """Total, active (one token's share) and embedding parameters, counted on the meta device."""

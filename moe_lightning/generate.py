@@ -18,19 +18,40 @@ from .model.transformer import check_sampling
 
 @dataclass
 class Sampling:
-    """How to pick each next token. ``temperature`` 0 is greedy; ``top_k``/``top_p`` restrict the candidates."""
+    """How to pick each next token. ``temperature`` 0 is greedy; ``top_k``/``top_p`` restrict the candidates.
+    These defaults are those of ``generate`` and ``predict`` (``add_sampling_arguments``)."""
 
-    max_new_tokens: int = 64
-    temperature: float = 1.0
+    max_new_tokens: int = 200
+    temperature: float = 0.8
     top_k: int | None = None
     top_p: float | None = None
-    stop_at_eod: bool = False
+    stop_at_eod: bool = True
     seed: int = 0
 
     def __post_init__(self):
         check_sampling(self.max_new_tokens, self.top_k, self.top_p)
         if self.temperature < 0:
             raise ValueError(f"temperature={self.temperature!r}: must be >= 0 (0 = greedy).")
+
+
+def add_sampling_arguments(parser) -> list[str]:
+    """The sampling flags of ``generate`` and ``predict``, spelled and defaulted once (``parser``: argparse's or
+    jsonargparse's); returns their destinations, the keyword arguments of ``sampling_from``."""
+    default = Sampling()
+    parser.add_argument("--max-new-tokens", type=int, default=default.max_new_tokens, help="tokens to sample")
+    parser.add_argument("--temperature", type=float, default=default.temperature, help="0 = greedy")
+    parser.add_argument("--top-k", type=int, default=default.top_k, help="sample among the k most likely tokens")
+    parser.add_argument("--top-p", type=float, default=default.top_p,
+                        help="nucleus sampling: sample among the most likely tokens holding this probability mass")
+    parser.add_argument("--stop", action=argparse.BooleanOptionalAction, default=default.stop_at_eod,
+                        help="end a sample at the end-of-document token (--no-stop: always max-new-tokens)")
+    parser.add_argument("--seed", type=int, default=default.seed, help="sampling seed (sample or prompt i: seed + i)")
+    return ["max_new_tokens", "temperature", "top_k", "top_p", "stop", "seed"]
+
+
+def sampling_from(stop: bool = Sampling.stop_at_eod, **flags) -> Sampling:
+    """``Sampling`` from the parsed flags of ``add_sampling_arguments`` (those not given keep their defaults)."""
+    return Sampling(stop_at_eod=stop, **flags)
 
 
 def stream(model: MoETransformer, prompt_1S: torch.Tensor, sampling: Sampling, eod_id: int) -> Iterator[int]:
@@ -98,19 +119,14 @@ def main(argv: list[str] | None = None) -> None:
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--prompt", default=None, help="text to continue (default: start a new document)")
     source.add_argument("--prompt-file", default=None, help="read the prompt from this file")
-    parser.add_argument("--max-new-tokens", type=int, default=200)
-    parser.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
-    parser.add_argument("--top-k", type=int, default=None)
-    parser.add_argument("--top-p", type=float, default=None, help="nucleus sampling: keep this probability mass")
-    parser.add_argument("--seed", type=int, default=0)
+    sampling_keys = add_sampling_arguments(parser)
     parser.add_argument("--num-samples", type=int, default=1)
-    parser.add_argument("--stop", action="store_true", help="stop a sample at the end-of-document token")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", choices=list(DTYPES), default=None,
                         help="weights and activations (default: bfloat16 on CUDA, float32 on CPU)")
     args = parser.parse_args(argv)
     dtype = DTYPES[args.dtype or default_dtype(args.device)]
-    sampling = Sampling(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.stop, args.seed)
+    sampling = sampling_from(**{key: getattr(args, key) for key in sampling_keys})
     if args.num_samples < 1:
         parser.error(f"--num-samples={args.num_samples}: must be >= 1.")
     prompt = read_prompt_file(args.prompt_file) if args.prompt_file is not None else args.prompt or ""

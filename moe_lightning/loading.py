@@ -45,18 +45,26 @@ def folder_kind(path: Path) -> str:
                      "nor a Hugging Face model (config.json).")
 
 
-def recorded_tokenizer(metadata: dict) -> dict:
-    """The spec a DataModule's ``state_dict`` put in the checkpoint; bytes for checkpoints older than that."""
+def recorded_tokenizer(metadata: dict) -> dict | None:
+    """The spec a DataModule's ``state_dict`` (or ``export``) put in the checkpoint; bytes for our checkpoints
+    older than that; ``None`` for a file converted from a Hugging Face folder, which records none."""
+    if "tokenizer" in metadata and "hyper_parameters" not in metadata:  # an export: {"config", "state_dict", ...}
+        return metadata["tokenizer"] or ByteTokenizer().spec()
     for value in metadata.values():
         if isinstance(value, dict) and isinstance(value.get("tokenizer"), dict) and "kind" in value["tokenizer"]:
             return value["tokenizer"]
-    return ByteTokenizer().spec()
+    return ByteTokenizer().spec() if "hyper_parameters" in metadata else None
+
+
+def tokenizer_spec(checkpoint: str | Path) -> dict | None:
+    """``recorded_tokenizer`` of any of our checkpoint kinds (tensors memory-mapped, not read)."""
+    path = resolve_checkpoint(Path(checkpoint))
+    return recorded_tokenizer(load_metadata(metadata_file(path), mmap=True))
 
 
 def checkpoint_tokenizer(checkpoint: str | Path) -> ByteTokenizer | HFTokenizer:
-    """The tokenizer a sharded or single-file Lightning checkpoint recorded (its tensors memory-mapped, not read)."""
-    path = resolve_checkpoint(Path(checkpoint))
-    return tokenizer_from_spec(recorded_tokenizer(load_metadata(metadata_file(path), mmap=True)))
+    """The tokenizer a checkpoint recorded, bytes when it recorded none."""
+    return tokenizer_from_spec(tokenizer_spec(checkpoint) or ByteTokenizer().spec())
 
 
 def _plain_config(hparams: dict, path: Path) -> dict:
@@ -73,7 +81,10 @@ def read_checkpoint(checkpoint: str | Path) -> Checkpoint:
     if path.is_dir():
         if folder_kind(path) == "hf":
             raise ValueError(f"checkpoint={str(path)!r} is a Hugging Face folder: load it with load_model.")
-        weights, metadata = read_sharded_weights(path)
+        from .hf.convert import single_process_dcp
+
+        with single_process_dcp():
+            weights, metadata = read_sharded_weights(path)
         kind = "sharded"
     else:  # a Lightning checkpoint or an export: plain data either way, never unpickled classes
         metadata = load_metadata(path)
@@ -92,9 +103,14 @@ def read_checkpoint(checkpoint: str | Path) -> Checkpoint:
 
 @dataclass
 class Loaded:
+    """The model (eval mode), its run's tokenizer and the checkpoint kind; unpacks as ``model, tokenizer``."""
+
     model: MoETransformer
     tokenizer: ByteTokenizer | HFTokenizer
     kind: str
+
+    def __iter__(self):
+        return iter((self.model, self.tokenizer))
 
 
 def load_model(checkpoint: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> Loaded:

@@ -13,6 +13,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from . import hf
 from .callbacks._logging import logs_written
+from .callbacks.final_checkpoint import FinalCheckpoint
 from .callbacks.nonfinite import NonFiniteGuard
 from .generate import stream
 from .model import LocalTokenDispatcher, MoEConfig, MoETransformer, mtp
@@ -90,8 +91,9 @@ class MoELanguageModel(L.LightningModule):
             ``param_names``); built in ``configure_optimizers`` so it sees the sharded parameters.
         lr_scheduler: Builds the per-step LR schedule from the optimizer.
         weight_decay: Decoupled weight decay for matrices (never norms, biases, embeddings).
-        pretrained: A Hugging Face model directory to start from: its ``config.json`` gives the model (``config``
-            may only change training settings) and its safetensors the weights, read by each rank for its shards.
+        pretrained: A Hugging Face model directory to start from: its ``config.json`` gives the model's shape
+            (``config`` keeps only its training settings, the other fields it sets are replaced and logged) and its
+            safetensors the weights, read by each rank for its shards.
         loss_chunk_size: Tokens per chunk of the output head + cross-entropy (``moe_lightning.loss``), so
             the ``[tokens, vocab]`` logits never exist at once; ``None``: one full-logits cross-entropy.
         compile: ``torch.compile`` every block's forward (see ``compile_blocks``); works in fp32 and bf16,
@@ -111,7 +113,10 @@ class MoELanguageModel(L.LightningModule):
         if isinstance(config, dict):  # rebuilt from a checkpoint's hyperparameters (load_from_checkpoint)
             config = MoEConfig(**config)
         if pretrained is not None:
-            config = hf.merge_config(pretrained, config)  # before save_hyperparameters, which records it
+            given, config = config, hf.merge_config(pretrained, config)  # before save_hyperparameters records it
+            if given is not None and (replaced := hf.replaced_fields(given, config)):
+                rank_zero_info(f"pretrained={pretrained!r} gives the model's shape; replaced from the config: "
+                               + ", ".join(replaced))
         self.pretrained, self._pretrained_filled = pretrained, False
         self.config = config if config is not None else MoEConfig()
         self.optimizer_factory, self.lr_scheduler_factory = optimizer, lr_scheduler
@@ -224,10 +229,10 @@ class MoELanguageModel(L.LightningModule):
         self.log("train/perplexity", mean.exp())
 
     def configure_callbacks(self):
-        """The non-finite-loss guard runs in every fit (unless the trainer already has one, e.g. from YAML)."""
-        if self._trainer is not None and any(isinstance(cb, NonFiniteGuard) for cb in self.trainer.callbacks):
-            return []
-        return [NonFiniteGuard()]
+        """The non-finite-loss guard and the final checkpoint run in every fit (unless the trainer already has
+        them, e.g. from YAML)."""
+        present = self.trainer.callbacks if self._trainer is not None else []
+        return [cls() for cls in (NonFiniteGuard, FinalCheckpoint) if not any(isinstance(cb, cls) for cb in present)]
 
     def on_before_optimizer_step(self, optimizer) -> None:
         """Once per optimizer step, after every micro-batch's backward: move the balancing bias using the
@@ -254,8 +259,9 @@ class MoELanguageModel(L.LightningModule):
     def on_validation_epoch_end(self) -> None:
         loaders = self.trainer.val_dataloaders
         if isinstance(loaders, (list, tuple)) and len(loaders) > 1:  # overall: the mean over every source's batches
-            self.log("val/loss", self.val_loss_mean.compute(), prog_bar=True)
-        self.log("val/perplexity", self.val_loss_mean.compute().exp())
+            self.log("val/loss", self.val_loss_mean.compute(), prog_bar=True, sync_dist=True)
+        # compute() has already reduced over ranks; sync_dist (a no-op mean of equal values) is what Lightning asks
+        self.log("val/perplexity", self.val_loss_mean.compute().exp(), sync_dist=True)
         self.val_loss_mean.reset()
 
     def test_step(self, batch_BS1: torch.Tensor, batch_idx: int) -> None:
@@ -265,7 +271,7 @@ class MoELanguageModel(L.LightningModule):
         self.log("test/loss", loss, sync_dist=True, batch_size=batch_BS1.shape[0])
 
     def on_test_epoch_end(self) -> None:
-        self.log("test/perplexity", self.val_loss_mean.compute().exp())
+        self.log("test/perplexity", self.val_loss_mean.compute().exp(), sync_dist=True)  # as val/perplexity
         self.val_loss_mean.reset()
 
     def predict_step(self, batch: dict, batch_idx: int) -> list[int]:

@@ -49,8 +49,7 @@ from typing import Any
 import torch
 import yaml
 
-from .callbacks.throughput import PEAK_BF16_FLOPS, peak_bf16_flops
-from .flops import parameter_counts, training_flops_per_token
+from .flops import PEAK_BF16_FLOPS, parameter_counts, peak_bf16_flops, training_flops_per_token
 from .model import MoEConfig, MoETransformer
 from .optim.grouping import parameter_roles
 from .optim.muon_groups import MUON_ROLES

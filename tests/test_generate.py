@@ -20,7 +20,7 @@ from moe_lightning.tokenizer import ByteTokenizer, HFTokenizer, tokenizer_from_s
 # init_std 0.3: O(1) logits, so greedy text depends on every weight (near-uniform logits would hide a mix-up)
 CONFIG = dict(vocab_size=320, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=32, ffn_hidden=48,
               n_dense_layers=1, num_experts=4, top_k=2, expert_hidden=16, n_shared_experts=1, init_std=0.3)
-GREEDY = Sampling(max_new_tokens=24, temperature=0.0)
+GREEDY = Sampling(max_new_tokens=24, temperature=0.0, stop_at_eod=False)
 PROMPT = "def main"
 
 
@@ -130,7 +130,8 @@ def test_tokenizer_is_recorded_and_reused_without_its_file(run_dir):
 def test_generate_command_streams_the_greedy_text(run_dir, capsys):
     root = run_dir["root"]
     loaded = load_model(root / "single.ckpt")
-    generate_main([str(root / "single.ckpt"), "--prompt", PROMPT, "--temperature", "0", "--max-new-tokens", "24"])
+    generate_main([str(root / "single.ckpt"), "--prompt", PROMPT, "--temperature", "0", "--max-new-tokens", "24",
+                   "--no-stop"])
     assert capsys.readouterr().out == PROMPT + complete(loaded.model, loaded.tokenizer, PROMPT, GREEDY) + "\n"
     generate_main([str(root / "single.pt"), "--prompt", PROMPT, "--num-samples", "2", "--top-k", "20",
                    "--top-p", "0.9", "--max-new-tokens", "24", "--seed", "3"])
@@ -203,8 +204,8 @@ def test_predict_writes_a_continuation_per_prompt(run_dir):
     # The config says bytes; the checkpoint recorded the BPE it was trained with, and that one must be used.
     run(["predict", "--config", str(write_config(root)), "--ckpt_path", str(root / "single.ckpt"),
          "--data.init_args.tokenizer", "null",
-         "--prompts", str(root / "prompts.jsonl"), "--out", str(root / "out.jsonl"), "--max_new_tokens", "24",
-         "--stop", "false"])
+         "--prompts", str(root / "prompts.jsonl"), "--out", str(root / "out.jsonl"),
+         "--max-new-tokens", "24", "--temperature", "0", "--no-stop"])  # generate's flags, spelled alike
     records = [json.loads(line) for line in (root / "out.jsonl").read_text().splitlines()]
     loaded = load_model(root / "single.ckpt")
     assert [{k: v for k, v in r.items() if k != "completion"} for r in records] == prompts  # fields kept, in order

@@ -396,8 +396,8 @@ def test_module_starts_from_pretrained_weights(family):
     assert module.hparams["config"] == module.config  # checkpoints record the checkpoint's shape
     expected = hf.from_pretrained(path, dtype=torch.float32).state_dict()
     assert all(torch.equal(t, expected[k]) for k, t in module.model.state_dict().items())
-    with pytest.raises(HFFormatError, match="model.config.dim=64 contradicts"):
-        MoELanguageModel(MoEConfig(dim=64), pretrained=str(path))
+    other = MoELanguageModel(MoEConfig(dim=64, max_seq_len=24), pretrained=str(path))  # a config sized otherwise
+    assert other.config == dataclasses.replace(hf.load_config(path), max_seq_len=24)  # its shape is replaced
 
 
 def test_cli_fit_from_pretrained_uses_its_tokenizer(tmp_path):

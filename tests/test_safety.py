@@ -2,7 +2,6 @@
 
 import csv
 import dataclasses
-import logging
 import math
 import subprocess
 import sys
@@ -18,7 +17,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 
 from moe_lightning import MoEConfig, MoELanguageModel, TextDataModule
-from moe_lightning.callbacks import NonFiniteGuard, NonFiniteLossError
+from moe_lightning.callbacks import FinalCheckpoint, NonFiniteGuard, NonFiniteLossError
 from moe_lightning.cli import default_precision, run
 from moe_lightning.model.config import ConfigError
 from moe_lightning.parallel.checkpoint import MARKER_FILE
@@ -28,18 +27,6 @@ CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 TINY = CONFIGS / "tiny.yaml"
 SMALL = dict(vocab_size=260, dim=32, n_layers=2, n_heads=2, n_kv_heads=1, max_seq_len=32, ffn_hidden=64,
              num_experts=4, top_k=2, expert_hidden=32, n_shared_experts=0)
-
-
-@pytest.fixture
-def lightning_log():
-    """Messages Lightning's logger emits (it does not propagate to the root logger, so caplog misses them)."""
-    messages = []
-    handler = logging.Handler(logging.INFO)
-    handler.emit = lambda record: messages.append(record.getMessage())
-    logger = logging.getLogger("lightning.pytorch")
-    logger.addHandler(handler)
-    yield messages
-    logger.removeHandler(handler)
 
 
 def quick(tmp_path, *extra: str) -> list[str]:
@@ -117,10 +104,10 @@ def test_no_checkpoint_with_a_nonfinite_tensor_is_written_and_earlier_ones_stay(
 
 def test_model_adds_the_guard_once():
     module = MoELanguageModel(MoEConfig(**SMALL))
-    assert [type(c) for c in module.configure_callbacks()] == [NonFiniteGuard]
+    assert [type(c) for c in module.configure_callbacks()] == [NonFiniteGuard, FinalCheckpoint]
     trainer = L.Trainer(accelerator="cpu", callbacks=[NonFiniteGuard(check_every_n_steps=1)], logger=False)
     module.trainer = trainer
-    assert module.configure_callbacks() == []  # the one from the config (its cadence) is kept
+    assert [type(c) for c in module.configure_callbacks()] == [FinalCheckpoint]  # the config's guard is kept
 
 
 # ---- 2. resuming a different model ------------------------------------------------------------

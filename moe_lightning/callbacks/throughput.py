@@ -7,23 +7,9 @@ import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
 
-from ..flops import training_flops_per_token
+from ..flops import PEAK_BF16_FLOPS, peak_bf16_flops, training_flops_per_token  # noqa: F401 (re-exported)
 from ..model import MoEConfig
 from ._logging import StepInterval, check_interval, log_to_loggers
-
-# Dense bf16 tensor-core peak per GPU (datasheet, no sparsity). Matched against the CUDA device name,
-# longest key first, so "GH200" is not read as "H200" nor "H100 PCIe" as "H100".
-PEAK_BF16_FLOPS = {"GH200": 989e12, "H200": 989e12, "H100 PCIe": 756e12, "H100": 989e12, "B200": 2250e12}
-
-
-def peak_bf16_flops(device_name: str) -> Optional[float]:
-    """Peak dense bf16 FLOP/s for a device name such as ``torch.cuda.get_device_name()``; None if unknown."""
-    name = device_name.upper()
-    for key in sorted(PEAK_BF16_FLOPS, key=len, reverse=True):
-        if key.upper() in name:
-            return PEAK_BF16_FLOPS[key]
-    return None
-
 
 class MoEThroughputMonitor(L.Callback):
     """Tokens/s per device and model FLOPs utilisation for MoE models.

@@ -5,7 +5,7 @@ Imports the model, never the reverse. Reads only ``config.json`` and safetensors
 
 from .mapping import HFFormatError
 from .pretrained import (FAMILIES, choose_family, fill_state_dict, from_pretrained, load_config, merge_config,
-                         save_pretrained, write_pretrained)
+                         replaced_fields, save_pretrained, write_pretrained)
 
 __all__ = ["FAMILIES", "HFFormatError", "choose_family", "fill_state_dict", "from_pretrained", "load_config",
-           "merge_config", "save_pretrained", "write_pretrained"]
+           "merge_config", "replaced_fields", "save_pretrained", "write_pretrained"]

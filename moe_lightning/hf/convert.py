@@ -5,8 +5,10 @@ so writing a Hugging Face directory never holds more than one shard of it.
 """
 
 import argparse
+import contextlib
 import dataclasses
 import os
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -16,8 +18,18 @@ from ..model import MoEConfig
 from ..parallel import checkpoint as ckpt
 from .mapping import HFFormatError
 from .pretrained import FAMILIES, from_pretrained, stored_dtype_getter, write_pretrained
+from .tokenizer_files import tokenizer_files
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@contextlib.contextmanager
+def single_process_dcp():
+    """DCP warns "torch.distributed is disabled ... assuming the intent is to load in a single process" even when
+    told so (``no_dist=True``): it is the intent here (export, generate read a sharded checkpoint in one process)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
 
 
 def _config(value) -> MoEConfig:
@@ -35,21 +47,31 @@ def _load(file: Path) -> dict:
         return torch.load(file, map_location="cpu", weights_only=True, mmap=True)
 
 
-def open_checkpoint(path: str | Path) -> tuple[MoEConfig, Callable[[str], torch.Tensor]]:
-    """Config and a tensor-by-name reader for a sharded checkpoint directory, a Lightning ``.ckpt`` or a ``.pt``."""
+def open_checkpoint(path: str | Path) -> tuple[MoEConfig, Callable[[str], torch.Tensor], dict | None]:
+    """Config, a tensor-by-name reader and the recorded tokenizer spec (``loading.recorded_tokenizer``) of a sharded
+    checkpoint directory, a Lightning ``.ckpt`` or a ``.pt``."""
+    from ..loading import recorded_tokenizer
+
     path = ckpt.resolve_checkpoint(Path(path))
     if path.is_dir():
         if not (path / ckpt.METADATA_FILE).is_file():
             raise HFFormatError(f"{str(path)!r} is neither a sharded checkpoint ({ckpt.METADATA_FILE}) nor a file.")
-        config = _config(_load(path / ckpt.METADATA_FILE).get("hyper_parameters", {}).get("config"))
+        meta = _load(path / ckpt.METADATA_FILE)
+        config = _config(meta.get("hyper_parameters", {}).get("config"))
         index = ckpt.sharded_model_index(path)
-        return config, lambda name: ckpt.read_sharded_tensors(path, index, [name])[name]
+
+        def get(name: str) -> torch.Tensor:
+            with single_process_dcp():
+                return ckpt.read_sharded_tensors(path, index, [name])[name]
+        return config, get, recorded_tokenizer(meta)
     payload = _load(path)
     if "config" in payload:  # the package's single file: {"config": dict, "state_dict": model state dict}
         stored = {name: _dtype(value) for name, value in payload.get("stored_dtypes", {}).items()}
-        return _config(payload["config"]), stored_dtype_getter(payload["state_dict"].__getitem__, stored)
+        return (_config(payload["config"]), stored_dtype_getter(payload["state_dict"].__getitem__, stored),
+                recorded_tokenizer(payload))
     state = payload["state_dict"]  # a Lightning checkpoint of MoELanguageModel
-    return _config(payload.get("hyper_parameters", {}).get("config")), lambda name: state[f"model.{name}"]
+    return (_config(payload.get("hyper_parameters", {}).get("config")), lambda name: state[f"model.{name}"],
+            recorded_tokenizer(payload))
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -71,9 +93,11 @@ def _cast(get: Callable[[str], torch.Tensor], dtype: torch.dtype | None) -> Call
 
 def export_hf(checkpoint: str | Path, out: str | Path, architecture: str | None = None,
               dtype: torch.dtype | None = None, max_shard_bytes: int = 5 * 2**30) -> Path:
-    """Any of our checkpoints (sharded or single-file) as a Hugging Face directory, tensor by tensor."""
-    config, get = open_checkpoint(checkpoint)
-    return write_pretrained(config, _cast(get, dtype), out, architecture, max_shard_bytes)
+    """Any of our checkpoints (sharded or single-file) as a Hugging Face directory, tensor by tensor, with the
+    ``tokenizer.json`` and ``tokenizer_config.json`` of the tokenizer the run recorded (the byte tokenizer too)."""
+    config, get, spec = open_checkpoint(checkpoint)  # spec None: a file converted from Hugging Face records none
+    files = tokenizer_files(spec, config.max_seq_len) if spec is not None else None
+    return write_pretrained(config, _cast(get, dtype), out, architecture, max_shard_bytes, files)
 
 
 def hf_to_file(src: str | Path, out: str | Path, dtype: torch.dtype | None = None) -> Path:

@@ -58,8 +58,9 @@ def read_config(path: str | Path) -> dict:
 
 
 def write_directory(path: str | Path, hf_config: dict, tensors: Iterable[tuple[str, torch.Tensor]],
-                    max_shard_bytes: int = 5 * 2**30) -> Path:
-    """``config.json`` plus shards ``model-0000i-of-0000N.safetensors`` and their index, holding one shard in memory.
+                    max_shard_bytes: int = 5 * 2**30, files: dict[str, str] | None = None) -> Path:
+    """``config.json`` plus shards ``model-0000i-of-0000N.safetensors`` and their index, holding one shard in memory,
+    and ``files`` (name -> text: the tokenizer's, say).
 
     Everything is written to a sibling ``*.partial`` directory, and the directory's other files (a tokenizer,
     say) are copied there; only then does it replace ``path``, so a failure part-way (I/O, a refusal raised
@@ -72,9 +73,11 @@ def write_directory(path: str | Path, hf_config: dict, tensors: Iterable[tuple[s
     partial.mkdir(parents=True)
     try:
         _write_shards(partial, hf_config, tensors, max_shard_bytes)
+        for name, text in (files or {}).items():
+            (partial / name).write_text(text, encoding="utf-8")
         for entry in path.iterdir() if path.is_dir() else []:
-            if entry.name == "config.json" or entry.name == INDEX or re.fullmatch(r"model.*\.safetensors", entry.name):
-                continue  # a previous save's weights would otherwise mix with these
+            if entry.name in ("config.json", INDEX, *(files or {})) or re.fullmatch(r"model.*\.safetensors", entry.name):
+                continue  # a previous save's weights (or files replaced now) would otherwise mix with these
             (shutil.copytree if entry.is_dir() else shutil.copy2)(entry, partial / entry.name)
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)

@@ -39,21 +39,25 @@ TRAINING_FIELDS = {"bias_update_rate", "aux_loss_coef", "z_loss_coef", "init_std
 
 
 def merge_config(path: str | Path, config: MoEConfig | None = None) -> MoEConfig:
-    """The directory's config; fields the user set in ``config`` (those not at their default) are kept if they
-    are training settings and must otherwise agree with the checkpoint."""
+    """The directory's config, keeping from ``config`` only the training settings it sets (``TRAINING_FIELDS``
+    not at their default): the shape, every other field, is the checkpoint's whatever ``config`` says, so any
+    config (a shipped YAML sized for training from scratch, say) can start from a released model.
+    ``replaced_fields`` names what the checkpoint overrode."""
     loaded = load_config(path)
     if config is None:
         return loaded
-    changes, default = {}, MoEConfig()  # an instance, so derived defaults (head_dim) count as unset too
-    for field in dataclasses.fields(MoEConfig):
-        mine, theirs = getattr(config, field.name), getattr(loaded, field.name)
-        if mine == getattr(default, field.name) or mine == theirs:
-            continue
-        if field.name not in TRAINING_FIELDS:
-            raise HFFormatError(f"model.config.{field.name}={mine!r} contradicts {str(path)!r} ({theirs!r}): drop it "
-                                f"from the config (only {sorted(TRAINING_FIELDS)} may differ from the checkpoint).")
-        changes[field.name] = mine
-    return dataclasses.replace(loaded, **changes)
+    default = MoEConfig()  # an instance, so derived defaults (head_dim) count as unset too
+    kept = {name: getattr(config, name) for name in sorted(TRAINING_FIELDS)
+            if getattr(config, name) != getattr(default, name)}
+    return dataclasses.replace(loaded, **kept)
+
+
+def replaced_fields(config: MoEConfig, merged: MoEConfig) -> list[str]:
+    """``name=given -> checkpoint's`` for every field ``config`` set (not at its default) that ``merge_config``
+    replaced by the checkpoint's value."""
+    default = MoEConfig()
+    return [f"{f.name}={getattr(config, f.name)!r} -> {getattr(merged, f.name)!r}" for f in dataclasses.fields(MoEConfig)
+            if getattr(config, f.name) != getattr(default, f.name) and getattr(config, f.name) != getattr(merged, f.name)]
 
 
 def _checked(path: str | Path, shapes: dict[str, torch.Size]) -> tuple[MoEConfig, dict[str, Source], SafetensorsDir]:
@@ -168,8 +172,10 @@ def choose_family(config: MoEConfig, architecture: str | None = None):
 
 
 def write_pretrained(config: MoEConfig, get: Callable[[str], torch.Tensor], path: str | Path,
-                     architecture: str | None = None, max_shard_bytes: int = 5 * 2**30) -> Path:
-    """Write a Hugging Face directory, asking ``get(name)`` for one of our tensors at a time (streaming)."""
+                     architecture: str | None = None, max_shard_bytes: int = 5 * 2**30,
+                     files: dict[str, str] | None = None) -> Path:
+    """Write a Hugging Face directory, asking ``get(name)`` for one of our tensors at a time (streaming); ``files``
+    (name -> text, e.g. the tokenizer's) go in with it."""
     family = choose_family(config, architecture)
     hf_config = family.config_to_hf(config)
     sources = family.sources(config)
@@ -184,7 +190,7 @@ def write_pretrained(config: MoEConfig, get: Callable[[str], torch.Tensor], path
                 if key not in written:  # a tied head is the embedding
                     written.add(key)
                     yield key, tensor
-    return write_directory(path, hf_config, tensors(), max_shard_bytes)
+    return write_directory(path, hf_config, tensors(), max_shard_bytes, files)
 
 
 def save_pretrained(model: MoETransformer, path: str | Path, architecture: str | None = None,
