@@ -53,6 +53,18 @@ def test_order_is_seeded_and_the_same_at_every_world_size():
         assert dealt == one[:len(dealt)] and len(one) - len(dealt) < world
 
 
+@pytest.mark.parametrize("weights, world", [([1.0, 1.0], 2), ([1.0, 1.0], 4), (WEIGHTS, 2), (WEIGHTS, 4)])
+def test_every_rank_reads_every_source_by_its_weight(weights, world):
+    """Rank ``r`` takes every ``W``-th draw: the interleave must not line up with the world size."""
+    lengths = [3000] * len(weights)
+    target = np.array(weights) / sum(weights)
+    for rank in range(world):
+        s = sampler(world, rank, weights=weights, lengths=lengths)
+        draws = np.array(list(s)[:2000])
+        share = np.bincount(source_of(s, draws), minlength=len(weights)) / len(draws)
+        assert np.abs(share - target).max() < 0.03, (rank, share)
+
+
 def test_a_source_that_runs_out_repeats_with_a_new_shuffle_and_the_log_says_which_epoch(caplog):
     s = sampler()
     with caplog.at_level(logging.INFO, logger="lightning.pytorch"):

@@ -7,7 +7,7 @@ import os
 import numpy as np
 import pytest
 
-from moe_lightning.data import TextDataModule, tokenize_to_folder
+from moe_lightning.data import TextDataModule, tokenize_to_folder, write_token_file
 from moe_lightning.data import tokenize as tokenize_module
 from moe_lightning.data.tokenize import tokenize_main
 
@@ -132,6 +132,38 @@ def test_disk_full_is_one_line_naming_the_file_and_leaves_no_shard_behind(corpus
     assert len(err) == 1 and f"no space left writing {tmp_path / 's' / 'part-00000-000.npy.tmp'}" in err[0]
     assert "--resume" in err[0]
     assert not list((tmp_path / "s").glob("*.npy")) and not (tmp_path / "s" / "manifest.json").exists()
+
+
+def test_token_file_of_another_tokenizer_is_refused_as_a_shard_folder_is(corpus, tmp_path):
+    """The sidecar's tokenizer identity is compared, not only its vocabulary size (the BPE here is larger)."""
+    out = write_token_file(corpus[:1], str(tmp_path / "bytes.npy"))
+    bpe = bpe_tokenizer(tmp_path / "bpe.json", "plain text number " * 40)
+    with pytest.raises(ValueError, match=r"bytes.npy'? was tokenized with \{'kind': 'bytes'\}.*data.tokenizer"):
+        TextDataModule(str(out), tokenizer=bpe)
+    TextDataModule(str(out)).setup()  # the tokenizer it was written with reads it
+
+
+def test_overwritten_token_file_never_pairs_old_tokens_with_a_new_sidecar(corpus, tmp_path, monkeypatch):
+    out = write_token_file(corpus[:1], str(tmp_path / "t.npy"))
+    old_tokens, sidecar = out.read_bytes(), tmp_path / "t.npy.json"
+    bpe = bpe_tokenizer(tmp_path / "bpe.json", "plain text number " * 40)
+
+    def full_disk(*args, **kwargs):
+        raise OSError("No space left on device")
+    with monkeypatch.context() as patch:  # the .npy cannot be finished: the old tokens stay, with no new record
+        patch.setattr(tokenize_module.NpyWriter, "close", full_disk)
+        with pytest.raises(OSError):
+            write_token_file(corpus[:1], str(out), bpe, overwrite=True)
+    assert out.read_bytes() == old_tokens
+    assert not sidecar.exists() or json.loads(sidecar.read_text())["tokenizer"] is None
+    write_token_file(corpus[:1], str(out), overwrite=True)
+    with monkeypatch.context() as patch:  # the new .npy is in place but its record cannot be written
+        patch.setattr(tokenize_module, "write_json_atomically", full_disk)
+        with pytest.raises(OSError):
+            write_token_file(corpus[:1], str(out), bpe, overwrite=True)
+    assert out.read_bytes() != old_tokens and not sidecar.exists()  # ids are then checked against the tokenizer
+    write_token_file(corpus[:1], str(out), bpe, overwrite=True)
+    assert json.loads(sidecar.read_text())["tokenizer"] == bpe and TextDataModule(str(out), tokenizer=bpe)
 
 
 def test_missing_text_column_and_missing_pyarrow_are_named(corpus, tmp_path, capsys, monkeypatch):

@@ -15,6 +15,7 @@ from .sources import info
 from .tokens import TokenStream
 
 PATTERN_LENGTH = 10_000  # the mixture repeats a fixed pattern of this many draws
+PATTERN_SEED = 0x6D6978  # the pattern's shuffle: fixed, so the interleave is the same for every run seed
 CHUNK = 1 << 16  # indices handed out per step of a sampler's iterator
 
 
@@ -82,19 +83,18 @@ class MixtureSequences(Dataset):
 
 def interleave_pattern(weights: list[float], length: int = PATTERN_LENGTH) -> np.ndarray:
     """Which source each of ``length`` consecutive draws comes from: every source gets its share of the
-    pattern (largest remainders, at least one draw each), spread evenly by always drawing the source furthest
-    behind its share. Repeated, any window of ``length`` draws holds each source's share to 1/length."""
+    pattern (largest remainders, at least one draw each), in a fixed shuffled order. Repeated, any window of
+    ``length`` draws holds exactly those counts. The shuffle is why every rank sees every source: an evenly
+    spread pattern has a short period (``[1, 1]`` is ``abab...``) that lines up with the world size when rank
+    ``r`` takes every ``W``-th draw, so each rank would read one source only."""
     shares = np.asarray(weights, dtype=np.float64) / sum(weights)
     counts = np.maximum(np.floor(shares * length).astype(np.int64), 1)
     while counts.sum() < length:  # largest remainders first
         counts[np.argmax(shares * length - counts)] += 1
     while counts.sum() > length:  # tiny weights rounded up to one draw: take it back from the largest
         counts[np.argmax(counts)] -= 1
-    pattern, drawn = np.empty(length, dtype=np.int64), np.zeros(len(counts))
-    for position in range(length):
-        k = int(np.argmax(counts * (position + 1) / length - drawn))
-        pattern[position], drawn[k] = k, drawn[k] + 1
-    return pattern
+    pattern = np.repeat(np.arange(len(counts)), counts)
+    return np.random.default_rng(PATTERN_SEED).permutation(pattern)
 
 
 class MixtureSampler(DistributedSampler):

@@ -24,7 +24,7 @@ import numpy as np
 from ..tokenizer import load_tokenizer
 from .sources import MANIFEST, TABLE_SUFFIXES, is_token_source, iter_jsonl, iter_table_batches, resolve_source, \
     table_row_groups
-from .tokens import tokenizer_identity
+from .tokens import sidecar_path, tokenizer_identity
 
 PLAN = "tokenize-plan.json"
 SHARD_TOKENS = 1 << 28  # 268M tokens: 512 MiB of uint16 or 1 GiB of uint32 per shard
@@ -378,20 +378,23 @@ def write_token_file(sources: list[str], out_path: str, tokenizer_path: str | No
     tokenizer = load_tokenizer(tokenizer_path)
     pieces = [p for unit in plan_units(input_files(sources), 1 << 62) for p in unit["pieces"]]
     out.parent.mkdir(parents=True, exist_ok=True)
+    sidecar = sidecar_path(out)
     writer = NpyWriter(out, token_dtype(tokenizer.vocab_size))
     try:
         for tokens, documents, _ in tokenized_batches(pieces, tokenizer, text_field, writer.dtype):
             writer.write(tokens, documents)
         if writer.tokens == 0:
             raise ValueError(f"sources {sources}: no text found, nothing to write.")
-        sidecar = {"vocab_size": tokenizer.vocab_size, "tokenizer": tokenizer_path, "max_id": writer.max_id,
-                   "tokenizer_identity": tokenizer_identity(tokenizer)}
-        write_json_atomically(out.with_name(out.name + ".json"), sidecar)
+        # the old file's record goes first and the new one follows the finished .npy, so a failure part-way
+        # never pairs one file's tokens with the other's record (a .npy alone has its ids checked when read)
+        sidecar.unlink(missing_ok=True)
         writer.close()
     finally:
         if not writer.file.closed:
             writer.file.close()
             writer.tmp.unlink(missing_ok=True)
+    write_json_atomically(sidecar, {"vocab_size": tokenizer.vocab_size, "tokenizer": tokenizer_path,
+                                    "max_id": writer.max_id, "tokenizer_identity": tokenizer_identity(tokenizer)})
     return out
 
 

@@ -20,6 +20,15 @@ def tokenizer_identity(tokenizer) -> dict:
     return {k: v for k, v in tokenizer.spec().items() if k in ("kind", "sha256")}
 
 
+def refuse_other_tokenizer(where: str, written_with: dict, written_vocab: int, tokenizer) -> None:
+    """Token ids mean nothing under another tokenizer: refuse a file or folder written with one."""
+    ours = tokenizer_identity(tokenizer)
+    if written_with != ours or written_vocab != tokenizer.vocab_size:
+        raise ValueError(f"{where} was tokenized with {written_with} ({written_vocab} tokens) but "
+                         f"data.tokenizer is {ours} ({tokenizer.vocab_size} tokens): pass the tokenizer it was "
+                         "written with as data.tokenizer, or tokenize the corpus again with this one.")
+
+
 class TokenPart:
     """One token array: an in-memory array (tokenized text) or a ``.npy`` file opened on first read.
 
@@ -80,7 +89,7 @@ class TokenStream:
         return np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.uint16)
 
 
-def _sidecar(path: Path) -> Path:
+def sidecar_path(path: Path) -> Path:
     return path.with_name(path.name + ".json")
 
 
@@ -98,16 +107,18 @@ def open_token_file(path: Path, tokenizer) -> TokenPart:
     if len(tokens) == 0:
         raise ValueError(f"{where} holds no tokens (an empty array): point data.source at a token file with "
                          "text in it.")
-    sidecar = _sidecar(path)
+    sidecar = sidecar_path(path)
     if sidecar.exists():
         try:
             info = json.loads(sidecar.read_text())
             written_for = int(info["vocab_size"])
-            max_id = info.get("max_id")
+            max_id, written_with = info.get("max_id"), info.get("tokenizer_identity")
         except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError) as error:
             raise ValueError(f"{sidecar}: the token file's sidecar is corrupt or lacks 'vocab_size' "
                              f"({type(error).__name__}: {error}); rewrite it with `moe-lightning tokenize`, or "
                              "delete it to have the ids checked against the tokenizer instead.") from None
+        if written_with is not None:  # sidecars before the identity was recorded say the vocabulary only
+            refuse_other_tokenizer(where, written_with, written_for, tokenizer)
         check_ids = None
     else:  # no record of its vocabulary: scan a bounded prefix now, check every window when it is read
         head = np.asarray(tokens[:SCAN_TOKENS])
@@ -137,11 +148,7 @@ def read_manifest(folder: Path) -> dict:
 def open_shard_folder(folder: Path, tokenizer) -> list[TokenPart]:
     """The shards a manifest lists, unopened; refused if written by another tokenizer or vocabulary."""
     manifest, where = read_manifest(folder), f"data.source={str(folder)!r}"
-    written_with, ours = manifest["tokenizer"], tokenizer_identity(tokenizer)
-    if written_with != ours or manifest["vocab_size"] != tokenizer.vocab_size:
-        raise ValueError(f"{where} was tokenized with {written_with} ({manifest['vocab_size']} tokens) but "
-                         f"data.tokenizer is {ours} ({tokenizer.vocab_size} tokens): pass the tokenizer it was "
-                         "written with as data.tokenizer, or tokenize the corpus again with this one.")
+    refuse_other_tokenizer(where, manifest["tokenizer"], manifest["vocab_size"], tokenizer)
     if int(manifest.get("max_id", 0)) >= tokenizer.vocab_size:
         raise ValueError(f"{where}: its manifest records token id {manifest['max_id']}, outside the tokenizer's "
                          f"{tokenizer.vocab_size} ids: tokenize the corpus again.")

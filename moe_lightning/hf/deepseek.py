@@ -130,7 +130,8 @@ class DeepseekV3:
         refuse(hf, "topk_method", lambda v: v not in (None, "noaux_tc"),
                "DeepSeek-V3 routes with topk_method='noaux_tc'")
         # transformers' default for an absent num_nextn_predict_layers is 1, but its main model never reads those
-        # layers: only the checkpoint's own count says that they are there
+        # layers: only the checkpoint's own count says that they are there (and hf.read_hf_config sets a count
+        # without the layers' tensors to 0: transformers writes the default 1 but saves no MTP layer)
         return MoEConfig(**_mla_config(hf), score_func="sigmoid", route_norm=bool(hf["norm_topk_prob"]),
                          n_expert_groups=hf["n_group"] or 1, n_limited_groups=hf["topk_group"] or 1,
                          group_score="top2_sum", mtp_layers=hf.get("num_nextn_predict_layers") or 0)

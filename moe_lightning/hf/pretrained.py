@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 from torch.distributed.tensor import DTensor
 
+from ..data.sources import info
 from ..model import MoEConfig, MoETransformer
 from .deepseek import DeepseekV2, DeepseekV3
 from .files import SafetensorsDir, read_config, write_directory
@@ -27,9 +28,23 @@ def family_of(hf: dict):
     return FAMILIES[architectures[0]]
 
 
+def read_hf_config(path: str | Path) -> dict:
+    """``config.json``, with ``num_nextn_predict_layers`` as the tensors bear it out: transformers' DeepSeek-V3
+    config writes 1 by default while ``save_pretrained`` saves no MTP layer, so a count without the first MTP
+    layer's tensors reads as 0."""
+    hf = read_config(path)
+    if hf.get("num_nextn_predict_layers"):
+        first = f"model.layers.{hf.get('num_hidden_layers')}.eh_proj.weight"
+        if first not in SafetensorsDir(path).keys():
+            info(f"{str(path)!r}: config.json says num_nextn_predict_layers={hf['num_nextn_predict_layers']} but "
+                 f"holds no {first} (transformers writes the count, not the layers): loading without MTP layers")
+            hf = {**hf, "num_nextn_predict_layers": 0}
+    return hf
+
+
 def load_config(path: str | Path) -> MoEConfig:
     """The ``MoEConfig`` a Hugging Face directory describes (refusing what the model cannot compute)."""
-    hf = read_config(path)
+    hf = read_hf_config(path)
     return family_of(hf).config_from_hf(hf)
 
 
@@ -62,7 +77,7 @@ def replaced_fields(config: MoEConfig, merged: MoEConfig) -> list[str]:
 
 def _checked(path: str | Path, shapes: dict[str, torch.Size]) -> tuple[MoEConfig, dict[str, Source], SafetensorsDir]:
     """Config, the source of every tensor, and the files; every name, key and shape checked before any read."""
-    hf = read_config(path)
+    hf = read_hf_config(path)
     family = family_of(hf)
     config = family.config_from_hf(hf)
     sources = family.sources(config, hf)
