@@ -80,6 +80,41 @@ def test_a_single_file_save_replaces_the_old_file_only_when_complete(tmp_path, d
     assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
 
 
+def test_a_single_file_save_never_touches_a_sharded_partial_folder_or_a_file_of_that_name(tmp_path):
+    """Before: the temporary file was ``<name>.partial``: a sharded save's ``<name>.partial`` folder made the
+    open fail with EISDIR and was then deleted (rmtree), and a file of that name was truncated and moved."""
+    folder = tmp_path / ("a.ckpt" + ckpt.PARTIAL_SUFFIX)
+    folder.mkdir()
+    (folder / "shard").write_bytes(b"sharded")
+    ckpt.save_file({"step": 1}, tmp_path / "a.ckpt")
+    assert (folder / "shard").read_bytes() == b"sharded"
+    user_file = tmp_path / ("b.ckpt" + ckpt.PARTIAL_SUFFIX)
+    user_file.write_bytes(b"mine")
+    ckpt.save_file({"step": 2}, tmp_path / "b.ckpt")
+    assert user_file.read_bytes() == b"mine"
+    assert torch.load(tmp_path / "a.ckpt", weights_only=True) == {"step": 1}
+    assert torch.load(tmp_path / "b.ckpt", weights_only=True) == {"step": 2}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.ckpt", folder.name, "b.ckpt", user_file.name]
+
+
+def test_a_single_file_save_syncs_the_folder_after_the_rename(tmp_path, monkeypatch):
+    """The rename is durable: the parent folder is fsync'ed after ``os.replace`` (before: never)."""
+    real_fsync, real_replace, events = os.fsync, os.replace, []
+
+    def fsync(fd):
+        stat = os.fstat(fd)
+        events.append(("fsync", stat.st_ino if os.path.stat.S_ISDIR(stat.st_mode) else "file"))
+        return real_fsync(fd)
+
+    def replace(src, dst):
+        events.append(("replace", Path(dst).name))
+        return real_replace(src, dst)
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    ckpt.save_file({"step": 1}, tmp_path / "last.ckpt")
+    assert events == [("fsync", "file"), ("replace", "last.ckpt"), ("fsync", tmp_path.stat().st_ino)]
+
+
 class FillingWriter(ckpt._HostCopyWriter):
     """DCP's writer on a disk that fills up: every file it opens raises ENOSPC after 4 KiB."""
 
