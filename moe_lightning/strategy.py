@@ -81,9 +81,12 @@ def clip_grads_(grads: list[torch.Tensor], max_norm: float, device: torch.device
 
 class FileCheckpointIO(TorchCheckpointIO):
     """Lightning's single-file checkpoint I/O, except that the file is written beside and renamed
-    (``checkpoint.save_file``): a full disk or a kill never leaves a truncated file under the final name."""
+    (``checkpoint.save_file``): a full disk or a kill never leaves a truncated file under the final name.
+    A URL (``s3://...``) is not a local path: Lightning's own fsspec writer saves it."""
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Optional[Any] = None) -> None:
+        if "://" in str(path):
+            return super().save_checkpoint(checkpoint, path, storage_options)
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__}.save_checkpoint(storage_options=...) is not supported.")
         ckpt.save_file(checkpoint, Path(path))

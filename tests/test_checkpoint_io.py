@@ -184,3 +184,17 @@ def test_a_single_file_checkpoint_resumes_under_moe_fsdp_strategy_at_ep_1_and_2(
     for resumed in (ep1, ep2):
         assert [r["batch"] for r in resumed["batches"]] == [4, 5, 6, 7]
         assert losses(resumed) == pytest.approx(losses(single, 4), rel=RTOL)
+
+
+def test_a_url_checkpoint_path_is_saved_by_lightnings_fsspec_writer_not_as_a_local_folder(tmp_path, monkeypatch):
+    """Before: ``Path("memory://bucket/x.ckpt")`` wrote the local file ``memory:/bucket/x.ckpt`` (an ``s3://``
+    checkpoint ended up on local disk under ``s3:/``)."""
+    import fsspec
+    from moe_lightning.strategy import FileCheckpointIO
+
+    monkeypatch.chdir(tmp_path)
+    FileCheckpointIO().save_checkpoint({"step": 3}, "memory://bucket/x.ckpt")
+    assert list(tmp_path.iterdir()) == []
+    with fsspec.open("memory://bucket/x.ckpt", "rb") as file:
+        assert torch.load(file, weights_only=True) == {"step": 3}
+    fsspec.filesystem("memory").rm("memory://bucket", recursive=True)
