@@ -167,6 +167,20 @@ def test_disk_full_during_a_sharded_save_says_so_and_keeps_the_previous_checkpoi
     assert ckpt.load_metadata(path / ckpt.METADATA_FILE)["global_step"] == 1
 
 
+def test_disk_full_during_a_background_sharded_save_removes_its_partial_folder(tmp_path):
+    """Before: ``wait`` raised the disk-full error but left ``last.ckpt.partial`` taking the space (the
+    foreground path removed it)."""
+    path = tmp_path / "last.ckpt"
+    saver = ShardedCheckpointer()
+    saver.save({"w": torch.ones(4)}, {"global_step": 1}, path, set(), None)
+    saver.storage_writer = FillingWriter
+    saver.save({"w": torch.randn(300_000)}, {"global_step": 2}, path, set(), None, background=True)
+    with pytest.raises(CheckpointError, match=r"last.ckpt was not written: the disk is full"):
+        saver.wait()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
+    assert ckpt.load_metadata(path / ckpt.METADATA_FILE)["global_step"] == 1
+
+
 @pytest.mark.slow
 def test_a_single_file_checkpoint_resumes_under_moe_fsdp_strategy_at_ep_1_and_2(tmp_path):
     """Before: "The size of tensor a (128) must match the size of tensor b (64)" (Lightning keyed the optimizer

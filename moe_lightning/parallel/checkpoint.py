@@ -406,8 +406,7 @@ class ShardedCheckpointer:
                 except BaseException as error:  # DCP's CheckpointException is a BaseException
                     if not is_disk_full(error):
                         raise
-                    if self._is_rank_zero():
-                        remove(partial)  # every rank's write has failed (DCP gathers them): give the space back
+                    self._discard(partial)  # every rank's write has failed (DCP gathers them): give the space back
                     raise disk_full_error(path, _local_bytes(state)) from None
             else:
                 if self._group is None and dist.is_initialized():
@@ -434,6 +433,7 @@ class ShardedCheckpointer:
             write.result()
         except (Exception, dcp.api.CheckpointException) as error:  # the latter is a BaseException
             if is_disk_full(error):
+                self._discard(partial)  # as for a save in the foreground: the space goes back
                 raise disk_full_error(path, None) from error
             raise CheckpointError(f"Asynchronous checkpoint {path} failed while writing ({error!r}): it was not "
                                   f"committed (its files stay in {partial}); earlier checkpoints are intact."
@@ -443,6 +443,12 @@ class ShardedCheckpointer:
     @property
     def pending_path(self) -> Path | None:
         return self._pending[2] if self._pending is not None else None
+
+    def _discard(self, partial: Path) -> None:
+        """Delete a failed save's ``partial`` folder on rank 0, only if it holds the ``meta.pt`` that ``save``
+        wrote into it first (the mark that this package made it)."""
+        if self._is_rank_zero() and (partial / METADATA_FILE).is_file():
+            shutil.rmtree(partial)
 
     def _commit(self, partial: Path, path: Path) -> None:
         if self._is_rank_zero():
