@@ -378,6 +378,12 @@ class MoEFSDPStrategy(ModelParallelStrategy):
         full = checkpoint.pop("state_dict")
         names = ckpt.expert_parameter_names(self.lightning_module)
         state = get_model_state_dict(self.model)
+        missing, unexpected = [k for k in state if k not in full], [k for k in full if k not in state]
+        if self.lightning_module.strict_loading and (missing or unexpected):
+            raise ckpt.CheckpointError(
+                f"{path} does not fit the model: {len(missing)} keys missing from it {missing[:3]}, {len(unexpected)} "
+                f"unexpected in it {unexpected[:3]}. Resume with the model config it was saved with, or set the "
+                f"LightningModule's strict_loading = False to load only the matching keys.")
         with ckpt.global_expert_views(state, names, self.expert_mesh):
             for key, value in state.items():
                 if key in full:
@@ -410,6 +416,11 @@ class MoEFSDPStrategy(ModelParallelStrategy):
             ids = theirs["params"]
             if "param_names" in ours and "param_names" in theirs:
                 by_name = dict(zip(theirs["param_names"], ids))
+                absent = [name for name in ours["param_names"] if name not in by_name]
+                if absent:
+                    raise ckpt.CheckpointError(
+                        f"{path}: its optimizer state has no parameter {absent[0]!r} ({len(absent)} missing; it "
+                        f"holds {theirs['param_names'][:3]}...): resume with the model and optimizer it was saved with.")
                 ids = [by_name[name] for name in ours["param_names"]]
             indices = list(range(first, first + len(ours["params"])))
             for index, saved_id, p in zip(indices, ids, ours["params"]):

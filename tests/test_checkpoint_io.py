@@ -212,3 +212,48 @@ def test_a_url_checkpoint_path_is_saved_by_lightnings_fsspec_writer_not_as_a_loc
     with fsspec.open("memory://bucket/x.ckpt", "rb") as file:
         assert torch.load(file, weights_only=True) == {"step": 3}
     fsspec.filesystem("memory").rm("memory://bucket", recursive=True)
+
+
+def _single_file_strategy(tmp_path, strict: bool, saved_state: dict, saved_names: list[str] | None = None):
+    """A one-process ``MoEFSDPStrategy`` holding a plain two-layer module (no process group, nothing sharded),
+    and a single-file checkpoint ``saved_state`` (optimizer state saved under ``saved_names``) to resume."""
+    import lightning as L
+    from moe_lightning.strategy import MoEFSDPStrategy
+
+    module = L.LightningModule()
+    module.a, module.b = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    module.strict_loading = strict
+    optimizer = torch.optim.AdamW(module.named_parameters())
+    strategy = MoEFSDPStrategy()
+    strategy._lightning_module, strategy.model, strategy.optimizers = module, module, [optimizer]
+    names = saved_names or [name for name, _ in module.named_parameters()]
+    optimizer_state = {"state": {}, "param_groups": [{**optimizer.param_groups[0], "params": list(range(len(names))),
+                                                      "param_names": names}]}
+    path = tmp_path / "one.ckpt"
+    ckpt.save_file({"state_dict": saved_state, "optimizer_states": [optimizer_state]}, path)
+    return strategy, module, path
+
+
+def test_a_single_file_resume_under_strict_loading_names_missing_and_unexpected_keys(tmp_path):
+    """Before: keys missing from the file or unexpected in it were silently skipped even with strict loading."""
+    saved = {"a.weight": torch.ones(2, 2), "a.bias": torch.ones(2), "c.weight": torch.ones(2, 2)}
+    strategy, module, path = _single_file_strategy(tmp_path, True, saved)
+    with pytest.raises(CheckpointError) as error:
+        strategy._load_single_file(path)
+    line = last_line(error.value)
+    assert "2 keys missing from it ['b.weight', 'b.bias'], 1 unexpected in it ['c.weight']" in line, line
+    assert "strict_loading = False" in line
+    assert not torch.equal(module.a.weight, torch.ones(2, 2))  # refused before copying anything
+
+    strategy, module, path = _single_file_strategy(tmp_path, False, saved)
+    strategy._load_single_file(path)  # non-strict: the matching keys load
+    assert torch.equal(module.a.weight, torch.ones(2, 2))
+
+
+def test_a_single_file_resume_with_a_renamed_parameter_names_it(tmp_path):
+    """Before: a bare ``KeyError: 'b.bias'`` from the optimizer state's name lookup."""
+    module_keys = ["a.weight", "a.bias", "b.weight", "b.bias"]
+    saved = {key: torch.ones(2, 2) if key.endswith("weight") else torch.ones(2) for key in module_keys}
+    strategy, _, path = _single_file_strategy(tmp_path, True, saved, ["a.weight", "a.bias", "b.weight", "b.bias_old"])
+    with pytest.raises(CheckpointError, match=r"one.ckpt: its optimizer state has no parameter 'b.bias' \(1 missing"):
+        strategy._load_single_file(path)
