@@ -81,9 +81,12 @@ def clip_grads_(grads: list[torch.Tensor], max_norm: float, device: torch.device
 
 class FileCheckpointIO(TorchCheckpointIO):
     """Lightning's single-file checkpoint I/O, except that the file is written beside and renamed
-    (``checkpoint.save_file``): a full disk or a kill never leaves a truncated file under the final name."""
+    (``checkpoint.save_file``): a full disk or a kill never leaves a truncated file under the final name.
+    A URL (``s3://...``) is not a local path: Lightning's own fsspec writer saves it."""
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Optional[Any] = None) -> None:
+        if "://" in str(path):
+            return super().save_checkpoint(checkpoint, path, storage_options)
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__}.save_checkpoint(storage_options=...) is not supported.")
         ckpt.save_file(checkpoint, Path(path))
@@ -395,6 +398,12 @@ class MoEFSDPStrategy(ModelParallelStrategy):
         full = checkpoint.pop("state_dict")
         names = ckpt.expert_parameter_names(self.lightning_module)
         state = get_model_state_dict(self.model)
+        missing, unexpected = [k for k in state if k not in full], [k for k in full if k not in state]
+        if self.lightning_module.strict_loading and (missing or unexpected):
+            raise ckpt.CheckpointError(
+                f"{path} does not fit the model: {len(missing)} keys missing from it {missing[:3]}, {len(unexpected)} "
+                f"unexpected in it {unexpected[:3]}. Resume with the model config it was saved with, or set the "
+                f"LightningModule's strict_loading = False to load only the matching keys.")
         with ckpt.global_expert_views(state, names, self.expert_mesh):
             for key, value in state.items():
                 if key in full:
@@ -427,6 +436,11 @@ class MoEFSDPStrategy(ModelParallelStrategy):
             ids = theirs["params"]
             if "param_names" in ours and "param_names" in theirs:
                 by_name = dict(zip(theirs["param_names"], ids))
+                absent = [name for name in ours["param_names"] if name not in by_name]
+                if absent:
+                    raise ckpt.CheckpointError(
+                        f"{path}: its optimizer state has no parameter {absent[0]!r} ({len(absent)} missing; it "
+                        f"holds {theirs['param_names'][:3]}...): resume with the model and optimizer it was saved with.")
                 ids = [by_name[name] for name in ours["param_names"]]
             indices = list(range(first, first + len(ours["params"])))
             for index, saved_id, p in zip(indices, ids, ours["params"]):

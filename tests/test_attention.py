@@ -210,3 +210,18 @@ def test_mla_latent_norms_use_their_own_epsilon():
     expected = latent * torch.rsqrt(latent.pow(2).mean(-1, keepdim=True) + 1e-6)
     torch.testing.assert_close(own.kv_norm(latent), expected, atol=1e-6, rtol=1e-5)
     assert (default(x) - own(x)).abs().amax() > 1e-2 * own(x).abs().amax()
+
+
+def test_the_causal_block_mask_is_built_once_per_length_and_device():
+    """QK-clip recording on CUDA attends through FlexAttention with this mask in every layer: before, each layer
+    of each forward rebuilt it (a create_block_mask call, a kernel launch or more on CUDA)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+    from moe_lightning.model.attention import _causal, causal_block_mask
+
+    cpu = torch.device("cpu")
+    first = causal_block_mask(256, cpu)
+    assert causal_block_mask(256, cpu) is first
+    other = causal_block_mask(384, cpu)
+    assert other is not first and other.shape[-2:] == (384, 384)
+    fresh = create_block_mask(_causal, None, None, 256, 256, device=cpu)
+    assert torch.equal(first.to_dense(), fresh.to_dense())

@@ -80,6 +80,41 @@ def test_a_single_file_save_replaces_the_old_file_only_when_complete(tmp_path, d
     assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
 
 
+def test_a_single_file_save_never_touches_a_sharded_partial_folder_or_a_file_of_that_name(tmp_path):
+    """Before: the temporary file was ``<name>.partial``: a sharded save's ``<name>.partial`` folder made the
+    open fail with EISDIR and was then deleted (rmtree), and a file of that name was truncated and moved."""
+    folder = tmp_path / ("a.ckpt" + ckpt.PARTIAL_SUFFIX)
+    folder.mkdir()
+    (folder / "shard").write_bytes(b"sharded")
+    ckpt.save_file({"step": 1}, tmp_path / "a.ckpt")
+    assert (folder / "shard").read_bytes() == b"sharded"
+    user_file = tmp_path / ("b.ckpt" + ckpt.PARTIAL_SUFFIX)
+    user_file.write_bytes(b"mine")
+    ckpt.save_file({"step": 2}, tmp_path / "b.ckpt")
+    assert user_file.read_bytes() == b"mine"
+    assert torch.load(tmp_path / "a.ckpt", weights_only=True) == {"step": 1}
+    assert torch.load(tmp_path / "b.ckpt", weights_only=True) == {"step": 2}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.ckpt", folder.name, "b.ckpt", user_file.name]
+
+
+def test_a_single_file_save_syncs_the_folder_after_the_rename(tmp_path, monkeypatch):
+    """The rename is durable: the parent folder is fsync'ed after ``os.replace`` (before: never)."""
+    real_fsync, real_replace, events = os.fsync, os.replace, []
+
+    def fsync(fd):
+        stat = os.fstat(fd)
+        events.append(("fsync", stat.st_ino if os.path.stat.S_ISDIR(stat.st_mode) else "file"))
+        return real_fsync(fd)
+
+    def replace(src, dst):
+        events.append(("replace", Path(dst).name))
+        return real_replace(src, dst)
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    ckpt.save_file({"step": 1}, tmp_path / "last.ckpt")
+    assert events == [("fsync", "file"), ("replace", "last.ckpt"), ("fsync", tmp_path.stat().st_ino)]
+
+
 class FillingWriter(ckpt._HostCopyWriter):
     """DCP's writer on a disk that fills up: every file it opens raises ENOSPC after 4 KiB."""
 
@@ -132,6 +167,20 @@ def test_disk_full_during_a_sharded_save_says_so_and_keeps_the_previous_checkpoi
     assert ckpt.load_metadata(path / ckpt.METADATA_FILE)["global_step"] == 1
 
 
+def test_disk_full_during_a_background_sharded_save_removes_its_partial_folder(tmp_path):
+    """Before: ``wait`` raised the disk-full error but left ``last.ckpt.partial`` taking the space (the
+    foreground path removed it)."""
+    path = tmp_path / "last.ckpt"
+    saver = ShardedCheckpointer()
+    saver.save({"w": torch.ones(4)}, {"global_step": 1}, path, set(), None)
+    saver.storage_writer = FillingWriter
+    saver.save({"w": torch.randn(300_000)}, {"global_step": 2}, path, set(), None, background=True)
+    with pytest.raises(CheckpointError, match=r"last.ckpt was not written: the disk is full"):
+        saver.wait()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
+    assert ckpt.load_metadata(path / ckpt.METADATA_FILE)["global_step"] == 1
+
+
 @pytest.mark.slow
 def test_a_single_file_checkpoint_resumes_under_moe_fsdp_strategy_at_ep_1_and_2(tmp_path):
     """Before: "The size of tensor a (128) must match the size of tensor b (64)" (Lightning keyed the optimizer
@@ -149,3 +198,62 @@ def test_a_single_file_checkpoint_resumes_under_moe_fsdp_strategy_at_ep_1_and_2(
     for resumed in (ep1, ep2):
         assert [r["batch"] for r in resumed["batches"]] == [4, 5, 6, 7]
         assert losses(resumed) == pytest.approx(losses(single, 4), rel=RTOL)
+
+
+def test_a_url_checkpoint_path_is_saved_by_lightnings_fsspec_writer_not_as_a_local_folder(tmp_path, monkeypatch):
+    """Before: ``Path("memory://bucket/x.ckpt")`` wrote the local file ``memory:/bucket/x.ckpt`` (an ``s3://``
+    checkpoint ended up on local disk under ``s3:/``)."""
+    import fsspec
+    from moe_lightning.strategy import FileCheckpointIO
+
+    monkeypatch.chdir(tmp_path)
+    FileCheckpointIO().save_checkpoint({"step": 3}, "memory://bucket/x.ckpt")
+    assert list(tmp_path.iterdir()) == []
+    with fsspec.open("memory://bucket/x.ckpt", "rb") as file:
+        assert torch.load(file, weights_only=True) == {"step": 3}
+    fsspec.filesystem("memory").rm("memory://bucket", recursive=True)
+
+
+def _single_file_strategy(tmp_path, strict: bool, saved_state: dict, saved_names: list[str] | None = None):
+    """A one-process ``MoEFSDPStrategy`` holding a plain two-layer module (no process group, nothing sharded),
+    and a single-file checkpoint ``saved_state`` (optimizer state saved under ``saved_names``) to resume."""
+    import lightning as L
+    from moe_lightning.strategy import MoEFSDPStrategy
+
+    module = L.LightningModule()
+    module.a, module.b = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    module.strict_loading = strict
+    optimizer = torch.optim.AdamW(module.named_parameters())
+    strategy = MoEFSDPStrategy()
+    strategy._lightning_module, strategy.model, strategy.optimizers = module, module, [optimizer]
+    names = saved_names or [name for name, _ in module.named_parameters()]
+    optimizer_state = {"state": {}, "param_groups": [{**optimizer.param_groups[0], "params": list(range(len(names))),
+                                                      "param_names": names}]}
+    path = tmp_path / "one.ckpt"
+    ckpt.save_file({"state_dict": saved_state, "optimizer_states": [optimizer_state]}, path)
+    return strategy, module, path
+
+
+def test_a_single_file_resume_under_strict_loading_names_missing_and_unexpected_keys(tmp_path):
+    """Before: keys missing from the file or unexpected in it were silently skipped even with strict loading."""
+    saved = {"a.weight": torch.ones(2, 2), "a.bias": torch.ones(2), "c.weight": torch.ones(2, 2)}
+    strategy, module, path = _single_file_strategy(tmp_path, True, saved)
+    with pytest.raises(CheckpointError) as error:
+        strategy._load_single_file(path)
+    line = last_line(error.value)
+    assert "2 keys missing from it ['b.weight', 'b.bias'], 1 unexpected in it ['c.weight']" in line, line
+    assert "strict_loading = False" in line
+    assert not torch.equal(module.a.weight, torch.ones(2, 2))  # refused before copying anything
+
+    strategy, module, path = _single_file_strategy(tmp_path, False, saved)
+    strategy._load_single_file(path)  # non-strict: the matching keys load
+    assert torch.equal(module.a.weight, torch.ones(2, 2))
+
+
+def test_a_single_file_resume_with_a_renamed_parameter_names_it(tmp_path):
+    """Before: a bare ``KeyError: 'b.bias'`` from the optimizer state's name lookup."""
+    module_keys = ["a.weight", "a.bias", "b.weight", "b.bias"]
+    saved = {key: torch.ones(2, 2) if key.endswith("weight") else torch.ones(2) for key in module_keys}
+    strategy, _, path = _single_file_strategy(tmp_path, True, saved, ["a.weight", "a.bias", "b.weight", "b.bias_old"])
+    with pytest.raises(CheckpointError, match=r"one.ckpt: its optimizer state has no parameter 'b.bias' \(1 missing"):
+        strategy._load_single_file(path)

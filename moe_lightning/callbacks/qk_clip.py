@@ -95,6 +95,10 @@ class QKClip(L.Callback):
     Logs ``attention/max_logit`` (largest over layers and heads, before clipping) and ``attention/clipped_heads``
     every step as device tensors (Lightning reads them back on its logging steps only).
 
+    Kernel: the maxima come from the attention kernel itself on CUDA, so while recording, attention without
+    document masking runs FlexAttention (with one shared causal block mask) instead of SDPA's fused kernel;
+    its speed may differ. Elsewhere they are recomputed exactly beside SDPA.
+
     Args:
         threshold: ``tau``, the largest logit a head keeps (K2: 100).
         alpha: How the rescaling splits between queries (``gamma ** alpha``) and keys (K2: 0.5).

@@ -6,6 +6,8 @@ same document and the key is not in the future. Rotary positions stay those of t
 scores depend only on the distance between query and key, so a document scores as it would alone.
 """
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -58,7 +60,16 @@ def _causal(b, h, q_idx, kv_idx):
 
 
 def causal_block_mask(T: int, device: torch.device) -> BlockMask:
-    """FlexAttention block mask of plain causal attention (used on CUDA when max logits are recorded)."""
+    """FlexAttention block mask of plain causal attention (used on CUDA when max logits are recorded). Built once
+    per ``(T, device)`` and shared by every layer and forward (it depends on nothing else); a compiled region
+    builds its own, in its graph."""
+    if torch.compiler.is_compiling():
+        return create_block_mask(_causal, None, None, T, T, device=device)
+    return _cached_causal_block_mask(T, device)
+
+
+@functools.lru_cache(maxsize=8)
+def _cached_causal_block_mask(T: int, device: torch.device) -> BlockMask:
     build = _compiled_on_cuda(create_block_mask, _create_block_mask_compiled, device)
     return build(_causal, None, None, T, T, device=device)
 

@@ -18,6 +18,7 @@ import os
 import pickle
 import re
 import shutil
+import tempfile
 from concurrent.futures import Future
 from contextlib import contextmanager
 from pathlib import Path
@@ -240,16 +241,18 @@ def is_disk_full(error: BaseException) -> bool:
 
 
 def save_file(obj: Any, path: Path) -> None:
-    """``torch.save`` as ``<path>.partial``, synced to disk, then renamed over ``path``: a failure (a full disk, a
-    kill) never leaves a truncated file under ``path`` nor replaces the file already there."""
+    """``torch.save`` into a new, uniquely named ``<path>.*.partial`` file, synced to disk, then renamed over
+    ``path``: a failure (a full disk, a kill) never leaves a truncated file under ``path`` nor replaces the file
+    already there, and only that new file is ever deleted (a ``<path>.partial`` folder of a sharded save, or any
+    other file beside, is never touched)."""
     buffer = io.BytesIO()
     torch.save(obj, buffer)
     data = buffer.getbuffer()
-    partial = path.with_name(path.name + PARTIAL_SUFFIX)
     path.parent.mkdir(parents=True, exist_ok=True)
+    fd, partial = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=PARTIAL_SUFFIX)
     try:
-        fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
+            os.chmod(partial, 0o644)  # mkstemp creates it 0o600; torch.save's files are 0o644 under the usual umask
             written = 0
             while written < len(data):  # os.write may write less than asked (a short write)
                 written += os.write(fd, data[written:])
@@ -258,10 +261,27 @@ def save_file(obj: Any, path: Path) -> None:
             os.close(fd)
         os.replace(partial, path)
     except OSError as error:
-        remove(partial)
+        Path(partial).unlink(missing_ok=True)
         if error.errno in DISK_FULL:
             raise disk_full_error(path, len(data)) from None
         raise
+    fsync_directory(path.parent)
+
+
+def fsync_directory(path: Path) -> None:
+    """Make a rename in ``path`` durable (a power loss after it could otherwise bring back the old file), where
+    the OS and file system allow syncing a directory."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # e.g. Windows cannot open a directory
+        return
+    try:
+        os.fsync(fd)
+    except OSError as error:
+        if error.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF):
+            raise
+    finally:
+        os.close(fd)
 
 
 def local_part(full: torch.Tensor, like: torch.Tensor, name: str) -> torch.Tensor:
@@ -396,8 +416,7 @@ class ShardedCheckpointer:
                 except BaseException as error:  # DCP's CheckpointException is a BaseException
                     if not is_disk_full(error):
                         raise
-                    if self._is_rank_zero():
-                        remove(partial)  # every rank's write has failed (DCP gathers them): give the space back
+                    self._discard(partial)  # every rank's write has failed (DCP gathers them): give the space back
                     raise disk_full_error(path, _local_bytes(state)) from None
             else:
                 if self._group is None and dist.is_initialized():
@@ -424,6 +443,7 @@ class ShardedCheckpointer:
             write.result()
         except (Exception, dcp.api.CheckpointException) as error:  # the latter is a BaseException
             if is_disk_full(error):
+                self._discard(partial)  # as for a save in the foreground: the space goes back
                 raise disk_full_error(path, None) from error
             raise CheckpointError(f"Asynchronous checkpoint {path} failed while writing ({error!r}): it was not "
                                   f"committed (its files stay in {partial}); earlier checkpoints are intact."
@@ -433,6 +453,12 @@ class ShardedCheckpointer:
     @property
     def pending_path(self) -> Path | None:
         return self._pending[2] if self._pending is not None else None
+
+    def _discard(self, partial: Path) -> None:
+        """Delete a failed save's ``partial`` folder on rank 0, only if it holds the ``meta.pt`` that ``save``
+        wrote into it first (the mark that this package made it)."""
+        if self._is_rank_zero() and (partial / METADATA_FILE).is_file():
+            shutil.rmtree(partial)
 
     def _commit(self, partial: Path, path: Path) -> None:
         if self._is_rank_zero():
