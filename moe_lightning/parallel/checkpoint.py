@@ -455,9 +455,9 @@ class ShardedCheckpointer:
         return self._pending[2] if self._pending is not None else None
 
     def _discard(self, partial: Path) -> None:
-        """Delete a failed save's ``partial`` folder on rank 0, only if it holds the ``meta.pt`` that ``save``
-        wrote into it first (the mark that this package made it)."""
-        if self._is_rank_zero() and (partial / METADATA_FILE).is_file():
+        """Delete a failed save's ``partial`` folder on rank 0, only if it carries the marker ``save`` wrote into it
+        first (the one proof clean-up accepts that this package made it)."""
+        if self._is_rank_zero() and written_by_us(partial):
             shutil.rmtree(partial)
 
     def _commit(self, partial: Path, path: Path) -> None:
