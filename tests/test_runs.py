@@ -17,7 +17,7 @@ from moe_lightning.cli import run
 from moe_lightning.parallel.checkpoint import MARKER_FILE, METADATA_FILE, ShardedCheckpointer, CheckpointError
 from moe_lightning.runs import Preemption, allocate_run_folder, newest_checkpoint, remove_unfinished_saves
 from tests.distributed import REPO_ROOT, clean_env, free_port
-from tests.test_safety import lightning_log, quick  # noqa: F401 (fixture)
+from tests.test_safety import quick
 
 CONFIGS = REPO_ROOT / "configs"
 SIGNAL_AT = "--trainer.callbacks+=tests.preemption_helpers.SignalAtStep"
