@@ -62,6 +62,7 @@ class Cluster:
 
     nodes: int = 1
     gpus_per_node: int = 8
+    gpu: str = "H100"  # the GPU model assumed (its name only; memory and peak are the two fields below)
     gpu_memory_gib: float = 80.0
     host_memory_gib: float | None = None
     peak_tflops: float = 989.0
@@ -347,8 +348,11 @@ def format_plan(result: dict) -> str:
         f"cpu_offload {'on' if w['cpu_offload'] else 'off'}, prefetch_depth {w['prefetch_depth']}, {chunk}, "
         f"{offload}",
     ]
+    lines.insert(2, f"gpu               {c['gpu']}: {c['gpu_memory_gib']:g} GiB, {c['peak_tflops']:g} TFLOP/s dense "
+                    f"bf16 peak (--gpu, --gpu-memory, --peak-tflops)")
     for origin in ("config", "flag", "default"):
-        names = [f"{k}={v}" for k, (v, o) in result.get("inputs", {}).items() if o == origin]
+        names = [f"{k}={v}" + (" (auto: every GPU of a replica)" if k == "shard_size" and o == "default" else "")
+                 for k, (v, o) in result.get("inputs", {}).items() if o == origin]
         if names:
             lines.append(f"{'from ' + origin + 's' if origin != 'config' else 'from the config':<18}{' '.join(names)}")
     mark = {"without_offload": ("*", ""), "with_offload": ("", "*")}[result["configured"]]
@@ -361,8 +365,12 @@ def format_plan(result: dict) -> str:
     lines += [f"{name:<36}{a / GiB:>17.2f}{b / GiB:>15.2f}" for name, a, b in rows]
     lines.append(f"{'fits':<36}{_yes(without['fits']):>17}{_yes(with_['fits']):>15}")
     chosen = result["memory"][result["configured"]]
-    host = (f"host {chosen['host_bytes'] / GiB:.2f} of {c['host_memory_gib']:g} GiB" if c["host_memory_gib"]
-            else f"host {chosen['host_bytes'] / GiB:.2f} GiB not checked (pass --host-memory)")
+    if c["host_memory_gib"] is not None:
+        host = f"host {chosen['host_bytes'] / GiB:.2f} of {c['host_memory_gib']:g} GiB"
+    elif chosen["host_bytes"]:
+        host = f"host {chosen['host_bytes'] / GiB:.2f} GiB per GPU not checked (pass --host-memory)"
+    else:
+        host = "no host memory used"
     lines += [
         f"{'verdict':<18}{'fits' if result['fits'] else 'does NOT fit'} as configured (* column, {offload}): "
         f"GPU peak {chosen['gpu_peak_bytes'] / GiB:.2f} of {c['gpu_memory_gib']:g} GiB, {host}",
@@ -418,9 +426,10 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--config", required=True, help="LightningCLI YAML with model.init_args.config")
     parser.add_argument("--nodes", type=int, help="default: trainer.num_nodes, else 1")
     parser.add_argument("--gpus-per-node", type=int, help="default: trainer.devices, else 8")
-    parser.add_argument("--gpu-memory", type=float, default=80.0, help="GiB per GPU")
+    parser.add_argument("--gpu-memory", type=float, help=f"GiB per GPU (default: {Cluster.gpu_memory_gib:g})")
     parser.add_argument("--host-memory", type=float, default=None, help="host GiB per GPU (checked if given)")
-    parser.add_argument("--gpu", default="H100", help=f"GPU model for the peak FLOP/s: {', '.join(PEAK_BF16_FLOPS)}")
+    parser.add_argument("--gpu", help=f"GPU model for the peak FLOP/s: {', '.join(PEAK_BF16_FLOPS)} "
+                        f"(default: {Cluster.gpu})")
     parser.add_argument("--peak-tflops", type=float, default=None, help="dense bf16 peak per GPU (overrides --gpu)")
     parser.add_argument("--replicate-size", type=int, help="HSDP replicas")
     parser.add_argument("--shard-size", type=int, help="FSDP shard-group size (default: all GPUs of a replica)")
@@ -443,19 +452,27 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--reserve", type=float, default=3.0, help="GiB kept for CUDA context and slack")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = parser.parse_args(argv)
-    peak = args.peak_tflops or (peak_bf16_flops(args.gpu) or 0) / 1e12
+    gpu = args.gpu or Cluster.gpu
+    peak = args.peak_tflops or (peak_bf16_flops(gpu) or 0) / 1e12
     if not peak:
-        parser.error(f"--gpu={args.gpu!r} is not in the peak table ({', '.join(PEAK_BF16_FLOPS)}): "
+        parser.error(f"--gpu={gpu!r} is not in the peak table ({', '.join(PEAK_BF16_FLOPS)}): "
                      f"pass --peak-tflops.")
+    assumed = {"gpu": (gpu, "flag" if args.gpu else "default"),
+               "gpu_memory_gib": (Cluster.gpu_memory_gib if args.gpu_memory is None else args.gpu_memory,
+                                  "flag" if args.gpu_memory is not None else "default"),
+               "peak_tflops": (peak, "flag" if args.peak_tflops or args.gpu else "default")}
     try:
         config = load_model_config(args.config)
         inputs = planned_inputs(args, config)
         values = {name: value for name, (value, _) in inputs.items()}
-        cluster = Cluster(gpu_memory_gib=args.gpu_memory, host_memory_gib=args.host_memory, peak_tflops=peak,
+        cluster = Cluster(host_memory_gib=args.host_memory, **{name: v for name, (v, _) in assumed.items()},
                           **{f.name: values[f.name] for f in fields(Cluster) if f.name in values})
         work = Workload(mfu=args.mfu, reserve_gib=args.reserve,
                         **{f.name: values[f.name] for f in fields(Workload) if f.name in values})
-        result = plan(config, cluster, work) | {"inputs": inputs}
+        result = plan(config, cluster, work)
+        if inputs["shard_size"][0] is None:  # "auto": report the size the mesh resolved, not None
+            inputs["shard_size"] = (result["cluster"]["shard_size"], inputs["shard_size"][1])
+        result["inputs"] = assumed | inputs
     except (ValueError, OSError) as e:
         parser.error(str(e))
     print(json.dumps(result, indent=2) if args.json else format_plan(result))

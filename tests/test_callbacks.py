@@ -1,6 +1,7 @@
 """Monitoring callbacks: throughput/MFU, expert load, allocator monitor; the analytic FLOPs count."""
 
 import csv
+import re
 import warnings
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from moe_lightning.callbacks import (ActivationOffload, AllocatorMonitor, Expert
                                      MoEThroughputMonitor, NonFiniteGuard, TrainingCurves, peak_bf16_flops)
 from moe_lightning.callbacks import allocator_monitor
 from moe_lightning.callbacks.expert_load import load_figure
+from moe_lightning.callbacks.training_curves import token_count
 from moe_lightning.strategy import MoEFSDPStrategy
 from moe_lightning.flops import training_flops_per_token
 
@@ -174,13 +176,35 @@ def test_training_curves_land_in_the_run_folder(tmp_path):
     assert len(history["tokens/s"]) == 6 and all(v > 0 for _, v in history["tokens/s"])  # timed from train start
     metrics = logged(trainer)
     assert [v for _, v in history["load entropy"]] == pytest.approx(list(metrics["expert_load/load_entropy"].values()))
-    lrs = [v for _, v in history["learning rate"]]
-    assert lrs[0] < lrs[-1]  # warming up (100 warmup steps by default)
+    # the LR each next step uses, from step 0 (tokens 0) on: WarmupCosineLR's 100 warmup steps, (k + 1) / 100
+    base_lr = trainer.optimizers[0].param_groups[0]["initial_lr"]
+    assert history["learning rate"] == [(tokens_per_step * k, pytest.approx(base_lr * (k + 1) / 100))
+                                        for k in range(7)]
     fig = curves.figure(6)
     titles = [ax.get_title() for ax in fig.axes]
     assert titles == ["loss", "learning rate", "throughput", "expert imbalance", "dead experts", "load entropy"]
     assert all(ax.get_xlabel() == "tokens seen" and ax.get_ylabel() for ax in fig.axes)
     assert all(ax.lines for ax in fig.axes)  # every panel has data
+    fig.canvas.draw()  # tick labels in plain token units (384 tokens in all)
+    labels = [t.get_text() for t in fig.axes[3].get_xticklabels() if t.get_text()]
+    assert labels and all(re.fullmatch(r"-?\d+", label) for label in labels), labels
+
+
+def test_token_tick_labels_are_plain_units():
+    assert [token_count(x) for x in (0, 1, 950, 20_000, 1_500_000, 999_999, 2.1e9, 3e12)] == \
+        ["0", "1", "950", "20k", "1.5M", "1M", "2.1B", "3T"]
+
+
+def test_training_curves_panels_without_data_share_the_runs_token_axis(tmp_path):
+    curves = TrainingCurves(record_every_n_steps=1)
+    fit(tmp_path, False, [curves], max_steps=3)  # no ExpertLoadMonitor: its two panels stay empty
+    assert "dead experts" not in curves.history and curves.history["learning rate"][0][0] == 0
+    fig = curves.figure(3)
+    fig.canvas.draw()
+    empty = fig.axes[4]  # "not recorded"; before: x from 0 to 1 token, ticks "200 m" ... "1"
+    assert not empty.lines and empty.get_xlim() == fig.axes[0].get_xlim()
+    labels = [t.get_text() for t in empty.get_xticklabels() if t.get_text()]
+    assert labels and not any("m" in label for label in labels)
 
 
 def test_allocator_monitor_warns_once_with_advice(monkeypatch):

@@ -173,8 +173,8 @@ def test_plan_of_a_yaml_uses_the_configs_mesh_offload_batch_chunk_and_optimizer(
     assert (w["micro_batch"], w["seq_len"], w["optimizer"], w["cpu_offload"], w["prefetch_depth"]) == \
         (3, 12, "muon", True, 2)
     assert (w["loss_chunk"], w["activation_offload"], w["offload_prefetch"]) == (5, True, 0)
-    assert [name for name, (_, origin) in result["inputs"].items() if origin != "config"] == ["shard_size",
-                                                                                           "async_checkpoint"]
+    assert [name for name, (_, origin) in result["inputs"].items() if origin != "config"] == [
+        "gpu", "gpu_memory_gib", "peak_tflops", "shard_size", "async_checkpoint"]
     # and the numbers follow: shard group of 2, 36 tokens, chunked loss, 1 + 0 boundary blocks kept on the GPU
     gpu, host = result["memory"]["with_offload"]["gpu_bytes"], result["memory"]["with_offload"]["host_bytes"]
     assert gpu["loss working set"] == 8 * 64 * 5 + 6 * 64 * 32
@@ -212,7 +212,8 @@ def test_sixteen_b_config_plans_its_expert_parallelism_and_batch(capsys):
     run(["plan", "--config", SIXTEEN_B, "--gpu-memory", "40"])
     table = capsys.readouterr().out
     assert "from the config   gpus_per_node=8 expert_parallel_size=8 micro_batch=4" in table
-    assert "from flags" not in table
+    assert [line for line in table.splitlines() if line.startswith("from flags")] == [
+        "from flags        gpu_memory_gib=40.0"]  # the one flag given; the mesh and batch are the config's
 
 
 def test_an_optimizer_plan_cannot_price_is_refused(tmp_path, capsys):
@@ -221,3 +222,30 @@ def test_an_optimizer_plan_cannot_price_is_refused(tmp_path, capsys):
         run(["plan", "--config", path])
     assert "torch.optim.SGD is neither AdamW nor Muon; pass --optimizer adamw" in capsys.readouterr().err
     assert plan_json(capsys, "--config", path, "--optimizer", "adamw")["workload"]["optimizer"] == "adamw"
+
+
+def test_plan_says_which_gpu_it_assumed_and_where_each_default_came_from(capsys):
+    run(["plan", "--config", SIXTEEN_B])
+    lines = capsys.readouterr().out.splitlines()
+    assert "gpu               H100: 80 GiB, 989 TFLOP/s dense bf16 peak (--gpu, --gpu-memory, --peak-tflops)" in lines
+    defaults = next(line for line in lines if line.startswith("from defaults"))
+    assert "gpu=H100 gpu_memory_gib=80.0 peak_tflops=989.0 " in defaults
+    # the auto shard size is reported as the mesh resolves it, as on the cluster line
+    assert "shard_size=8 (auto: every GPU of a replica)" in defaults and "None" not in defaults
+    assert any(line.startswith("cluster ") and "shard_size=8 " in line for line in lines)
+    # 16b.yaml uses no host memory: nothing to check, and no "0.00 GiB not checked"
+    verdict = next(line for line in lines if line.startswith("verdict"))
+    assert verdict.endswith("GPU peak 40.19 of 80 GiB, no host memory used") and "not checked" not in verdict
+
+    run(["plan", "--config", SIXTEEN_B, "--gpu", "B200", "--gpu-memory", "180", "--activation-offload"])
+    lines = capsys.readouterr().out.splitlines()
+    assert "gpu               B200: 180 GiB, 2250 TFLOP/s dense bf16 peak (--gpu, --gpu-memory, --peak-tflops)" in lines
+    assert any(line.startswith("from flags") and "gpu=B200 gpu_memory_gib=180.0 peak_tflops=2250.0" in line
+               for line in lines)
+    verdict = next(line for line in lines if line.startswith("verdict"))
+    assert verdict.endswith("host 1.62 GiB per GPU not checked (pass --host-memory)")
+
+    run(["plan", "--config", SIXTEEN_B, "--peak-tflops", "500", "--host-memory", "64", "--activation-offload"])
+    lines = capsys.readouterr().out.splitlines()
+    assert any(line.startswith("from flags") and "peak_tflops=500.0" in line for line in lines)
+    assert next(line for line in lines if line.startswith("verdict")).endswith("host 1.62 of 64 GiB")

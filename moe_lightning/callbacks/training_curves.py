@@ -37,7 +37,10 @@ class TrainingCurves(L.Callback):
         self.history.setdefault(name, []).append((tokens, value))
 
     def on_train_start(self, trainer, pl_module) -> None:
-        self._clock = (time.perf_counter(), float(getattr(pl_module, "tokens_seen", 0)))
+        tokens = float(getattr(pl_module, "tokens_seen", trainer.global_step))
+        self._clock = (time.perf_counter(), tokens)
+        if trainer.optimizers:  # the LR the first step uses: the warmup's start is drawn, not its 10th step
+            self._add("learning rate", tokens, trainer.optimizers[0].param_groups[0]["lr"])
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if not self.record.due(trainer):
@@ -77,10 +80,10 @@ class TrainingCurves(L.Callback):
 
     def figure(self, step: int):
         from matplotlib.figure import Figure  # only when drawing: keeps matplotlib off the GPU benchmarks' imports
-        from matplotlib.ticker import EngFormatter
+        from matplotlib.ticker import FuncFormatter
 
         fig = Figure(figsize=(15, 8), dpi=100, layout="constrained")
-        axes = fig.subplots(2, 3).flatten()
+        axes = fig.subplots(2, 3, sharex=True).flatten()  # a panel with no data still shows the run's tokens
         panels = [("loss", ["train loss", "val loss"], "cross-entropy (nats/token)"),
                   ("learning rate", ["learning rate"], "learning rate"),
                   ("throughput", ["tokens/s"], "tokens/s per process"),
@@ -100,7 +103,7 @@ class TrainingCurves(L.Callback):
             if title == "dead experts":  # a share: 0 at the bottom even when nothing died
                 top = max([0.1] + [1.1 * v for _, v in self.history.get("dead experts", [])])
                 ax.set_ylim(-0.02 * top, top)
-            ax.xaxis.set_major_formatter(EngFormatter())
+            ax.xaxis.set_major_formatter(FuncFormatter(token_count))
             ax.set_title(title)
             ax.set_xlabel("tokens seen")
             ax.set_ylabel(ylabel)
@@ -120,3 +123,12 @@ class TrainingCurves(L.Callback):
         for logger in trainer.loggers:
             if isinstance(logger, TensorBoardLogger):
                 logger.experiment.add_figure("training_curves", fig, trainer.global_step, close=False)
+
+
+def token_count(tokens: float, _position: int | None = None) -> str:
+    """A tick label for a token count in plain units: 0, 950, 20k, 1.5M, 2.1B (never milli-tokens)."""
+    tokens = float(f"{tokens:.3g}")  # 999,999 is "1M", not "1e+03k"
+    for size, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "k")):
+        if abs(tokens) >= size:
+            return f"{tokens / size:.3g}{suffix}"
+    return f"{tokens:.3g}"
