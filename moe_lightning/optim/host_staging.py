@@ -39,13 +39,17 @@ class _HostStreams:
 
 
 class _CudaStreams:
-    """The compute stream (current at construction) and one side stream for copies, on ``device``."""
+    """One side stream for copies on ``device``; the compute stream is whichever is current outside ``side()``."""
 
     pin = True
 
     def __init__(self, device: torch.device):
-        self.compute = torch.cuda.current_stream(device)
+        self.device = device
         self.copy = torch.cuda.Stream(device)
+
+    @property
+    def compute(self) -> torch.cuda.Stream:
+        return torch.cuda.current_stream(self.device)
 
     def side(self):
         return torch.cuda.stream(self.copy)
