@@ -39,7 +39,7 @@ part() {  # part NAME BOX_SECONDS COMMAND...: run within min(BOX, budget left), 
 part smoke 90 "$python" benchmarks/gpu_smoke.py                  # the 1t-mini path end to end, host syncs
 part offload 100 "$python" benchmarks/gpu_offload.py             # peak memory / tokens/s: off, checkpoint, prefetch
 part attention 60 "$python" benchmarks/gpu_attention.py          # FlexAttention document mask vs dense-mask SDPA
-part muon 80 "$python" benchmarks/muon_gpu_step.py --cases adamw,muon,muon_offload_ns_gpu
+part muon 80 "$python" benchmarks/muon_gpu_step.py --cases adamw,muon,muon_offload_ns_gpu,muon_offload_ns_gpu_serial
 part strategy 60 "$python" benchmarks/gpu_strategy.py            # one variant on 1 GPU; unshard/prefetch on >= 2
 # (benchmarks/block_memory.py counts saved bytes exactly on CPU: not worth GPU time)
 

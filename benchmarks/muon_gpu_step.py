@@ -1,5 +1,8 @@
 """Optimizer step as a fraction of the training step on one GPU: Muon (NS on the GPU) vs AdamW, and Muon
 with parameters and optimizer state in host memory (as under FSDP CPU offload) with NS on the GPU vs on CPU.
+The host-resident NS-on-GPU case is measured twice, side by side: ``muon_offload_ns_gpu`` (the staged schedule:
+pinned reused buffers, copies on a side stream overlapping NS, one wait) and ``muon_offload_ns_gpu_serial`` (one
+blocking pageable copy each way per matrix, ``Muon.stage_host_copies = False``).
 
     python benchmarks/muon_gpu_step.py                 # one H200: a 16B-class layer stack, bf16 params
     python benchmarks/muon_gpu_step.py --dry-run       # CPU, tiny shapes: checks the script runs
@@ -98,6 +101,12 @@ def run_case(name: str, config: MoEConfig, make_opt, args, device: torch.device,
             "params_M": round(sum(p.numel() for p in model.parameters()) / 1e6, 1)}
 
 
+def serial(opt: Muon) -> Muon:
+    """The serial blocking host path, to compare the staged schedule against in the same run."""
+    opt.stage_host_copies = False
+    return opt
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--dry-run", action="store_true", help="tiny shapes on CPU")
@@ -105,7 +114,8 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--cases", default="adamw,muon,muon_offload_ns_gpu,muon_offload_ns_cpu")
+    parser.add_argument("--cases",
+                        default="adamw,muon,muon_offload_ns_gpu,muon_offload_ns_gpu_serial,muon_offload_ns_cpu")
     args = parser.parse_args()
     if args.dry_run:
         args.batch, args.seq, args.steps, args.warmup = 2, 32, 1, 1
@@ -120,14 +130,15 @@ def main() -> None:
         "adamw": (lambda g: torch.optim.AdamW(g, lr=3e-4, betas=(0.9, 0.95), fused=device.type == "cuda"), device),
         "muon": (lambda g: Muon(g, lr=3e-4), device),
         "muon_offload_ns_gpu": (lambda g: Muon(g, lr=3e-4, ns_device=str(device)), cpu),
+        "muon_offload_ns_gpu_serial": (lambda g: serial(Muon(g, lr=3e-4, ns_device=str(device))), cpu),
         "muon_offload_ns_cpu": (lambda g: Muon(g, lr=3e-4, ns_device="cpu"), cpu),
     }
     failed = []
     for name in args.cases.split(","):
         make_opt, param_device = cases[name]
         # Host-resident state: each step moves every matrix both ways (and NS on host cores takes minutes), so
-        # fewer steps fit the time box: one (ns_cpu) or one warm-up and two timed (ns_gpu).
-        offload_steps = (0, 1) if name.endswith("ns_cpu") else (1, min(args.steps, 2))
+        # fewer steps fit the time box: one (ns_cpu) or one warm-up and one timed (each ns_gpu variant).
+        offload_steps = (0, 1) if name.endswith("ns_cpu") else (1, 1)
         warmup, steps = offload_steps if param_device != device else (args.warmup, args.steps)
         try:
             result = run_case(name, config, make_opt, args, device, param_device != device, warmup, steps)

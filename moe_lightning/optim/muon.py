@@ -2,12 +2,14 @@
 optimization steps exactly one), with FlexShard placement under FSDP2."""
 
 import math
+from functools import partial
 from collections.abc import Iterable
 from typing import Literal
 
 import torch
 from torch.distributed.tensor import DTensor
 
+from .host_staging import HostStagedNS
 from .flexshard import RowExchange, check_trainable_agree, classify, comm_device, plan_shard_groups
 from .muon_groups import split_by_algorithm
 from .newton_schulz import coefficient_schedule, newton_schulz
@@ -95,6 +97,8 @@ class Muon(torch.optim.Optimizer):
         self.ns_device = torch.device(ns_device) if ns_device else None
         self._plan = None
         self._exchange_cache = None
+        self._staging: HostStagedNS | None = None
+        self.stage_host_copies = True  # False: the serial blocking path (benchmarks/muon_gpu_step.py compares)
 
     def _compute_device(self, like: torch.Tensor) -> torch.device:
         if self.ns_device is not None:
@@ -144,9 +148,10 @@ class Muon(torch.optim.Optimizer):
             ex.start_gather([updates[i] if e is None else updates[i][e] for i, e in ex.sg.indices],
                             [present[i] for i, _ in ex.sg.indices])
         schedules = {id(g): self._schedule(g) for g, _ in muon}  # once per group, not per matrix
-        for i, (group, p) in enumerate(muon):
-            if i not in sharded and present[i]:
-                self._apply(group, p, newton_schulz(updates[i].to(device), schedules[id(group)], group["eps"]))
+        local = [i for i in range(len(muon)) if i not in sharded and present[i]]
+        ns = [partial(newton_schulz, schedule=schedules[id(muon[i][0])], eps=muon[i][0]["eps"]) for i in local]
+        for i, O in zip(local, self._local_newton_schulz([updates[i] for i in local], ns, device)):
+            self._apply(*muon[i], O)
         for ex in exchanges:  # NS of every owned matrix first, so all scatters are in flight together
             groups = [muon[ex.sg.indices[k][0]][0] for k in ex.mine]
             ex.start_scatter([newton_schulz(G_MN.to(device), schedules[id(group)], group["eps"])
@@ -166,6 +171,15 @@ class Muon(torch.optim.Optimizer):
                         buffer.copy_(torch.where(anyone[i].to(buffer.device) > 0, pending[i], buffer))
                     self._apply(group, p, torch.stack(O) if p.ndim == 3 else O[0], anyone[i] if i in pending else None)
         return finish
+
+    def _local_newton_schulz(self, matrices: list[torch.Tensor], ns: list, device: torch.device) -> list[torch.Tensor]:
+        """``ns[i](matrices[i])`` on ``device``. Host-resident matrices go through ``HostStagedNS`` (pinned staging,
+        copies overlapped with the previous matrix's NS, one wait) unless ``stage_host_copies`` is off."""
+        if not self.stage_host_copies or any(G.device.type != "cpu" for G in matrices):
+            return [fn(G.to(device)) for G, fn in zip(matrices, ns)]
+        if self._staging is None or self._staging.device != device:
+            self._staging = HostStagedNS(device)
+        return self._staging.run(matrices, ns)
 
     def _shard_groups(self, muon):
         """FlexShard plan for this parameter set; placements never change, so plan once."""
