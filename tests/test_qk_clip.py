@@ -403,7 +403,12 @@ def test_a_clipping_step_reads_nothing_back_to_the_host():
     assert len(probe.steps) == 4
     for step, reads in enumerate(probe.steps):
         reads = Counter({site: n for site, n in reads.items() if not site.startswith("item optimizer.py:_get_value")})
+        if step == 0:  # AdamW creates its host step counters once, as test_host_syncs allows
+            reads.pop("tensor(number) adam.py:_init_group", None)
+        if step < 2:  # Lightning creates its result objects when a key is first logged
+            reads.pop("tensor(number) result.py:__init__", None)
         if (step + 1) % 2 == 0:  # logs written: the guard's one read and the logged values
             reads.pop("tolist nonfinite.py:_max_over_ranks", None)
             reads.pop("item apply_func.py:to_item", None)
+            reads.pop("tensor(number) module.py:__to_tensor", None)  # train/tokens_seen, only when written
         assert not reads, f"step {step} reads back {dict(reads)}"
