@@ -12,6 +12,8 @@ import subprocess
 import sys
 from unittest import mock
 
+import pytest
+
 from lightning.fabric.plugins.environments import SLURMEnvironment
 
 from tests.distributed import REPO_ROOT, clean_env, free_port
@@ -19,6 +21,7 @@ from tests.distributed import REPO_ROOT, clean_env, free_port
 STEPS = 2
 
 
+@pytest.mark.slow  # multi-process; .ci/run runs it after the main suite
 def test_two_nodes_one_process_each_train_tiny_with_fsdp2(tmp_path):
     port = str(free_port())
     fit = ["-m", "moe_lightning", "fit", "--config", str(REPO_ROOT / "configs" / "tiny.yaml"),

@@ -222,6 +222,7 @@ def step0_loss(tmp_path: Path, *extra: str) -> float:
     return float(next(r["train/loss"] for r in rows if r["step"] == "0" and r.get("train/loss")))
 
 
+@pytest.mark.slow  # multi-process; .ci/run runs it after the main suite
 def test_two_processes_log_the_loss_of_the_global_batch(tmp_path):
     """Same seed, same global batch of 16: 2 ranks x 8 under MoEFSDPStrategy (ep=2) and 1 process x 16.
     The step-0 losses are means over the same 16 sequences with the same weights (fp32; 1e-5 covers summation
