@@ -13,7 +13,7 @@ import torch
 
 from moe_lightning import MoEConfig, MoELanguageModel
 from moe_lightning.callbacks import ActivationOffload, QKClip
-from moe_lightning.callbacks.qk_clip import attention_modules, clip_factors, clip_qk_
+from moe_lightning.callbacks.qk_clip import attention_modules, clip_qk_
 from moe_lightning.model.attention import DocumentMask, GroupedQueryAttention, attend, document_ids
 from moe_lightning.model.kv_cache import KVCache
 from moe_lightning.model.mla import MultiHeadLatentAttention
