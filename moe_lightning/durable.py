@@ -1,0 +1,87 @@
+"""The package's one way to write a file: beside, synced, renamed, with the folder synced.
+
+Every writer of the package (checkpoints, exports, Hugging Face folders, token shards, manifests, `predict`
+outputs) goes through :func:`atomic_write`, so a failure (a full disk, a kill, an exception in the caller's
+writer) never leaves a truncated file under the final name and never replaces the file already there, and a
+power loss after the rename cannot bring the old file back. Only the new, uniquely named partial file is ever
+deleted.
+"""
+
+import errno
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import BinaryIO
+
+PARTIAL_SUFFIX = ".partial"
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
+class DiskFullError(OSError):
+    """A write the disk had no room for; the message names the file, the folder and the free space."""
+
+    def __str__(self) -> str:
+        return self.strerror
+
+
+def fsync_directory(path: Path) -> None:
+    """Make a rename in ``path`` durable, where the OS and file system allow syncing a directory."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # e.g. Windows cannot open a directory
+        return
+    try:
+        os.fsync(fd)
+    except OSError as error:
+        if error.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF):
+            raise
+    finally:
+        os.close(fd)
+
+
+def disk_full_message(path: Path) -> str:
+    folder = path.parent if path.parent.exists() else Path.cwd()
+    free = shutil.disk_usage(folder).free
+    return (f"{path} was not written: the disk is full ({free:,} bytes free on {folder}). "
+            "What was there before is intact; free space or write elsewhere.")
+
+
+@contextmanager
+def atomic_write(path: str | Path, mode: int = 0o644) -> Iterator[BinaryIO]:
+    """Open a new partial file beside ``path`` for binary writing; on a clean exit sync it, rename it over
+    ``path`` and sync the folder. On any exception the partial file is removed and ``path`` is untouched; a
+    full disk is raised as :class:`DiskFullError` naming the file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, partial = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=PARTIAL_SUFFIX)
+    try:
+        os.chmod(partial, mode)  # mkstemp creates 0o600
+        with os.fdopen(fd, "wb") as file:
+            yield file
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(partial, path)
+    except BaseException as error:
+        Path(partial).unlink(missing_ok=True)
+        if isinstance(error, OSError) and error.errno in DISK_FULL:
+            raise DiskFullError(error.errno, disk_full_message(path)) from None
+        raise
+    fsync_directory(path.parent)
+
+
+def write_bytes(path: str | Path, data: bytes) -> None:
+    with atomic_write(path) as file:
+        file.write(data)
+
+
+def write_text(path: str | Path, text: str) -> None:
+    write_bytes(path, text.encode())
+
+
+def write_with(path: str | Path, writer: Callable[[BinaryIO], None]) -> None:
+    """``writer(file)`` into ``path`` atomically (e.g. ``lambda f: torch.save(obj, f)``: streamed, not buffered)."""
+    with atomic_write(path) as file:
+        writer(file)
