@@ -37,7 +37,10 @@ d model dim, L layers, V vocabulary, K top-k; bytes are per GPU unless stated.
   is its own row (``mtp_activation_bytes``); their parameters, FSDP units and FLOPs count like the blocks'.
 
 Throughput: ``tokens/s per GPU = MFU · peak FLOP/s / training FLOPs per token`` (model FLOPs,
-``moe_lightning.flops``: 6 × active matmul parameters + causal attention at sequence length s).
+``moe_lightning.flops``: 6 × active matmul parameters + causal attention at sequence length s). With
+``document_masking``, attention scores only within documents: ``--doc-len`` (the typical document length) counts
+the pairs of documents of that length, as ``MoEThroughputMonitor`` counts each batch's; without it the count is
+causal over the whole sequence, an upper bound.
 """
 
 import argparse
@@ -98,6 +101,7 @@ class Workload:
     activation_offload: bool = False  # the variant whose fit is the verdict (both are priced)
     offload_prefetch: int = 1
     async_checkpoint: bool = False
+    doc_len: int | None = None  # typical document length (document masking): attention FLOPs within documents
 
     def __post_init__(self) -> None:
         if self.optimizer not in ("adamw", "muon"):
@@ -109,6 +113,8 @@ class Workload:
             raise ValueError(f"--loss-chunk={self.loss_chunk}: must be >= 1 (0 on the command line: unchunked).")
         if not 0 < self.mfu <= 1:
             raise ValueError(f"--mfu={self.mfu} must be in (0, 1].")
+        if self.doc_len is not None and self.doc_len < 1:
+            raise ValueError(f"--doc-len={self.doc_len}: must be >= 1 (tokens in a typical document).")
 
 
 def load_model_config(path: str) -> MoEConfig:
@@ -315,7 +321,10 @@ def plan(config: MoEConfig, cluster: Cluster, work: Workload) -> dict:
             "host_bytes_by_row": {k: int(v) for k, v in host_rows.items()}, "host_bytes": int(host), "fits": fits}
     configured = "with_offload" if work.activation_offload else "without_offload"
 
-    flops_per_token = training_flops_per_token(config, work.seq_len, counts=counts)
+    if work.doc_len is not None and not config.document_masking:
+        raise ValueError(f"--doc-len={work.doc_len}: the model attends over the whole sequence "
+                         "(model.init_args.config.document_masking is false); drop --doc-len or turn masking on.")
+    flops_per_token = training_flops_per_token(config, work.seq_len, counts=counts, doc_len=work.doc_len)
     tokens_per_s = work.mfu * cluster.peak_tflops * 1e12 / flops_per_token
     return {
         "parameters": {"total": total, "active": active, "routed_experts": roles.get("expert_stack", 0),
@@ -340,7 +349,8 @@ def format_plan(result: dict) -> str:
         else "activation offload off"
     lines = [
         f"parameters        total {p['total'] / 1e9:,.2f} B   active {p['active'] / 1e9:,.2f} B",
-        f"training FLOPs    {result['flops_per_token'] / 1e9:,.1f} GFLOP per token at seq_len {w['seq_len']:,}",
+        f"training FLOPs    {result['flops_per_token'] / 1e9:,.1f} GFLOP per token at seq_len {w['seq_len']:,}"
+        + (f", attention within {w['doc_len']:,}-token documents" if w["doc_len"] else ""),
         f"cluster           {c['nodes']} x {c['gpus_per_node']} GPUs = {c['world_size']}, "
         f"{c['gpu_memory_gib']:g} GiB each; mesh replicate_size={c['replicate_size']} shard_size={c['shard_size']} "
         f"ep={c['expert_parallel_size']}",
@@ -448,6 +458,8 @@ def main(argv: list[str]) -> None:
                         "fit is the verdict (default: whether ActivationOffload is among the callbacks)")
     parser.add_argument("--offload-prefetch", type=int, help="ActivationOffload's prefetch (default: the "
                         "callback's, else 1)")
+    parser.add_argument("--doc-len", type=int, default=None, help="typical document length with document_masking: "
+                        "attention FLOPs within documents (default: causal over the whole sequence, an upper bound)")
     parser.add_argument("--mfu", type=float, default=0.3, help="assumed model FLOPs utilization")
     parser.add_argument("--reserve", type=float, default=3.0, help="GiB kept for CUDA context and slack")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -467,7 +479,7 @@ def main(argv: list[str]) -> None:
         values = {name: value for name, (value, _) in inputs.items()}
         cluster = Cluster(host_memory_gib=args.host_memory, **{name: v for name, (v, _) in assumed.items()},
                           **{f.name: values[f.name] for f in fields(Cluster) if f.name in values})
-        work = Workload(mfu=args.mfu, reserve_gib=args.reserve,
+        work = Workload(mfu=args.mfu, reserve_gib=args.reserve, doc_len=args.doc_len,
                         **{f.name: values[f.name] for f in fields(Workload) if f.name in values})
         result = plan(config, cluster, work)
         if inputs["shard_size"][0] is None:  # "auto": report the size the mesh resolved, not None

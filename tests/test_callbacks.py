@@ -109,7 +109,7 @@ def test_training_flops_match_hand_count():
     routed = 3 * 4 * D * 16                                         # 4 experts of SwiGLU width 16
     moe_block = attention + norms + 4 * D + routed * 2 // 4 + 3 * D * 16   # router, top-2 of 4, 1 shared expert
     head = D + V * D                                                # final norm, output (embedding is a lookup)
-    causal_attention = 12 * 2 * H * hd * SEQ / 2
+    causal_attention = 12 * 2 * H * hd * (SEQ + 1) / 2  # each query scores itself and the keys before it
     assert training_flops_per_token(config, SEQ) == 6 * (dense_block + moe_block + head) + causal_attention
 
 

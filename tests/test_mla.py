@@ -96,8 +96,8 @@ def test_trains_on_cpu():
 
 def test_attention_flops_use_mla_head_dims():
     config = MoEConfig(**MLA)
-    # 6 · layers 2 · heads 3 · (query/key 12 + value 6) · seq 16, halved for causal
-    assert attention_flops_per_token(config, 16) == 6 * 2 * 3 * 18 * 16 / 2
+    # 6 · layers 2 · heads 3 · (query/key 12 + value 6) · causal pairs per token (16 · 17 / 2 of 16 tokens)
+    assert attention_flops_per_token(config, 16) == 6 * 2 * 3 * 18 * 17 / 2
 
 
 @pytest.mark.parametrize("field, value, message", [

@@ -249,3 +249,24 @@ def test_plan_says_which_gpu_it_assumed_and_where_each_default_came_from(capsys)
     lines = capsys.readouterr().out.splitlines()
     assert any(line.startswith("from flags") and "peak_tflops=500.0" in line for line in lines)
     assert next(line for line in lines if line.startswith("verdict")).endswith("host 1.62 of 64 GiB")
+
+
+def test_doc_len_counts_attention_within_documents(capsys):
+    """1t.yaml masks documents: at 65,536 tokens of 4,096-token documents attention is a sixteenth of the
+    whole-sequence count, and the total falls from ~711 to ~251 GFLOP per token (issue 27: ≈2.5e11)."""
+    masked = MoEConfig(**{**TINY.__dict__, "document_masking": True, "eod_token_id": 0})
+    cluster = Cluster(nodes=1, gpus_per_node=2, gpu_memory_gib=1.0)
+    whole = plan(masked, cluster, Workload(seq_len=16))["flops_per_token"]
+    documents = plan(masked, cluster, Workload(seq_len=16, doc_len=4))["flops_per_token"]
+    assert documents == training_flops_per_token(masked, 16, doc_len=4) < whole
+    table = plan_json(capsys, "--config", ONE_T, "--doc-len", "4096")
+    assert table["flops_per_token"] == pytest.approx(2.507e11, rel=1e-3)
+    assert plan_json(capsys, "--config", ONE_T)["flops_per_token"] == pytest.approx(7.113e11, rel=1e-3)
+    run(["plan", "--config", ONE_T, "--doc-len", "4096"])
+    assert "attention within 4,096-token documents" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        run(["plan", "--config", SIXTEEN_B, "--doc-len", "64"])
+    assert "document_masking is false" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        run(["plan", "--config", ONE_T, "--doc-len", "0"])
+    assert "--doc-len=0" in capsys.readouterr().err
