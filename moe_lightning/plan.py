@@ -33,8 +33,11 @@ d model dim, L layers, V vocabulary, K top-k; bytes are per GPU unless stated.
 - Async checkpoint staging (``async_checkpoint``): each background save first copies the sharded parameters
   and optimizer state into new host memory (``4·P/S`` + the optimizer state), held while it is written.
 
-- Multi-token prediction (``mtp_layers``): its modules are not checkpointed, so what they keep for backward
-  is its own row (``mtp_activation_bytes``); their parameters, FSDP units and FLOPs count like the blocks'.
+- Multi-token prediction (``mtp_layers``): what its modules keep for backward is its own row
+  (``mtp_activation_bytes``). Without activation offload their blocks are not checkpointed and keep their whole
+  working set; ``ActivationOffload`` checkpoints them too (its ``mtp``, default on; ``--no-offload-mtp`` prices
+  it off), leaving their inputs and the modules' norms and projection. Both figures are printed. Their
+  parameters, FSDP units and FLOPs count like the blocks'.
 
 Throughput: ``tokens/s per GPU = MFU · peak FLOP/s / training FLOPs per token`` (model FLOPs,
 ``moe_lightning.flops``: 6 × active matmul parameters + causal attention at sequence length s). With
@@ -102,6 +105,7 @@ class Workload:
     offload_prefetch: int = 1
     async_checkpoint: bool = False
     doc_len: int | None = None  # typical document length (document masking): attention FLOPs within documents
+    offload_mtp: bool = True  # ActivationOffload(mtp=...): the multi-token prediction blocks are checkpointed too
 
     def __post_init__(self) -> None:
         if self.optimizer not in ("adamw", "muon"):
@@ -154,8 +158,9 @@ def read_run_config(path: str) -> dict[str, Any]:
     offload = [c for c in (callbacks if isinstance(callbacks, list) else [callbacks])
                if _class_name(c) == "ActivationOffload"]
     found["activation_offload"] = bool(offload)
-    if offload and "prefetch" in (offload[0].get("init_args") or {}):
-        found["offload_prefetch"] = offload[0]["init_args"]["prefetch"]
+    for key, name in (("prefetch", "offload_prefetch"), ("mtp", "offload_mtp")):
+        if offload and key in (offload[0].get("init_args") or {}):
+            found[name] = offload[0]["init_args"][key]
     model = (data.get("model") or {}).get("init_args") or {}
     if "loss_chunk_size" in model:
         found["loss_chunk"] = model["loss_chunk_size"]
@@ -204,18 +209,19 @@ def sharded_parameter_numels(config: MoEConfig, shard: int) -> list[int]:
     return [math.ceil(p.shape[0] / shard) * (p.numel() // p.shape[0]) for p in model.parameters()]
 
 
-def mtp_activation_bytes(config: MoEConfig, tokens: int) -> int:
-    """What the multi-token prediction modules keep from forward to backward (they are not checkpointed), bf16.
+def mtp_activation_bytes(config: MoEConfig, tokens: int, checkpointed: bool = False) -> int:
+    """What the multi-token prediction modules keep from forward to backward, bf16.
 
     Per token and depth: the reciprocal RMS of ``enorm`` and ``hnorm`` ``8``, the concatenation ``4d``, the block
-    input ``2d``, the block's working set (``block_working_set_bytes``), the final norm ``2d + 4`` and its output,
-    kept by the loss, ``2d``; once: the embedding output ``2d`` the modules read (the main hidden state is kept by
-    the main loss anyway). ``tests/test_mtp.py`` checks it with saved-tensor hooks.
+    input ``2d``, the block's working set (``block_working_set_bytes``; none when ``checkpointed``: recomputed in
+    backward, a transient like the main blocks'), the final norm ``2d + 4`` and its output, kept by the loss,
+    ``2d``; once: the embedding output ``2d`` the modules read (the main hidden state is kept by the main loss
+    anyway). ``tests/test_mtp.py`` checks it with saved-tensor hooks.
     """
     if not config.mtp_layers:
         return 0
     d = config.dim
-    block = block_working_set_bytes(config, 1, moe=config.is_moe_layer(config.n_layers - 1))
+    block = 0 if checkpointed else block_working_set_bytes(config, 1, moe=config.is_moe_layer(config.n_layers - 1))
     return (config.mtp_layers * (10 * d + 12 + block) + 2 * d) * tokens
 
 
@@ -301,7 +307,8 @@ def plan(config: MoEConfig, cluster: Cluster, work: Workload) -> dict:
         gpu = {} if work.cpu_offload else dict(state)
         gpu["boundary activations"] = boundary
         if config.mtp_layers:
-            gpu["multi-token prediction activations"] = mtp_activation_bytes(config, tokens)
+            gpu["multi-token prediction activations"] = mtp_activation_bytes(config, tokens,
+                                                                             offload and work.offload_mtp)
         gpu.update(transient)
         peak = sum(gpu.values()) - min(working_set, loss_set)  # the two transients never coexist
         host_rows = {}
@@ -333,6 +340,8 @@ def plan(config: MoEConfig, cluster: Cluster, work: Workload) -> dict:
         "cluster": asdict(cluster) | {"world_size": cluster.world_size, "shard_size": mesh.shard},
         "workload": asdict(work),
         "boundary_activations_bytes": config.n_layers * boundary_one,
+        "mtp_activation_bytes": {"not_checkpointed": mtp_activation_bytes(config, tokens),
+                                 "checkpointed": mtp_activation_bytes(config, tokens, checkpointed=True)},
         "memory": variants,
         "configured": configured,  # the variant the workload runs
         "fits": variants[configured]["fits"],
@@ -387,6 +396,13 @@ def format_plan(result: dict) -> str:
         "",
         f"boundary activations {result['boundary_activations_bytes'] / GiB:.1f} GiB per GPU "
         f"(in host memory with activation offload)",
+    ]
+    if result["mtp_activation_bytes"]["not_checkpointed"]:
+        mtp = result["mtp_activation_bytes"]
+        lines.append(f"multi-token prediction activations {mtp['checkpointed'] / GiB:.2f} GiB per GPU with its "
+                     f"blocks checkpointed (ActivationOffload mtp: true{', configured' if w['offload_mtp'] else ''}), "
+                     f"{mtp['not_checkpointed'] / GiB:.2f} GiB without (mtp: false{'' if w['offload_mtp'] else ', configured'})")
+    lines += [
         f"throughput        {result['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU "
         f"({result['tokens_per_s_total']:,.0f} total) at MFU {w['mfu']:.0%} of {c['peak_tflops']:g} TFLOP/s",
     ]
@@ -400,7 +416,7 @@ def _yes(flag: bool) -> str:
 # Inputs a config can set and a flag can override (``Cluster`` and ``Workload`` field names = flag names).
 PLANNED = ("nodes", "gpus_per_node", "replicate_size", "shard_size", "expert_parallel_size", "micro_batch",
            "seq_len", "optimizer", "cpu_offload", "prefetch_depth", "loss_chunk", "activation_offload",
-           "offload_prefetch", "async_checkpoint")
+           "offload_prefetch", "offload_mtp", "async_checkpoint")
 
 
 def planned_inputs(args: argparse.Namespace, config: MoEConfig) -> dict[str, tuple[Any, str]]:
@@ -460,6 +476,8 @@ def main(argv: list[str]) -> None:
                         "callback's, else 1)")
     parser.add_argument("--doc-len", type=int, default=None, help="typical document length with document_masking: "
                         "attention FLOPs within documents (default: causal over the whole sequence, an upper bound)")
+    parser.add_argument("--offload-mtp", action=argparse.BooleanOptionalAction, help="ActivationOffload also "
+                        "checkpoints the multi-token prediction blocks (default: the callback's mtp, else on)")
     parser.add_argument("--mfu", type=float, default=0.3, help="assumed model FLOPs utilization")
     parser.add_argument("--reserve", type=float, default=3.0, help="GiB kept for CUDA context and slack")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")

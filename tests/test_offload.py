@@ -147,3 +147,58 @@ def test_offload_under_fsdp2_two_processes():
             "offload 0", "offload 1", "offload 2", "copy_in 2", "copy_in 1", "use 2", "copy_in 0", "use 1", "use 0"]
     # each rank saw different tokens; torchmetrics summed the counts over both before computing
     assert results[0]["expert_load"] and results[0]["expert_load"] == results[1]["expert_load"]
+
+
+MTP = MoEConfig(**{**CONFIG.__dict__, "mtp_layers": 2, "n_layers": 3})
+
+
+def mtp_step(offload: ActivationOffload | None):
+    """One fp32 multi-token-prediction step. Returns loss, grads, the bytes autograd kept from inside the MTP blocks'
+    forward (a saved-tensor hook outside the blocks: a checkpointed block's tensors never reach it), and how often
+    MTP block 0's attention ran during backward (recomputation)."""
+    from moe_lightning.callbacks.activation_offload import find_mtp_blocks
+
+    torch.manual_seed(0)
+    model = MoETransformer(MTP)
+    with torch.no_grad():  # O(1) activations, not the 0.02 init
+        for p in model.parameters():
+            if p.ndim > 1:
+                p.normal_(0, p.shape[-1] ** -0.5)
+    if offload is not None:
+        offload.apply(model.layers, find_mtp_blocks(model) if offload.mtp else ())
+    inside, kept, calls, phase = [False], [0], {"backward": 0}, ["forward"]
+    for module in model.mtp:
+        module.block.register_forward_pre_hook(lambda *_: inside.__setitem__(0, True))
+        module.block.register_forward_hook(lambda *_: inside.__setitem__(0, False))
+    model.mtp[0].block.attention.register_forward_hook(
+        lambda *_: calls.__setitem__("backward", calls["backward"] + (phase[0] == "backward")))
+
+    def pack(t):
+        if inside[0] and phase[0] == "forward":
+            kept[0] += t.numel() * t.element_size()
+        return t
+
+    tokens_BS = torch.randint(0, MTP.vocab_size, (2, 17), generator=torch.Generator().manual_seed(1))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        hidden = model(tokens_BS[:, :-1], mtp=True)
+    loss = sum(F.cross_entropy(model.output(h).flatten(0, 1), tokens_BS[:, 1 + k:].flatten())
+               for k, h in enumerate(hidden))
+    phase[0] = "backward"  # forward calls from here on are recomputations
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters()}, kept[0], calls["backward"]
+
+
+def test_mtp_blocks_are_recomputed_with_the_same_numerics():
+    ref_loss, ref_grads, ref_kept, ref_recomputed = mtp_step(None)
+    off = ActivationOffload(min_offload_bytes=0, mtp=False)
+    on = ActivationOffload(min_offload_bytes=0)
+    assert on.mtp and not off.mtp
+    for offload, kept_inside, recomputed in ((off, ref_kept, 0), (on, 0, 1)):
+        loss, grads, kept, recomputations = mtp_step(offload)
+        assert torch.equal(loss, ref_loss)
+        assert all(torch.equal(grads[name], ref_grads[name]) for name in ref_grads)
+        assert kept == kept_inside and recomputations == recomputed
+    assert ref_kept > 0 and ref_recomputed == 0
+    # MTP blocks 3 and 4 are checkpointed, their inputs kept; the main blocks offload as before
+    assert [f"{kind} {i}" for kind, i in on.order[:5]] == ["offload 0", "offload 1", "keep 2", "keep 3", "keep 4"]
+    on.remove()

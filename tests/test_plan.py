@@ -174,7 +174,7 @@ def test_plan_of_a_yaml_uses_the_configs_mesh_offload_batch_chunk_and_optimizer(
         (3, 12, "muon", True, 2)
     assert (w["loss_chunk"], w["activation_offload"], w["offload_prefetch"]) == (5, True, 0)
     assert [name for name, (_, origin) in result["inputs"].items() if origin != "config"] == [
-        "gpu", "gpu_memory_gib", "peak_tflops", "shard_size", "async_checkpoint"]
+        "gpu", "gpu_memory_gib", "peak_tflops", "shard_size", "offload_mtp", "async_checkpoint"]
     # and the numbers follow: shard group of 2, 36 tokens, chunked loss, 1 + 0 boundary blocks kept on the GPU
     gpu, host = result["memory"]["with_offload"]["gpu_bytes"], result["memory"]["with_offload"]["host_bytes"]
     assert gpu["loss working set"] == 8 * 64 * 5 + 6 * 64 * 32
@@ -270,3 +270,30 @@ def test_doc_len_counts_attention_within_documents(capsys):
     with pytest.raises(SystemExit):
         run(["plan", "--config", ONE_T, "--doc-len", "0"])
     assert "--doc-len=0" in capsys.readouterr().err
+
+
+def test_mtp_rows_for_both_activation_offload_choices(tmp_path, capsys):
+    """ActivationOffload checkpoints the MTP blocks by default (issue 27): the offload column drops their working
+    set; ``mtp: false`` (config or --no-offload-mtp) keeps it, and the table prints both figures."""
+    from moe_lightning.plan import block_working_set_bytes, mtp_activation_bytes
+
+    mtp = MoEConfig(**{**TINY.__dict__, "mtp_layers": 2})
+    cluster = Cluster(nodes=1, gpus_per_node=2, gpu_memory_gib=1.0)
+    tokens = 2 * 8
+    rows = {choice: plan(mtp, cluster, Workload(micro_batch=2, seq_len=8, offload_mtp=choice))["memory"]
+            for choice in (True, False)}
+    row = "multi-token prediction activations"
+    uncheckpointed = mtp_activation_bytes(mtp, tokens)
+    assert rows[False]["with_offload"]["gpu_bytes"][row] == rows[True]["without_offload"]["gpu_bytes"][row] \
+        == uncheckpointed
+    saved = uncheckpointed - rows[True]["with_offload"]["gpu_bytes"][row]
+    assert saved == 2 * block_working_set_bytes(mtp, tokens, moe=True) > 0  # one MoE block per depth
+    path = write_config(tmp_path, trainer={"callbacks": [
+        {"class_path": "moe_lightning.callbacks.ActivationOffload", "init_args": {"mtp": False}}]})
+    config = yaml.safe_load(open(path))
+    config["model"]["init_args"]["config"]["mtp_layers"] = 1
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(config))
+    assert plan_json(capsys, "--config", path)["inputs"]["offload_mtp"] == [False, "config"]
+    run(["plan", "--config", path, "--offload-mtp"])
+    out = capsys.readouterr().out
+    assert "with its blocks checkpointed (ActivationOffload mtp: true, configured)" in out

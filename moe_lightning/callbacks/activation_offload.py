@@ -12,11 +12,16 @@ side stream waits on an event recorded there before writing, and the compute str
 event before it reads the data or frees the source. Without CUDA the same code runs with host-to-host
 copies and no streams, so numerics and ordering are testable on any machine.
 
+Multi-token prediction blocks (``model.mtp[k].block``) are checkpointed too (``mtp=True``): uncheckpointed, one
+keeps a whole block's working set from forward to backward (≈32 GiB per GPU at 1t.yaml, ``moe-lightning plan``).
+Their inputs stay on the device: backward reaches them first, so a copy out and back would free nothing.
+
 The blocks are not replaced: the wrapper is an instance-level ``forward``, so parameter names, state
 dicts and FSDP2's module hooks (unshard before forward, reshard after) are untouched.
 """
 
 import weakref
+from collections.abc import Sequence
 from typing import Optional
 
 import lightning as L
@@ -54,19 +59,27 @@ class ActivationOffload(L.Callback):
         blocks: Indices into ``model.layers`` whose inputs are offloaded (negative indices count from the
             end); all blocks are checkpointed either way. ``None``: every block except the last, whose
             input backward needs first, so offloading it would only add two copies.
+        mtp: Also checkpoint the multi-token prediction blocks (their inputs stay on the device). Off: they keep
+            their whole working set for backward (``moe-lightning plan --no-offload-mtp`` prices it).
     """
 
-    def __init__(self, prefetch: int = 1, min_offload_bytes: int = 1 << 20, blocks: Optional[list[int]] = None):
+    def __init__(self, prefetch: int = 1, min_offload_bytes: int = 1 << 20, blocks: Optional[list[int]] = None,
+                 mtp: bool = True):
         if not isinstance(prefetch, int) or prefetch < 0:
             raise ValueError(f"ActivationOffload(prefetch={prefetch!r}): must be an integer >= 0 "
                              "(0 copies each input back when backward needs it, 1 is the default look-ahead).")
         if not isinstance(min_offload_bytes, int) or min_offload_bytes < 0:
             raise ValueError(f"ActivationOffload(min_offload_bytes={min_offload_bytes!r}): must be an integer "
                              ">= 0 (0 offloads every block input).")
-        self.prefetch, self.min_offload_bytes, self.blocks = prefetch, min_offload_bytes, blocks
-        self.order: list[tuple[str, int]] = []  # ("offload"|"keep"|"copy_in"|"use", block) of the last step
+        if not isinstance(mtp, bool):
+            raise ValueError(f"ActivationOffload(mtp={mtp!r}): must be true (checkpoint the multi-token prediction "
+                             "blocks too) or false.")
+        self.prefetch, self.min_offload_bytes, self.blocks, self.mtp = prefetch, min_offload_bytes, blocks, mtp
+        # ("offload"|"keep"|"copy_in"|"use", block) of the last step; MTP block k is len(model.layers) + k
+        self.order: list[tuple[str, int]] = []
         self.reset_counters()
-        self._layers: Optional[nn.ModuleList] = None
+        self._layers: Optional[list[nn.Module]] = None  # model.layers, then the MTP blocks
+        self._n_layers = 0
         self._offload_indices: set[int] = set()
         self._generation: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
         self._packed: set[int] = set()
@@ -74,7 +87,7 @@ class ActivationOffload(L.Callback):
 
     # ---- Lightning hooks -------------------------------------------------------------------------
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.apply(find_blocks(pl_module))
+        self.apply(find_blocks(pl_module), find_mtp_blocks(pl_module) if self.mtp else ())
 
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.remove()
@@ -92,8 +105,9 @@ class ActivationOffload(L.Callback):
         self.bytes_offloaded = self.tensors_offloaded = self.tensors_copied_in = 0
 
     # ---- wrapping --------------------------------------------------------------------------------
-    def apply(self, layers: nn.ModuleList) -> None:
-        """Wrap each block's ``forward`` in place (the module objects, and any FSDP state, stay as they are)."""
+    def apply(self, layers: nn.ModuleList, mtp_blocks: Sequence[nn.Module] = ()) -> None:
+        """Wrap each block's ``forward`` in place (the module objects, and any FSDP state, stay as they are);
+        ``mtp_blocks`` are checkpointed, their inputs kept."""
         if self._layers is not None:
             raise RuntimeError("ActivationOffload is already applied; call remove() first.")
         n = len(layers)
@@ -102,14 +116,19 @@ class ActivationOffload(L.Callback):
             if not isinstance(i, int) or not -n <= i < n:
                 raise ValueError(f"ActivationOffload(blocks={self.blocks!r}): index {i!r} is outside model.layers "
                                  f"(length {n}); use indices in [-{n}, {n - 1}].")
-        for index, block in enumerate(layers):
+        blocks = [*layers, *mtp_blocks]
+        for index, block in enumerate(blocks):
             if "forward" in block.__dict__:
-                raise RuntimeError(f"model.layers[{index}] already has an instance-level forward (another wrapper); "
+                raise RuntimeError(f"{self._where(index, n)} already has an instance-level forward (another wrapper); "
                                    "ActivationOffload must own the block's forward.")
         self._offload_indices = {i % n for i in chosen}
-        self._layers = layers
-        for index, block in enumerate(layers):
+        self._layers, self._n_layers = blocks, n
+        for index, block in enumerate(blocks):
             block.forward = self._wrap(index, block.forward)
+
+    @staticmethod
+    def _where(index: int, n_layers: int) -> str:
+        return f"model.layers[{index}]" if index < n_layers else f"model.mtp[{index - n_layers}].block"
 
     def remove(self) -> None:
         if self._layers is not None:
@@ -163,7 +182,7 @@ class ActivationOffload(L.Callback):
         for name, buffer, version in boundary.buffer_versions:
             if buffer._version != version:
                 raise RuntimeError(
-                    f"ActivationOffload: model.layers[{boundary.index}].{name} changed between this block's forward "
+                    f"ActivationOffload: {self._where(boundary.index, self._n_layers)}.{name} changed between this block's forward "
                     "and backward, so recomputing the block would not reproduce its forward (for a router bias: "
                     "different experts, wrong gradients). Update such state after backward, e.g. in "
                     "on_before_optimizer_step rather than on_before_zero_grad (Lightning zeroes gradients after "
@@ -223,6 +242,15 @@ class ActivationOffload(L.Callback):
         boundary.device_tensor = destination
         self.tensors_copied_in += 1
         self.order.append(("copy_in", boundary.index))
+
+
+def find_mtp_blocks(pl_module: nn.Module) -> list[nn.Module]:
+    """The multi-token prediction blocks: ``block`` of each module in the first ``mtp`` ``nn.ModuleList``."""
+    for module in pl_module.modules():
+        mtp = getattr(module, "mtp", None)
+        if isinstance(mtp, nn.ModuleList):
+            return [depth.block for depth in mtp]
+    return []
 
 
 def find_blocks(pl_module: nn.Module) -> nn.ModuleList:
