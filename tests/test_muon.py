@@ -5,6 +5,7 @@ the ops of ``torch.optim.Muon``), so any difference would be a real deviation, n
 """
 
 import copy
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -43,7 +44,7 @@ def step_both(ours, theirs, opt_a, opt_b, steps=3):
 def test_matches_torch_muon_on_2d(adjust_lr_fn, nesterov):
     ours, theirs = twin_params([(16, 24), (24, 16), (20, 20)])
     kw = dict(lr=0.02, weight_decay=0.1, momentum=0.9, nesterov=nesterov, adjust_lr_fn=adjust_lr_fn)
-    step_both(ours, theirs, Muon(ours, **kw), torch.optim.Muon(theirs, **kw))
+    step_both(ours, theirs, Muon(ours, **kw, ns_dtype="bfloat16"), torch.optim.Muon(theirs, **kw))
     for p, q in zip(ours, theirs):
         assert torch.equal(p, q)
 
@@ -52,7 +53,7 @@ def test_expert_stack_step_equals_torch_muon_per_expert():
     """A [E, m, n] stack is E independent matrices: same momentum, NS and shape-based LR scale."""
     ours, _ = twin_params([(4, 12, 20)])
     theirs = [torch.nn.Parameter(e.detach().clone()) for e in ours[0]]
-    opt_a = Muon(ours, lr=0.02, adjust_lr_fn="original")
+    opt_a = Muon(ours, lr=0.02, adjust_lr_fn="original", ns_dtype="bfloat16")
     opt_b = torch.optim.Muon(theirs, lr=0.02, adjust_lr_fn="original")
     for _ in range(3):
         ours[0].grad = torch.randn_like(ours[0])
@@ -198,3 +199,43 @@ def test_yaml_builds_muon_through_the_module_optimizer_callable(capsys):
     assert isinstance(opt, Muon) and cli.trainer.global_step == 1
     placed = {n: g["algorithm"] for g in opt.param_groups for n in g["param_names"]}
     assert placed["layers.0.attention.wq.weight"] == "adamw" and placed["layers.1.ffn.experts.w1_EFD"] == "muon"
+
+
+def test_newton_schulz_dtype_follows_what_the_cpu_runs_fast(monkeypatch, caplog):
+    """An AVX2-only CPU emulates bf16 matmuls ~100x slower than fp32: ``auto`` picks fp32 there and says so once;
+    a CPU with bf16 units (or a GPU) keeps bf16, and ``ns_dtype`` forces either."""
+    import logging
+
+    import moe_lightning.optim.newton_schulz
+
+    ns_module = sys.modules["moe_lightning.optim.newton_schulz"]  # the module, not the function optim exports
+
+    avx2 = frozenset({"fpu", "sse2", "avx", "avx2", "fma"})
+    monkeypatch.setattr(ns_module, "_cpu_flags", lambda: avx2)
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    assert ns_module.ns_dtype_for(cpu) == torch.float32 and ns_module.ns_dtype_for(cuda) == torch.bfloat16
+    assert ns_module.ns_dtype_for(cpu, "bfloat16") == torch.bfloat16
+    ours, _ = twin_params([(16, 24), (4, 12, 20)])
+    opt = Muon(ours, lr=0.02)
+    with caplog.at_level(logging.INFO):
+        step_both(ours, [], opt, torch.optim.SGD([torch.zeros(1, requires_grad=True)]), steps=2)
+    said = [r.getMessage() for r in caplog.records if "Newton–Schulz runs in" in r.getMessage()]
+    assert said == ["Muon: Newton–Schulz runs in float32 on cpu: this CPU has no bf16 matmul units "
+                    "(ns_dtype: bfloat16 forces it)."]
+    assert opt._ns_dtypes == {cpu: torch.float32}
+    monkeypatch.setattr(ns_module, "_cpu_flags", lambda: avx2 | {"avx512_bf16"})
+    assert ns_module.ns_dtype_for(cpu) == torch.bfloat16
+    monkeypatch.setattr(ns_module, "_cpu_flags", lambda: frozenset({"fp", "asimd", "bf16"}))  # Arm (Grace)
+    assert ns_module.ns_dtype_for(cpu) == torch.bfloat16
+    with pytest.raises(ValueError, match="ns_dtype='fp16'"):
+        Muon(ours, ns_dtype="fp16")
+
+
+@pytest.mark.parametrize("shape", [(32, 64), (48, 48)])
+def test_float32_newton_schulz_is_closer_to_the_float64_iteration(shape):
+    schedule = coefficient_schedule("quintic", 5)
+    G = torch.randn(shape, generator=torch.Generator().manual_seed(1))
+    ref = float64_iteration(G.double().numpy(), schedule)
+    errors = {dtype: np.linalg.norm(newton_schulz(G, schedule, dtype=dtype).double().numpy() - ref)
+              / np.linalg.norm(ref) for dtype in (torch.float32, torch.bfloat16)}
+    assert errors[torch.float32] < 1e-4 < errors[torch.bfloat16]

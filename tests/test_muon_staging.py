@@ -1,46 +1,54 @@
-"""Muon with host-resident matrices: the staged, overlapped Newton–Schulz schedule (``HostStagedNS``).
+"""Muon with host-resident matrices orthogonalized on another device: the staged, overlapped schedule.
 
-On CPU the schedule runs its real code path with host buffers and stand-in streams; these tests pin its order
-(copy of matrix i+1 issued before the NS of matrix i, stream waits on the right events, one final wait), its
-buffer reuse across steps, and that Muon's results are bitwise those of the serial path and of torch.optim.Muon.
+On CPU the schedule runs its real code path with host buffers and stand-in streams that record which stream each
+operation is issued on, each wait and each host synchronization; these tests pin its order (the host writes
+matrix i+1 only after the Newton–Schulz of matrix i is enqueued), a stream per copy direction, one host wait per
+step, buffer reuse across steps, that a CPU-only run does not stage at all, that row-sharded matrices cross the
+bus in one copy each way per group, and that Muon's results are bitwise those of the unstaged path.
 """
 
+from contextlib import contextmanager
+
+import pytest
 import torch
+import torch.distributed as dist
 
 from moe_lightning.model import MoEConfig, MoETransformer
 from moe_lightning.optim import Muon, newton_schulz, param_groups
-from moe_lightning.optim.host_staging import HostStagedNS, _HostStreams
+from moe_lightning.optim.flexshard import RowExchange, ShardGroup
+from moe_lightning.optim.host_staging import HostStagedNS
 from moe_lightning.optim.newton_schulz import coefficient_schedule
 
 QUINTIC5 = coefficient_schedule("quintic", 5)
 
 
-class RecordingStreams(_HostStreams):
-    """Host streams that log which stream each operation is issued on and the event each wait names."""
+class RecordingStreams:
+    """Stand-in for ``CudaStreams`` on the host: logs the stream of each copy, every event, wait and host wait."""
+
+    pin = False
 
     def __init__(self, log: list):
-        self.log, self.on_side, self.events = log, False, 0
+        self.log, self.current, self.events = log, "compute", 0
 
-    def side(self):
-        streams = self
-
-        class Side:
-            def __enter__(self):
-                streams.on_side = True
-
-            def __exit__(self, *exc):
-                streams.on_side = False
-
-        return Side()
+    @contextmanager
+    def on(self, name):
+        self.current = name
+        try:
+            yield
+        finally:
+            self.current = "compute"
 
     def record(self):
         self.events += 1
-        event = ("event", self.events, "side" if self.on_side else "compute")
+        event = ("event", self.events, self.current)
         self.log.append(("record", event))
         return event
 
     def wait(self, event):
-        self.log.append(("wait", "side" if self.on_side else "compute", event))
+        self.log.append(("wait", self.current, event))
+
+    def keep_for(self, tensor, name):
+        self.log.append(("keep_for", name))
 
     def synchronize(self, event):
         self.log.append(("host_wait", event))
@@ -50,51 +58,64 @@ def ns(G):
     return newton_schulz(G, QUINTIC5)
 
 
-def test_copy_of_the_next_matrix_is_issued_before_the_newton_schulz_of_this_one():
+def staged_run(matrices, log):
+    staging = HostStagedNS(torch.device("cpu"), streams=RecordingStreams(log), trace=log)
+    return staging, staging.run([(G.shape, G.dtype) for G in matrices], lambda i, out: out.copy_(matrices[i]),
+                                [ns] * len(matrices))
+
+
+def test_the_host_fills_the_next_matrix_after_this_ones_newton_schulz_is_enqueued():
     torch.manual_seed(0)
     matrices = [torch.randn(8, 12), torch.randn(12, 8), torch.randn(8, 12), torch.randn(3, 6, 4)]
-    trace = []
-    HostStagedNS(torch.device("cpu"), trace=trace).run(matrices, [ns] * 4)
-    assert trace == [("copy_in", 0), ("copy_in", 1), ("ns", 0), ("copy_out", 0), ("copy_in", 2), ("ns", 1),
-                     ("copy_out", 1), ("copy_in", 3), ("ns", 2), ("copy_out", 2), ("ns", 3), ("copy_out", 3),
-                     ("synchronize", 4)]
+    log = []
+    _, results = staged_run(matrices, log)
+    trace = [e for e in log if e[0] in ("fill", "copy_in", "ns", "copy_out", "synchronize")]
+    assert trace == [("fill", 0), ("copy_in", 0)] + [
+        step for i in range(4) for step in [("ns", i), ("copy_out", i)] + (
+            [("fill", i + 1), ("copy_in", i + 1)] if i < 3 else [])] + [("synchronize", 4)]
+    for G, O in zip(matrices, results):
+        assert torch.equal(O, ns(G))
 
 
-def test_streams_wait_on_the_copy_before_ns_and_on_ns_before_the_copy_back_and_the_host_waits_once():
-    log, trace = [], []
-    staging = HostStagedNS(torch.device("cpu"), trace=log)
-    staging.streams = RecordingStreams(log)
-    matrices = [torch.randn(8, 12) for _ in range(3)]
-    staging.run(matrices, [ns] * 3)
-    copied_in, ns_done = {}, {}
-    last_event = None
+def test_each_copy_direction_has_its_own_stream_and_the_host_waits_once():
+    log = []
+    staged_run([torch.randn(8, 12) for _ in range(3)], log)
+    arrival, ns_done, last = {}, {}, None
     for k, entry in enumerate(log):
-        if entry[0] == "copy_in":  # the event recorded just before, on the side stream, marks its arrival
-            assert log[k - 1][0] == "record" and log[k - 1][1][2] == "side"
-            copied_in[entry[1]] = log[k - 1][1]
+        if entry[0] == "copy_in":  # the event just before marks its arrival, on the host-to-device stream
+            assert log[k - 2] == ("record", log[k - 2][1]) and log[k - 2][1][2] == "to_device"
+            assert log[k - 1] == ("keep_for", "compute")  # the compute stream reads what to_device allocated
+            arrival[entry[1]] = log[k - 2][1]
         if entry[0] == "ns":  # the compute stream waited on that matrix's arrival, right before its NS
-            assert log[k - 1] == ("wait", "compute", copied_in[entry[1]])
+            assert log[k - 1] == ("wait", "compute", arrival[entry[1]])
             assert log[k + 1][0] == "record" and log[k + 1][1][2] == "compute"
             ns_done[entry[1]] = log[k + 1][1]
-            assert log[k + 2] == ("wait", "side", ns_done[entry[1]])  # copy back only after the NS
+            assert log[k + 2] == ("keep_for", "to_host")
+            assert log[k + 3] == ("wait", "to_host", ns_done[entry[1]])  # copy back only after the NS
+            assert log[k + 4][0] == "record" and log[k + 4][1][2] == "to_host"
         if entry[0] == "record":
-            last_event = entry[1]
-    host_waits = [e for e in log if e[0] == "host_wait"]
-    assert host_waits == [("host_wait", last_event)] and last_event[2] == "side"
-    assert log[-2] == host_waits[0]  # after every copy back is queued
+            last = entry[1]
+    assert {e[1][2] for e in log if e[0] == "record"} == {"to_device", "compute", "to_host"}
+    assert [e for e in log if e[0] == "host_wait"] == [("host_wait", last)] and last[2] == "to_host"
+    assert sum(e[0] == "copy_in" for e in log) == sum(e[0] == "copy_out" for e in log) == 3
 
 
 def test_staging_buffers_are_reused_across_steps_and_never_shared_within_one():
     torch.manual_seed(0)
-    staging = HostStagedNS(torch.device("cpu"))
     shapes = [(8, 12), (8, 12), (2, 6, 4)]
-    first = staging.run([torch.randn(s) for s in shapes], [ns] * 3)
+    staging = HostStagedNS(torch.device("cpu"), streams=RecordingStreams([]))
+
+    def run(matrices):
+        return staging.run([(G.shape, G.dtype) for G in matrices], lambda i, out: out.copy_(matrices[i]),
+                           [ns] * 3)
+
+    first = run([torch.randn(s) for s in shapes])
     pointers = [O.data_ptr() for O in first]
     buffers = {k: b.data_ptr() for k, b in staging._buffers.items()}
     assert len(set(pointers)) == 3  # two same-shape matrices in flight get two buffers
     assert len(buffers) == 6  # one in, one out per matrix
     matrices = [torch.randn(s) for s in shapes]
-    second = staging.run(matrices, [ns] * 3)
+    second = run(matrices)
     assert [O.data_ptr() for O in second] == pointers
     assert {k: b.data_ptr() for k, b in staging._buffers.items()} == buffers
     for G, O in zip(matrices, second):
@@ -110,36 +131,71 @@ def small_model(seed):
     return model
 
 
-def test_muon_steps_are_bitwise_those_of_the_serial_path():
-    staged, serial = small_model(0), small_model(0)
-    opt_staged = Muon(param_groups(staged, 0.1), lr=0.01)
-    opt_serial = Muon(param_groups(serial, 0.1), lr=0.01)
-    opt_serial.stage_host_copies = False
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_staged_muon_steps_are_bitwise_the_unstaged_ones_with_one_host_wait_per_step(nesterov):
+    staged, plain = small_model(0), small_model(0)
+    opt_staged = Muon(param_groups(staged, 0.1), lr=0.01, nesterov=nesterov)
+    opt_plain = Muon(param_groups(plain, 0.1), lr=0.01, nesterov=nesterov)
+    log = []
+    opt_staged.stage_host_copies = True  # as on a GPU run with cpu_offload, with stand-in streams
+    opt_staged._staging = HostStagedNS(torch.device("cpu"), streams=RecordingStreams(log), trace=log)
+    matrices = sum(g["algorithm"] == "muon" and len(g["params"]) for g in opt_staged.param_groups)
     for step in range(3):
         torch.manual_seed(100 + step)
-        for p, q in zip(staged.parameters(), serial.parameters()):
+        for p, q in zip(staged.parameters(), plain.parameters()):
             p.grad = torch.randn_like(p)
             q.grad = p.grad.clone()
+        log.clear()
         opt_staged.step()
-        opt_serial.step()
-    assert opt_staged._staging is not None and opt_staged._staging._buffers  # the staged path ran
-    assert opt_serial._staging is None
-    for (name, p), q in zip(staged.named_parameters(), serial.parameters()):
+        opt_plain.step()
+        assert sum(e[0] == "host_wait" for e in log) == 1
+        assert sum(e[0] == "copy_in" for e in log) == sum(e[0] == "copy_out" for e in log) == matrices
+    assert opt_plain._staging is None  # a CPU-only run orthogonalizes in place: no staging, no buffers
+    for (name, p), q in zip(staged.named_parameters(), plain.parameters()):
         assert torch.equal(p, q), name
 
 
-def test_staged_muon_equals_torch_muon_on_matrices():
+def test_cpu_only_muon_does_not_stage_and_equals_torch_muon():
     torch.manual_seed(0)
     ours = [torch.nn.Parameter(torch.randn(s)) for s in [(16, 24), (24, 16), (16, 24)]]
     theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
     kw = dict(lr=0.02, weight_decay=0.1, momentum=0.9, nesterov=True, adjust_lr_fn="original")
-    opt_a, opt_b = Muon(ours, **kw), torch.optim.Muon(theirs, **kw)
+    opt_a, opt_b = Muon(ours, **kw, ns_dtype="bfloat16"), torch.optim.Muon(theirs, **kw)
     for _ in range(3):
         for p, q in zip(ours, theirs):
             p.grad = torch.randn_like(p)
             q.grad = p.grad.clone()
         opt_a.step()
         opt_b.step()
-    assert opt_a._staging is not None
+    assert opt_a._staging is None
     for p, q in zip(ours, theirs):
         assert torch.equal(p, q)
+
+
+@pytest.fixture
+def one_rank_group(tmp_path):
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    yield dist.group.WORLD
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_row_sharded_host_matrices_cross_the_bus_once_each_way_per_group(one_rank_group, dtype):
+    """FSDP cpu_offload with NCCL: the row exchange used to copy each matrix in and back with a blocking pageable
+    copy (a host sync per matrix). Staged, a group's K matrices take one copy each way and one host wait."""
+    torch.manual_seed(0)
+    shapes = [(8, 12), (12, 8), (6, 6), (8, 12), (5, 7)]
+    shards = [torch.randn(s) for s in shapes]
+    sg = ShardGroup(one_rank_group, 1, 0, [(k, None) for k in range(len(shapes))], shapes, [0] * len(shapes))
+    results = {}
+    for stage in (False, True):
+        trace = []
+        ex = RowExchange(sg, torch.device("cpu"), dtype, stage=stage, trace=trace)
+        ex.start_gather(shards, [True, True, False, True, True])
+        ex.start_scatter([newton_schulz(G, QUINTIC5, dtype=dtype) for G in ex.owned_matrices()])
+        results[stage] = ex.local_rows()
+        elements = sum(m * n for m, n in shapes) + len(shapes)
+        assert trace == ([("to_device", elements), ("to_host", elements), ("synchronize", 0)] if stage else [])
+    for (O, flag), (O_staged, flag_staged) in zip(results[False], results[True]):
+        assert O.dtype == dtype and torch.equal(O, O_staged) and torch.equal(flag, flag_staged)
+    assert results[True][2][0].abs().sum() == 0  # no rank had a gradient: a zero update, flagged 0

@@ -133,16 +133,24 @@ def comm_device(group: dist.ProcessGroup, compute_device: torch.device) -> torch
 
 
 class RowExchange:
-    """One shard group's gather-to-owner and scatter-back, each a single async ``all_to_all_single``.
+    """One shard group's gather-to-owner and scatter-back, each a single async ``all_to_all_single``, in ``dtype``
+    (Newton–Schulz's: the owner's result equals what a local Newton–Schulz of the same rows gives).
 
     Every matrix travels with one flag per rank: in the gather, whether that rank has a gradient for it (a rank
     without one counts it as zero); in the scatter, whether any rank had one. So the sizes of both exchanges never
     depend on which gradients exist (every rank computes the same ones from the plan), and a matrix no rank has
     a gradient for is left untouched, as optimizers leave a parameter whose ``grad`` is ``None``.
+
+    Host-resident shards (FSDP ``cpu_offload``) exchanged over a device backend (NCCL) are staged: the send buffer
+    is assembled in pinned host memory and crosses the bus in one copy, and the received rows come back in one
+    copy and one host wait per group and step, not a blocking copy each way per matrix. ``stage`` (default: when
+    the shards are on the host and ``device`` is not) forces it either way; ``trace`` receives ``(operation,
+    elements)`` for each copy and wait (tests count them).
     """
 
-    def __init__(self, sg: ShardGroup, device: torch.device):
-        self.sg, self.device = sg, device
+    def __init__(self, sg: ShardGroup, device: torch.device, dtype: torch.dtype = torch.bfloat16,
+                 stage: bool | None = None, trace: list | None = None):
+        self.sg, self.device, self.dtype, self.stage, self.trace = sg, device, dtype, stage, trace
         me = sg.rank
         self.rows = rows = [sg.rows(m) for m, _ in sg.shapes]
         self.mine = [k for k, o in enumerate(sg.owners) if o == me]  # matrices this rank orthogonalizes
@@ -151,20 +159,34 @@ class RowExchange:
         self.to_owner = [sum(rows[k][me] * sg.shapes[k][1] + 1 for k in ks) for ks in self.by_owner]
         self.from_rank = [sum(rows[k][src] * sg.shapes[k][1] + 1 for k in self.mine) for src in range(sg.size)]
         self.work = None
+        self.staged = False
+        self._pin = device.type == "cuda"
+
+    def _log(self, operation: str, elements: int) -> None:
+        if self.trace is not None:
+            self.trace.append((operation, elements))
 
     def start_gather(self, shards: list[torch.Tensor], present: list[bool]) -> None:
-        """Send each local row shard (bf16, the dtype Newton–Schulz starts from) to its owner, with the flag saying
+        """Send each local row shard (in the dtype Newton–Schulz runs in) to its owner, with the flag saying
         whether this rank has a gradient for it (a shard without one is its momentum's share of the update)."""
+        on_host = all(t.device.type == "cpu" for t in shards)
+        self.staged = (on_host and self.device.type != "cpu") if self.stage is None else self.stage
+        where = torch.device("cpu") if self.staged else self.device
         pieces = []
         for ks in self.by_owner:
-            flags = torch.ones(len(ks), dtype=torch.bfloat16, device=self.device)  # filled on the device: no copy
+            flags = torch.ones(len(ks), dtype=self.dtype, device=where)  # filled where it is built: no copy
             for j, k in enumerate(ks):
-                pieces.append(shards[k].to(self.device, torch.bfloat16).flatten())
+                pieces.append(shards[k].to(where, self.dtype).flatten())
                 if not present[k]:
                     flags[j] = 0
             pieces.append(flags)
-        send = torch.cat(pieces)
-        self.recv = torch.empty(sum(self.from_rank), dtype=torch.bfloat16, device=self.device)
+        if self.staged:  # assembled in pinned memory, one copy in
+            send = torch.empty(sum(p.numel() for p in pieces), dtype=self.dtype, pin_memory=self._pin)
+            send = torch.cat(pieces, out=send).to(self.device, non_blocking=True)
+            self._log("to_device", send.numel())
+        else:
+            send = torch.cat(pieces)
+        self.recv = torch.empty(sum(self.from_rank), dtype=self.dtype, device=self.device)
         self.work = dist.all_to_all_single(self.recv, send, self.from_rank, self.to_owner,
                                            group=self.sg.group, async_op=True)
 
@@ -181,16 +203,16 @@ class RowExchange:
                 pieces[j].append(chunk[offset:offset + r * n].view(r, n))
                 offset += r * n
             flags.append(chunk[offset:])
-        self.present = torch.stack(flags).amax(0) if flags else torch.empty(0, dtype=torch.bfloat16)
+        self.present = torch.stack(flags).amax(0) if flags else torch.empty(0, dtype=self.dtype, device=self.device)
         return [torch.cat(p).mul_(self.present[j]) for j, p in enumerate(pieces)]
 
     def start_scatter(self, results: list[torch.Tensor]) -> None:
         """Send each rank its rows of the orthogonalized matrices this rank owns, and their flags."""
         rows_by_rank = [result.split(self.rows[k]) for result, k in zip(results, self.mine)]
-        send = [piece.flatten().to(self.device, torch.bfloat16) for dst in range(self.sg.size)
+        send = [piece.flatten().to(self.device, self.dtype) for dst in range(self.sg.size)
                 for piece in [rows[dst] for rows in rows_by_rank] + [self.present.to(self.device)]]
-        send = torch.cat(send) if send else torch.empty(0, dtype=torch.bfloat16, device=self.device)
-        self.recv = torch.empty(sum(self.to_owner), dtype=torch.bfloat16, device=self.device)
+        send = torch.cat(send) if send else torch.empty(0, dtype=self.dtype, device=self.device)
+        self.recv = torch.empty(sum(self.to_owner), dtype=self.dtype, device=self.device)
         self.work = dist.all_to_all_single(self.recv, send, self.to_owner, self.from_rank, group=self.sg.group,
                                            async_op=True)
 
@@ -198,8 +220,15 @@ class RowExchange:
         """Wait for the scatter; this rank's rows of every matrix of the group and whether any rank had a
         gradient for it (a 0-d tensor, 1 or 0), in group order."""
         self.work.wait()
+        recv = self.recv
+        if self.staged:  # one copy back into pinned memory and one host wait for the whole group
+            recv = torch.empty(recv.shape, dtype=recv.dtype, pin_memory=self._pin).copy_(recv, non_blocking=True)
+            self._log("to_host", recv.numel())
+            if self.device.type == "cuda":
+                torch.cuda.current_stream(self.device).synchronize()
+            self._log("synchronize", 0)
         me, out = self.sg.rank, [None] * len(self.sg.shapes)
-        for ks, chunk in zip(self.by_owner, self.recv.split(self.to_owner)):
+        for ks, chunk in zip(self.by_owner, recv.split(self.to_owner)):
             offset = sum(self.rows[k][me] * self.sg.shapes[k][1] for k in ks)
             flags = chunk[offset:]
             offset = 0

@@ -1,61 +1,43 @@
-"""Newton–Schulz of host-resident matrices (FSDP2 ``cpu_offload``) on the compute device, pipelined.
+"""Newton–Schulz of host-resident matrices (FSDP2 ``cpu_offload``) on the GPU, pipelined.
 
-Serial blocking copies leave the GPU idle while each matrix crosses the bus. ``HostStagedNS`` instead stages
-every input in a pinned host buffer, issues its host→device copy on a side stream one matrix ahead (so it
-overlaps the Newton–Schulz of the previous matrix on the compute stream), copies each result back into a pinned
-buffer on the side stream, and waits once at the end. The staging buffers are kept across steps, keyed by shape,
-dtype and occurrence within a step (two matrices in flight never share one).
+Used only where the matrices and Newton–Schulz live on different devices: a CPU-only run orthogonalizes where
+the state is, with no copies. Serial blocking copies leave the GPU idle while each matrix crosses the bus;
+``HostStagedNS`` instead, per matrix i:
+- lets the host write the input (Muon's momentum update) straight into a pinned buffer, *after* matrix i-1's
+  Newton–Schulz is enqueued, so the host work and the pageable-to-pinned traffic overlap device work;
+- copies it in on a host-to-device stream; Newton–Schulz waits for it on the compute stream;
+- copies the result back into a pinned buffer on a device-to-host stream once Newton–Schulz is done.
+Each direction has its own stream, so a copy in never queues behind a copy back. The host waits once, at the
+end. Buffers are kept across steps, keyed by shape, dtype and occurrence within a step (two matrices in flight
+never share one).
 
-The schedule is device-agnostic: on a CPU-only run ``_HostStreams`` stands in for the streams (nothing to wait
-for) and buffers are plain host memory, so the same code path runs, and is tested, without CUDA.
+The streams are an object with a small interface (``CudaStreams``), so the schedule's order, its waits and its
+host synchronizations are tested on CPU with a stand-in that records them.
 """
 
 from collections.abc import Callable, Sequence
-from contextlib import nullcontext
 
 import torch
 
 
-class _HostStreams:
-    """Streams and events where there are none: every operation is already ordered on the host."""
-
-    pin = False
-    compute = copy = None
-
-    def side(self):
-        return nullcontext()
-
-    def record(self):
-        return None
-
-    def wait(self, event) -> None:
-        pass
-
-    def keep_for(self, tensor: torch.Tensor, stream) -> None:
-        pass
-
-    def synchronize(self, event) -> None:
-        pass
-
-
-class _CudaStreams:
-    """One side stream for copies on ``device``; the compute stream is whichever is current outside ``side()``."""
+class CudaStreams:
+    """A host-to-device and a device-to-host copy stream on ``device``; ``compute`` is the stream current outside
+    ``on``. Streams are named ``"compute"``, ``"to_device"``, ``"to_host"``."""
 
     pin = True
 
     def __init__(self, device: torch.device):
         self.device = device
-        self.copy = torch.cuda.Stream(device)
+        self._side = {"to_device": torch.cuda.Stream(device), "to_host": torch.cuda.Stream(device)}
 
-    @property
-    def compute(self) -> torch.cuda.Stream:
-        return torch.cuda.current_stream(self.device)
+    def _stream(self, name: str) -> torch.cuda.Stream:
+        return torch.cuda.current_stream(self.device) if name == "compute" else self._side[name]
 
-    def side(self):
-        return torch.cuda.stream(self.copy)
+    def on(self, name: str):
+        return torch.cuda.stream(self._side[name])
 
     def record(self) -> torch.cuda.Event:
-        """An event on the stream now current (the side stream inside ``side()``, else the compute stream)."""
+        """An event on the stream now current."""
         event = torch.cuda.Event()
         event.record()
         return event
@@ -64,24 +46,25 @@ class _CudaStreams:
         """Make the current stream wait for ``event`` (device-side; the host does not block)."""
         torch.cuda.current_stream().wait_event(event)
 
-    def keep_for(self, tensor: torch.Tensor, stream: torch.cuda.Stream) -> None:
-        """``tensor`` was allocated on one stream and is used on ``stream``: the caching allocator must not hand
-        its memory out again until ``stream``'s work queued so far is done."""
-        tensor.record_stream(stream)
+    def keep_for(self, tensor: torch.Tensor, name: str) -> None:
+        """``tensor`` was allocated on one stream and is used on ``name``: the caching allocator must not hand its
+        memory out again until that stream's work queued so far is done."""
+        tensor.record_stream(self._stream(name))
 
     def synchronize(self, event: torch.cuda.Event) -> None:
         event.synchronize()
 
 
 class HostStagedNS:
-    """Runs ``ns`` on ``device`` for a list of host matrices; results come back in reused host buffers.
+    """Runs ``ns`` on ``device`` for host matrices written by ``fill``; results come back in reused host buffers.
 
-    ``trace``: a list that receives ``(operation, index)`` in the order operations are issued (tests read it).
+    ``streams``: ``CudaStreams(device)`` by default. ``trace``: a list that receives ``(operation, index)`` in the
+    order operations are issued (tests read it).
     """
 
-    def __init__(self, device: torch.device, trace: list | None = None):
+    def __init__(self, device: torch.device, streams=None, trace: list | None = None):
         self.device = device
-        self.streams = _CudaStreams(device) if device.type == "cuda" else _HostStreams()
+        self.streams = CudaStreams(device) if streams is None else streams
         self.trace = trace
         self._buffers: dict[tuple, torch.Tensor] = {}
 
@@ -95,49 +78,48 @@ class HostStagedNS:
         if self.trace is not None:
             self.trace.append((operation, i))
 
-    def run(self, matrices: Sequence[torch.Tensor], ns: Sequence[Callable[[torch.Tensor], torch.Tensor]]
-            ) -> list[torch.Tensor]:
-        """``ns[i](matrix on device)`` for each host matrix. The returned host tensors are this object's
+    def run(self, inputs: Sequence[tuple[torch.Size, torch.dtype]], fill: Callable[[int, torch.Tensor], None],
+            ns: Sequence[Callable[[torch.Tensor], torch.Tensor]]) -> list[torch.Tensor]:
+        """``ns[i](matrix i on device)`` for each ``(shape, dtype)`` of ``inputs``; ``fill(i, buffer)`` writes matrix
+        i into a host buffer of that shape, just before its copy in. The returned host tensors are this object's
         buffers: use them before the next ``run``."""
-        streams = self.streams
-        seen: dict[tuple, int] = {}
-        nth = []
-        for G in matrices:
-            key = (tuple(G.shape), G.dtype)
+        streams, seen, nth = self.streams, {}, []
+        for shape, dtype in inputs:
+            key = (tuple(shape), dtype)
             nth.append(seen.get(key, 0))
             seen[key] = nth[-1] + 1
-        arrived: list = [None] * len(matrices)  # (device tensor, event after its copy)
 
-        def copy_in(i: int) -> None:
-            staged = self._buffer("in", matrices[i].shape, matrices[i].dtype, nth[i]).copy_(matrices[i])
-            with streams.side():
+        def copy_in(i: int) -> tuple[torch.Tensor, object]:
+            staged = self._buffer("in", inputs[i][0], inputs[i][1], nth[i])
+            fill(i, staged)
+            self._log("fill", i)
+            with streams.on("to_device"):
                 on_device = staged.to(self.device, non_blocking=True)
-                arrived[i] = (on_device, streams.record())
-            streams.keep_for(on_device, streams.compute)
+                arrived = streams.record()
+            streams.keep_for(on_device, "compute")
             self._log("copy_in", i)
+            return on_device, arrived
 
-        results = []
-        done = None
-        if matrices:
-            copy_in(0)
-        for i in range(len(matrices)):
-            if i + 1 < len(matrices):
-                copy_in(i + 1)  # crosses the bus while matrix i is orthogonalized
-            G_device, event = arrived[i]
-            arrived[i] = None
-            streams.wait(event)
+        results, done = [], None
+        incoming = copy_in(0) if inputs else None
+        for i in range(len(inputs)):
+            G_device, arrived = incoming
+            streams.wait(arrived)
             O = ns[i](G_device)
+            del G_device
             self._log("ns", i)
             ns_done = streams.record()
-            streams.keep_for(O, streams.copy)
-            with streams.side():
+            streams.keep_for(O, "to_host")
+            with streams.on("to_host"):
                 streams.wait(ns_done)
                 out = self._buffer("out", O.shape, O.dtype, nth[i])
                 out.copy_(O, non_blocking=True)
                 done = streams.record()
             self._log("copy_out", i)
             results.append(out)
+            if i + 1 < len(inputs):
+                incoming = copy_in(i + 1)  # the host fills the next while the device runs this Newton–Schulz
         if done is not None:
-            streams.synchronize(done)  # the side stream is in order: its last event covers every copy back
-        self._log("synchronize", len(matrices))
+            streams.synchronize(done)  # each stream runs in order and each waited for the one before
+            self._log("synchronize", len(inputs))
         return results

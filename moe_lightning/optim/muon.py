@@ -7,12 +7,13 @@ from collections.abc import Iterable
 from typing import Literal
 
 import torch
+from lightning.pytorch.utilities import rank_zero_info
 from torch.distributed.tensor import DTensor
 
 from .host_staging import HostStagedNS
 from .flexshard import RowExchange, check_trainable_agree, classify, comm_device, plan_shard_groups
 from .muon_groups import split_by_algorithm
-from .newton_schulz import coefficient_schedule, newton_schulz
+from .newton_schulz import coefficient_schedule, newton_schulz, ns_dtype_for
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -61,7 +62,11 @@ class Muon(torch.optim.Optimizer):
         muon_patterns: ``fnmatch`` globs of parameter names forced to Muon (matrices or stacks only).
         adamw_patterns: ``fnmatch`` globs of parameter names forced to AdamW.
         ns_device: Where Newton–Schulz runs; ``None``: the parameter's device, except that host-resident
-            parameters of a GPU run (FSDP CPU offload) are orthogonalized on the current CUDA device.
+            parameters of a GPU run (FSDP CPU offload) are orthogonalized on the current CUDA device (their
+            copies staged and overlapped, ``host_staging``).
+        ns_dtype: Newton–Schulz precision: ``"auto"`` (bf16 on GPUs and on CPUs with bf16 units, fp32 on other
+            CPUs, where bf16 matmuls are emulated ~100x slower; said once in the log), ``"bfloat16"`` (the
+            operations of ``torch.optim.Muon``) or ``"float32"``. Row-sharded matrices travel in it too.
     """
 
     def __init__(self, params: Iterable, lr: float = 3e-4, momentum: float = 0.95, nesterov: bool = True,
@@ -70,7 +75,7 @@ class Muon(torch.optim.Optimizer):
                  weight_decay: float = 0.1, eps: float = 1e-7, adamw_lr: float | None = None,
                  adamw_betas: tuple[float, float] = (0.9, 0.95), adamw_eps: float = 1e-8,
                  muon_patterns: list[str] | None = None, adamw_patterns: list[str] | None = None,
-                 ns_device: str | None = None):
+                 ns_device: str | None = None, ns_dtype: Literal["auto", "bfloat16", "float32"] = "auto"):
         for field, value in (("lr", lr), ("weight_decay", weight_decay), ("eps", eps), ("adamw_eps", adamw_eps)):
             if value < 0:
                 raise ValueError(f"Muon.{field}={value} must be >= 0.")
@@ -78,6 +83,8 @@ class Muon(torch.optim.Optimizer):
             raise ValueError(f"Muon.momentum={momentum} and adamw_betas={adamw_betas} must lie in [0, 1).")
         if adjust_lr_fn not in ("original", "match_rms_adamw"):
             raise ValueError(f"Muon.adjust_lr_fn={adjust_lr_fn!r}: use 'original' or 'match_rms_adamw'.")
+        if ns_dtype not in ("auto", "bfloat16", "float32"):
+            raise ValueError(f"Muon.ns_dtype={ns_dtype!r}: use 'auto', 'bfloat16' or 'float32'.")
         coefficient_schedule(ns_coefficients, ns_steps)  # validate now, not at the first step
         params = list(params)
         groups = params if params and isinstance(params[0], dict) else [{"params": params}]
@@ -95,10 +102,14 @@ class Muon(torch.optim.Optimizer):
                         eps=eps, betas=tuple(adamw_betas), adamw_eps=adamw_eps)
         super().__init__(groups, defaults)
         self.ns_device = torch.device(ns_device) if ns_device else None
+        self.ns_dtype = ns_dtype
+        self._ns_dtypes: dict[torch.device, torch.dtype] = {}
         self._plan = None
         self._exchange_cache = None
         self._staging: HostStagedNS | None = None
-        self.stage_host_copies = True  # False: the serial blocking path (benchmarks/muon_gpu_step.py compares)
+        # None: stage where the state and Newton–Schulz live on different devices; False: the serial blocking path
+        # (benchmarks/muon_gpu_step.py compares); True: always (CPU tests of the schedule, with stand-in streams)
+        self.stage_host_copies: bool | None = None
 
     def _compute_device(self, like: torch.Tensor) -> torch.device:
         if self.ns_device is not None:
@@ -106,6 +117,16 @@ class Muon(torch.optim.Optimizer):
         if like.device.type == "cpu" and _training_on_cuda():  # FSDP CPU offload: NS still on the GPU
             return torch.device("cuda", torch.cuda.current_device())
         return like.device
+
+    def _ns_dtype(self, device: torch.device) -> torch.dtype:
+        """``ns_dtype`` resolved for ``device``; the first time, the log says which and why."""
+        if device not in self._ns_dtypes:
+            dtype = self._ns_dtypes[device] = ns_dtype_for(device, self.ns_dtype)
+            why = "as set (ns_dtype)" if self.ns_dtype != "auto" else (
+                "this CPU has no bf16 matmul units (ns_dtype: bfloat16 forces it)" if dtype == torch.float32
+                else "bf16 matmuls are fast here")
+            rank_zero_info(f"Muon: Newton–Schulz runs in {str(dtype).removeprefix('torch.')} on {device}: {why}.")
+        return self._ns_dtypes[device]
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -131,30 +152,29 @@ class Muon(torch.optim.Optimizer):
         orthogonalized locally; if it is row-sharded its gradient counts as zero, and the step is applied only
         if some rank had one (``RowExchange``'s flags)."""
         device = self._compute_device(_local(muon[0][1]))
-        exchanges = self._exchanges(muon, device)
+        dtype = self._ns_dtype(device)
+        exchanges = self._exchanges(muon, device, dtype)
         sharded = {i for ex in exchanges for i, _ in ex.sg.indices}
         present = [p.grad is not None for _, p in muon]
         pending = {}  # row-sharded parameters without a gradient: their momentum buffer after this step
-        updates = []
-        for i, (group, p) in enumerate(muon):
+        updates = {}
+        for i in sorted(sharded):
+            group, p = muon[i]
             if present[i]:
-                updates.append(self._momentum_update(group, p))
-            elif i in sharded:
-                pending[i], update = self._momentum_without_grad(group, p)
-                updates.append(update)
+                updates[i] = self._momentum_update(group, p)
             else:
-                updates.append(None)
+                pending[i], updates[i] = self._momentum_without_grad(group, p)
         for ex in exchanges:
             ex.start_gather([updates[i] if e is None else updates[i][e] for i, e in ex.sg.indices],
                             [present[i] for i, _ in ex.sg.indices])
         schedules = {id(g): self._schedule(g) for g, _ in muon}  # once per group, not per matrix
-        local = [i for i in range(len(muon)) if i not in sharded and present[i]]
-        ns = [partial(newton_schulz, schedule=schedules[id(muon[i][0])], eps=muon[i][0]["eps"]) for i in local]
-        for i, O in zip(local, self._local_newton_schulz([updates[i] for i in local], ns, device)):
-            self._apply(*muon[i], O)
+        local = [muon[i] for i in range(len(muon)) if i not in sharded and present[i]]
+        ns = [partial(newton_schulz, schedule=schedules[id(g)], eps=g["eps"], dtype=dtype) for g, _ in local]
+        for (group, p), O in zip(local, self._local_newton_schulz(local, ns, device)):
+            self._apply(group, p, O)
         for ex in exchanges:  # NS of every owned matrix first, so all scatters are in flight together
             groups = [muon[ex.sg.indices[k][0]][0] for k in ex.mine]
-            ex.start_scatter([newton_schulz(G_MN.to(device), schedules[id(group)], group["eps"])
+            ex.start_scatter([newton_schulz(G_MN.to(device), schedules[id(group)], group["eps"], dtype)
                               for G_MN, group in zip(ex.owned_matrices(), groups)])
 
         def finish():
@@ -172,14 +192,21 @@ class Muon(torch.optim.Optimizer):
                     self._apply(group, p, torch.stack(O) if p.ndim == 3 else O[0], anyone[i] if i in pending else None)
         return finish
 
-    def _local_newton_schulz(self, matrices: list[torch.Tensor], ns: list, device: torch.device) -> list[torch.Tensor]:
-        """``ns[i](matrices[i])`` on ``device``. Host-resident matrices go through ``HostStagedNS`` (pinned staging,
-        copies overlapped with the previous matrix's NS, one wait) unless ``stage_host_copies`` is off."""
-        if not self.stage_host_copies or any(G.device.type != "cpu" for G in matrices):
-            return [fn(G.to(device)) for G, fn in zip(matrices, ns)]
+    def _local_newton_schulz(self, local: list[tuple[dict, torch.Tensor]], ns: list,
+                             device: torch.device) -> list[torch.Tensor]:
+        """Momentum update and ``ns[i]`` on ``device`` for each ``(group, parameter)``, in order. Host-resident
+        matrices orthogonalized on another device go through ``HostStagedNS`` (momentum written into pinned
+        buffers while the previous matrix is orthogonalized, a stream per copy direction, one wait), unless
+        ``stage_host_copies`` says otherwise; everything else runs where it is, without copies."""
+        on_host = all(_local(p).device.type == "cpu" for _, p in local)
+        stage = on_host and device.type != "cpu" if self.stage_host_copies is None else self.stage_host_copies
+        if not stage:
+            return [fn(self._momentum_update(g, p).to(device)) for (g, p), fn in zip(local, ns)]
         if self._staging is None or self._staging.device != device:
             self._staging = HostStagedNS(device)
-        return self._staging.run(matrices, ns)
+        grads = [_local(p.grad) for _, p in local]
+        return self._staging.run([(G.shape, G.dtype) for G in grads],
+                                 lambda k, out: self._momentum_update(*local[k], out=out), ns)
 
     def _shard_groups(self, muon):
         """FlexShard plan for this parameter set; placements never change, so plan once."""
@@ -193,12 +220,13 @@ class Muon(torch.optim.Optimizer):
             self._plan = (key, plan_shard_groups(names, [p for _, p in muon], max(steps)))
         return self._plan[1]
 
-    def _exchanges(self, muon, device: torch.device) -> list[RowExchange]:
+    def _exchanges(self, muon, device: torch.device, dtype: torch.dtype) -> list[RowExchange]:
         """One ``RowExchange`` per shard group, built with the plan (its layout arithmetic is fixed too)."""
         groups = self._shard_groups(muon)
-        if self._exchange_cache is None or self._exchange_cache[0] is not groups or self._exchange_cache[1] != device:
-            self._exchange_cache = (groups, device, [RowExchange(sg, comm_device(sg.group, device)) for sg in groups])
-        return self._exchange_cache[2]
+        key = (groups, device, dtype)
+        if self._exchange_cache is None or self._exchange_cache[0] is not groups or self._exchange_cache[1:3] != key[1:]:
+            self._exchange_cache = (*key, [RowExchange(sg, comm_device(sg.group, device), dtype) for sg in groups])
+        return self._exchange_cache[3]
 
     @staticmethod
     def _name(group: dict, p: torch.Tensor) -> str:
@@ -209,14 +237,17 @@ class Muon(torch.optim.Optimizer):
     def _schedule(group: dict):
         return coefficient_schedule(group["ns_coefficients"], group["ns_steps"])
 
-    def _momentum_update(self, group: dict, p: torch.Tensor) -> torch.Tensor:
-        """Update the momentum buffer in place and return what gets orthogonalized (local shard, fp32)."""
+    def _momentum_update(self, group: dict, p: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Update the momentum buffer in place and return what gets orthogonalized (local shard, fp32), written
+        into ``out`` if given (a pinned staging buffer)."""
         state = self.state[p]
         if "momentum_buffer" not in state:
             state["momentum_buffer"] = torch.zeros_like(p.grad)
         grad, buf = _local(p.grad), _local(state["momentum_buffer"])
         buf.lerp_(grad, 1 - group["momentum"])
-        return grad.lerp(buf, group["momentum"]) if group["nesterov"] else buf
+        if group["nesterov"]:
+            return grad.lerp(buf, group["momentum"]) if out is None else torch.lerp(grad, buf, group["momentum"], out=out)
+        return buf if out is None else out.copy_(buf)
 
     def _momentum_without_grad(self, group: dict, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``_momentum_update`` for a zero gradient, without changing the buffer: (new buffer, local update)."""
