@@ -49,12 +49,40 @@ def test_gpu_all_runs_every_part_reports_failures_and_exits_nonzero(tmp_path):
     done = run_gpu_all(tmp_path, 420, muon_gpu_step="fail")
     lines = done.stdout.splitlines()
     assert "gpu_all: total budget 420 s" in lines[0]
-    parts = [line.split("--- ")[1].split(" ")[0] for line in lines if "--- " in line]
-    assert parts == ["smoke", "offload", "attention", "muon", "strategy"]  # smoke first, then by value
+    parts = [line.split("--- ")[1].split(" ")[0] for line in lines if line.startswith("gpu_all: --- ")]
+    assert parts == ["recipe", "offload", "attention", "muon", "strategy"]  # the 1T recipe first, then by value
     assert "gpu_all: FAILED muon (exit 3)" in lines and "gpu_all: ok strategy" in lines
     assert done.returncode == 1 and "FAILED PARTS: muon:exit3" in done.stdout
     assert (tmp_path / "out" / "strategy.log").read_text().splitlines() == [
-        '{"part": "gpu_strategy", "box_s": 60}', '{"part": "gpu_strategy", "status": "ok"}']  # told its time box
+        '{"part": "gpu_strategy", "box_s": 50}', '{"part": "gpu_strategy", "status": "ok"}']  # told its time box
+    # the boxes add up to at most 7 minutes (a rerun fits the 15-minute lease), and the parts share one cache
+    boxes = [int(line.split("time box ")[1].split(" ")[0]) for line in lines if "time box" in line]
+    assert sum(boxes) <= 400
+    # the summary table: one row per part with its outcome
+    assert "| muon | FAILED (exit 3) |" in lines and "| part | outcome |" in lines
+    assert any(line.startswith("| recipe | ok in ") for line in lines)
+
+
+def test_gpu_all_checks_the_triton_launcher_first_and_skips_only_the_compiled_parts(tmp_path):
+    done = run_gpu_all(tmp_path, 420, gpu_preflight="fail")
+    lines = done.stdout.splitlines()
+    assert "SKIPPED recipe (Triton cannot build its launcher" in done.stdout
+    assert "SKIPPED attention (Triton cannot build its launcher" in done.stdout
+    assert [line.split("--- ")[1].split(" ")[0] for line in lines if line.startswith("gpu_all: --- ")] == ["offload", "muon", "strategy"]
+    assert done.returncode == 1 and "recipe:no-compiler" in done.stdout
+
+
+def test_preflight_names_what_triton_lacks_in_one_line(monkeypatch, tmp_path, capsys):
+    preflight = load_benchmark("gpu_preflight")
+    assert preflight.main() == 0 and capsys.readouterr().out.count("\n") == 1  # this machine has gcc and Python.h
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setattr(preflight.sysconfig, "get_paths", lambda scheme=None: {"include": str(tmp_path)})
+    assert preflight.main() == 2
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1 and "no C compiler at CC=" in out and f"no Python.h under {tmp_path}" in out
+    monkeypatch.delenv("CC")
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert preflight.problems()[0] == "no C compiler ($CC unset or missing, no gcc or clang on PATH)"
 
 
 def test_gpu_all_exits_zero_only_when_every_part_succeeded(tmp_path):
@@ -136,11 +164,41 @@ def gpu_smoke():
 
 
 def test_gpu_smoke_dry_run_trains_the_1t_mini_path_on_cpu(gpu_smoke, capsys):
-    summary = gpu_smoke.main(["--dry-run"])
+    summary = gpu_smoke.main(["--dry-run", "--peak-flops", "1e12"])
     assert summary["steps"] == 2 and summary["seq_len"] == 1024 and summary["precision"] == "32-true"
+    assert summary["mtp_layers"] == 1 and summary["doc_len"] == 256  # the recipe: MTP and documents on
     assert all(0 < loss < 10 for loss in summary["losses"])
-    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith('{"step"')]
+    out = capsys.readouterr().out.splitlines()
+    rows = [json.loads(line) for line in out if line.startswith('{"step"')]
     assert [row["step"] for row in rows] == [0, 1]  # one line per step, printed as it ends
+    # MFU from the document-masked count: FLOPs per token below the whole-sequence causal count
+    from moe_lightning.flops import training_flops_per_token
+    config = gpu_smoke.MoEConfig(**{**gpu_smoke.yaml.safe_load(open(gpu_smoke.CONFIG))["model"]["init_args"]["config"],
+                                    "mtp_layers": 1})
+    for row in rows:
+        flops_per_token = row["mfu"] * 1e12 / row["tokens_per_s"]
+        assert 0 < flops_per_token < training_flops_per_token(config, 1024)
+        assert flops_per_token == pytest.approx(training_flops_per_token(config, 1024, doc_len=256), rel=0.02)
+    table = [line for line in out if line.startswith("|")]
+    assert table[0] == "| measurement | value |" and any("MFU (document-masked" in line for line in table)
+
+
+def test_offload_overlap_is_measured_from_the_device_timeline(gpu_smoke):
+    """Copies of the boundary size against kernels on other streams, from the profiler's Chrome trace."""
+    def ev(cat, name, ts, dur, stream, nbytes=None):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur,
+                "args": {"stream": stream, **({"bytes": nbytes} if nbytes else {})}}
+    trace = {"traceEvents": [
+        ev("kernel", "gemm", 0, 100, 7), ev("kernel", "gemm", 150, 100, 7), ev("kernel", "nccl", 90, 30, 9),
+        ev("gpu_memcpy", "Memcpy DtoH (Device -> Pinned)", 80, 40, 20, 4096),    # 80-120: covered 100 %
+        ev("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", 230, 40, 21, 4096),   # 230-270: 20 of 40 covered
+        ev("gpu_memcpy", "Memcpy HtoD (Pageable -> Device)", 0, 500, 7, 64),     # other size: not offload
+    ]}
+    timeline = gpu_smoke.offload_timeline(trace, 4096)
+    assert timeline["copies"] == 2 and timeline["overlap_fraction"] == pytest.approx(60 / 80)
+    assert timeline["timeline"] == [("out", 0.08, 0.04), ("in", 0.23, 0.04)]
+    assert gpu_smoke.offload_timeline(trace, 1)["overlap_fraction"] is None
+    assert gpu_smoke.merged([(0, 2), (1, 3), (5, 6)]) == [(0, 3), (5, 6)]
 
 
 def test_gpu_smoke_counts_every_blocking_cuda_call_and_names_the_package_frame(gpu_smoke):
