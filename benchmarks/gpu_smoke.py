@@ -111,10 +111,11 @@ def overlap_fraction(copies: list[tuple[float, float]], compute: list[tuple[floa
 def offload_timeline(trace: dict, copy_bytes: int) -> dict:
     """From a profiler Chrome trace: the device copies of ``copy_bytes`` (ActivationOffload's boundary size), each
     ``(direction, start_ms, duration_ms)`` from the first kernel, and the fraction of their time that overlaps
-    kernels on other streams (compute)."""
+    kernels on other streams (compute). Kineto names the categories ``kernel``/``gpu_memcpy`` (older: ``Kernel``/
+    ``Memcpy``) and gives each copy's ``stream`` and ``bytes`` in its args."""
     events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]
-    kernels = [e for e in events if e.get("cat") == "kernel"]
-    copies = [e for e in events if e.get("cat") == "gpu_memcpy" and (e.get("args") or {}).get("bytes") == copy_bytes
+    kernels = [e for e in events if str(e.get("cat")).lower() == "kernel"]
+    copies = [e for e in events if e.get("cat") in ("gpu_memcpy", "Memcpy") and (e.get("args") or {}).get("bytes") == copy_bytes
               and ("DtoH" in e.get("name", "") or "HtoD" in e.get("name", ""))]
     if not copies:
         return {"copies": 0, "overlap_fraction": None, "timeline": []}
