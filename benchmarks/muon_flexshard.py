@@ -7,7 +7,7 @@ Each rank builds the tiny-config model, ``fully_shard``s every block (expert sta
 Shard(0)) and times ``optimizer.step()`` on fixed gradients (median after a warm-up step). Bytes are
 per rank and per step: the largest tensor of each collective (what one rank sends or receives),
 counted by a dispatch mode that sees both c10d and functional (DTensor) collectives.
-- FlexShard: ``moe_lightning.optim.Muon``; experts local, dense matrices gathered to LPT owners in bf16.
+- FlexShard: ``moe_lightning.optim.Muon``; experts local, dense matrices gathered to LPT owners in the Newton–Schulz dtype (bf16, or fp32 on CPUs without bf16 units).
 - torch.optim.Muon: on the FSDP2 DTensors; it rejects 3-D stacks, so it only gets the dense matrices
   and is compared against FlexShard on the same dense-only set.
 - gather-all: every rank all-gathers every fp32 update (``full_tensor``), orthogonalizes all of them
@@ -64,7 +64,7 @@ class GatherAllMuon(Muon):
             U = self._momentum_update(group, p)
             if isinstance(p, DTensor):
                 U = DTensor.from_local(U, p.device_mesh, p.placements, shape=p.shape, stride=p.stride()).full_tensor()
-            O = newton_schulz(U, self._schedule(group), group["eps"])
+            O = newton_schulz(U, self._schedule(group), group["eps"], self._ns_dtype(U.device))  # as Muon's
             if isinstance(p, DTensor):
                 O = torch.chunk(O, p.device_mesh.size(), dim=0)[p.device_mesh.get_local_rank()]
             self._apply(group, p, O)
