@@ -201,7 +201,7 @@ def test_yaml_builds_muon_through_the_module_optimizer_callable(capsys):
     assert placed["layers.0.attention.wq.weight"] == "adamw" and placed["layers.1.ffn.experts.w1_EFD"] == "muon"
 
 
-def test_newton_schulz_dtype_follows_what_the_cpu_runs_fast(monkeypatch, caplog):
+def test_newton_schulz_dtype_follows_what_the_cpu_runs_fast(monkeypatch):
     """An AVX2-only CPU emulates bf16 matmuls ~100x slower than fp32: ``auto`` picks fp32 there and says so once;
     a CPU with bf16 units (or a GPU) keeps bf16, and ``ns_dtype`` forces either."""
     import logging
@@ -217,9 +217,16 @@ def test_newton_schulz_dtype_follows_what_the_cpu_runs_fast(monkeypatch, caplog)
     assert ns_module.ns_dtype_for(cpu, "bfloat16") == torch.bfloat16
     ours, _ = twin_params([(16, 24), (4, 12, 20)])
     opt = Muon(ours, lr=0.02)
-    with caplog.at_level(logging.INFO):
+    records = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = records.append
+    logger = logging.getLogger("lightning.pytorch.utilities.rank_zero")  # where rank_zero_info writes
+    logger.addHandler(handler)
+    try:
         step_both(ours, [], opt, torch.optim.SGD([torch.zeros(1, requires_grad=True)]), steps=2)
-    said = [r.getMessage() for r in caplog.records if "Newton–Schulz runs in" in r.getMessage()]
+    finally:
+        logger.removeHandler(handler)
+    said = [r.getMessage() for r in records if "Newton–Schulz runs in" in r.getMessage()]
     assert said == ["Muon: Newton–Schulz runs in float32 on cpu: this CPU has no bf16 matmul units "
                     "(ns_dtype: bfloat16 forces it)."]
     assert opt._ns_dtypes == {cpu: torch.float32}
