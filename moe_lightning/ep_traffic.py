@@ -103,17 +103,24 @@ def uniform_copies(config: MoEConfig, nodes: int, local: int, tokens: int) -> Co
                   fanout_intra=tokens * K * (local - 1) / local)
 
 
-def traffic(config: MoEConfig, ep: int, gpus_per_node: int, tokens: int, gpu: str, compute_s: float,
-            ib_gbps: float | None = None, nvlink_gbps: float | None = None) -> dict | None:
-    """Expert-exchange bytes per GPU per step (bf16 rows, every MoE layer, with and without recompute) and
-    their time at the links' bandwidth beside ``compute_s``; None without expert parallelism."""
-    if ep == 1 or not config.n_moe_layers:
+def add_arguments(parser) -> None:
+    parser.add_argument("--ib-gbps", type=float, help="InfiniBand GB/s per GPU per direction for the expert "
+                        f"exchange (default by --gpu: {', '.join(f'{g} {b[0]:g}' for g, b in BANDWIDTH_GBPS.items())})")
+    parser.add_argument("--nvlink-gbps", type=float, help="NVLink GB/s per GPU per direction (default by --gpu: "
+                        f"{', '.join(f'{g} {b[1]:g}' for g, b in BANDWIDTH_GBPS.items())})")
+
+
+def traffic(config: MoEConfig, plan: dict, ib_gbps: float | None = None, nvlink_gbps: float | None = None
+            ) -> dict | None:
+    """Expert-exchange bytes per GPU per step of a ``plan`` result (bf16 rows, every MoE layer, with and without
+    recompute) and their time at the links' bandwidth beside the step's compute time; None without ``ep``."""
+    c, w = plan["cluster"], plan["workload"]
+    ep, per_node = c["expert_parallel_size"], c["gpus_per_node"]
+    if ep == 1 or not config.n_moe_layers or (ep > per_node and ep % per_node):
         return None
-    local = min(ep, gpus_per_node) if ep % gpus_per_node == 0 or ep < gpus_per_node else None
-    if local is None:
-        return None
-    nodes = ep // local
-    ib, nvlink = BANDWIDTH_GBPS.get(gpu, (None, None))
+    local = min(ep, per_node)
+    nodes, tokens = ep // local, w["micro_batch"] * w["seq_len"]
+    ib, nvlink = BANDWIDTH_GBPS.get(c["gpu"], (None, None))
     ib, nvlink = ib_gbps or ib, nvlink_gbps or nvlink
     layer = exchange_bytes(config.dim, config.top_k, config.num_experts // ep, nodes, local, 2, 2,
                            uniform_copies(config, nodes, local, tokens))
@@ -124,19 +131,19 @@ def traffic(config: MoEConfig, ep: int, gpus_per_node: int, tokens: int, gpu: st
         for recompute in (False, True):
             inter, intra = (config.n_moe_layers * (s["forward"] * (2 if recompute else 1) + s["backward"])
                             for s in (scopes["inter"], scopes["intra"]))
-            seconds = max(inter / (ib * 1e9) if ib else 0.0, intra / (nvlink * 1e9) if nvlink else 0.0)
+            seconds = max(inter / (ib * 1e9), intra / (nvlink * 1e9)) if ib and nvlink else None
             rows[f"{kind}{' + recompute' if recompute else ''}"] = {
-                "inter_node_bytes": inter, "intra_node_bytes": intra, "seconds": seconds if ib else None}
+                "inter_node_bytes": inter, "intra_node_bytes": intra, "seconds": seconds}
     return {"nodes": nodes, "ranks_per_node": local, "tokens_per_gpu": tokens,
             "nodes_per_token": expected_nodes_per_token(config, nodes), "ib_gbps": ib, "nvlink_gbps": nvlink,
-            "compute_seconds": compute_s, "rows": rows}
+            "compute_seconds": tokens / plan["tokens_per_s_per_gpu"], "rows": rows}
 
 
 def format_traffic(t: dict | None) -> list[str]:
     if t is None:
         return []
     bw = (f"at {t['ib_gbps']:g} GB/s InfiniBand and {t['nvlink_gbps']:g} GB/s NVLink per GPU (--ib-gbps, "
-          f"--nvlink-gbps)" if t["ib_gbps"] else "(no bandwidth known for this GPU: pass --ib-gbps, --nvlink-gbps)")
+          f"--nvlink-gbps)" if t["ib_gbps"] and t["nvlink_gbps"] else "(no bandwidth known for this GPU: pass --ib-gbps, --nvlink-gbps)")
     lines = ["", f"expert exchange   ep over {t['nodes']} node(s) x {t['ranks_per_node']} GPUs, "
              f"{t['tokens_per_gpu']:,} tokens per GPU, {t['nodes_per_token']:.2f} nodes per token (uniform "
              f"routing), bf16; per GPU per step {bw}",

@@ -10,11 +10,11 @@ while the token exchange is in flight, and in backward while the reverse exchang
 back to the host once per MoE forward.
 """
 
+import warnings
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 
 from ..model import GroupedExperts, MoELayer
@@ -270,31 +270,30 @@ def _subgroups(group: dist.ProcessGroup, nodes: int, local: int) -> tuple[dist.P
     return inter, intra
 
 
-def check_node_limited_routing(moe: MoELayer, experts_per_node: int, nodes: int) -> str:
-    """How many nodes a token can reach under this routing; a warning when expert groups straddle nodes."""
-    router, E, K = moe.router, moe.num_experts, moe.top_k
-    if router.n_groups == 1:
-        return f"unrestricted routing: a token reaches up to {min(K, nodes)} of {nodes} nodes"
-    per_group = E // router.n_groups
-    span = max(len({e // experts_per_node for e in range(g * per_group, (g + 1) * per_group)})
-               for g in range(router.n_groups))
-    reach = min(router.n_limited_groups * span, K, nodes)
+def node_reach(n_groups: int, n_limited_groups: int, num_experts: int, top_k: int, nodes: int
+               ) -> tuple[str, str | None]:
+    """How many of ``nodes`` (node-major experts) a token can reach under group-limited routing, and a warning
+    when the groups straddle nodes (then the groups do not bound the nodes: not DeepSeek-V3's node limit)."""
+    if n_groups == 1:
+        return f"unrestricted routing: a token reaches up to {min(top_k, nodes)} of {nodes} nodes", None
+    per_group, per_node = num_experts // n_groups, num_experts // nodes
+    span = max(len({e // per_node for e in range(g * per_group, (g + 1) * per_group)}) for g in range(n_groups))
+    reach = min(n_limited_groups * span, top_k, nodes)
     if span == 1:
-        return (f"node-limited routing: {router.n_groups} groups of {per_group} experts, each within one node; "
-                f"a token reaches at most {reach} of {nodes} nodes")
-    rank_zero_warn(
-        f"model.config.n_expert_groups={router.n_groups} ({per_group} experts per group) does not align with the "
-        f"expert-parallel layout's nodes ({experts_per_node} experts per node, {nodes} nodes): a group spans up to "
-        f"{span} nodes, so group-limited routing bounds a token only to {reach} nodes. For node-limited routing "
-        f"(DeepSeek-V3's M) set n_expert_groups={E // experts_per_node} (one group per node) and n_limited_groups "
-        f"to the node bound M; this changes the model (its routing).")
-    return f"group-limited routing not aligned with nodes: a token reaches up to {reach} of {nodes} nodes"
+        return (f"node-limited routing: {n_groups} groups of {per_group} experts, each within one node; a token "
+                f"reaches at most {reach} of {nodes} nodes"), None
+    return (f"group-limited routing not aligned with nodes: a token reaches up to {reach} of {nodes} nodes",
+            f"model.config.n_expert_groups={n_groups} ({per_group} experts per group) does not align with the "
+            f"expert-parallel layout's nodes ({per_node} experts per node, {nodes} nodes): a group spans up to {span} "
+            f"nodes, so n_limited_groups={n_limited_groups} bounds a token only to {reach} nodes. For node-limited "
+            f"routing (DeepSeek-V3's M) set n_expert_groups={nodes} (one group per node) and n_limited_groups to "
+            f"the node bound M; this changes the model (its routing).")
 
 
 @torch.no_grad()
 def apply_expert_parallel(moe_layers: list[MoELayer], group: dist.ProcessGroup, ranks_per_node: int | None = None
-                          ) -> None:
-    """Keep this rank's contiguous block of ``E / ep`` experts and install the dispatcher.
+                          ) -> str:
+    """Keep this rank's contiguous block of ``E / ep`` experts and install the dispatcher; returns which, for the log.
 
     ``ranks_per_node`` (the launcher's ``LOCAL_WORLD_SIZE``, Lightning's ``devices``) picks it: hierarchical
     when the group spans several nodes, flat within one node (or when not given)."""
@@ -317,7 +316,11 @@ def apply_expert_parallel(moe_layers: list[MoELayer], group: dist.ProcessGroup, 
             block = param[ep_rank * local:(ep_rank + 1) * local].clone()
             setattr(experts, name, nn.Parameter(block, requires_grad=param.requires_grad))
         moe.dispatcher = dispatcher
-    if moe_layers:
-        if hierarchical:
-            how += "; " + check_node_limited_routing(moe_layers[0], moe_layers[0].num_experts // layout[0], layout[0])
-        rank_zero_info(f"expert parallelism over {ep} ranks: {how}.")
+    if moe_layers and hierarchical:
+        moe = moe_layers[0]
+        reach, warning = node_reach(moe.router.n_groups, moe.router.n_limited_groups, moe.num_experts, moe.top_k,
+                                    layout[0])
+        how += "; " + reach
+        if warning and dist.get_rank() == 0:
+            warnings.warn(warning)
+    return f"expert parallelism over {ep} ranks: {how}."
