@@ -14,10 +14,13 @@ import subprocess
 import sys
 
 import pytest
+import torch
+import torch.distributed as dist
 
 from moe_lightning import ep_traffic
 from moe_lightning.model import MoEConfig
-from moe_lightning.parallel.expert_parallel import node_reach
+from moe_lightning.model.moe import MoELayer
+from moe_lightning.parallel.expert_parallel import AllToAllTokenDispatcher, node_reach
 from moe_lightning.plan import main
 from tests.distributed import REPO_ROOT, clean_env, free_port
 
@@ -150,3 +153,85 @@ def test_fit_on_two_nodes_equals_one_node_with_mtp_and_activation_offload(tmp_pa
     log, one_node = fit(tmp_path, "one", 1, 4, *extra)
     assert "flat all-to-all dispatch within one node of 4 ranks" in log
     assert len(two_nodes) == 3 and two_nodes == pytest.approx(one_node, rel=1e-5)
+
+
+@pytest.fixture
+def one_rank_group(tmp_path):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    yield dist.group.WORLD
+    dist.destroy_process_group()
+
+
+def test_shared_experts_run_while_the_token_exchange_is_in_flight_forward_and_backward(one_rank_group, monkeypatch):
+    """The order a GPU would overlap in: the token exchange is launched, the shared experts run (forward, and in
+    backward their backward), then the exchange is awaited. One gloo rank; the routing weights travel with the
+    rows (one exchange of packed rows, not two), and one host read per forward."""
+    events = []
+    launch = dist.all_to_all_single
+
+    class Work:
+        def __init__(self, work, rows):
+            self.work, self.rows = work, rows
+
+        def wait(self):
+            events.append(f"wait {self.rows}")
+            return self.work.wait()
+
+    def recorded(output, input, *args, async_op=False, **kwargs):
+        work = launch(output, input, *args, async_op=async_op, **kwargs)
+        if not async_op:
+            events.append("counts")
+            return work
+        events.append(f"launch {input.shape[0]}x{input.shape[1]} {input.dtype}")
+        return Work(work, input.shape[0])
+
+    monkeypatch.setattr(dist, "all_to_all_single", recorded)
+    torch.manual_seed(0)
+    config = MoEConfig(dim=16, num_experts=4, top_k=2, expert_hidden=8, n_shared_experts=1)
+    moe = MoELayer(config)
+    moe.init_weights(std=16 ** -0.5, out_std=8 ** -0.5)
+    moe.dispatcher = AllToAllTokenDispatcher(one_rank_group)
+    shared = moe.shared_experts
+    shared.register_forward_hook(lambda *_: events.append("shared forward"))
+    shared.register_full_backward_hook(lambda *_: events.append("shared backward"))
+    x = torch.randn(1, 5, 16, requires_grad=True)
+    reads = []
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda t, _orig=torch.Tensor.tolist: reads.append(1) or _orig(t))
+    y = moe(x)
+    assert len(reads) == 1
+    assert events == ["counts", "launch 10x68 torch.uint8", "shared forward", "wait 10",  # 16 fp32 + weight: 68 B
+                      "launch 10x16 torch.float32", "wait 10"]  # the experts' outputs back
+    events.clear()
+    (y * torch.randn_like(y)).sum().backward()
+    assert events == ["launch 10x16 torch.float32", "wait 10",  # the outputs' gradients to the experts
+                      "launch 10x68 torch.uint8", "shared backward", "wait 10"]  # rows' and weights' back
+    reference = MoELayer(config)
+    reference.load_state_dict(moe.state_dict())
+    x_ref = x.detach().clone().requires_grad_()
+    torch.testing.assert_close(reference(x_ref), y, rtol=0, atol=0)
+
+
+@pytest.mark.slow  # a 2-process Lightning fit
+def test_host_reads_with_hierarchical_dispatch_are_one_split_size_read_per_moe_forward():
+    """tests/test_host_syncs.py's harness at ep = 2 over 2 nodes of 1 rank (the intra-node hop is the rank itself):
+    per step, one read per MoE layer per forward (forward and ActivationOffload's recompute) and no other read
+    from the MoE layer or the dispatcher."""
+    port = str(free_port())
+    script = str(REPO_ROOT / "tests" / "ep_host_syncs_run.py")
+    agents = [subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1", f"--node-rank={rank}",
+         "--master-addr=127.0.0.1", f"--master-port={port}", script], cwd=REPO_ROOT, env=clean_env(),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in range(2)]
+    try:
+        logs = [a.communicate(timeout=300)[0] for a in agents]
+    finally:
+        for a in agents:
+            a.kill()
+    for a, log in zip(agents, logs):
+        assert a.returncode == 0, log[-4000:]
+    assert "hierarchical dispatch over 2 nodes x 1 ranks" in logs[0]
+    result = json.loads(next(line for line in logs[0].splitlines() if line.startswith("{")))
+    assert len(result["steps"]) == 3
+    for reads in result["steps"]:
+        ours = {site: n for site, n in reads.items() if "expert_parallel.py" in site or "moe.py" in site}
+        assert ours == {"tolist expert_parallel.py:__call__": 2 * result["moe_layers"]}, reads
