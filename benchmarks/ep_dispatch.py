@@ -81,12 +81,12 @@ def slice_experts(moe: MoELayer, rank: int, ep: int) -> MoELayer:
 def step(moe: MoELayer, x_TD: torch.Tensor, g_TD: torch.Tensor, recompute: bool):
     x = x_TD.clone().requires_grad_()
     run = (lambda t: torch.utils.checkpoint.checkpoint(moe, t, use_reentrant=False)) if recompute else moe
-    restore = count_reads()
+    restore = count_reads()  # forward and backward (where recompute runs the forward again)
     try:
         y = run(x[None])[0]
+        (y.float() * g_TD).sum().backward()
     finally:
         restore()
-    (y.float() * g_TD).sum().backward()
     grads = {"x": x.grad, **{n: p.grad for n, p in moe.named_parameters()}}
     return y.detach(), grads
 
