@@ -10,6 +10,7 @@ balancing bias aims at; real routing may be more or less local.
 import math
 import random
 from dataclasses import dataclass
+from itertools import combinations
 
 from .model import MoEConfig
 
@@ -45,15 +46,15 @@ def exchange_bytes(dim: int, top_k: int, local_experts: int, nodes: int, local: 
                    copies: Copies, ranks: int = 1) -> dict[str, dict[str, dict[str, float]]]:
     """``{flat|hierarchical: {inter|intra: {forward|backward: bytes}}}`` one MoE layer sends, summed over ``ranks``.
 
-    ``x_size``/``y_size``: element sizes of the tokens sent and of the experts' outputs. Forward: counts,
+    ``x_size``/``y_size``: element sizes of the tokens sent and of the experts' outputs (they differ under
+    autocast with fp32 activations; FSDP's bf16 ``param_dtype`` makes both bf16). Forward: counts,
     dispatch (rows with their fp32 weights; hierarchical: with K weights and K int32 expert ids), combine.
     Backward: the combine's gradients out, the rows' (and weights') gradients back."""
     D, K = dim, top_k
-    flat_row, flat_grad = packed_row_bytes((D, x_size), (1, 4)), packed_row_bytes((D, x_size), (1, 4))
+    flat_row = flat_grad = packed_row_bytes((D, x_size), (1, 4))  # a row and its weight, or their gradients
     hier_row, hier_grad = packed_row_bytes((D, x_size), (K, 4), (K, 4)), packed_row_bytes((D, x_size), (K, 4))
-    y = D * y_size
 
-    def two_way(n, row, grad, counts):
+    def two_way(n, row, grad, counts, y=D * y_size):
         return {"forward": n * (row + y) + counts * ranks, "backward": n * (y + grad)}
 
     ep = nodes * local
@@ -63,7 +64,8 @@ def exchange_bytes(dim: int, top_k: int, local_experts: int, nodes: int, local: 
     return {
         "flat": {"inter": two_way(copies.copies_inter, flat_row, flat_grad, count_flat_inter),
                  "intra": two_way(copies.copies_intra, flat_row, flat_grad, count_intra)},
-        "hierarchical": {"inter": two_way(copies.rows_inter, hier_row, hier_grad, count_hier_inter),
+        # the node's sum of its experts' outputs is in the tokens' dtype
+        "hierarchical": {"inter": two_way(copies.rows_inter, hier_row, hier_grad, count_hier_inter, D * x_size),
                          "intra": two_way(copies.fanout_intra, flat_row, flat_grad, count_intra)},
     }
 
@@ -87,7 +89,6 @@ def expected_nodes_per_token(config: MoEConfig, nodes: int, draws: int = 20000) 
     if G == 1:
         return distinct([0])
     if math.comb(G, M) <= draws:
-        from itertools import combinations
         choices = list(combinations(range(G), M))
     else:
         rng = random.Random(0)
@@ -143,13 +144,14 @@ def format_traffic(t: dict | None) -> list[str]:
     if t is None:
         return []
     bw = (f"at {t['ib_gbps']:g} GB/s InfiniBand and {t['nvlink_gbps']:g} GB/s NVLink per GPU (--ib-gbps, "
-          f"--nvlink-gbps)" if t["ib_gbps"] and t["nvlink_gbps"] else "(no bandwidth known for this GPU: pass --ib-gbps, --nvlink-gbps)")
+          f"--nvlink-gbps)" if t["ib_gbps"] and t["nvlink_gbps"]
+          else "(no bandwidth known for this GPU: pass --ib-gbps, --nvlink-gbps)")
     lines = ["", f"expert exchange   ep over {t['nodes']} node(s) x {t['ranks_per_node']} GPUs, "
              f"{t['tokens_per_gpu']:,} tokens per GPU, {t['nodes_per_token']:.2f} nodes per token (uniform "
              f"routing), bf16; per GPU per step {bw}",
              f"{'':<36}{'inter-node GB':>14}{'intra-node GB':>15}{'time s':>9}"]
     for name, r in t["rows"].items():
-        time = f"{r['seconds']:>9.2f}" if r["seconds"] is not None else f"{'?':>9}"
-        lines.append(f"{name:<36}{r['inter_node_bytes'] / 1e9:>14.1f}{r['intra_node_bytes'] / 1e9:>15.1f}{time}")
-    lines.append(f"{'compute (at the planned MFU)':<36}{'':>29}{t['compute_seconds']:>9.2f}")
+        time = f"{r['seconds']:>9.3g}" if r["seconds"] is not None else f"{'?':>9}"
+        lines.append(f"{name:<36}{r['inter_node_bytes'] / 1e9:>14.4g}{r['intra_node_bytes'] / 1e9:>15.4g}{time}")
+    lines.append(f"{'compute (at the planned MFU)':<36}{'':>29}{t['compute_seconds']:>9.3g}")
     return lines
