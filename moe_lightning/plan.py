@@ -55,6 +55,7 @@ from typing import Any
 import torch
 import yaml
 
+from . import ep_traffic
 from .flops import PEAK_BF16_FLOPS, parameter_counts, peak_bf16_flops, training_flops_per_token
 from .model import MoEConfig, MoETransformer
 from .optim.grouping import parameter_roles
@@ -406,6 +407,7 @@ def format_plan(result: dict) -> str:
         f"throughput        {result['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU "
         f"({result['tokens_per_s_total']:,.0f} total) at MFU {w['mfu']:.0%} of {c['peak_tflops']:g} TFLOP/s",
     ]
+    lines += ep_traffic.format_traffic(result.get("ep_traffic"))
     return "\n".join(lines)
 
 
@@ -481,6 +483,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--mfu", type=float, default=0.3, help="assumed model FLOPs utilization")
     parser.add_argument("--reserve", type=float, default=3.0, help="GiB kept for CUDA context and slack")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    ep_traffic.add_arguments(parser)
     args = parser.parse_args(argv)
     gpu = args.gpu or Cluster.gpu
     peak = args.peak_tflops or (peak_bf16_flops(gpu) or 0) / 1e12
@@ -503,6 +506,7 @@ def main(argv: list[str]) -> None:
         if inputs["shard_size"][0] is None:  # "auto": report the size the mesh resolved, not None
             inputs["shard_size"] = (result["cluster"]["shard_size"], inputs["shard_size"][1])
         result["inputs"] = assumed | inputs
+        result["ep_traffic"] = ep_traffic.traffic(config, result, args.ib_gbps, args.nvlink_gbps)
     except (ValueError, OSError) as e:
         parser.error(str(e))
     print(json.dumps(result, indent=2) if args.json else format_plan(result))

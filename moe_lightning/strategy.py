@@ -208,7 +208,8 @@ class MoEFSDPStrategy(ModelParallelStrategy):
         E = model.config.num_experts
         MeshLayout.resolve(self.layout.world_size, self.layout.replicate, self.layout.shard, self.layout.ep, E)
         if self.layout.ep > 1:
-            apply_expert_parallel(model.moe_layers(), self.expert_mesh["ep"].get_group())
+            rank_zero_info(apply_expert_parallel(model.moe_layers(), self.expert_mesh["ep"].get_group(),
+                                                 ranks_per_node=self.num_processes))
         dense_mesh = self._device_mesh
         offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if self.cpu_offload else OffloadPolicy()
         dtypes = dict(param_dtype=self._dtype(self.param_dtype, torch.bfloat16),

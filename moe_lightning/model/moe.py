@@ -3,6 +3,8 @@
 Shapes: T tokens, D model dim, E experts, F expert hidden, K experts per token.
 """
 
+from collections.abc import Callable
+from functools import partial
 from typing import Protocol
 
 import torch
@@ -130,10 +132,14 @@ class GroupedExperts(nn.Module):
 
 
 class TokenDispatcher(Protocol):
-    """How routed tokens reach their experts and come back. A strategy may replace it (e.g. all-to-all)."""
+    """How routed tokens reach their experts and come back. A strategy may replace it (e.g. all-to-all).
+
+    ``overlap`` is work that needs no exchange (the shared experts): a dispatcher that exchanges runs it while
+    the tokens are in flight. Its output is added to the routed output."""
 
     def __call__(self, x_TD: torch.Tensor, weights_TK: torch.Tensor, experts_TK: torch.Tensor,
-                 tokens_per_expert_E: torch.Tensor, experts: GroupedExperts) -> torch.Tensor: ...
+                 tokens_per_expert_E: torch.Tensor, experts: GroupedExperts,
+                 overlap: Callable[[], torch.Tensor] | None = None) -> torch.Tensor: ...
 
 
 def sort_by_expert(x_TD: torch.Tensor, weights_TK: torch.Tensor, experts_TK: torch.Tensor
@@ -154,9 +160,10 @@ def sum_into_tokens(y_sorted: torch.Tensor, token_of_row: torch.Tensor, x_TD: to
 class LocalTokenDispatcher:
     """Single-device dispatch: sort token copies by expert, run the experts (weighted), sum back into tokens."""
 
-    def __call__(self, x_TD, weights_TK, experts_TK, tokens_per_expert_E, experts):
+    def __call__(self, x_TD, weights_TK, experts_TK, tokens_per_expert_E, experts, overlap=None):
         x_sorted, weight_of_row, token_of_row = sort_by_expert(x_TD, weights_TK, experts_TK)
-        return sum_into_tokens(experts(x_sorted, tokens_per_expert_E, weight_of_row), token_of_row, x_TD)
+        y_TD = sum_into_tokens(experts(x_sorted, tokens_per_expert_E, weight_of_row), token_of_row, x_TD)
+        return y_TD if overlap is None else y_TD + overlap()
 
 
 class _AttachAuxLoss(torch.autograd.Function):
@@ -204,9 +211,8 @@ class MoELayer(nn.Module):
         x_TD = x_BSD.reshape(-1, D)
         weights_TK, experts_TK, scores_TE, logits_TE = self.router(x_TD)
         self.tokens_per_expert = self._count_tokens(experts_TK)
-        y_TD = self.dispatcher(x_TD, weights_TK, experts_TK, self.tokens_per_expert, self.experts)
-        if self.shared_experts is not None:
-            y_TD = y_TD + self.shared_experts(x_TD)
+        shared = partial(self.shared_experts, x_TD) if self.shared_experts is not None else None
+        y_TD = self.dispatcher(x_TD, weights_TK, experts_TK, self.tokens_per_expert, self.experts, overlap=shared)
         y_BSD = y_TD.view(B, S, D)
         aux_loss = self._balancing_loss(scores_TE.view(B, S, -1), experts_TK.view(B, S, -1), logits_TE)
         if aux_loss is None:
