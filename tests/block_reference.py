@@ -41,12 +41,13 @@ def grouped_experts_forward(self, x_TD, tokens_per_expert_E):
     return torch._grouped_mm(F.silu(gate_TF) * up_TF, w2, offs=offsets_E)
 
 
-def local_dispatch(self, x_TD, weights_TK, experts_TK, tokens_per_expert_E, experts):
+def local_dispatch(self, x_TD, weights_TK, experts_TK, tokens_per_expert_E, experts, overlap=None):
     order = experts_TK.flatten().argsort(stable=True)
     token_of_row = order // experts_TK.shape[1]
     y_sorted = grouped_experts_forward(experts, x_TD[token_of_row], tokens_per_expert_E)
     y_weighted = y_sorted * weights_TK.flatten()[order, None].to(y_sorted.dtype)
-    return x_TD.new_zeros(x_TD.shape).index_add_(0, token_of_row, y_weighted.to(x_TD.dtype))
+    y_TD = x_TD.new_zeros(x_TD.shape).index_add_(0, token_of_row, y_weighted.to(x_TD.dtype))
+    return y_TD if overlap is None else y_TD + overlap()  # the shared experts, handed over by the MoE layer
 
 
 def bincount(self, experts_TK):
