@@ -78,7 +78,7 @@ class MoEFSDPStrategy(ModelParallelStrategy):
             across micro-batches and reduce-scatter once per step, instead of reduce-scattering every micro-batch
             into the sharded gradients. Saves the reduce-scatters of the non-final micro-batches, but costs each
             rank ``reduce_dtype`` bytes (fp32: 4) x (dense parameters + routed expert parameters / ``ep``) on the
-            compute device for the whole step: at 1t.yaml's shape about 110 GB per GPU (``moe-lightning plan
+            compute device for the whole step: 104 GiB per GPU at 1t.yaml's shape (``moe-lightning plan
             --accumulate-unsharded-grads`` prices it). The HSDP all-reduce waits for the last micro-batch either way.
         meta_init: Build on the meta device and materialise only local shards (see the module docstring).
         save_distributed_checkpoint: Sharded checkpoint directories (``False``: one full file from rank 0).
