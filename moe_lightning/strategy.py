@@ -91,7 +91,8 @@ class MoEFSDPStrategy(ModelParallelStrategy):
     def __init__(self, replicate_size: int = 1, shard_size: Union[int, Literal["auto"]] = "auto",
                  expert_parallel_size: int = 1, param_dtype: DTypeName = "auto", reduce_dtype: DTypeName = "auto",
                  reshard_after_forward: bool = True, prefetch_depth: int = 1, unshard_async_op: bool = False,
-                 cpu_offload: bool = False, accumulate_unsharded_grads: bool = False, meta_init: bool = False, save_distributed_checkpoint: bool = True,
+                 cpu_offload: bool = False, accumulate_unsharded_grads: bool = False, meta_init: bool = False,
+                 save_distributed_checkpoint: bool = True,
                  async_checkpoint: bool = False, process_group_backend: Optional[str] = None,
                  timeout: Optional[timedelta] = default_pg_timeout):
         super().__init__(save_distributed_checkpoint=save_distributed_checkpoint,

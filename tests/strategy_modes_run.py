@@ -43,7 +43,7 @@ def unsharded_grad_bytes(model: torch.nn.Module) -> int:
 class Accumulation(L.Callback):
     def on_train_start(self, trainer, pl_module):
         model = pl_module.model
-        self.initial = {**{name: p.full_tensor() for name, p in model.named_parameters()}, **dict(model.named_buffers())}
+        self.initial = {name: p.full_tensor() for name, p in model.named_parameters()} | dict(model.named_buffers())
 
     def on_after_backward(self, trainer, pl_module):
         if trainer.fit_loop.epoch_loop.batch_idx == 0:  # between the two micro-batches
