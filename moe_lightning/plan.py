@@ -29,6 +29,8 @@ d model dim, L layers, V vocabulary, K top-k; bytes are per GPU unless stated.
 - All-gather buffers: ``(1 + prefetch_depth) · 2 · U`` with U the largest unit's gathered parameters
   (a block's dense parameters plus its routed experts divided by the expert-parallel size).
 - Reduce-scatter buffers: ``6 · U`` (the unsharded bf16 gradient and its fp32 reduce copy).
+- Unsharded gradient accumulation (the strategy's opt-in ``accumulate_unsharded_grads``): every unit's fp32
+  gradient held across micro-batches, ``4 · (dense + routed / ep)`` parameters of the whole model.
 - Runtime reserve: CUDA context, communicator buffers and allocator slack (``--reserve``).
 - Async checkpoint staging (``async_checkpoint``): each background save first copies the sharded parameters
   and optimizer state into new host memory (``4·P/S`` + the optimizer state), held while it is written.
@@ -107,6 +109,7 @@ class Workload:
     async_checkpoint: bool = False
     doc_len: int | None = None  # typical document length (document masking): attention FLOPs within documents
     offload_mtp: bool = True  # ActivationOffload(mtp=...): the multi-token prediction blocks are checkpointed too
+    accumulate_unsharded_grads: bool = False
 
     def __post_init__(self) -> None:
         if self.optimizer not in ("adamw", "muon"):
@@ -152,7 +155,7 @@ def read_run_config(path: str) -> dict[str, Any]:
     if _class_name(strategy) == "MoEFSDPStrategy":
         args = strategy.get("init_args") or {}
         for key in ("replicate_size", "shard_size", "expert_parallel_size", "cpu_offload", "prefetch_depth",
-                    "async_checkpoint"):
+                    "async_checkpoint", "accumulate_unsharded_grads"):
             if key in args:
                 found[key] = None if args[key] == "auto" else args[key]
     callbacks = trainer.get("callbacks") or []
@@ -307,6 +310,9 @@ def plan(config: MoEConfig, cluster: Cluster, work: Workload) -> dict:
         boundary = min(1 + work.offload_prefetch if offload else config.n_layers, config.n_layers) * boundary_one
         gpu = {} if work.cpu_offload else dict(state)
         gpu["boundary activations"] = boundary
+        if work.accumulate_unsharded_grads:
+            gpu["unsharded grad accumulation (fp32)"] = 4 * sum(
+                dense + routed_part / cluster.expert_parallel_size for dense, routed_part in units)
         if config.mtp_layers:
             gpu["multi-token prediction activations"] = mtp_activation_bytes(config, tokens,
                                                                              offload and work.offload_mtp)
@@ -418,7 +424,7 @@ def _yes(flag: bool) -> str:
 # Inputs a config can set and a flag can override (``Cluster`` and ``Workload`` field names = flag names).
 PLANNED = ("nodes", "gpus_per_node", "replicate_size", "shard_size", "expert_parallel_size", "micro_batch",
            "seq_len", "optimizer", "cpu_offload", "prefetch_depth", "loss_chunk", "activation_offload",
-           "offload_prefetch", "offload_mtp", "async_checkpoint")
+           "offload_prefetch", "offload_mtp", "async_checkpoint", "accumulate_unsharded_grads")
 
 
 def planned_inputs(args: argparse.Namespace, config: MoEConfig) -> dict[str, tuple[Any, str]]:
@@ -470,6 +476,8 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--prefetch-depth", type=int, help="FSDP units all-gathered ahead")
     parser.add_argument("--async-checkpoint", action=argparse.BooleanOptionalAction, help="background saves "
                         "stage a host copy of the sharded state (default: the strategy's async_checkpoint)")
+    parser.add_argument("--accumulate-unsharded-grads", action=argparse.BooleanOptionalAction, help="hold every "
+                        "unit's full gradient across micro-batches (default: the strategy's argument)")
     parser.add_argument("--loss-chunk", type=int, help="tokens per loss chunk (default: model.loss_chunk_size; "
                         "0: unchunked)")
     parser.add_argument("--activation-offload", action=argparse.BooleanOptionalAction, help="the variant whose "

@@ -12,11 +12,10 @@ Initialisation, two ways:
   (Lightning re-seeds each rank before the build), so the sharded model is bit-identical to a
   one-process run; each rank then keeps only its shards. Needs the full model in host memory.
 - ``meta_init=True``: the model is built on the meta device, sharded, and only each rank's shards are
-  allocated and filled by ``model.init_weights()`` (see ``_materialize``). Deterministic for a seed and
+  allocated and filled by ``model.init_weights()`` (see ``parallel/fsdp.py``). Deterministic for a seed and
   layout, but not equal to a one-process build. For models that do not fit one host.
 """
 
-import math
 from collections.abc import Generator
 from contextlib import contextmanager
 from datetime import timedelta
@@ -24,59 +23,24 @@ from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
 import torch
-import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
-from torch import nn
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                      get_optimizer_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict)
-from torch.distributed.fsdp import (CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy,
-                                    fully_shard, register_fsdp_forward_method)
-from torch.distributed.tensor import DTensor
+from torch.distributed.fsdp import FSDPModule
 
-from .model import GroupedExperts, MoETransformer
-from .parallel import MeshError, MeshLayout, apply_expert_parallel
+from .model import MoETransformer
+from .parallel import MeshError, MeshLayout, apply_expert_parallel, fsdp, reshard
 from .parallel import checkpoint as ckpt
+from .parallel.clip import clip_grads_
 from .resume import check_resume
 
 DTypeName = Literal["auto", "bf16", "fp16", "fp32"]
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-
-
-@torch.no_grad()
-def clip_grads_(grads: list[torch.Tensor], max_norm: float, device: torch.device) -> torch.Tensor:
-    """Clip (possibly sharded) gradients to a global L2 norm of ``max_norm``; returns the norm before clipping.
-
-    Each rank sums the squares of its local shards and divides by how many ranks hold the same values (the
-    sizes of the ``Replicate`` mesh dims: HSDP replicas); one all-reduce over the world on ``device`` then
-    gives the global squared norm, dense and expert meshes together (the ``ep`` split of expert stacks is
-    outside their DTensor mesh, so its ranks add up as they should). No DTensor collective runs on host
-    tensors (NCCL rejects those under ``cpu_offload``), and nothing is read back to the host: the scale
-    stays a tensor. (With ``cpu_offload`` the host still waits for it, since the host scales the gradients.)
-    """
-    groups: dict[tuple[torch.device, int], list[torch.Tensor]] = {}  # (device, copies) -> local shards
-    for grad in grads:
-        if isinstance(grad, DTensor):
-            copies = math.prod(grad.device_mesh.size(d) for d, p in enumerate(grad.placements) if p.is_replicate())
-            grad = grad.to_local()  # under no_grad: the shard itself, no copy
-        else:
-            copies = dist.get_world_size() if dist.is_initialized() else 1
-        groups.setdefault((grad.device, copies), []).append(grad)
-    total_sq = torch.zeros((), device=device)
-    for (_, copies), local in groups.items():
-        norms = torch._foreach_norm(local)  # fp32 for fp32 shards (FSDP keeps gradients in the sharded dtype)
-        total_sq += (torch.stack(norms).float().square().sum() / copies).to(device)
-    if dist.is_initialized():
-        dist.all_reduce(total_sq)
-    total = total_sq.sqrt()
-    scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for (grad_device, _), local in groups.items():
-        torch._foreach_mul_(local, scale.to(grad_device))
-    return total
 
 
 class FileCheckpointIO(TorchCheckpointIO):
@@ -110,6 +74,12 @@ class MoEFSDPStrategy(ModelParallelStrategy):
         unshard_async_op: All-gather in the compute stream's memory pool instead of a side stream
             (less fragmentation; measured by ``benchmarks/gpu_strategy.py``).
         cpu_offload: Keep sharded parameters, gradients and optimizer state in host memory.
+        accumulate_unsharded_grads: Under gradient accumulation, keep every unit's full (unsharded) gradient
+            across micro-batches and reduce-scatter once per step, instead of reduce-scattering every micro-batch
+            into the sharded gradients. Saves the reduce-scatters of the non-final micro-batches, but costs each
+            rank ``reduce_dtype`` bytes (fp32: 4) x (dense parameters + routed expert parameters / ``ep``) on the
+            compute device for the whole step: 104 GiB per GPU at 1t.yaml's shape (``moe-lightning plan
+            --accumulate-unsharded-grads`` prices it). The HSDP all-reduce waits for the last micro-batch either way.
         meta_init: Build on the meta device and materialise only local shards (see the module docstring).
         save_distributed_checkpoint: Sharded checkpoint directories (``False``: one full file from rank 0).
         async_checkpoint: Copy the state to host memory and write the sharded checkpoint in the background
@@ -121,7 +91,8 @@ class MoEFSDPStrategy(ModelParallelStrategy):
     def __init__(self, replicate_size: int = 1, shard_size: Union[int, Literal["auto"]] = "auto",
                  expert_parallel_size: int = 1, param_dtype: DTypeName = "auto", reduce_dtype: DTypeName = "auto",
                  reshard_after_forward: bool = True, prefetch_depth: int = 1, unshard_async_op: bool = False,
-                 cpu_offload: bool = False, meta_init: bool = False, save_distributed_checkpoint: bool = True,
+                 cpu_offload: bool = False, accumulate_unsharded_grads: bool = False, meta_init: bool = False,
+                 save_distributed_checkpoint: bool = True,
                  async_checkpoint: bool = False, process_group_backend: Optional[str] = None,
                  timeout: Optional[timedelta] = default_pg_timeout):
         super().__init__(save_distributed_checkpoint=save_distributed_checkpoint,
@@ -143,6 +114,7 @@ class MoEFSDPStrategy(ModelParallelStrategy):
         self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
         self.reshard_after_forward, self.prefetch_depth = reshard_after_forward, prefetch_depth
         self.unshard_async_op, self.cpu_offload, self.meta_init = unshard_async_op, cpu_offload, meta_init
+        self.accumulate_unsharded_grads = accumulate_unsharded_grads
         self.layout: MeshLayout | None = None
         self.expert_mesh = None
         self._expert_fsdp_mesh = None  # the sub-mesh that FSDP-shards expert stacks under ep > 1
@@ -181,6 +153,12 @@ class MoEFSDPStrategy(ModelParallelStrategy):
     def setup(self, trainer) -> None:
         self._parallelize()
         super().setup(trainer)
+        # Lightning runs a standalone validate/test/predict under torch.inference_mode unless the backend is gloo or
+        # the strategy is its own FSDPStrategy (loops/utilities.py, _no_grad_context). FSDP2's all-gather buffers
+        # made there are inference tensors, and the next training all-gather writes into them and fails ("Inplace
+        # update to inference tensor outside InferenceMode"): evaluate under no_grad, as inside fit.
+        for loop in (trainer.validate_loop, trainer.test_loop, trainer.predict_loop):
+            loop.inference_mode = False
         # Lightning clips through the precision plugin with one norm over all gradients, which cannot
         # combine DTensors of different meshes (dense and expert); the strategy's norm can.
         self.precision_plugin.clip_grad_by_norm = self.clip_grad_by_norm
@@ -191,12 +169,7 @@ class MoEFSDPStrategy(ModelParallelStrategy):
         return _DTYPES[name]
 
     def _parallelize(self) -> None:
-        """Expert parallelism, then ``fully_shard`` per block, embedding, head and root (idempotent).
-
-        The head is a unit of its own, never grouped with the final norm: the chunked loss runs the head through
-        ``OutputHead.cross_entropy``, registered as an FSDP forward method, so the unit's forward completes
-        in every step. (A ``[norm, output]`` group whose ``output`` never runs stays "mid-forward" after a
-        validation on torch 2.11, and a checkpoint's reshard then breaks the next training step.)"""
+        """The sequence in ``parallel/fsdp.py`` with this strategy's arguments (idempotent)."""
         models = [m for m in self.lightning_module.modules() if isinstance(m, MoETransformer)]
         if len(models) != 1:
             raise TypeError(f"{type(self).__name__} needs exactly one MoETransformer in the LightningModule "
@@ -210,122 +183,26 @@ class MoEFSDPStrategy(ModelParallelStrategy):
         if self.layout.ep > 1:
             rank_zero_info(apply_expert_parallel(model.moe_layers(), self.expert_mesh["ep"].get_group(),
                                                  ranks_per_node=self.num_processes))
-        dense_mesh = self._device_mesh
-        offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if self.cpu_offload else OffloadPolicy()
-        dtypes = dict(param_dtype=self._dtype(self.param_dtype, torch.bfloat16),
-                      reduce_dtype=self._dtype(self.reduce_dtype, torch.float32))
-        # Below the root, inputs arrive in the compute dtype already, except the rotary tables the root hands every
-        # block: they stay fp32, as on one device (FSDP2 would cast every floating argument to param_dtype).
-        common = dict(mp_policy=MixedPrecisionPolicy(**dtypes, cast_forward_inputs=False),
-                      offload_policy=offload, shard_placement_fn=self._expert_placement(model))
-        stages: list[list[nn.Module]] = []
-        tied = model.config.tie_embeddings  # a tied embedding/head stays in the root group
-        if not tied:
-            stages.append([fully_shard(model.tok_embeddings, mesh=dense_mesh,
-                                       reshard_after_forward=self.reshard_after_forward, **common)])
-        for block in model.layers:
-            stage = []
-            if self.layout.ep > 1 and block.is_moe:
-                stage.append(fully_shard(block.ffn.experts, mesh=self._expert_fsdp_mesh,
-                                         reshard_after_forward=self.reshard_after_forward, **common))
-            stages.append([fully_shard(block, mesh=dense_mesh, reshard_after_forward=self.reshard_after_forward,
-                                       **common)] + stage)
-        # multi-token prediction runs after the final norm: its block is a unit like the others, its norms and
-        # eh_proj another (entered first)
-        for module in model.mtp:
-            shard = dict(mesh=dense_mesh, reshard_after_forward=self.reshard_after_forward, **common)
-            experts = [fully_shard(module.block.ffn.experts, **{**shard, "mesh": self._expert_fsdp_mesh})] \
-                if self.layout.ep > 1 and module.block.is_moe else []
-            block = fully_shard(module.block, **shard)
-            stages.append([fully_shard(module, **shard), block, *experts])
-        if not tied:  # the head is its own unit, run last, whichever entry point runs it (the final norm: root)
-            stages.append([fully_shard(model.output, mesh=dense_mesh, reshard_after_forward=False, **common)])
-            for method in ("cross_entropy", "cross_entropy_sums"):
-                register_fsdp_forward_method(model.output, method)
-        self._fsdp_root = fully_shard(model, mesh=dense_mesh, reshard_after_forward=False,
-                                      **{**common, "mp_policy": MixedPrecisionPolicy(**dtypes)})
-        self._set_prefetch(stages)
+        placement, message = self.layout.expert_placement(E)
+        rank_zero_info(f"{type(self).__name__}: {message}")
+        policy = fsdp.FSDPPolicy(param_dtype=self._dtype(self.param_dtype, torch.bfloat16),
+                                 reduce_dtype=self._dtype(self.reduce_dtype, torch.float32),
+                                 reshard_after_forward=self.reshard_after_forward, cpu_offload=self.cpu_offload,
+                                 expert_placement=placement)
+        stages = fsdp.apply_fsdp(model, self._device_mesh, self._expert_fsdp_mesh, policy)
+        self._fsdp_root = model
+        fsdp.set_prefetch(model, stages, self.prefetch_depth)
         if on_meta:  # (otherwise fully_shard has moved the buffers to the mesh's device)
-            self._materialize(model)
-            self._fill_pretrained()
+            fsdp.materialize(model, self.param_device, self.root_device,
+                             seed=torch.initial_seed() + self.global_rank % self.layout.shard)
+            fsdp.fill_pretrained(self.lightning_module, self.expert_mesh)
         if self.unshard_async_op:
-            for module in model.modules():
-                if isinstance(module, FSDPModule):  # private in torch <= 2.13; a public name wins if present
-                    (getattr(module, "set_unshard_async_op", None) or module._set_unshard_async_op)(True)
+            fsdp.set_unshard_async_op(model)
 
     @property
     def param_device(self) -> torch.device:
         """Where sharded parameters, their gradients and the optimizer state live (buffers: ``root_device``)."""
         return torch.device("cpu") if self.cpu_offload else self.root_device
-
-    def _buffers_to_compute_device(self, model: nn.Module) -> None:
-        """Buffers (e.g. the router's ``expert_bias``) are read by the forward pass: keep them by the compute,
-        also under ``cpu_offload``, where ``to_empty`` put them in host memory with the parameters."""
-        for module in model.modules():
-            for name, buffer in module._buffers.items():
-                if buffer is not None and buffer.device != self.root_device:
-                    module._buffers[name] = buffer.to(self.root_device)
-
-    @torch.no_grad()
-    def _materialize(self, model: MoETransformer) -> None:
-        """Allocate the local shards and run ``model.init_weights()`` on them as plain tensors.
-
-        Each shard rank draws from its own seed (``initial seed + shard rank``; HSDP replicas share it),
-        so shards differ and replicas agree, with element-wise initialisers, on CPU and CUDA alike.
-        """
-        model.to_empty(device=self.param_device)
-        self._buffers_to_compute_device(model)
-        swapped = []
-        for module in model.modules():
-            for name, param in list(module.named_parameters(recurse=False)):
-                if isinstance(param, DTensor):
-                    swapped.append((module, name, param))
-                    module._parameters[name] = nn.Parameter(param.to_local(), requires_grad=False)
-        try:
-            cuda = [self.root_device] if self.root_device.type == "cuda" else []
-            with torch.random.fork_rng(devices=cuda):  # leave every generator as it was, CUDA's included
-                torch.manual_seed(torch.initial_seed() + self.global_rank % self.layout.shard)
-                model.init_weights()
-        finally:
-            for module, name, param in swapped:
-                module._parameters[name] = param
-
-    def _fill_pretrained(self) -> None:
-        """Let the module copy released weights into the shards (it knows the format; we know the layout)."""
-        fill = getattr(self.lightning_module, "fill_pretrained", None)
-        if fill is None or getattr(self.lightning_module, "pretrained", None) is None:
-            return
-        names = ckpt.expert_parameter_names(self.lightning_module)
-        with ckpt.global_expert_views(self.lightning_module.state_dict(keep_vars=True), names, self.expert_mesh) as state:
-            fill(state)
-
-    def _expert_placement(self, model: MoETransformer):
-        """``shard_placement_fn``: the layout's choice for expert stacks, FSDP's default for the rest."""
-        placement, message = self.layout.expert_placement(model.config.num_experts)
-        rank_zero_info(f"{type(self).__name__}: {message}")
-        expert_params = {id(p) for m in model.modules() if isinstance(m, GroupedExperts) for p in m.parameters()}
-        return lambda param: placement if id(param) in expert_params else None
-
-    def _set_prefetch(self, stages: list[list[nn.Module]]) -> None:
-        """Explicit prefetch: each FSDP unit all-gathers the next ``prefetch_depth`` units of its pass.
-
-        In forward, a stage's nested units (a block's ``experts`` under expert parallelism) hand their lists to
-        the block: FSDP2 runs a unit's forward prefetch whenever the unit runs forward (torch 2.11
-        ``FSDPState._pre_forward``), also when a checkpointed block is recomputed in backward, where the block
-        itself (already in its backward) skips it but a nested unit would all-gather the next block again, whose
-        backward is done, and hold it to the end of backward."""
-        if self.prefetch_depth == 0:
-            return
-        forward = [m for stage in stages for m in stage]
-        backward = [m for stage in reversed(stages) for m in stage]
-        position = {id(m): i for i, m in enumerate(forward)}
-        for stage in stages:
-            lists = [forward[position[id(m)] + 1:position[id(m)] + 1 + self.prefetch_depth] for m in stage]
-            if targets := list(dict.fromkeys(t for ahead in lists for t in ahead)):
-                stage[0].set_modules_to_forward_prefetch(targets)
-        for i, module in enumerate(backward):
-            if targets := backward[i + 1:i + 1 + self.prefetch_depth]:
-                module.set_modules_to_backward_prefetch(targets)
 
     # ---- training -------------------------------------------------------------------------------
     def clip_grad_by_norm(self, optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
@@ -335,15 +212,19 @@ class MoEFSDPStrategy(ModelParallelStrategy):
 
     @contextmanager
     def block_backward_sync(self) -> Generator:
-        """No reduce-scatter (or HSDP all-reduce) on non-final micro-batches of gradient accumulation."""
+        """Non-final micro-batches of gradient accumulation: each still reduce-scatters (sharded gradients
+        accumulate; nothing unsharded outlives its unit's backward) and only the HSDP all-reduce waits for the last
+        one. With ``accumulate_unsharded_grads``, no reduction at all (every unit keeps its full gradient)."""
         if self._fsdp_root is None:
             yield
             return
-        self._fsdp_root.set_requires_gradient_sync(False)
+        root = self._fsdp_root
+        block = root.set_requires_gradient_sync if self.accumulate_unsharded_grads else root.set_requires_all_reduce
+        block(False)
         try:
             yield
         finally:
-            self._fsdp_root.set_requires_gradient_sync(True)
+            block(True)
 
     def model_to_device(self) -> None:
         if not self.cpu_offload:
@@ -389,67 +270,14 @@ class MoEFSDPStrategy(ModelParallelStrategy):
         return metadata
 
     def _load_single_file(self, path: Path) -> dict[str, Any]:
-        """A single-file checkpoint (full tensors, e.g. of a one-process run): every rank reads the file (memory-
-        mapped) and copies out the part of each tensor its shards hold. (Lightning's own path keys the optimizer
-        state by ``model.parameters()`` order, not the optimizer's, and ignores the ``ep`` split of experts.)"""
+        """A single-file checkpoint (full tensors, e.g. of a one-process run), read into the shards (memory-mapped;
+        see ``parallel/reshard.py``)."""
         checkpoint = ckpt.load_metadata(path, mmap=True)
         config = getattr(self.lightning_module, "config", None)
         if config is not None:
             check_resume(checkpoint.get("hyper_parameters", {}), {"config": config}, str(path))
-        full = checkpoint.pop("state_dict")
-        names = ckpt.expert_parameter_names(self.lightning_module)
-        state = get_model_state_dict(self.model)
-        missing, unexpected = [k for k in state if k not in full], [k for k in full if k not in state]
-        if self.lightning_module.strict_loading and (missing or unexpected):
-            raise ckpt.CheckpointError(
-                f"{path} does not fit the model: {len(missing)} keys missing from it {missing[:3]}, {len(unexpected)} "
-                f"unexpected in it {unexpected[:3]}. Resume with the model config it was saved with, or set the "
-                f"LightningModule's strict_loading = False to load only the matching keys.")
-        with ckpt.global_expert_views(state, names, self.expert_mesh):
-            for key, value in state.items():
-                if key in full:
-                    local = value.to_local() if isinstance(value, DTensor) else value
-                    local.copy_(ckpt.local_part(full[key], value, f"{path}: {key}"))
-        set_model_state_dict(self.model, state, options=StateDictOptions(strict=self.lightning_module.strict_loading))
-        experts = {id(p) for name, p in self.model.named_parameters() if name in names}
-        for optimizer, saved in zip(self.optimizers, checkpoint.pop("optimizer_states", [])):
-            optimizer.load_state_dict(self._sharded_optimizer_state(optimizer, saved, experts, path))
-        return checkpoint
-
-    def _sharded_optimizer_state(self, optimizer: torch.optim.Optimizer, saved: dict, experts: set[int],
-                                 path: Path) -> dict:
-        """``saved`` (a full, id-keyed optimizer state) as ``optimizer.state_dict()`` of this rank's shards.
-        Groups match by position, parameters by the groups' ``param_names`` (ids follow the writer's order)."""
-        if len(saved["param_groups"]) != len(optimizer.param_groups):
-            raise ckpt.CheckpointError(f"{path}: its optimizer has {len(saved['param_groups'])} parameter groups, "
-                                       f"this run's {len(optimizer.param_groups)}: resume with the same optimizer.")
-
-        def shard(value: Any, p: torch.Tensor, what: str) -> Any:
-            if not isinstance(p, DTensor) or not torch.is_tensor(value) or value.ndim == 0:
-                return value
-            like = ckpt.global_expert_view(p, self.expert_mesh) if id(p) in experts and self.expert_mesh else p
-            out = torch.empty_like(p)
-            out.to_local().copy_(ckpt.local_part(value, like, what))
-            return out
-
-        state, groups, first = {}, [], 0
-        for ours, theirs in zip(optimizer.param_groups, saved["param_groups"]):
-            ids = theirs["params"]
-            if "param_names" in ours and "param_names" in theirs:
-                by_name = dict(zip(theirs["param_names"], ids))
-                absent = [name for name in ours["param_names"] if name not in by_name]
-                if absent:
-                    raise ckpt.CheckpointError(
-                        f"{path}: its optimizer state has no parameter {absent[0]!r} ({len(absent)} missing; it "
-                        f"holds {theirs['param_names'][:3]}...): resume with the model and optimizer it was saved with.")
-                ids = [by_name[name] for name in ours["param_names"]]
-            indices = list(range(first, first + len(ours["params"])))
-            for index, saved_id, p in zip(indices, ids, ours["params"]):
-                for key, value in saved["state"].get(saved_id, {}).items():
-                    state.setdefault(index, {})[key] = shard(value, p, f"{path}: optimizer state {saved_id}.{key}")
-            groups.append({**theirs, "params": indices})
-            first += len(indices)
-        return {"state": state, "param_groups": groups}
+        return reshard.load_full_checkpoint(checkpoint, path, self.lightning_module, self.model, self.optimizers,
+                                            self.expert_mesh)
 
     def remove_checkpoint(self, filepath: _PATH) -> None:
         if self.checkpointer.pending_path == Path(filepath):

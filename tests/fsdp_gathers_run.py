@@ -4,11 +4,14 @@ Trains the tiny MoE for 2 steps under ``MoEFSDPStrategy`` (gloo, CPU) with exper
 ActivationOffload (every block checkpointed and recomputed in backward), and counts FSDP2's all-gathers in each
 step's forward and backward. Rank 0 prints one JSON line: per step, the payload bytes of each all-gather in
 forward and in backward, and the all-gather payload of every FSDP unit (to name what was gathered).
+With ``validate`` as the second argument, the model has one MTP module and rank 0 reports the all-gathers of one
+``trainer.validate`` batch instead (MTP runs in training only).
 """
 
 import json
 import sys
 from contextlib import contextmanager
+from dataclasses import replace
 
 import lightning as L
 import torch
@@ -58,6 +61,12 @@ class CountGathers(L.Callback):
     def on_after_backward(self, trainer, pl_module):
         self.steps.append({"forward": sorted(self._forward), "backward": sorted(self._sizes)})
 
+    def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):
+        self._sizes = []
+
+    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0):
+        self.steps.append({"validation": sorted(self._sizes)})
+
 
 def unit_sizes(model: torch.nn.Module) -> dict[str, int]:
     """Payload of one all-gather of each FSDP unit that gathers at all (its mesh has more than one rank): its
@@ -73,17 +82,20 @@ def unit_sizes(model: torch.nn.Module) -> dict[str, int]:
 
 def main() -> None:
     torch.set_num_threads(1)
-    prefetch = int(sys.argv[1])
+    prefetch, validate = int(sys.argv[1]), sys.argv[2:] == ["validate"]
     L.seed_everything(0, verbose=False)
     gathers = CountGathers()
     strategy = MoEFSDPStrategy(expert_parallel_size=2, prefetch_depth=prefetch)
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=2, logger=False,
                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
                         callbacks=[gathers, ActivationOffload(min_offload_bytes=0)], precision="32-true")
-    model = MoELanguageModel(CONFIG)
+    model = MoELanguageModel(replace(CONFIG, mtp_layers=1) if validate else CONFIG)
     data = torch.randint(0, CONFIG.vocab_size, (4, 17), generator=torch.Generator().manual_seed(trainer.global_rank))
     with gathers.installed():
-        trainer.fit(model, torch.utils.data.DataLoader(data, batch_size=2))
+        if validate:
+            trainer.validate(model, torch.utils.data.DataLoader(data[:2], batch_size=2), verbose=False)
+        else:
+            trainer.fit(model, torch.utils.data.DataLoader(data, batch_size=2))
     if trainer.global_rank == 0:
         print(json.dumps({"steps": gathers.steps, "units": unit_sizes(model.model)}))
 

@@ -87,3 +87,15 @@ def test_expert_parallel_with_recomputed_blocks_gathers_each_unit_once_per_pass(
     for step in record["steps"]:
         assert step["forward"] == sorted(units.values())
         assert step["backward"] == sorted(units[name] for name in resharded)
+
+
+@pytest.mark.slow
+def test_validation_gathers_only_the_units_it_runs():
+    """Issue 27 (6): the last block prefetched the MTP module, which runs in training only: a validation batch
+    all-gathered it for nothing and held it. Now a validation batch gathers every other unit once, MTP's none."""
+    out = run_ranks(REPO_ROOT / "tests" / "fsdp_gathers_run.py", 2, "1", "validate", timeout=900)[0]
+    record = json.loads(out.strip().splitlines()[-1])
+    units = record["units"]
+    assert {"mtp.0", "mtp.0.block"} <= set(units)
+    assert record["steps"] == [{"validation": sorted(size for name, size in units.items()
+                                                     if not name.startswith("mtp."))}]

@@ -24,8 +24,10 @@ from moe_lightning import MoEConfig, MoELanguageModel, MoETransformer
 from moe_lightning.parallel import MeshError, MeshLayout
 from moe_lightning.loading import export_checkpoint
 from moe_lightning.parallel.checkpoint import CheckpointError, ShardedCheckpointer
-from moe_lightning.strategy import MoEFSDPStrategy, clip_grads_
+from moe_lightning.parallel.clip import clip_grads_
+from moe_lightning.strategy import MoEFSDPStrategy
 from tests.distributed import REPO_ROOT, clean_env, run_ranks
+from tests.strategy_modes_run import CONFIG as MODES_CONFIG
 
 RUN = Path(__file__).with_name("strategy_run.py")
 RTOL, RESUME_ATOL = 1e-5, 1e-6
@@ -110,11 +112,50 @@ def test_gradient_clipping_uses_one_global_norm_across_dense_and_expert_meshes(r
     assert (first["other"] ** 2 + first["experts"] ** 2) ** 0.5 == pytest.approx(1.0, rel=1e-4)
 
 
-def test_accumulation_reduce_scatters_only_on_the_last_micro_batch(runs):
+def test_accumulation_reduce_scatters_every_micro_batch(runs):
     per_batch = [row["calls"].get("reduce_scatter_single", 0) + row["calls"].get("reduce_scatter_tensor", 0)
                  for row in runs["fsdp"]["batches"]]
     fsdp_units = 6  # embedding, 3 blocks, head, root (the final norm)
-    assert per_batch == [0, fsdp_units] * 4
+    assert per_batch == [fsdp_units, fsdp_units] * 4
+
+
+def test_accumulated_gradients_stay_sharded_and_equal_plain_autograd_on_the_whole_batch():
+    """Issue 27 (1): ``set_requires_gradient_sync(False)`` kept every unit's unsharded fp32 gradient across
+    micro-batches (at 1t.yaml ~110 GB per GPU). Now, between micro-batches, every ``.grad`` is the local shard and
+    FSDP holds no unsharded gradient; only ``accumulate_unsharded_grads=True`` holds them (4 bytes x every
+    parameter here, ep 1). Either way the accumulated gradient of 2 ranks x 2 micro-batches equals plain autograd
+    on one model over the 4 rows at once (fp32, sums in another order: observed 4e-7 of each tensor's largest
+    entry; a lost or doubled micro-batch is off by 50 % or more)."""
+    out = json.loads(run_ranks(REPO_ROOT / "tests" / "strategy_modes_run.py", 2, "accumulate")[0].splitlines()[-1])
+    sharded, unsharded = out["sharded"], out["unsharded"]
+    assert sharded["local_grads"] == sharded["params"] > 0 and sharded["unsharded_bytes"] == 0
+    assert unsharded["local_grads"] == 0 and unsharded["unsharded_bytes"] == 4 * sum(
+        p.numel() for p in MoETransformer(MODES_CONFIG).parameters())
+    assert sharded["max_error"] < 1e-5 and unsharded["max_error"] < 1e-5
+
+
+def test_plan_prices_unsharded_accumulation_as_every_dense_and_local_expert_gradient_in_fp32():
+    """The bytes the accumulation test above measures at ep 1 (4 x every parameter), with ep 2 splitting experts."""
+    from moe_lightning.plan import Cluster, Workload, count_parameters, plan
+    config = MoEConfig(vocab_size=64, dim=32, n_layers=3, n_heads=4, n_kv_heads=2, ffn_hidden=48, n_dense_layers=1,
+                       num_experts=4, top_k=2, expert_hidden=40, mtp_layers=1)
+    roles, _ = count_parameters(config)
+    cluster, work = Cluster(nodes=1, gpus_per_node=4, expert_parallel_size=2), Workload(micro_batch=1, seq_len=8)
+    row = "unsharded grad accumulation (fp32)"
+    assert row not in plan(config, cluster, work)["memory"]["with_offload"]["gpu_bytes"]
+    work.accumulate_unsharded_grads = True
+    local = sum(roles.values()) - roles["expert_stack"] // 2  # every dense parameter, half the routed experts
+    assert plan(config, cluster, work)["memory"]["with_offload"]["gpu_bytes"][row] == 4 * local
+
+
+def test_validate_then_fit_in_one_process_when_lightning_picks_inference_mode():
+    """Issue 27 (2): on NCCL Lightning runs a standalone ``validate`` under ``torch.inference_mode``; FSDP2's
+    all-gather buffers became inference tensors and the next training step failed ("Inplace update to inference
+    tensor outside InferenceMode"). The run makes Lightning's gloo test fail, validates, then fits (with a
+    validation inside fit) on the same trainer."""
+    out = json.loads(run_ranks(REPO_ROOT / "tests" / "strategy_modes_run.py", 2, "validate-fit")[0].splitlines()[-1])
+    assert out["global_step"] == 3 and out["inference_mode"] == [False, False]  # standalone, then inside fit
+    assert 0 < out["validated_loss"] < 10 and 0 < out["train_loss"] < 10  # ln(64) = 4.2 at the start
 
 
 def test_sigkill_while_writing_keeps_last_good_checkpoint_and_resume_continues_exactly(runs):

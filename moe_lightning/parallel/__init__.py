@@ -1,4 +1,5 @@
-"""Distributed pieces of the FSDP2 strategy: mesh layout, expert parallelism, checkpoints."""
+"""Distributed pieces of the FSDP2 strategy: mesh layout, expert parallelism, FSDP units (``fsdp``), gradient
+clipping (``clip``), resharding a full checkpoint (``reshard``), checkpoints."""
 
 from .expert_parallel import AllToAllTokenDispatcher, apply_expert_parallel
 from .mesh import MeshError, MeshLayout
