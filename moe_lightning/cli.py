@@ -17,7 +17,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 
 from .commands import COMMANDS, EXTRA_COMMANDS, main, run  # noqa: F401  (re-exported: the entry points before)
 from .data import TextDataModule
-from .generate import add_sampling_arguments, encode_prompt, sampling_from
+from .durable import write_text
+from .generate import add_sampling_arguments, encode_prompt, read_prompts, sampling_from, warn_long_prompts
 from .loading import checkpoint_tokenizer
 from .module import MoELanguageModel
 from .resume import check_resume, checkpoint_hyperparameters
@@ -274,27 +275,19 @@ class MoECLI(LightningCLI):
         if self.trainer.world_size > 1:  # the distributed sampler would split the prompts across processes
             raise ValueError(f"predict runs in one process (trainer.world_size={self.trainer.world_size}): pass "
                              "--trainer.devices=1 --trainer.num_nodes=1, or use `moe-lightning generate`.")
-        path = Path(prompts)
-        if not path.is_file():
-            raise FileNotFoundError(f"--prompts={prompts!r}: no such file; pass a JSONL file with a 'prompt' field "
-                                    "per line.")
-        records = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-        for line_no, record in enumerate(records, 1):
-            if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
-                raise ValueError(f"{prompts}:{line_no}: each record needs a text field 'prompt'.")
+        records = read_prompts(prompts)
         ckpt_path = trainer_kwargs.get("ckpt_path")  # the checkpoint's own tokenizer beats the config's
         recorded = ckpt_path and Path(ckpt_path).exists()  # not "last"/"best", which Lightning resolves
         tokenizer = checkpoint_tokenizer(ckpt_path) if recorded else datamodule.tokenizer
         batches = [{"tokens_1S": encode_prompt(tokenizer, r["prompt"], "cpu"), "eod_id": tokenizer.eos_id,
                     "sampling": dataclasses.replace(sampling, seed=sampling.seed + i)}
                    for i, r in enumerate(records)]
+        warn_long_prompts([b["tokens_1S"].shape[1] for b in batches], model.config.max_seq_len, prompts)
         loader = torch.utils.data.DataLoader(batches, batch_size=None)
         predictions = self.trainer.predict(model, dataloaders=loader, **trainer_kwargs)
         target = Path(out) if out else Path(self.trainer.log_dir or ".") / "predictions.jsonl"
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with open(target, "w", encoding="utf-8") as f:
-            for record, ids in zip(records, predictions):
-                f.write(json.dumps({**record, "completion": tokenizer.decode(ids)}, ensure_ascii=False) + "\n")
+        write_text(target, "".join(json.dumps({**record, "completion": tokenizer.decode(ids)}, ensure_ascii=False)
+                                   + "\n" for record, ids in zip(records, predictions, strict=True)))
         print(f"wrote {len(records)} continuations to {target}")
 
     def before_fit(self) -> None:
