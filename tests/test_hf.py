@@ -549,17 +549,23 @@ def test_mtp_tensors_without_mtp_layers_are_refused_as_before(tmp_path):
         hf.from_pretrained(tmp_path / "mtp")
 
 
-def test_transformers_v3_declaring_its_default_mtp_layer_without_its_tensors_loads_the_main_model(tmp_path, caplog):
+@pytest.mark.parametrize("declared", [1, 2])
+def test_transformers_v3_declaring_mtp_layers_without_their_tensors_loads_the_main_model_and_warns(tmp_path,
+                                                                                                  declared):
     """transformers' DeepseekV3Config writes num_nextn_predict_layers=1 by default, but save_pretrained saves no
-    ``model.layers.{n}`` MTP tensors: only tensors that are there count as an MTP layer."""
+    ``model.layers.{n}`` MTP tensors: only tensors that are there count as an MTP layer. A Python user is told
+    through ``warnings`` (before: a log line only ``fit``'s logging showed)."""
     ref = build_reference("deepseek_v3", num_mtp_layers=1)
     ref.save_pretrained(tmp_path)
     assert json.loads((tmp_path / "config.json").read_text())["num_nextn_predict_layers"] == 1
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": declared}))
     assert not any(k.startswith("model.layers.2.") for k in SafetensorsDir(tmp_path).keys())
-    with caplog.at_level("INFO"):
+    message = rf"num_nextn_predict_layers={declared} but holds no model\.layers\.2\.eh_proj\.weight.*mtp_layers=0"
+    with pytest.warns(UserWarning, match=message):
         ours = hf.from_pretrained(tmp_path).eval()
-    assert ours.config.mtp_layers == 0 and hf.load_config(tmp_path).mtp_layers == 0
-    assert "num_nextn_predict_layers=1" in caplog.text and "model.layers.2.eh_proj.weight" in caplog.text
+    with pytest.warns(UserWarning, match=message):
+        assert ours.config.mtp_layers == 0 and hf.load_config(tmp_path).mtp_layers == 0
     with torch.no_grad():
         torch.testing.assert_close(ours(tokens()), ref(tokens()).logits, atol=1e-4, rtol=0)
 
