@@ -11,6 +11,7 @@ import warnings
 from pathlib import Path
 
 import torch
+import yaml
 from jsonargparse import DefaultHelpFormatter, Namespace
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
@@ -321,6 +322,33 @@ class MoECLI(LightningCLI):
             if log_dir is not None and not saved and runs.remove_empty_run_folder(log_dir):
                 rank_zero_info(f"removed {log_dir}: the run failed before writing anything but its config")
             raise
+
+
+class _ParseOnly(MoECLI):
+    """Parses like ``fit`` (the same parser, its defaults and merging of several ``--config`` files) and stops."""
+
+    def _set_seed(self) -> None:
+        pass
+
+    def before_instantiate_classes(self) -> None:
+        pass
+
+    def instantiate_classes(self) -> None:
+        pass
+
+    def after_instantiate_classes(self) -> None:
+        pass
+
+
+def compose_configs(paths: list[str]) -> dict:
+    """The values ``fit --config A --config B ...`` runs with that the files set (not the defaults), as plain data:
+    composed by fit's own parser, so a later file overrides an earlier one field by field exactly as in ``fit``."""
+    args = [word for path in paths for word in ("--config", str(path))]
+    with warnings.catch_warnings():  # "args and command line arguments": sys.argv here is the plan command's
+        warnings.simplefilter("ignore")
+        cli = _ParseOnly(MoELanguageModel, TextDataModule, subclass_mode_model=True, subclass_mode_data=True,
+                         args=args, run=False, parser_class=MoEArgumentParser)
+    return yaml.safe_load(cli.parser.dump(cli.config, skip_default=True, skip_validation=True)) or {}
 
 
 def lightning_cli(argv: list[str] | None = None) -> MoECLI:

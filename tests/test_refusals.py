@@ -102,3 +102,26 @@ def test_a_tokenizer_other_than_the_checkpoints_is_refused_for_fit_and_predict(b
              f"--ckpt_path={byte_checkpoint}", f"--data.init_args.tokenizer={other}", f"--prompts={prompts}",
              f"--out={tmp_path / 'out.jsonl'}"])
     assert not (tmp_path / "out.jsonl").exists()
+
+
+def test_plan_composes_several_configs_as_fit_does(tmp_path, capsys):
+    """Before: ``plan --config a.yaml --config b.yaml`` planned b.yaml alone (argparse kept the last value)."""
+    import json
+
+    import yaml
+
+    override = {"model": {"init_args": {"config": {"n_layers": 2}}}, "data": {"init_args": {"batch_size": 4}}}
+    (tmp_path / "override.yaml").write_text(yaml.safe_dump(override))
+    merged = yaml.safe_load((CONFIGS / "tiny.yaml").read_text())  # the composition written out by hand
+    merged["model"]["init_args"]["config"]["n_layers"] = 2
+    merged["data"]["init_args"]["batch_size"] = 4
+    (tmp_path / "merged.yaml").write_text(yaml.safe_dump(merged))
+
+    def plan(*configs):
+        run(["plan", *[w for c in configs for w in ("--config", str(c))], "--json"])
+        result = json.loads(capsys.readouterr().out)
+        return result["parameters"], result["inputs"]["micro_batch"], result["memory"]
+
+    composed = plan(CONFIGS / "tiny.yaml", tmp_path / "override.yaml")
+    assert composed == plan(tmp_path / "merged.yaml")
+    assert composed[1] == [4, "config"] and composed[0] != plan(CONFIGS / "tiny.yaml")[0]
