@@ -2,6 +2,7 @@
 ``moe_lightning.commands``)."""
 
 import dataclasses
+import errno
 import hashlib
 import importlib
 import inspect
@@ -311,9 +312,22 @@ class MoECLI(LightningCLI):
         folders |= {Path(cb.dirpath) for cb in self.trainer.checkpoint_callbacks if getattr(cb, "dirpath", None)}
         runs.remove_unfinished_saves(folders, keep=Path(ckpt_path) if ckpt_path else None)
 
+    def _allocate_run_folder(self) -> Path | None:
+        """This run's log folder; one that cannot be written (a read-only working directory, say) is one line
+        naming the folder and the setting to change, before anything is built."""
+        try:
+            return runs.allocate_run_folder(self.trainer.logger)
+        except OSError as error:
+            if error.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
+                raise
+            folder = Path(error.filename or self.trainer.logger.root_dir).resolve()
+            raise PermissionError(f"cannot create the run's log folder {folder} ({error.strerror}): set "
+                                  "trainer.logger.init_args.save_dir to a writable folder (e.g. "
+                                  "--trainer.logger.init_args.save_dir=$SCRATCH/logs).") from None
+
     def _run_subcommand(self, subcommand: str) -> None:
         # This run's version_N, created exclusively (runs.py): only a folder created here may be removed.
-        log_dir = None if self.trainer.fast_dev_run else runs.allocate_run_folder(self.trainer.logger)
+        log_dir = None if self.trainer.fast_dev_run else self._allocate_run_folder()
         try:
             super()._run_subcommand(subcommand)
         except BaseException:

@@ -125,3 +125,30 @@ def test_plan_composes_several_configs_as_fit_does(tmp_path, capsys):
     composed = plan(CONFIGS / "tiny.yaml", tmp_path / "override.yaml")
     assert composed == plan(tmp_path / "merged.yaml")
     assert composed[1] == [4, "config"] and composed[0] != plan(CONFIGS / "tiny.yaml")[0]
+
+
+@pytest.fixture
+def read_only_cwd(tmp_path, monkeypatch):
+    """The working directory on a read-only file system (a tmpfs mounted read-only: needs root, else skipped;
+    permission bits alone do not stop root)."""
+    import subprocess
+
+    folder = tmp_path / "ro"
+    folder.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "ro", "tmpfs", str(folder)], capture_output=True).returncode:
+        pytest.skip("cannot mount a read-only file system here (needs root)")
+    monkeypatch.chdir(folder)
+    yield folder
+    monkeypatch.chdir(tmp_path)
+    subprocess.run(["umount", str(folder)], check=True)
+
+
+def test_fit_from_a_read_only_working_directory_names_the_folder_and_the_setting(read_only_cwd, tmp_path):
+    """Before: a 36-line ``OSError: [Errno 30] Read-only file system: 'lightning_logs'`` traceback."""
+    argv = [a for a in quick(tmp_path, "--trainer.max_steps=1") if not a.startswith("--trainer.logger.init_args")]
+    with pytest.raises(PermissionError) as error:
+        run(argv)
+    assert str(error.value) == (
+        f"cannot create the run's log folder {read_only_cwd / 'lightning_logs'} (Read-only file system): set "
+        "trainer.logger.init_args.save_dir to a writable folder (e.g. --trainer.logger.init_args.save_dir="
+        "$SCRATCH/logs).")
