@@ -7,6 +7,7 @@ import hashlib
 import importlib
 import inspect
 import json
+import logging
 import re
 import warnings
 from pathlib import Path
@@ -198,6 +199,8 @@ class MoECLI(LightningCLI):
         # Each run has its own folder, so every resume restores a ModelCheckpoint whose dirpath was another run's,
         # and Lightning warns "The dirpath has changed" each time (the log already says what was resumed).
         warnings.filterwarnings("ignore", message="The dirpath has changed from")
+        # Lightning 2.6 with torch >= 2.12 warns from its own code at every fit: nothing a user can act on.
+        warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
         logger_args = config.trainer.get("logger")
         logger_args = logger_args.get("init_args") if isinstance(logger_args, Namespace) else None
         if self.subcommand != "fit" and isinstance(logger_args, Namespace) and "name" in logger_args:
@@ -226,11 +229,21 @@ class MoECLI(LightningCLI):
             raise cause from None  # our message last, not jsonargparse's namespace dump
 
     def instantiate_trainer(self, **kwargs):
-        """The trainer, writing single-file checkpoints beside and renaming them (unless a plugin says otherwise)."""
+        """The trainer, writing single-file checkpoints beside and renaming them (unless a plugin says otherwise),
+        with the step progress bar and the summary without FLOPs unless the config names its own."""
         from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+        from lightning.pytorch.callbacks import ModelSummary, ProgressBar
+        from .callbacks.console import StepProgressBar, SummaryWithoutFlops
         from .strategy import FileCheckpointIO
 
-        trainer = super().instantiate_trainer(**kwargs)
+        config = self._get(self.config_init, "trainer", default={})
+        callbacks = kwargs.get("callbacks", config.get("callbacks"))
+        callbacks = list(callbacks) if isinstance(callbacks, (list, tuple)) else [] if callbacks is None else [callbacks]
+        for kind, ours, flag in ((ProgressBar, StepProgressBar, "enable_progress_bar"),
+                                 (ModelSummary, SummaryWithoutFlops, "enable_model_summary")):
+            if config.get(flag) is not False and not any(isinstance(c, kind) for c in callbacks):
+                callbacks.append(ours())
+        trainer = super().instantiate_trainer(**{**kwargs, "callbacks": callbacks})
         if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # Lightning's default
             trainer.strategy.checkpoint_io = FileCheckpointIO()
         return trainer
@@ -365,8 +378,17 @@ def compose_configs(paths: list[str]) -> dict:
     return yaml.safe_load(cli.parser.dump(cli.config, skip_default=True, skip_validation=True)) or {}
 
 
+def drop_tips(record: logging.LogRecord) -> bool:
+    """Lightning's promotional lines ("💡 Tip: ... try installing litlogger"), which no setting turns off, and its
+    note that the model summary is already configured (by this CLI: ``SummaryWithoutFlops``)."""
+    message = str(record.msg)
+    return not (message.startswith("\N{ELECTRIC LIGHT BULB} Tip:") or message.startswith(
+        "Trainer already configured with model summary callbacks: [<class 'moe_lightning.callbacks.console."))
+
+
 def lightning_cli(argv: list[str] | None = None) -> MoECLI:
     """fit/validate/test/predict (``moe_lightning.commands.run`` dispatches here)."""
+    logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(drop_tips)
     descriptions = {name: {"description": COMMANDS[name]} for name in MoECLI.subcommands()}
     return MoECLI(MoELanguageModel, TextDataModule, subclass_mode_model=True, subclass_mode_data=True, args=argv,
                   parser_kwargs=descriptions, parser_class=MoEArgumentParser,

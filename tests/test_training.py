@@ -128,3 +128,40 @@ def test_console_entry_point_exits_zero_after_a_run(tmp_path):
                              "--trainer.fast_dev_run=true", "--data.init_args.max_tokens=100000"],
                             env=clean_env(), cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
+
+
+def console_fit(tmp_path, *extra: str) -> list[str]:
+    """A short fit of tiny.yaml's callbacks with the progress bar and the model summary on."""
+    return ["fit", "--config", str(CONFIGS / "tiny.yaml"), f"--trainer.default_root_dir={tmp_path}",
+            f"--trainer.logger.init_args.save_dir={tmp_path}", "--data.init_args.max_tokens=30000",
+            "--data.init_args.batch_size=2", "--model.init_args.config.n_layers=2", "--trainer.limit_val_batches=0",
+            "--trainer.log_every_n_steps=2", *extra]
+
+
+def test_a_short_fit_shows_steps_tokens_and_loss_and_none_of_lightnings_noise(tmp_path, capfd):
+    """Before: ``Epoch 0/-2 ... 6/6`` (batches against max_epochs=-1), two "💡 Tip" lines, a summary ending in
+    "Total Flops 0", and matplotlib's "No artists with labels found to put in legend" from a loss panel that had
+    nothing to draw yet (6 steps, recorded every 10). After a resume the bar counts on from the step it resumed."""
+    import re
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        first = run(console_fit(tmp_path, "--trainer.max_steps=6"))
+    out = capfd.readouterr()
+    text = (out.out + out.err).replace("\r", "\n")
+    assert "step: 100%" in text and " 6/6 [" in text and "Epoch" not in text
+    shown = re.findall(r"loss=([0-9.]+), tok/s=[0-9.]+k?", text)
+    metrics = (Path(first.trainer.log_dir) / "metrics.csv").read_text().splitlines()
+    header = metrics[0].split(",")
+    logged = [row.split(",")[header.index("train/loss")] for row in metrics[1:]]
+    assert shown and float(shown[-1]) == pytest.approx(float([v for v in logged if v][-1]), rel=1e-3)
+    for noise in ("Tip:", "Total Flops", "FLOPs", "LeafSpec", "already configured with model summary"):
+        assert noise not in text, noise
+    assert not [w for w in caught if "No artists with labels" in str(w.message) or "LeafSpec" in str(w.message)]
+
+    saved = next(Path(first.trainer.log_dir, "checkpoints").glob("*.ckpt"))
+    run(console_fit(tmp_path, "--trainer.max_steps=9", f"--ckpt_path={saved}"))
+    out = capfd.readouterr()
+    text = (out.out + out.err).replace("\r", "\n")
+    assert " 6/9 [" in text and " 9/9 [" in text and "Epoch" not in text
