@@ -10,6 +10,7 @@ import json
 import logging
 import re
 import warnings
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -24,7 +25,7 @@ from .durable import write_text
 from .generate import add_sampling_arguments, encode_prompt, read_prompts, sampling_from, warn_long_prompts
 from .loading import checkpoint_tokenizer
 from .module import MoELanguageModel
-from .resume import check_resume, checkpoint_hyperparameters
+from .resume import check_checkpoint
 from .tokenizer import load_tokenizer
 from . import runs
 
@@ -150,10 +151,9 @@ def tokenizer_identity(spec: dict) -> tuple:
         spec.get("eos_token")
 
 
-def check_tokenizer(config: Namespace, subcommand: str) -> None:
+def check_tokenizer(config: Namespace, subcommand: str, ckpt_path: str | None) -> None:
     """The data's tokenizer must be the one the checkpoint was trained with: the same ids would mean other text.
     (``predict`` without a tokenizer uses the checkpoint's own.)"""
-    ckpt_path = config.get("ckpt_path")
     if not ckpt_path or not Path(ckpt_path).exists() or "data.init_args.tokenizer" not in config:
         return  # "last"/"best" are resolved by Lightning; a custom DataModule may have no tokenizer argument
     requested = config.get("data.init_args.tokenizer")
@@ -178,17 +178,18 @@ class MoECLI(LightningCLI):
 
     def _parse_ckpt_path(self) -> None:
         """Replaces LightningCLI's re-parse of the checkpoint's hyperparameters (which silently beat the command
-        line): the command line wins, and a checkpoint of a different model is refused, field by field."""
-        if not self.config.get("subcommand"):
+        line): the command line wins, and ``_check_resume`` refuses a checkpoint of another model or data."""
+
+    def _check_resume(self, data=None) -> None:
+        """The one resume check (``resume.check_checkpoint``), after ``last`` is resolved and before the model is
+        built or the run writes anything: the model for every subcommand, the data's position for ``fit``."""
+        ckpt_path = self.config_init[self.subcommand].get("ckpt_path")
+        if not ckpt_path:
             return
-        config = self.config[self.config.subcommand]
-        ckpt_path = config.get("ckpt_path")
-        saved = checkpoint_hyperparameters(ckpt_path) if ckpt_path else None
-        if not saved:
-            return
-        model = config.model
+        model = self.config[self.subcommand].model
         init_args = model.init_args if isinstance(model.get("init_args"), Namespace) else model
-        for line in check_resume(saved, init_args.as_dict(), str(ckpt_path)):
+        tokenizer = partial(check_tokenizer, self.config[self.subcommand], self.subcommand, ckpt_path)
+        for line in check_checkpoint(ckpt_path, init_args.as_dict(), data, tokenizer):
             rank_zero_info(line)
 
     def before_instantiate_classes(self) -> None:
@@ -212,7 +213,6 @@ class MoECLI(LightningCLI):
                 and tokenizer.is_file():
             config["data.init_args.tokenizer"] = str(tokenizer)
         check_gradient_clip(config.trainer)
-        check_tokenizer(config, self.subcommand)
         self._precision_defaulted = config.trainer.precision is None
         if self._precision_defaulted:
             cuda = torch.cuda.is_available()
@@ -311,9 +311,15 @@ class MoECLI(LightningCLI):
         config = self.config_init[self.subcommand]
         if config.get("ckpt_path") == "last":  # any earlier run of this command, not only this version
             config["ckpt_path"] = runs.resolve_last(self.trainer)
+        self._check_resume(self.datamodule)
         self._remove_stale_partial_checkpoints()
 
-    before_validate = before_test = _check_model_fits_data
+    def before_validate(self) -> None:
+        self._check_model_fits_data()
+        self._check_resume()
+
+    before_test = before_validate
+    before_predict = _check_resume
 
     def _remove_stale_partial_checkpoints(self) -> None:
         """A run killed while saving leaves ``<name>.partial``: never loadable, so the next run of the folder

@@ -41,7 +41,6 @@ from torch.distributed.tensor import DTensor
 from .model import GroupedExperts, MoETransformer
 from .parallel import MeshError, MeshLayout, apply_expert_parallel
 from .parallel import checkpoint as ckpt
-from .resume import check_resume
 
 DTypeName = Literal["auto", "bf16", "fp16", "fp32"]
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -374,9 +373,6 @@ class MoEFSDPStrategy(ModelParallelStrategy):
         if not path.is_dir():
             return self._load_single_file(path)
         metadata = ckpt.load_metadata(ckpt.metadata_file(path))  # refuse an unsafe file before any tensor
-        config = getattr(self.lightning_module, "config", None)
-        if config is not None:  # also for ckpt_path="last"/"best", which the CLI cannot see before the run
-            check_resume(metadata.get("hyper_parameters", {}), {"config": config}, str(path))
         state = {"state_dict": get_model_state_dict(self.model)}
         state.update({f"optimizer_{i}": get_optimizer_state_dict(self.model, optimizer)
                       for i, optimizer in enumerate(self.optimizers)})
@@ -392,9 +388,6 @@ class MoEFSDPStrategy(ModelParallelStrategy):
         mapped) and copies out the part of each tensor its shards hold. (Lightning's own path keys the optimizer
         state by ``model.parameters()`` order, not the optimizer's, and ignores the ``ep`` split of experts.)"""
         checkpoint = ckpt.load_metadata(path, mmap=True)
-        config = getattr(self.lightning_module, "config", None)
-        if config is not None:
-            check_resume(checkpoint.get("hyper_parameters", {}), {"config": config}, str(path))
         full = checkpoint.pop("state_dict")
         names = ckpt.expert_parameter_names(self.lightning_module)
         state = get_model_state_dict(self.model)
