@@ -11,13 +11,16 @@ from torch.distributed.tensor import DTensor
 
 from ..model import MoEConfig, MoETransformer
 from .deepseek import DeepseekV2, DeepseekV3
+from .ernie import Ernie45Moe
+from .glm4_moe import Glm4Moe
 from .files import SafetensorsDir, read_config, write_directory
 from .mapping import Absent, HFFormatError, Source
 from .mixtral import Mixtral
 from .olmoe import Olmoe
 from .qwen3_moe import Qwen3Moe
 
-FAMILIES = {family.ARCHITECTURE: family for family in (Mixtral, Qwen3Moe, Olmoe, DeepseekV3, DeepseekV2)}
+FAMILIES = {family.ARCHITECTURE: family for family in (Mixtral, Qwen3Moe, Olmoe, DeepseekV3, DeepseekV2,
+                                                               Ernie45Moe, Glm4Moe)}
 
 
 def family_of(hf: dict):
