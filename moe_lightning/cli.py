@@ -238,7 +238,8 @@ class MoECLI(LightningCLI):
 
         config = self._get(self.config_init, "trainer", default={})
         callbacks = kwargs.get("callbacks", config.get("callbacks"))
-        callbacks = list(callbacks) if isinstance(callbacks, (list, tuple)) else [] if callbacks is None else [callbacks]
+        callbacks = [] if callbacks is None else list(callbacks) if isinstance(callbacks, (list, tuple)) \
+            else [callbacks]
         for kind, ours, flag in ((ProgressBar, StepProgressBar, "enable_progress_bar"),
                                  (ModelSummary, SummaryWithoutFlops, "enable_model_summary")):
             if config.get(flag) is not False and not any(isinstance(c, kind) for c in callbacks):

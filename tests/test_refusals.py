@@ -192,8 +192,8 @@ def test_resuming_other_text_of_the_same_size_is_refused(plain_run, tmp_path):
     text = Path(__file__).read_text()
     (tmp_path / "other.txt").write_text((text * (40000 // len(text) + 1))[:40000])
     with pytest.raises(ValueError, match="data fingerprint: checkpoint"):
-        run(quick(root, "--trainer.max_steps=4", f"--ckpt_path={saved}", f"--data.init_args.source={tmp_path / 'other.txt'}",
-                  "--data.init_args.max_tokens=30000"))
+        run(quick(root, "--trainer.max_steps=4", f"--ckpt_path={saved}",
+                  f"--data.init_args.source={tmp_path / 'other.txt'}", "--data.init_args.max_tokens=30000"))
 
 
 def test_ckpt_path_last_of_another_model_is_refused_before_the_model_is_built(plain_run, lightning_log):
