@@ -183,3 +183,32 @@ def test_every_shipped_config_can_balance_its_experts_within_its_run(path):
                                                     f"{data['trainer']['max_steps']} steps"
     above = text[:text.index("bias_update_rate:")].splitlines()[-4:]
     assert any("MaxVio" in line or "DeepSeek-V3" in line for line in above), "say how the rate was chosen"
+
+
+def test_the_progress_bar_reads_values_back_only_on_steps_whose_logs_are_written(tmp_path, monkeypatch):
+    """The bar's tokens/s comes from a Python int and its loss is read only where Lightning reads the logged
+    values back anyway: counted on CPU, every tensor read made from the bar's code (on a GPU each is a sync)."""
+    import traceback
+
+    from lightning.pytorch.loggers import CSVLogger
+
+    from moe_lightning.callbacks.console import StepProgressBar
+
+    reads, steps = [], []
+    for name in ("item", "tolist", "cpu", "__bool__", "__float__", "__int__"):
+        def counted(tensor, *args, _original=getattr(torch.Tensor, name), **kwargs):
+            if any(frame.filename.endswith("console.py") for frame in traceback.extract_stack()[:-1]):
+                reads.append(trainer.global_step)
+            return _original(tensor, *args, **kwargs)
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    config = MoEConfig(vocab_size=260, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=32, ffn_hidden=64,
+                       num_experts=4, top_k=2, expert_hidden=32)
+    trainer = L.Trainer(max_steps=8, accelerator="cpu", devices=1, logger=CSVLogger(tmp_path), log_every_n_steps=3,
+                        enable_checkpointing=False, limit_val_batches=0, enable_model_summary=False,
+                        callbacks=[StepProgressBar(), L.Callback()], default_root_dir=tmp_path)
+    trainer.fit(MoELanguageModel(config), TextDataModule("stdlib", seq_len=32, batch_size=2, max_tokens=20_000))
+    metrics = (Path(trainer.log_dir) / "metrics.csv").read_text().splitlines()
+    header = metrics[0].split(",")
+    logged = [row for row in metrics[1:] if row.split(",")[header.index("train/loss")]]
+    assert 0 < len(reads) == len(logged) < 8  # one read per written log, none on the other steps
+    assert trainer.progress_bar_callback.train_progress_bar.n == 8
