@@ -364,6 +364,9 @@ class _ParseOnly(MoECLI):
     def _set_seed(self) -> None:
         pass
 
+    def _run_subcommand(self, subcommand: str) -> None:
+        pass
+
     def before_instantiate_classes(self) -> None:
         pass
 
@@ -377,12 +380,13 @@ class _ParseOnly(MoECLI):
 def compose_configs(paths: list[str]) -> dict:
     """The values ``fit --config A --config B ...`` runs with that the files set (not the defaults), as plain data:
     composed by fit's own parser, so a later file overrides an earlier one field by field exactly as in ``fit``."""
-    args = [word for path in paths for word in ("--config", str(path))]
+    args = ["fit", *[word for path in paths for word in ("--config", str(path))]]
     with warnings.catch_warnings():  # "args and command line arguments": sys.argv here is the plan command's
         warnings.simplefilter("ignore")
         cli = _ParseOnly(MoELanguageModel, TextDataModule, subclass_mode_model=True, subclass_mode_data=True,
-                         args=args, run=False, parser_class=MoEArgumentParser)
-    return yaml.safe_load(cli.parser.dump(cli.config, skip_default=True, skip_validation=True)) or {}
+                         args=args, parser_class=MoEArgumentParser)
+    fit = cli._parser("fit")  # LightningCLI's own accessor for a subcommand's parser
+    return yaml.safe_load(fit.dump(cli.config.fit, skip_default=True, skip_validation=True)) or {}
 
 
 def drop_tips(record: logging.LogRecord) -> bool:

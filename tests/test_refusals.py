@@ -110,7 +110,8 @@ def test_plan_composes_several_configs_as_fit_does(tmp_path, capsys):
 
     import yaml
 
-    override = {"model": {"init_args": {"config": {"n_layers": 2}}}, "data": {"init_args": {"batch_size": 4}}}
+    override = {"model": {"init_args": {"config": {"n_layers": 2}}}, "data": {"init_args": {"batch_size": 4}},
+                "ckpt_path": None}  # a fit-only key, as in a run's saved config.yaml
     (tmp_path / "override.yaml").write_text(yaml.safe_dump(override))
     merged = yaml.safe_load((CONFIGS / "tiny.yaml").read_text())  # the composition written out by hand
     merged["model"]["init_args"]["config"]["n_layers"] = 2
