@@ -2,25 +2,30 @@
 ``moe_lightning.commands``)."""
 
 import dataclasses
+import errno
 import hashlib
 import importlib
 import inspect
 import json
+import logging
 import re
 import warnings
+from functools import partial
 from pathlib import Path
 
 import torch
+import yaml
 from jsonargparse import DefaultHelpFormatter, Namespace
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 
 from .commands import COMMANDS, EXTRA_COMMANDS, main, run  # noqa: F401  (re-exported: the entry points before)
 from .data import TextDataModule
-from .generate import add_sampling_arguments, encode_prompt, sampling_from
+from .durable import write_text
+from .generate import add_sampling_arguments, encode_prompt, read_prompts, sampling_from, warn_long_prompts
 from .loading import checkpoint_tokenizer
 from .module import MoELanguageModel
-from .resume import check_resume, checkpoint_hyperparameters
+from .resume import check_checkpoint
 from .tokenizer import load_tokenizer
 from . import runs
 
@@ -146,10 +151,9 @@ def tokenizer_identity(spec: dict) -> tuple:
         spec.get("eos_token")
 
 
-def check_tokenizer(config: Namespace, subcommand: str) -> None:
+def check_tokenizer(config: Namespace, subcommand: str, ckpt_path: str | None) -> None:
     """The data's tokenizer must be the one the checkpoint was trained with: the same ids would mean other text.
     (``predict`` without a tokenizer uses the checkpoint's own.)"""
-    ckpt_path = config.get("ckpt_path")
     if not ckpt_path or not Path(ckpt_path).exists() or "data.init_args.tokenizer" not in config:
         return  # "last"/"best" are resolved by Lightning; a custom DataModule may have no tokenizer argument
     requested = config.get("data.init_args.tokenizer")
@@ -174,17 +178,18 @@ class MoECLI(LightningCLI):
 
     def _parse_ckpt_path(self) -> None:
         """Replaces LightningCLI's re-parse of the checkpoint's hyperparameters (which silently beat the command
-        line): the command line wins, and a checkpoint of a different model is refused, field by field."""
-        if not self.config.get("subcommand"):
+        line): the command line wins, and ``_check_resume`` refuses a checkpoint of another model or data."""
+
+    def _check_resume(self, data=None) -> None:
+        """The one resume check (``resume.check_checkpoint``), after ``last`` is resolved and before the model is
+        built or the run writes anything: the model for every subcommand, the data's position for ``fit``."""
+        ckpt_path = self.config_init[self.subcommand].get("ckpt_path")
+        if not ckpt_path:
             return
-        config = self.config[self.config.subcommand]
-        ckpt_path = config.get("ckpt_path")
-        saved = checkpoint_hyperparameters(ckpt_path) if ckpt_path else None
-        if not saved:
-            return
-        model = config.model
+        model = self.config[self.subcommand].model
         init_args = model.init_args if isinstance(model.get("init_args"), Namespace) else model
-        for line in check_resume(saved, init_args.as_dict(), str(ckpt_path)):
+        tokenizer = partial(check_tokenizer, self.config[self.subcommand], self.subcommand, ckpt_path)
+        for line in check_checkpoint(ckpt_path, init_args.as_dict(), data, tokenizer):
             rank_zero_info(line)
 
     def before_instantiate_classes(self) -> None:
@@ -195,6 +200,8 @@ class MoECLI(LightningCLI):
         # Each run has its own folder, so every resume restores a ModelCheckpoint whose dirpath was another run's,
         # and Lightning warns "The dirpath has changed" each time (the log already says what was resumed).
         warnings.filterwarnings("ignore", message="The dirpath has changed from")
+        # Lightning 2.6 with torch >= 2.12 warns from its own code at every fit: nothing a user can act on.
+        warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
         logger_args = config.trainer.get("logger")
         logger_args = logger_args.get("init_args") if isinstance(logger_args, Namespace) else None
         if self.subcommand != "fit" and isinstance(logger_args, Namespace) and "name" in logger_args:
@@ -206,7 +213,6 @@ class MoECLI(LightningCLI):
                 and tokenizer.is_file():
             config["data.init_args.tokenizer"] = str(tokenizer)
         check_gradient_clip(config.trainer)
-        check_tokenizer(config, self.subcommand)
         self._precision_defaulted = config.trainer.precision is None
         if self._precision_defaulted:
             cuda = torch.cuda.is_available()
@@ -223,11 +229,22 @@ class MoECLI(LightningCLI):
             raise cause from None  # our message last, not jsonargparse's namespace dump
 
     def instantiate_trainer(self, **kwargs):
-        """The trainer, writing single-file checkpoints beside and renaming them (unless a plugin says otherwise)."""
+        """The trainer, writing single-file checkpoints beside and renaming them (unless a plugin says otherwise),
+        with the step progress bar and the summary without FLOPs unless the config names its own."""
         from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+        from lightning.pytorch.callbacks import ModelSummary, ProgressBar
+        from .callbacks.console import StepProgressBar, SummaryWithoutFlops
         from .strategy import FileCheckpointIO
 
-        trainer = super().instantiate_trainer(**kwargs)
+        config = self._get(self.config_init, "trainer", default={})
+        callbacks = kwargs.get("callbacks", config.get("callbacks"))
+        callbacks = [] if callbacks is None else list(callbacks) if isinstance(callbacks, (list, tuple)) \
+            else [callbacks]
+        for kind, ours, flag in ((ProgressBar, StepProgressBar, "enable_progress_bar"),
+                                 (ModelSummary, SummaryWithoutFlops, "enable_model_summary")):
+            if config.get(flag) is not False and not any(isinstance(c, kind) for c in callbacks):
+                callbacks.append(ours())
+        trainer = super().instantiate_trainer(**{**kwargs, "callbacks": callbacks})
         if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # Lightning's default
             trainer.strategy.checkpoint_io = FileCheckpointIO()
         return trainer
@@ -274,27 +291,19 @@ class MoECLI(LightningCLI):
         if self.trainer.world_size > 1:  # the distributed sampler would split the prompts across processes
             raise ValueError(f"predict runs in one process (trainer.world_size={self.trainer.world_size}): pass "
                              "--trainer.devices=1 --trainer.num_nodes=1, or use `moe-lightning generate`.")
-        path = Path(prompts)
-        if not path.is_file():
-            raise FileNotFoundError(f"--prompts={prompts!r}: no such file; pass a JSONL file with a 'prompt' field "
-                                    "per line.")
-        records = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-        for line_no, record in enumerate(records, 1):
-            if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
-                raise ValueError(f"{prompts}:{line_no}: each record needs a text field 'prompt'.")
+        records = read_prompts(prompts)
         ckpt_path = trainer_kwargs.get("ckpt_path")  # the checkpoint's own tokenizer beats the config's
         recorded = ckpt_path and Path(ckpt_path).exists()  # not "last"/"best", which Lightning resolves
         tokenizer = checkpoint_tokenizer(ckpt_path) if recorded else datamodule.tokenizer
         batches = [{"tokens_1S": encode_prompt(tokenizer, r["prompt"], "cpu"), "eod_id": tokenizer.eos_id,
                     "sampling": dataclasses.replace(sampling, seed=sampling.seed + i)}
                    for i, r in enumerate(records)]
+        warn_long_prompts([b["tokens_1S"].shape[1] for b in batches], model.config.max_seq_len, prompts)
         loader = torch.utils.data.DataLoader(batches, batch_size=None)
         predictions = self.trainer.predict(model, dataloaders=loader, **trainer_kwargs)
         target = Path(out) if out else Path(self.trainer.log_dir or ".") / "predictions.jsonl"
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with open(target, "w", encoding="utf-8") as f:
-            for record, ids in zip(records, predictions):
-                f.write(json.dumps({**record, "completion": tokenizer.decode(ids)}, ensure_ascii=False) + "\n")
+        write_text(target, "".join(json.dumps({**record, "completion": tokenizer.decode(ids)}, ensure_ascii=False)
+                                   + "\n" for record, ids in zip(records, predictions, strict=True)))
         print(f"wrote {len(records)} continuations to {target}")
 
     def before_fit(self) -> None:
@@ -303,9 +312,15 @@ class MoECLI(LightningCLI):
         config = self.config_init[self.subcommand]
         if config.get("ckpt_path") == "last":  # any earlier run of this command, not only this version
             config["ckpt_path"] = runs.resolve_last(self.trainer)
+        self._check_resume(self.datamodule)
         self._remove_stale_partial_checkpoints()
 
-    before_validate = before_test = _check_model_fits_data
+    def before_validate(self) -> None:
+        self._check_model_fits_data()
+        self._check_resume()
+
+    before_test = before_validate
+    before_predict = _check_resume
 
     def _remove_stale_partial_checkpoints(self) -> None:
         """A run killed while saving leaves ``<name>.partial``: never loadable, so the next run of the folder
@@ -317,9 +332,22 @@ class MoECLI(LightningCLI):
         folders |= {Path(cb.dirpath) for cb in self.trainer.checkpoint_callbacks if getattr(cb, "dirpath", None)}
         runs.remove_unfinished_saves(folders, keep=Path(ckpt_path) if ckpt_path else None)
 
+    def _allocate_run_folder(self) -> Path | None:
+        """This run's log folder; one that cannot be written (a read-only working directory, say) is one line
+        naming the folder and the setting to change, before anything is built."""
+        try:
+            return runs.allocate_run_folder(self.trainer.logger)
+        except OSError as error:
+            if error.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
+                raise
+            folder = Path(error.filename or self.trainer.logger.root_dir).resolve()
+            raise PermissionError(f"cannot create the run's log folder {folder} ({error.strerror}): set "
+                                  "trainer.logger.init_args.save_dir to a writable folder (e.g. "
+                                  "--trainer.logger.init_args.save_dir=$SCRATCH/logs).") from None
+
     def _run_subcommand(self, subcommand: str) -> None:
         # This run's version_N, created exclusively (runs.py): only a folder created here may be removed.
-        log_dir = None if self.trainer.fast_dev_run else runs.allocate_run_folder(self.trainer.logger)
+        log_dir = None if self.trainer.fast_dev_run else self._allocate_run_folder()
         try:
             super()._run_subcommand(subcommand)
         except BaseException:
@@ -330,8 +358,48 @@ class MoECLI(LightningCLI):
             raise
 
 
+class _ParseOnly(MoECLI):
+    """Parses like ``fit`` (the same parser, its defaults and merging of several ``--config`` files) and stops."""
+
+    def _set_seed(self) -> None:
+        pass
+
+    def _run_subcommand(self, subcommand: str) -> None:
+        pass
+
+    def before_instantiate_classes(self) -> None:
+        pass
+
+    def instantiate_classes(self) -> None:
+        pass
+
+    def after_instantiate_classes(self) -> None:
+        pass
+
+
+def compose_configs(paths: list[str]) -> dict:
+    """The values ``fit --config A --config B ...`` runs with that the files set (not the defaults), as plain data:
+    composed by fit's own parser, so a later file overrides an earlier one field by field exactly as in ``fit``."""
+    args = ["fit", *[word for path in paths for word in ("--config", str(path))]]
+    with warnings.catch_warnings():  # "args and command line arguments": sys.argv here is the plan command's
+        warnings.simplefilter("ignore")
+        cli = _ParseOnly(MoELanguageModel, TextDataModule, subclass_mode_model=True, subclass_mode_data=True,
+                         args=args, parser_class=MoEArgumentParser)
+    fit = cli._parser("fit")  # LightningCLI's own accessor for a subcommand's parser
+    return yaml.safe_load(fit.dump(cli.config.fit, skip_default=True, skip_validation=True)) or {}
+
+
+def drop_tips(record: logging.LogRecord) -> bool:
+    """Lightning's promotional lines ("💡 Tip: ... try installing litlogger"), which no setting turns off, and its
+    note that the model summary is already configured (by this CLI: ``SummaryWithoutFlops``)."""
+    message = str(record.msg)
+    return not (message.startswith("\N{ELECTRIC LIGHT BULB} Tip:") or message.startswith(
+        "Trainer already configured with model summary callbacks: [<class 'moe_lightning.callbacks.console."))
+
+
 def lightning_cli(argv: list[str] | None = None) -> MoECLI:
     """fit/validate/test/predict (``moe_lightning.commands.run`` dispatches here)."""
+    logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(drop_tips)
     descriptions = {name: {"description": COMMANDS[name]} for name in MoECLI.subcommands()}
     return MoECLI(MoELanguageModel, TextDataModule, subclass_mode_model=True, subclass_mode_data=True, args=argv,
                   parser_kwargs=descriptions, parser_class=MoEArgumentParser,

@@ -6,9 +6,12 @@ The model and tokenizer come from ``loading.load_model`` (the tokenizer the run 
 
 import argparse
 import dataclasses
+import json
 import sys
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -103,13 +106,46 @@ def default_dtype(device: str) -> str:
     return "bfloat16" if torch.device(device).type == "cuda" else "float32"
 
 
-def read_prompt_file(path: str) -> str:
+def read_prompt_file(path: str, flag: str = "--prompt-file") -> str:
     try:
         with open(path, encoding="utf-8") as f:
             return f.read()
     except UnicodeDecodeError as error:
-        raise ValueError(f"--prompt-file={path!r} is not UTF-8 text (byte {error.object[error.start]:#04x} at "
+        raise ValueError(f"{flag}={path!r} is not UTF-8 text (byte {error.object[error.start]:#04x} at "
                          f"offset {error.start}); save it as UTF-8.") from None
+
+
+def read_prompts(path: str) -> list[dict]:
+    """``predict``'s JSONL prompts, every record checked before anything is loaded or written."""
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"--prompts={path!r}: no such file; pass a JSONL file with a 'prompt' field per line.")
+    records = []
+    for line_no, line in enumerate(read_prompt_file(path, "--prompts").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{path}:{line_no}: not a JSON record ({error.msg}); each line is one JSON object "
+                             "with a text field 'prompt'.") from None
+        if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
+            raise ValueError(f"{path}:{line_no}: each record needs a text field 'prompt'.")
+        records.append(record)
+    if not records:
+        raise ValueError(f"--prompts={path!r} holds no prompt: write one JSON record per line, e.g. "
+                         '{"prompt": "Once upon a time"}.')
+    return records
+
+
+def warn_long_prompts(lengths: list[int], max_seq_len: int, where: str) -> None:
+    """The model sees at most ``max_seq_len`` tokens (``MoETransformer.generate_stream`` keeps the newest): say
+    which prompts lose their beginning rather than continue them silently from a cut text."""
+    long = [(i, n) for i, n in enumerate(lengths) if n > max_seq_len]
+    if long:
+        shown = ", ".join(f"prompt {i + 1} ({n} tokens)" for i, n in long[:5]) + (" ..." if len(long) > 5 else "")
+        warnings.warn(f"{where}: {len(long)} prompt(s) longer than model.config.max_seq_len={max_seq_len} tokens "
+                      f"(with the end-of-document token that starts each): {shown}; the model continues only their "
+                      f"last {max_seq_len} tokens.", stacklevel=2)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -135,6 +171,7 @@ def main(argv: list[str] | None = None) -> None:
 
     loaded = load_model(args.checkpoint, device=args.device, dtype=dtype)
     prompt_1S = encode_prompt(loaded.tokenizer, prompt, args.device)
+    warn_long_prompts([prompt_1S.shape[1]], loaded.model.config.max_seq_len, "generate")
     for i in range(args.num_samples):
         if args.num_samples > 1:
             print(f"\n--- sample {i + 1}/{args.num_samples} ---", flush=True)

@@ -18,7 +18,6 @@ from .callbacks.nonfinite import NonFiniteGuard
 from .generate import stream
 from .model import LocalTokenDispatcher, MoEConfig, MoETransformer, mtp
 from .optim import WarmupCosineLR, param_groups
-from .resume import check_resume
 
 
 def compile_blocks(layers: torch.nn.ModuleList, backend: str = "inductor") -> None:
@@ -301,8 +300,7 @@ class MoELanguageModel(L.LightningModule):
             checkpoint["hyper_parameters"]["config"] = dataclasses.asdict(self.config)
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
-        """Refuses a checkpoint of another model before its weights are loaded (for every ``ckpt_path``,
-        ``last`` and ``best`` included: the CLI checks explicit paths before anything is built)."""
-        check_resume(checkpoint.get("hyper_parameters", {}), {"config": self.config}, "the checkpoint")
+        """(A checkpoint of another model or data is refused before anything is built: ``resume.check_checkpoint``,
+        which ``moe-lightning`` runs for every ``ckpt_path``; call it yourself before ``Trainer.fit`` from Python.)"""
         self.tokens_seen = checkpoint.get("tokens_seen", 0)
         self._pending_expert_counts = None

@@ -52,6 +52,8 @@ import argparse
 import json
 import math
 from dataclasses import asdict, dataclass, fields
+from functools import cache
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -125,10 +127,27 @@ class Workload:
             raise ValueError(f"--doc-len={self.doc_len}: must be >= 1 (tokens in a typical document).")
 
 
-def load_model_config(path: str) -> MoEConfig:
-    """``model.init_args.config`` of a LightningCLI YAML (or a bare mapping of MoEConfig fields)."""
-    with open(path) as f:
-        data = yaml.safe_load(f) or {}
+def read_config(paths: str | Path | list) -> dict[str, Any]:
+    """The run config of one YAML file, or of several composed as ``fit --config A --config B`` composes them
+    (through fit's own parser, ``cli.compose_configs``: it imports Lightning, so only when there is more than one)."""
+    paths = [paths] if isinstance(paths, (str, Path)) else list(paths)
+    if len(paths) > 1:
+        return _composed(tuple(map(str, paths)))
+    with open(paths[0]) as f:
+        return yaml.safe_load(f) or {}
+
+
+@cache
+def _composed(paths: tuple[str, ...]) -> dict[str, Any]:
+    from .cli import compose_configs
+
+    return compose_configs(list(paths))
+
+
+def load_model_config(path: str | Path | list) -> MoEConfig:
+    """``model.init_args.config`` of a LightningCLI YAML (or several composed; or a bare mapping of MoEConfig
+    fields)."""
+    data = read_config(path)
     fields = data.get("model", {}).get("init_args", {}).get("config", data if "dim" in data else None)
     if fields is None:
         raise ValueError(f"{path}: no model.init_args.config section with MoEConfig fields.")
@@ -139,14 +158,13 @@ def _class_name(entry: Any) -> str:
     return str(entry.get("class_path", "")).rsplit(".", 1)[-1] if isinstance(entry, dict) else ""
 
 
-def read_run_config(path: str) -> dict[str, Any]:
+def read_run_config(path: str | list[str]) -> dict[str, Any]:
     """What a LightningCLI YAML says about the plan's inputs, keyed by ``Cluster``/``Workload`` field names.
 
     Only values the file sets are returned (``activation_offload`` always: the callback is there or not);
     ``optimizer`` is ``adamw``/``muon``, or the class path when it is neither.
     """
-    with open(path) as f:
-        data = yaml.safe_load(f) or {}
+    data = read_config(path)
     trainer, found = data.get("trainer") or {}, {}
     for key, name in (("num_nodes", "nodes"), ("devices", "gpus_per_node")):
         if isinstance(trainer.get(key), int):
@@ -449,7 +467,7 @@ def planned_inputs(args: argparse.Namespace, config: MoEConfig) -> dict[str, tup
                          "the model cannot train on longer sequences; lower it or raise max_seq_len.")
     optimizer, origin = inputs["optimizer"]
     if optimizer not in ("adamw", "muon"):
-        raise ValueError(f"{args.config}: model.init_args.optimizer {optimizer} is neither AdamW nor Muon; pass "
+        raise ValueError(f"{' + '.join(args.config)}: model.init_args.optimizer {optimizer} is neither AdamW nor Muon; pass "
                          "--optimizer adamw or --optimizer muon to price its state like one of them.")
     return inputs
 
@@ -457,7 +475,8 @@ def planned_inputs(args: argparse.Namespace, config: MoEConfig) -> dict[str, tup
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(prog="moe-lightning plan", description=__doc__.split("\n")[0],
                                      epilog="Flags without a default here take the config's value.")
-    parser.add_argument("--config", required=True, help="LightningCLI YAML with model.init_args.config")
+    parser.add_argument("--config", required=True, action="append", help="LightningCLI YAML with "
+                        "model.init_args.config; given again, the files compose as in fit (later ones override)")
     parser.add_argument("--nodes", type=int, help="default: trainer.num_nodes, else 1")
     parser.add_argument("--gpus-per-node", type=int, help="default: trainer.devices, else 8")
     parser.add_argument("--gpu-memory", type=float, help=f"GiB per GPU (default: {Cluster.gpu_memory_gib:g})")

@@ -1,12 +1,16 @@
-"""Resume checks: a checkpoint continues only the model it was trained as; training knobs may change.
+"""The one resume check: a checkpoint continues only the model it was trained as, on the data it was trained on.
 
 LightningCLI would re-parse the checkpoint's hyperparameters over the command line, so a checkpoint of
-another shape would silently win. Instead the command line always wins, and any difference in the
-model's shape or function is refused before anything is built, one line per differing field.
+another shape would silently win. Instead the command line always wins, and ``check_checkpoint`` refuses, before
+anything is built (``moe-lightning`` runs it once, for every subcommand and every ``ckpt_path``, ``last``
+resolved): a model that differs in its shape or function (one line per differing field; training knobs may
+change), and a training position saved on other data (another source, mixture, seq_len, shuffle or split),
+whatever kind of source it is.
 """
 
 import dataclasses
 import pickle
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +31,13 @@ class ResumeMismatchError(ValueError):
 
 def checkpoint_hyperparameters(ckpt_path: str | Path) -> dict | None:
     """The ``hyper_parameters`` of a single-file or sharded checkpoint, read without tensors or code."""
+    state = checkpoint_state(ckpt_path)
+    return None if state is None else state.get("hyper_parameters")
+
+
+def checkpoint_state(ckpt_path: str | Path) -> dict | None:
+    """The plain data of a single-file or sharded checkpoint (hyperparameters, loop state), read without tensors
+    or code; ``None`` for what Lightning resolves itself."""
     path = Path(ckpt_path)
     if not path.exists() and not path.with_name(path.name + ckpt.OLD_SUFFIX).exists():
         return None  # "last", "best", a remote URL...: Lightning resolves those itself
@@ -40,7 +51,7 @@ def checkpoint_hyperparameters(ckpt_path: str | Path) -> dict | None:
     except pickle.UnpicklingError as error:  # never unpickle arbitrary code just to compare configs
         raise ResumeMismatchError(f"ckpt_path={str(ckpt_path)!r}: its hyperparameters cannot be read as plain data "
                                   f"({str(error).splitlines()[0]}); this version writes plain data only.") from None
-    return saved.get("hyper_parameters")
+    return saved
 
 
 def config_fields(config: MoEConfig | dict) -> dict[str, Any]:
@@ -75,3 +86,39 @@ def check_resume(saved_hparams: dict, requested: dict[str, Any], ckpt_path: str)
                 and saved_hparams[name] != value:
             changed.append(f"model.init_args.{name}: checkpoint {saved_hparams[name]!r}, requested {value!r}")
     return [f"resume: {line} (using the requested value)" for line in changed]
+
+
+def saved_position(state: dict) -> dict | None:
+    """The training loader's saved position (``TextDataModule``'s: epoch, samples, and what the data was)."""
+    loaders = (((state.get("loops") or {}).get("fit_loop") or {}).get("state_dict") or {}).get("combined_loader")
+    return loaders[0] if isinstance(loaders, list) and loaders and isinstance(loaders[0], dict) else None
+
+
+def check_data(saved: dict, current: dict, ckpt_path: str) -> None:
+    """Refuse a position saved on other data: every description field both sides have must agree (a field only
+    one side has, from an older or newer version, is not compared)."""
+    differ = [f"data {name}: checkpoint {saved[name]!r}, requested {current[name]!r}"
+              for name in current if name in saved and saved[name] != current[name]]
+    if differ:
+        raise ResumeMismatchError(
+            f"ckpt_path={ckpt_path!r} was trained on other data, so its position in the training order means nothing "
+            "here:\n  " + "\n  ".join(differ) + "\nResume with the data.source, weights, seq_len, val_fraction, "
+            "max_tokens and shuffle_seed it was trained with, or start a new run without --ckpt_path.")
+
+
+def check_checkpoint(ckpt_path: str | Path, model_args: dict[str, Any], data=None,
+                     check_tokenizer: Callable[[], None] = lambda: None) -> list[str]:
+    """The one resume check, before anything is built: the model (``check_resume``), then the tokenizer (the
+    caller's ``check_tokenizer``: other ids would also make other data, and that says it better), then, when
+    ``data`` describes itself (``TextDataModule.description``; it is set up for that) and the checkpoint saved a
+    training position, the data. Returns the lines saying which training settings the run changes."""
+    state = checkpoint_state(ckpt_path)
+    if state is None:
+        return []
+    lines = check_resume(state.get("hyper_parameters") or {}, model_args, str(ckpt_path))
+    check_tokenizer()
+    position = saved_position(state)
+    if position is not None and callable(getattr(data, "description", None)):
+        data.setup("fit")
+        check_data(position, data.description(), str(ckpt_path))
+    return lines

@@ -37,7 +37,6 @@ from .model import MoETransformer
 from .parallel import MeshError, MeshLayout, apply_expert_parallel, fsdp, reshard
 from .parallel import checkpoint as ckpt
 from .parallel.clip import clip_grads_
-from .resume import check_resume
 
 DTypeName = Literal["auto", "bf16", "fp16", "fp32"]
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -256,9 +255,6 @@ class MoEFSDPStrategy(ModelParallelStrategy):
         if not path.is_dir():
             return self._load_single_file(path)
         metadata = ckpt.load_metadata(ckpt.metadata_file(path))  # refuse an unsafe file before any tensor
-        config = getattr(self.lightning_module, "config", None)
-        if config is not None:  # also for ckpt_path="last"/"best", which the CLI cannot see before the run
-            check_resume(metadata.get("hyper_parameters", {}), {"config": config}, str(path))
         state = {"state_dict": get_model_state_dict(self.model)}
         state.update({f"optimizer_{i}": get_optimizer_state_dict(self.model, optimizer)
                       for i, optimizer in enumerate(self.optimizers)})
@@ -273,9 +269,6 @@ class MoEFSDPStrategy(ModelParallelStrategy):
         """A single-file checkpoint (full tensors, e.g. of a one-process run), read into the shards (memory-mapped;
         see ``parallel/reshard.py``)."""
         checkpoint = ckpt.load_metadata(path, mmap=True)
-        config = getattr(self.lightning_module, "config", None)
-        if config is not None:
-            check_resume(checkpoint.get("hyper_parameters", {}), {"config": config}, str(path))
         return reshard.load_full_checkpoint(checkpoint, path, self.lightning_module, self.model, self.optimizers,
                                             self.expert_mesh)
 

@@ -274,3 +274,38 @@ def test_declared_eos_token_is_recorded_and_restored(run_dir, tmp_path):
     restored = tokenizer_from_spec(spec)
     assert restored.eos_id == tok.token_to_id("<|endoftext|>") == tok.get_vocab_size() - 1  # inside the vocab
     assert restored.vocab_size == tok.get_vocab_size()
+
+
+def predict_argv(root: Path, prompts: Path, out: Path) -> list[str]:
+    return ["predict", "--config", str(write_config(root)), "--ckpt_path", str(root / "single.ckpt"),
+            "--prompts", str(prompts), "--out", str(out), "--max-new-tokens", "4", "--temperature", "0"]
+
+
+@pytest.mark.parametrize("content, message", [
+    ("", "holds no prompt"),
+    ("\n  \n", "holds no prompt"),
+    ('{"prompt": "a"}\n{"prompt": \n', r"prompts.jsonl:2: not a JSON record"),
+    ('{"text": "a"}\n', r"prompts.jsonl:1: each record needs a text field 'prompt'"),
+])
+def test_predict_refuses_bad_prompts_before_running_and_keeps_the_previous_output(run_dir, tmp_path, content,
+                                                                                   message):
+    """Before: an empty prompts file crashed (TypeError) after emptying an existing --out file."""
+    previous = '{"prompt": "x", "completion": "kept"}\n' * 40
+    (tmp_path / "out.jsonl").write_text(previous)
+    (tmp_path / "prompts.jsonl").write_text(content)
+    with pytest.raises(ValueError, match=message):
+        run(predict_argv(run_dir["root"], tmp_path / "prompts.jsonl", tmp_path / "out.jsonl"))
+    assert (tmp_path / "out.jsonl").read_text() == previous
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.jsonl", "prompts.jsonl"]  # no partial left
+
+
+def test_predict_output_is_replaced_whole_and_a_long_prompt_is_named(run_dir, tmp_path):
+    """A prompt longer than max_seq_len (32 here) is continued from its last 32 tokens: said, not silent."""
+    (tmp_path / "out.jsonl").write_text("old\n")
+    long_prompt = "import torch\n" * 20
+    (tmp_path / "prompts.jsonl").write_text(json.dumps({"prompt": "def"}) + "\n" + json.dumps({"prompt": long_prompt}))
+    with pytest.warns(UserWarning, match=r"1 prompt\(s\) longer than model.config.max_seq_len=32 tokens.*prompt 2 "
+                                         r"\(\d+ tokens\).*last 32 tokens"):
+        run(predict_argv(run_dir["root"], tmp_path / "prompts.jsonl", tmp_path / "out.jsonl"))
+    records = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert [r["prompt"] for r in records] == ["def", long_prompt] and all("completion" in r for r in records)

@@ -325,16 +325,3 @@ def test_cpu_run_logs_the_precision_it_ran(tmp_path, lightning_log):
     cli = run(quick(tmp_path, "--trainer.fast_dev_run=true"))
     assert cli.trainer.precision == "32-true"
     assert "precision: 32-true (the default on this accelerator; set trainer.precision to change it)" in lightning_log
-
-
-def test_every_resume_path_checks_the_model_before_loading_weights():
-    """``--ckpt_path last``/``best`` never reach the CLI's early check: the module checks the checkpoint's config
-    when Lightning hands it over, before any weight is loaded; a default-config run records its config too."""
-    saved = MoELanguageModel()  # config=None: the default MoEConfig
-    checkpoint = {"hyper_parameters": dict(saved.hparams)}
-    saved.on_save_checkpoint(checkpoint)
-    assert checkpoint["hyper_parameters"]["config"]["dim"] == MoEConfig().dim
-    wider = MoELanguageModel(MoEConfig(dim=2 * MoEConfig().dim))
-    with pytest.raises(ResumeMismatchError, match=r"config.dim: checkpoint 256, requested 512"):
-        wider.on_load_checkpoint(checkpoint)
-    MoELanguageModel().on_load_checkpoint(checkpoint)  # the same model resumes

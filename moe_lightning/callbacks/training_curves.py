@@ -6,6 +6,7 @@ from pathlib import Path
 import lightning as L
 from lightning.pytorch.loggers import TensorBoardLogger
 
+from ..durable import write_with
 from ._logging import StepInterval, check_interval
 from .expert_load import ExpertLoadMonitor
 
@@ -98,7 +99,7 @@ class TrainingCurves(L.Callback):
                             markersize=4, label=name)
             if not any(self.history.get(name) for name in names):
                 ax.text(0.5, 0.5, "not recorded", ha="center", va="center", transform=ax.transAxes, color="gray")
-            if len(names) > 1:
+            if len(names) > 1 and ax.get_legend_handles_labels()[0]:  # an empty legend is a matplotlib warning
                 ax.legend()
             if title == "dead experts":  # a share: 0 at the bottom even when nothing died
                 top = max([0.1] + [1.1 * v for _, v in self.history.get("dead experts", [])])
@@ -118,8 +119,7 @@ class TrainingCurves(L.Callback):
         self._collect_expert_window(trainer)
         fig = self.figure(trainer.global_step)
         self.path = Path(log_dir or trainer.default_root_dir) / "training_curves.png"
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(self.path)
+        write_with(self.path, lambda file: fig.savefig(file, format="png"))
         for logger in trainer.loggers:
             if isinstance(logger, TensorBoardLogger):
                 logger.experiment.add_figure("training_curves", fig, trainer.global_step, close=False)

@@ -1,5 +1,6 @@
 """``TextDataModule``: the face users name in YAML. Sources → token streams → sequences → resumable loaders."""
 
+import hashlib
 from collections.abc import Callable
 from typing import Any
 
@@ -163,6 +164,14 @@ class TextDataModule(L.LightningDataModule):
         return [[e["name"], e["weight"], len(s)] for e, s in zip(self.entries, self.train_set.sources)] \
             if self.is_mixture else None
 
+    def description(self) -> dict:
+        """What a position in the training order is a position in (saved with it; ``resume.check_checkpoint``
+        refuses to resume it in another): the sources, their sequence counts, seq_len, the shuffle, and the tokens
+        of the first and last training sequence."""
+        ends = [self.train_set[i].numpy().tobytes() for i in (0, len(self.train_set) - 1)]
+        return {"mixture": self._mixture_signature(), "seq_len": self.seq_len, "shuffle_seed": self.shuffle_seed,
+                "train_sequences": len(self.train_set), "fingerprint": hashlib.sha256(b"".join(ends)).hexdigest()[:16]}
+
     def train_dataloader(self) -> DataLoader:
         kwargs = dict(seed=self.shuffle_seed, **self._sampler_kwargs())
         if self.is_mixture:
@@ -180,8 +189,7 @@ class TextDataModule(L.LightningDataModule):
         """Batches processed this epoch x the global batch (valid at any world size) and the mixture it is in."""
         processed = self.trainer.fit_loop.epoch_loop.batch_progress.current.processed
         global_batch = self.batch_size * self._sampler_kwargs()["num_replicas"]
-        return {"epoch": self.trainer.current_epoch, "samples": processed * global_batch,
-                "mixture": self._mixture_signature()}
+        return {"epoch": self.trainer.current_epoch, "samples": processed * global_batch, **self.description()}
 
     def _restore(self, state: dict) -> tuple[int, int]:
         saved, ours = state.get("mixture"), self._mixture_signature()

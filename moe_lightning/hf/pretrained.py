@@ -2,22 +2,25 @@
 
 import dataclasses
 import re
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from torch.distributed.tensor import DTensor
 
-from ..data.sources import info
 from ..model import MoEConfig, MoETransformer
 from .deepseek import DeepseekV2, DeepseekV3
+from .ernie import Ernie45Moe
+from .glm4_moe import Glm4Moe
 from .files import SafetensorsDir, read_config, write_directory
 from .mapping import Absent, HFFormatError, Source
 from .mixtral import Mixtral
 from .olmoe import Olmoe
 from .qwen3_moe import Qwen3Moe
 
-FAMILIES = {family.ARCHITECTURE: family for family in (Mixtral, Qwen3Moe, Olmoe, DeepseekV3, DeepseekV2)}
+FAMILIES = {family.ARCHITECTURE: family for family in (Mixtral, Qwen3Moe, Olmoe, DeepseekV3, DeepseekV2,
+                                                               Ernie45Moe, Glm4Moe)}
 
 
 def family_of(hf: dict):
@@ -31,13 +34,14 @@ def family_of(hf: dict):
 def read_hf_config(path: str | Path) -> dict:
     """``config.json``, with ``num_nextn_predict_layers`` as the tensors bear it out: transformers' DeepSeek-V3
     config writes 1 by default while ``save_pretrained`` saves no MTP layer, so a count without the first MTP
-    layer's tensors reads as 0."""
+    layer's tensors reads as 0, with a warning (a Python user of ``from_pretrained`` sees it, not only ``fit``)."""
     hf = read_config(path)
     if hf.get("num_nextn_predict_layers"):
         first = f"model.layers.{hf.get('num_hidden_layers')}.eh_proj.weight"
         if first not in SafetensorsDir(path).keys():
-            info(f"{str(path)!r}: config.json says num_nextn_predict_layers={hf['num_nextn_predict_layers']} but "
-                 f"holds no {first} (transformers writes the count, not the layers): loading without MTP layers")
+            warnings.warn(f"{str(path)!r}: config.json says num_nextn_predict_layers={hf['num_nextn_predict_layers']} "
+                          f"but holds no {first} (transformers writes the count, not the layers): loading without "
+                          f"multi-token-prediction layers (mtp_layers=0).", stacklevel=2)
             hf = {**hf, "num_nextn_predict_layers": 0}
     return hf
 
