@@ -9,6 +9,7 @@ import json
 import logging
 import math
 import os
+import re
 import sysconfig
 from pathlib import Path
 
@@ -16,6 +17,9 @@ TEXT_SUFFIXES = {".txt", ".md", ".rst", ".py", ".c", ".h", ".json", ".yaml", ".y
 TABLE_SUFFIXES = {".parquet", ".arrow"}  # read through pyarrow, one document per row
 READ_SUFFIXES = TEXT_SUFFIXES | {".jsonl"} | TABLE_SUFFIXES  # what a folder source reads
 MANIFEST = "manifest.json"  # the index of a shard folder written by `moe-lightning tokenize`
+SEGMENT_CHARS = 1 << 22  # a longer document is encoded in pieces of about this many characters
+MAX_SEGMENT_CHARS = 1 << 26  # ... cut between words; a run this long without one is refused (the tokenizer would abort)
+WORD_END = re.compile(r"[\x21-\x7e][ \t\n\r\x0b\x0c]")  # an ASCII non-space then whitespace: a cut between words
 
 # Lightning's console handler sits on "lightning.pytorch": these lines appear where Lightning's own do.
 log = logging.getLogger("lightning.pytorch.moe_lightning.data")
@@ -99,13 +103,53 @@ def resolve_source(source: str) -> list[Path] | Path:
     return files
 
 
-def iter_documents(files: list[Path], text_field: str):
-    """Every document's text, in file order (a text file is one document; a JSONL line or table row is one)."""
+def segments(text: str, where) -> list[str]:
+    """``text`` in pieces of about ``SEGMENT_CHARS`` that a tokenizer encodes as it would the whole: each cut
+    falls between an ASCII non-space character and the whitespace after it, which a byte-level BPE's
+    pre-tokenizer (GPT-2's pattern) never joins, so the ids are the same. Documents of any size are encoded in
+    bounded memory; a run of ``MAX_SEGMENT_CHARS`` without such a cut is refused, naming ``where``."""
+    if len(text) <= SEGMENT_CHARS:
+        return [text]
+    pieces, start = [], 0
+    while len(text) - start > SEGMENT_CHARS:
+        cut = last_word_end(text, start, start + SEGMENT_CHARS)
+        if cut <= start:
+            found = WORD_END.search(text, start + SEGMENT_CHARS, start + MAX_SEGMENT_CHARS)
+            if found is None:
+                if len(text) - start <= MAX_SEGMENT_CHARS:
+                    break
+                raise ValueError(f"{where}: {MAX_SEGMENT_CHARS:,} characters from character {start:,} without a "
+                                 "space or line break; a document is encoded in pieces cut between words, and "
+                                 "the tokenizer cannot take one this long: split or drop the record.")
+            cut = found.start() + 1
+        pieces.append(text[start:cut])
+        start = cut
+    pieces.append(text[start:])
+    return pieces
+
+
+def last_word_end(text, start: int, end: int) -> int:
+    """The last cut between words (see ``segments``) in ``text[start:end]`` (a str or bytes), or -1."""
+    for space in (("\n", " ") if isinstance(text, str) else (b"\n", b" ")):
+        at = text.rfind(space, start + 1, end)
+        while at > start:
+            before = text[at - 1]
+            if 0x21 <= (ord(before) if isinstance(before, str) else before) <= 0x7E:
+                return at
+            at = text.rfind(space, start + 1, at)
+    return -1
+
+
+def iter_documents(files: list[Path], text_field: str, nulls: list[int] | None = None):
+    """Every document's text, in file order (a text file is one document; a JSONL line or table row is one);
+    table rows whose text is null are counted into ``nulls[0]``."""
     for path in files:
         if path.suffix == ".jsonl":
             yield from iter_jsonl(path, text_field)
         elif path.suffix in TABLE_SUFFIXES:
-            for texts in iter_table_batches(path, text_field):
+            for texts, null_rows in iter_table_batches(path, text_field):
+                if nulls is not None:
+                    nulls[0] += null_rows
                 yield from texts
         else:
             yield path.read_text(encoding="utf-8", errors="replace")
@@ -167,17 +211,31 @@ def _open_arrow(path: Path):
         return pa.ipc.open_stream(pa.OSFile(str(path)))
 
 
-def table_row_groups(path: Path) -> list[tuple[int, int]]:
-    """``(rows, uncompressed bytes)`` per Parquet row group from the footer alone; one entry for an Arrow file."""
+def table_groups(path: Path) -> list[int]:
+    """Uncompressed bytes of each Parquet row group (from the footer alone) or Arrow record batch (read one at a
+    time): the pieces a table is cut into, so a large file is spread over workers in bounded memory."""
     _, pq = pyarrow_modules()
     if path.suffix == ".parquet":
         meta = pq.ParquetFile(str(path)).metadata
-        return [(meta.row_group(i).num_rows, meta.row_group(i).total_byte_size) for i in range(meta.num_row_groups)]
-    return [(0, path.stat().st_size)]
+        return [meta.row_group(i).total_byte_size for i in range(meta.num_row_groups)]
+    return [batch.nbytes for batch in _arrow_batches(_open_arrow(path))]
 
 
-def iter_table_batches(path: Path, text_field: str, row_groups: list[int] | None = None, batch_rows: int = 1024):
-    """Lists of texts, ``batch_rows`` rows at a time (memory stays bounded whatever the file's size)."""
+def _arrow_batches(reader, wanted: list[int] | None = None):
+    """Record batches of an Arrow reader (those numbered in ``wanted`` only), one in memory at a time; the
+    stream format has no index, so its other batches are read past."""
+    if hasattr(reader, "num_record_batches"):
+        yield from (reader.get_batch(i) for i in (range(reader.num_record_batches) if wanted is None else wanted))
+        return
+    wanted = None if wanted is None else set(wanted)
+    for i, batch in enumerate(reader):
+        if wanted is None or i in wanted:
+            yield batch
+
+
+def iter_table_batches(path: Path, text_field: str, groups: list[int] | None = None, batch_rows: int = 1024):
+    """``(texts, rows whose text is null)``, ``batch_rows`` rows (or one Arrow record batch) at a time, of the row
+    groups or record batches numbered in ``groups`` (all by default): memory stays bounded at any file size."""
     pa, pq = pyarrow_modules()
     if path.suffix == ".parquet":
         file = pq.ParquetFile(str(path))
@@ -193,14 +251,14 @@ def iter_table_batches(path: Path, text_field: str, row_groups: list[int] | None
         raise ValueError(f"{path}: column {text_field!r} holds {kind}, not text; set data.text_field "
                          "(tokenize: --text-field) to a string column.")
     if path.suffix == ".parquet":
-        batches = file.iter_batches(batch_size=batch_rows, columns=[text_field], row_groups=row_groups)
-    elif hasattr(reader, "num_record_batches"):
-        batches = (reader.get_batch(i) for i in range(reader.num_record_batches))
+        if groups == []:
+            return
+        batches = file.iter_batches(batch_size=batch_rows, columns=[text_field], row_groups=groups)
     else:
-        batches = iter(reader)
+        batches = _arrow_batches(reader, groups)
     for batch in batches:
         column = batch.column(batch.schema.get_field_index(text_field))
-        yield [text for text in column.to_pylist() if text is not None]
+        yield [text for text in column.to_pylist() if text is not None], column.null_count
 
 
 def parse_sources(source) -> tuple[list[dict], bool]:
@@ -233,6 +291,14 @@ def parse_sources(source) -> tuple[list[dict], bool]:
                              "numbers (they are relative: 3 and 1 give 75 % and 25 %).")
         name = entry.get("name") or Path(entry["path"].rstrip("/")).name.removesuffix(".npy") or entry["path"]
         parsed.append({"path": entry["path"], "weight": float(weight), "name": str(name)})
+    seen = {}
+    for i, e in enumerate(parsed):  # a source given twice would silently count twice (weight and validation)
+        key = "stdlib" if e["path"] == "stdlib" else os.path.realpath(os.path.expanduser(e["path"]))
+        if key in seen:
+            raise ValueError(f"data.source[{i}] ({e['path']!r}) repeats data.source[{seen[key]}]: a source given "
+                             "twice would count twice in training and validation; list it once (in a mixture, "
+                             "with the sum of the weights).")
+        seen[key] = i
     names = [e["name"] for e in parsed]
     for e in parsed:  # names label the per-source validation losses: make them unique
         if names.count(e["name"]) > 1:
