@@ -119,6 +119,8 @@ def test_progress_goes_to_stderr_with_rate_and_eta(corpus, tmp_path, capsys, mon
     captured = capsys.readouterr()
     lines = [line for line in captured.err.splitlines() if line.startswith("tokenize:")]
     assert len(lines) > 3 and "tokens/s" in lines[0] and "ETA" in lines[0] and lines[-1].endswith("done")
+    read, total = lines[-1].split(" MB read")[0].removeprefix("tokenize: ").split(" of ")
+    assert read == total  # bytes against bytes (was characters against bytes: "50.0 of 52.0 MB ... done")
     assert "shard(s)" in captured.out and "tokenize:" not in captured.out
 
 

@@ -141,8 +141,8 @@ def last_word_end(text, start: int, end: int) -> int:
 
 
 def iter_documents(files: list[Path], text_field: str, nulls: list[int] | None = None):
-    """Every document's text, in file order (a text file is one document; a JSONL line or table row is one);
-    table rows whose text is null are counted into ``nulls[0]``."""
+    """``(where, text)`` of every document in file order (a text file is one document; a JSONL line or table
+    row is one); table rows whose text is null are counted into ``nulls[0]``."""
     for path in files:
         if path.suffix == ".jsonl":
             yield from iter_jsonl(path, text_field)
@@ -150,13 +150,14 @@ def iter_documents(files: list[Path], text_field: str, nulls: list[int] | None =
             for texts, null_rows in iter_table_batches(path, text_field):
                 if nulls is not None:
                     nulls[0] += null_rows
-                yield from texts
+                yield from ((path, text) for text in texts)
         else:
-            yield path.read_text(encoding="utf-8", errors="replace")
+            yield path, path.read_text(encoding="utf-8", errors="replace")
 
 
 def iter_jsonl(path: Path, text_field: str, start: int = 0, end: int | None = None):
-    """Texts of the lines that begin in bytes ``[start, end)`` (a worker's slice of a large file)."""
+    """``(where, text)`` of the lines that begin in bytes ``[start, end)`` (a worker's slice of a large file);
+    ``where`` is ``path:line`` (``path:byte N`` in a slice that does not start the file)."""
     with open(path, "rb") as f:
         if start:
             f.seek(start - 1)
@@ -169,8 +170,8 @@ def iter_jsonl(path: Path, text_field: str, start: int = 0, end: int | None = No
             line_no = None if line_no is None else line_no + 1
             line = raw.decode("utf-8", errors="replace")
             if line.strip():
-                yield _jsonl_text(line, path, line_no if line_no is not None else f"byte {f.tell() - len(raw)}",
-                                  text_field)
+                where = line_no if line_no is not None else f"byte {f.tell() - len(raw)}"
+                yield f"{path}:{where}", _jsonl_text(line, path, where, text_field)
 
 
 def _jsonl_text(line: str, path: Path, line_no, text_field: str) -> str:

@@ -232,10 +232,10 @@ def unit_segments(unit: dict, plan: dict, nulls: list[int]):
             for texts, null_rows in iter_table_batches(Path(path), field, list(range(first, last))):
                 nulls[0] += null_rows
                 for text in texts:
-                    yield from _document(text, f"{path}")
+                    yield from _document(text, path)
         elif path.endswith(".jsonl"):
-            for text in iter_jsonl(Path(path), field, first, None if last == whole else last):
-                yield from _document(text, path)
+            for where, text in iter_jsonl(Path(path), field, first, None if last == whole else last):
+                yield from _document(text, where)
         else:
             if first > 0:
                 yield "", False  # continues a document: its end-of-document token is due even if this is empty
@@ -371,7 +371,8 @@ class Progress:
         elapsed = max(now - self.start, 1e-9)
         rate = (done - self.before) / elapsed
         eta = "done" if final else (f"ETA {_duration((self.total - done) / rate)}" if rate > 0 else "ETA ?")
-        print(f"tokenize: {done / 1e6:,.1f} of {self.total / 1e6:,.1f} MB read, {tokens:,} tokens, "
+        digits = 1 if self.total >= 1e8 else 3
+        print(f"tokenize: {done / 1e6:,.{digits}f} of {self.total / 1e6:,.{digits}f} MB read, {tokens:,} tokens, "
               f"{tokens / elapsed:,.0f} tokens/s, {eta}", file=sys.stderr, flush=True)
 
 
@@ -609,7 +610,7 @@ def _run_units(pending: list[dict], plan: dict, folder: Path, tokenizer_path, wo
         unit, error = failure
         kept = sum(unit_record(folder, u["index"]).exists() for u in plan["units"])
         cause = "a worker process died (killed, e.g. by the out-of-memory killer or a signal)" \
-            if isinstance(error, BrokenProcessPool) else _one_line(error)
+            if isinstance(error, BrokenProcessPool) else _one_line(error).rstrip(".")
         raise TokenizeError(f"tokenize: {describe_unit(unit, plan)} failed: {cause}. {kept} of {len(plan['units'])} "
                             "units are finished and kept: fix the cause and rerun the same command with --resume.")
     progress.show(final=True)
