@@ -167,19 +167,30 @@ def test_mixture_of_shards_and_a_token_file_resumes_exactly_with_workers_and_no_
     loops = torch.load(tmp_path / "ckpt" / "step=2.ckpt", weights_only=True)["loops"]
     state = loops["fit_loop"]["state_dict"]["combined_loader"]
     assert state == [{"epoch": 0, "samples": 8, "mixture": [["web", 3.0, state[0]["mixture"][0][2]],
-                                                            ["code", 1.0, state[0]["mixture"][1][2]]]}]
+                                                            ["code", 1.0, state[0]["mixture"][1][2]]], "corpus": None}]
     web_only = TextDataModule([{"path": sources[0], "weight": 1}, {"path": sources[1], "weight": 1, "name": "code"}],
                               seq_len=16, batch_size=4)
     with pytest.raises(ValueError, match="the checkpoint was trained on the mixture"):
         fit(web_only, 6, resume=str(tmp_path / "ckpt" / "step=2.ckpt"))
 
 
-def test_one_corpus_resumes_without_the_resumable_warning(sources, tmp_path):
+def test_one_corpus_resumes_without_the_resumable_warning_and_refuses_other_data(sources, tmp_path):
     dm = partial(TextDataModule, sources[1], seq_len=16, batch_size=4)
     full, _, _, _ = fit(dm(), 4, ckpt_dir=tmp_path / "ckpt")
     resumed, _, _, said = fit(dm(), 4, resume=str(tmp_path / "ckpt" / "step=2.ckpt"))
     assert [r["loss"] for r in resumed] == pytest.approx([r["loss"] for r in full[2:]], abs=1e-6)
     assert not [w for w in said if "not resumable" in w]
+    for other in (dict(source=sources[1], seq_len=12), dict(source=sources[0], seq_len=16)):  # was: silently resumed
+        with pytest.raises(ValueError, match=r"the checkpoint was trained on \['code'\] in .* windows of seq_len=16"):
+            fit(TextDataModule(batch_size=4, **other), 4, resume=str(tmp_path / "ckpt" / "step=2.ckpt"))
+
+
+def test_a_source_given_twice_is_refused():
+    """Was: silently counted twice in training and validation."""
+    with pytest.raises(ValueError, match=r"data.source\[1\] \('stdlib'\) repeats data.source\[0\]"):
+        TextDataModule([{"path": "stdlib", "weight": 1}, {"path": "stdlib", "weight": 2}])
+    with pytest.raises(ValueError, match=r"repeats data.source\[0\]"):
+        TextDataModule(["/tmp/x.npy", "/tmp/../tmp/x.npy"])
 
 
 def test_validation_logs_each_source_and_the_overall_loss(sources):

@@ -163,6 +163,11 @@ class TextDataModule(L.LightningDataModule):
         return [[e["name"], e["weight"], len(s)] for e, s in zip(self.entries, self.train_set.sources)] \
             if self.is_mixture else None
 
+    def _corpus_signature(self) -> dict | None:
+        """What a plain corpus's position means: its sources' names, the window length and how many windows."""
+        return None if self.is_mixture else {"sources": [e["name"] for e in self.entries], "seq_len": self.seq_len,
+                                              "sequences": len(self.train_set)}
+
     def train_dataloader(self) -> DataLoader:
         kwargs = dict(seed=self.shuffle_seed, **self._sampler_kwargs())
         if self.is_mixture:
@@ -181,7 +186,7 @@ class TextDataModule(L.LightningDataModule):
         processed = self.trainer.fit_loop.epoch_loop.batch_progress.current.processed
         global_batch = self.batch_size * self._sampler_kwargs()["num_replicas"]
         return {"epoch": self.trainer.current_epoch, "samples": processed * global_batch,
-                "mixture": self._mixture_signature()}
+                "mixture": self._mixture_signature(), "corpus": self._corpus_signature()}
 
     def _restore(self, state: dict) -> tuple[int, int]:
         saved, ours = state.get("mixture"), self._mixture_signature()
@@ -189,6 +194,12 @@ class TextDataModule(L.LightningDataModule):
             raise ValueError(f"data.source: the checkpoint was trained on the mixture {saved} (name, weight, training "
                              f"sequences) but this run has {ours}; its position means nothing in another mixture. "
                              "Resume with the same sources, weights and seq_len, or start a new run.")
+        saved, ours = state.get("corpus", ours), self._corpus_signature()  # checkpoints before it was recorded: as is
+        if saved != ours:
+            raise ValueError(f"data.source: the checkpoint was trained on {saved['sources']} in {saved['sequences']:,} "
+                             f"windows of seq_len={saved['seq_len']} but this run reads {ours['sources']} in "
+                             f"{ours['sequences']:,} windows of seq_len={ours['seq_len']}; its position means nothing "
+                             "in other data. Resume with the same data.source and data.seq_len, or start a new run.")
         return state["epoch"], state["samples"]
 
     def state_dict(self) -> dict:
