@@ -3,6 +3,7 @@
     python benchmarks/data_scale.py                 # the docs' figures (tens of minutes, ~3 GB of disk)
     python benchmarks/data_scale.py --quick         # small sizes, a few minutes
     python benchmarks/data_scale.py --parts startup # one measurement
+    python benchmarks/data_scale.py --parts memory --scale 0.2   # 10 MB vs 400 MB
 
 1. ``throughput``: ``moe-lightning tokenize`` with a trained BPE (8k) against the plain ``tokenizers`` loop
    (``encode_batch`` over the same documents in 4 MiB batches, split over the same number of processes), with
@@ -236,12 +237,13 @@ def rate(script: str, *args) -> float:
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="small sizes: check the script, not the figures")
+    parser.add_argument("--scale", type=float, default=None, help="multiply the corpus sizes (--quick: 0.02)")
     parser.add_argument("--workdir", default=None, help="where corpora go (default: a temporary folder)")
     parser.add_argument("--workers", type=int, default=os.cpu_count())
     parts = ["throughput", "memory", "startup", "fit", "loader"]
     parser.add_argument("--parts", nargs="+", default=parts, choices=parts, help="which measurements (default: all)")
     args = parser.parse_args(argv)
-    scale = 0.02 if args.quick else 1.0
+    scale = args.scale or (0.02 if args.quick else 1.0)
     work = Path(args.workdir or tempfile.mkdtemp(prefix="data_scale_"))
     work.mkdir(parents=True, exist_ok=True)
     log = work / "log.txt"

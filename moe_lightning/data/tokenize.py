@@ -561,7 +561,8 @@ class _stopped_by_signals:
 
     @staticmethod
     def _raise(signum, frame):
-        raise Stopped(signal.Signals(signum).name, signum)
+        raise Stopped(f"tokenize: stopped by {signal.Signals(signum).name} before any unit was tokenized; rerun the "
+                      "same command with --resume.", signum)
 
     def __exit__(self, *exc):
         for signum, handler in self.saved.items():
@@ -603,8 +604,9 @@ def _run_units(pending: list[dict], plan: dict, folder: Path, tokenizer_path, wo
     except Stopped as stop:
         _remove_partials(folder, pending)
         kept = sum(unit_record(folder, u["index"]).exists() for u in plan["units"])
-        raise Stopped(f"tokenize: stopped by {stop.args[0]}; {kept} of {len(plan['units'])} units are finished and "
-                      "kept: rerun the same command with --resume to finish.", stop.exit_code - 128) from None
+        name = signal.Signals(stop.exit_code - 128).name
+        raise Stopped(f"tokenize: stopped by {name}; {kept} of {len(plan['units'])} units are finished and kept: "
+                      "rerun the same command with --resume to finish.", stop.exit_code - 128) from None
     if failure is not None:
         _remove_partials(folder, pending)
         unit, error = failure
