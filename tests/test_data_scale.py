@@ -18,6 +18,7 @@ from moe_lightning.data import MixtureSampler, MixtureSequences, ResumableSample
 from moe_lightning.data import tokenize as tokenize_module
 from moe_lightning.data.sampling import Shuffle
 from moe_lightning.data.tokenize import TokenizeError, tokenize_main
+from moe_lightning.tokenizer import ByteTokenizer
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -61,7 +62,8 @@ def test_samplers_start_at_a_trillion_sequences_in_constant_memory_and_resume_ex
 def jsonl(path: Path, records: int, bad_at: int | None = None, width: int = 40) -> Path:
     with open(path, "w") as f:
         for i in range(records):
-            f.write("{broken\n" if i == bad_at else json.dumps({"text": f"record {i} " + "word " * (width + i % 7)}) + "\n")
+            record = json.dumps({"text": f"record {i} " + "word " * (width + i % 7)})
+            f.write("{broken\n" if i == bad_at else record + "\n")
     return path
 
 
@@ -198,6 +200,7 @@ def test_a_large_text_file_is_cut_into_units_between_words_with_the_ids_of_one_e
     tok = bpe_tokenizer(tmp_path / "bpe.json", text[:20000])
     monkeypatch.setattr(tokenize_module, "MIN_UNIT_BYTES", 10_000)
     monkeypatch.setattr(tokenize_module, "BATCH_CHARS", 3000)
+    monkeypatch.setattr(tokenize_module.sources, "SEGMENT_CHARS", 3000)  # read and cut a few KB at a time
     manifest = tokenize_to_folder([str(tmp_path / "big.txt")], str(tmp_path / "out"), tok, workers=2)
     plan = json.loads((tmp_path / "out" / "tokenize-plan.json").read_text())
     assert len(plan["units"]) > 5 and manifest["documents"] == 1
@@ -207,18 +210,29 @@ def test_a_large_text_file_is_cut_into_units_between_words_with_the_ids_of_one_e
     np.testing.assert_array_equal(dm.train_set.tokens[:], np.append(tokenizer.encode(text), tokenizer.eos_id))
 
 
-def test_an_oversized_document_is_encoded_in_pieces_or_refused_naming_its_record(tmp_path, monkeypatch):
-    """Was: a 200 MB document aborted the process inside the tokenizer library."""
+def test_an_oversized_document_is_encoded_in_pieces_whatever_it_holds(tmp_path, monkeypatch):
+    """Was: a 200 MB document aborted the process inside the tokenizer library. A document is now handed to the
+    tokenizer in pieces cut between words (the same ids) or, in a run without whitespace, at a length limit."""
     from moe_lightning.data import sources
     monkeypatch.setattr(sources, "SEGMENT_CHARS", 500)
     monkeypatch.setattr(sources, "MAX_SEGMENT_CHARS", 2000)
-    long_text = " ".join(f"token{i}" for i in range(2000))
-    (tmp_path / "ok.jsonl").write_text(json.dumps({"text": long_text}) + "\n")
-    manifest = tokenize_to_folder([str(tmp_path / "ok.jsonl")], str(tmp_path / "ok"), workers=1)
-    assert manifest["documents"] == 1 and manifest["tokens"] == len(long_text.encode()) + 1
-    (tmp_path / "bad.jsonl").write_text(json.dumps({"text": "x"}) + "\n" + json.dumps({"text": "y" * 5000}) + "\n")
-    with pytest.raises(TokenizeError, match=r"bad.jsonl:2: 2,000 characters .* without a space"):
-        tokenize_to_folder([str(tmp_path / "bad.jsonl")], str(tmp_path / "bad"), workers=1)
+    calls = []
+    encode_batch = ByteTokenizer.encode_batch
+    monkeypatch.setattr(ByteTokenizer, "encode_batch", lambda self, texts: calls.append(max(map(len, texts)))
+                        or encode_batch(self, texts))
+    prose, blob = " ".join(f"token{i}" for i in range(2000)), "y" * 5000
+    for kind in ("jsonl", "txt"):
+        path = tmp_path / f"doc.{kind}"
+        path.write_text("".join(json.dumps({"text": t}) + "\n" for t in (prose, blob)) if kind == "jsonl" else
+                        prose + "\n" + blob)
+        manifest = tokenize_to_folder([str(path)], str(tmp_path / kind), workers=1)
+        dm = TextDataModule(str(tmp_path / kind), seq_len=8)
+        dm.setup()
+        texts = [prose, blob] if kind == "jsonl" else [prose + "\n" + blob]
+        expected = np.concatenate([np.append(np.frombuffer(t.encode(), np.uint8), 256) for t in texts])
+        np.testing.assert_array_equal(dm.train_set.tokens[:], expected)
+        assert manifest["documents"] == len(texts) and max(calls) <= 2000
+        calls.clear()
 
 
 def test_many_small_files_are_grouped_and_the_manifest_does_not_list_them(tmp_path):

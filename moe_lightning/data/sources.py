@@ -17,8 +17,8 @@ TEXT_SUFFIXES = {".txt", ".md", ".rst", ".py", ".c", ".h", ".json", ".yaml", ".y
 TABLE_SUFFIXES = {".parquet", ".arrow"}  # read through pyarrow, one document per row
 READ_SUFFIXES = TEXT_SUFFIXES | {".jsonl"} | TABLE_SUFFIXES  # what a folder source reads
 MANIFEST = "manifest.json"  # the index of a shard folder written by `moe-lightning tokenize`
-SEGMENT_CHARS = 1 << 22  # a longer document is encoded in pieces of about this many characters
-MAX_SEGMENT_CHARS = 1 << 26  # ... cut between words; a run this long without one is refused (the tokenizer would abort)
+SEGMENT_CHARS = 1 << 20  # a longer document is encoded in pieces of about this many characters, cut between words
+MAX_SEGMENT_CHARS = 1 << 22  # a run this long without whitespace (a blob, not prose) is cut where it reaches it
 WORD_END = re.compile(r"[\x21-\x7e][ \t\n\r\x0b\x0c]")  # an ASCII non-space then whitespace: a cut between words
 
 # Lightning's console handler sits on "lightning.pytorch": these lines appear where Lightning's own do.
@@ -103,11 +103,12 @@ def resolve_source(source: str) -> list[Path] | Path:
     return files
 
 
-def segments(text: str, where) -> list[str]:
+def segments(text: str) -> list[str]:
     """``text`` in pieces of about ``SEGMENT_CHARS`` that a tokenizer encodes as it would the whole: each cut
     falls between an ASCII non-space character and the whitespace after it, which a byte-level BPE's
-    pre-tokenizer (GPT-2's pattern) never joins, so the ids are the same. Documents of any size are encoded in
-    bounded memory; a run of ``MAX_SEGMENT_CHARS`` without such a cut is refused, naming ``where``."""
+    pre-tokenizer (GPT-2's pattern) never joins, so the ids are the same. A run of ``MAX_SEGMENT_CHARS`` without
+    one is cut where it reaches that length (the only place the ids may differ). Either way no tokenizer is
+    handed a document of any size at once (a 200 MB one aborted the process inside the library)."""
     if len(text) <= SEGMENT_CHARS:
         return [text]
     pieces, start = [], 0
@@ -115,17 +116,10 @@ def segments(text: str, where) -> list[str]:
         cut = last_word_end(text, start, start + SEGMENT_CHARS)
         if cut <= start:
             found = WORD_END.search(text, start + SEGMENT_CHARS, start + MAX_SEGMENT_CHARS)
-            if found is None:
-                if len(text) - start <= MAX_SEGMENT_CHARS:
-                    break
-                raise ValueError(f"{where}: {MAX_SEGMENT_CHARS:,} characters from character {start:,} without a "
-                                 "space or line break; a document is encoded in pieces cut between words, and "
-                                 "the tokenizer cannot take one this long: split or drop the record.")
-            cut = found.start() + 1
+            cut = found.start() + 1 if found else min(start + MAX_SEGMENT_CHARS, len(text))
         pieces.append(text[start:cut])
         start = cut
-    pieces.append(text[start:])
-    return pieces
+    return pieces + [text[start:]] if start < len(text) else pieces
 
 
 def last_word_end(text, start: int, end: int) -> int:
@@ -141,8 +135,8 @@ def last_word_end(text, start: int, end: int) -> int:
 
 
 def iter_documents(files: list[Path], text_field: str, nulls: list[int] | None = None):
-    """``(where, text)`` of every document in file order (a text file is one document; a JSONL line or table
-    row is one); table rows whose text is null are counted into ``nulls[0]``."""
+    """Every document's text, in file order (a text file is one document; a JSONL line or table row is one);
+    table rows whose text is null are counted into ``nulls[0]``."""
     for path in files:
         if path.suffix == ".jsonl":
             yield from iter_jsonl(path, text_field)
@@ -150,14 +144,13 @@ def iter_documents(files: list[Path], text_field: str, nulls: list[int] | None =
             for texts, null_rows in iter_table_batches(path, text_field):
                 if nulls is not None:
                     nulls[0] += null_rows
-                yield from ((path, text) for text in texts)
+                yield from texts
         else:
-            yield path, path.read_text(encoding="utf-8", errors="replace")
+            yield path.read_text(encoding="utf-8", errors="replace")
 
 
 def iter_jsonl(path: Path, text_field: str, start: int = 0, end: int | None = None):
-    """``(where, text)`` of the lines that begin in bytes ``[start, end)`` (a worker's slice of a large file);
-    ``where`` is ``path:line`` (``path:byte N`` in a slice that does not start the file)."""
+    """Texts of the lines that begin in bytes ``[start, end)`` (a worker's slice of a large file)."""
     with open(path, "rb") as f:
         if start:
             f.seek(start - 1)
@@ -170,8 +163,8 @@ def iter_jsonl(path: Path, text_field: str, start: int = 0, end: int | None = No
             line_no = None if line_no is None else line_no + 1
             line = raw.decode("utf-8", errors="replace")
             if line.strip():
-                where = line_no if line_no is not None else f"byte {f.tell() - len(raw)}"
-                yield f"{path}:{where}", _jsonl_text(line, path, where, text_field)
+                yield _jsonl_text(line, path, line_no if line_no is not None else f"byte {f.tell() - len(raw)}",
+                                  text_field)
 
 
 def _jsonl_text(line: str, path: Path, line_no, text_field: str) -> str:

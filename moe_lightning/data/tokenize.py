@@ -34,14 +34,15 @@ import numpy as np
 
 from ..durable import PARTIAL_SUFFIX, atomic_write, write_text
 from ..tokenizer import load_tokenizer
-from .sources import MANIFEST, MAX_SEGMENT_CHARS, TABLE_SUFFIXES, WORD_END, is_token_source, iter_jsonl, \
-    iter_table_batches, last_word_end, resolve_source, segments, table_groups
+from . import sources
+from .sources import MANIFEST, TABLE_SUFFIXES, WORD_END, is_token_source, iter_jsonl, iter_table_batches, \
+    last_word_end, resolve_source, segments, table_groups
 from .tokens import sidecar_path, tokenizer_identity
 
 PLAN = "tokenize-plan.json"
 LOCK = "tokenize.lock"
 SHARD_TOKENS = 1 << 28  # 268M tokens: 512 MiB of uint16 or 1 GiB of uint32 per shard
-BATCH_CHARS = 1 << 22  # text encoded per batch (4 MiB): a process's memory does not grow with the corpus
+BATCH_CHARS = 1 << 20  # text encoded per batch (1 MiB, no more than a unit): memory flat at any corpus size
 MIN_UNIT_BYTES = 1 << 20  # units smaller than this cost more in start-up than they gain in balance
 UNITS_PER_TASK = 64  # enough units for every worker of a task to stay busy to the end
 PROGRESS_EVERY_S = 2.0
@@ -180,21 +181,27 @@ def describe_unit(unit: dict, plan: dict) -> str:
 
 # ---- reading a unit: segments of documents in order -------------------------------------------------------------
 
-def _word_end_at_or_after(file, position: int, size: int, path: str) -> int:
+def _word_end_at_or_after(file, position: int, size: int) -> int:
     """Where a text file's byte range starting at ``position`` really starts: the first cut between words (see
-    ``sources.segments``) at or after it. Both neighbouring units compute the same, so ranges tile the file."""
+    ``sources.segments``) at or after it, else (a blob without whitespace) the first character boundary. Both
+    neighbouring units compute the same, so their ranges tile the file."""
     if position <= 0 or position >= size:
         return min(max(position, 0), size)
     file.seek(position - 1)
-    window = file.read(MAX_SEGMENT_CHARS + 1)
+    window = file.read(sources.MAX_SEGMENT_CHARS + 1)
     found = _WORD_END_BYTES.search(window)
-    if found is None:
-        if position - 1 + len(window) >= size:
-            return size
-        raise ValueError(f"{path}: {MAX_SEGMENT_CHARS:,} bytes from byte {position:,} without a space or line "
-                         "break; a document is encoded in pieces cut between words, and the tokenizer cannot take "
-                         "one this long: split or drop that part of the file.")
-    return position - 1 + found.start() + 1
+    if found is not None:
+        return position - 1 + found.start() + 1
+    if position - 1 + len(window) >= size:
+        return size
+    return position - 1 + _character_start(window, 1)
+
+
+def _character_start(data: bytes, at: int) -> int:
+    """The first UTF-8 character boundary at or after ``at`` (a cut there splits no character)."""
+    while at < len(data) and data[at] & 0xC0 == 0x80:
+        at += 1
+    return at
 
 
 _WORD_END_BYTES = re.compile(WORD_END.pattern.encode())
@@ -204,19 +211,18 @@ def _text_file_segments(path: str, first: int, last: int, size: int):
     """``(text, ends the document)`` for bytes ``[first, last)`` of a text file (one document), read a batch at a
     time and cut between words; the segment that reaches the file's end ends the document."""
     with open(path, "rb") as file:
-        begin, end = (_word_end_at_or_after(file, p, size, path) for p in (first, last))
+        begin, end = (_word_end_at_or_after(file, p, size) for p in (first, last))
         file.seek(begin)
         left, carry = end - begin, b""
         while left or carry:
-            data = file.read(min(BATCH_CHARS, left))
+            data = file.read(min(sources.SEGMENT_CHARS, left))
             if left and not data:
                 raise ValueError(f"{path}: the file is shorter than when the run was planned; tokenize again.")
             left, block = left - len(data), carry + data
             cut = len(block) if not left else last_word_end(block, 0, len(block))
+            if cut <= 0 and len(block) >= sources.MAX_SEGMENT_CHARS:  # a blob without whitespace
+                cut = _character_start(block, len(block) // 2)
             if cut <= 0:
-                if len(block) > MAX_SEGMENT_CHARS:
-                    raise ValueError(f"{path}: {len(block):,} bytes before byte {end - left:,} without a space or "
-                                     "line break; the tokenizer cannot take a piece this long: split or drop it.")
                 carry = block
                 continue
             carry = block[cut:]
@@ -232,18 +238,18 @@ def unit_segments(unit: dict, plan: dict, nulls: list[int]):
             for texts, null_rows in iter_table_batches(Path(path), field, list(range(first, last))):
                 nulls[0] += null_rows
                 for text in texts:
-                    yield from _document(text, path)
+                    yield from _document(text)
         elif path.endswith(".jsonl"):
-            for where, text in iter_jsonl(Path(path), field, first, None if last == whole else last):
-                yield from _document(text, where)
+            for text in iter_jsonl(Path(path), field, first, None if last == whole else last):
+                yield from _document(text)
         else:
             if first > 0:
                 yield "", False  # continues a document: its end-of-document token is due even if this is empty
             yield from _text_file_segments(path, first, last, whole)
 
 
-def _document(text: str, where: str):
-    pieces = segments(text, where)
+def _document(text: str):
+    pieces = segments(text)
     for piece in pieces[:-1]:
         yield piece, False
     yield pieces[-1], True

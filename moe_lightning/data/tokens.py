@@ -186,8 +186,8 @@ def tokenize_in_memory(files: list[Path], tokenizer, text_field: str,
     chunks, count, files_read, nulls = [], 0, 0, [0]
     for path in files:
         files_read += 1
-        for where, text in iter_documents([path], text_field, nulls):
-            pieces = segments(text, where)  # a long document in pieces that encode to the same ids
+        for text in iter_documents([path], text_field, nulls):
+            pieces = segments(text)  # a long document in pieces that encode to the same ids
             ids = tokenizer.encode(text) if len(pieces) == 1 else np.concatenate([tokenizer.encode(p) for p in pieces])
             if len(ids):
                 chunks.append(np.append(ids, tokenizer.eos_id).astype(dtype))
