@@ -255,7 +255,7 @@ def main(argv: list[str] | None = None) -> dict:
     if "throughput" in args.parts:  # 1. tokenize against the plain tokenizers loop, 1 and 2 workers
         corpus = text_corpus(work / "text.jsonl", 60 * scale)
         tok = bpe(work / "bpe.json", corpus)
-        small_corpus = text_corpus(work / "text_small.jsonl", 12 * scale)  # BPE is ~50x slower than bytes
+        small_corpus = text_corpus(work / "text_small.jsonl", 30 * scale)  # BPE is ~50x slower than bytes
         for workers in (1, 2):
             ours = tokenize(small_corpus, work / f"tp_bpe_{workers}", workers, log, tok)
             plain = plain_loop(tok, small_corpus, workers)

@@ -17,7 +17,7 @@ TEXT_SUFFIXES = {".txt", ".md", ".rst", ".py", ".c", ".h", ".json", ".yaml", ".y
 TABLE_SUFFIXES = {".parquet", ".arrow"}  # read through pyarrow, one document per row
 READ_SUFFIXES = TEXT_SUFFIXES | {".jsonl"} | TABLE_SUFFIXES  # what a folder source reads
 MANIFEST = "manifest.json"  # the index of a shard folder written by `moe-lightning tokenize`
-SEGMENT_CHARS = 1 << 20  # a longer document is encoded in pieces of about this many characters, cut between words
+SEGMENT_CHARS = 1 << 19  # a longer document is encoded in pieces of about this many characters, cut between words
 MAX_SEGMENT_CHARS = 1 << 22  # a run this long without whitespace (a blob, not prose) is cut where it reaches it
 WORD_END = re.compile(r"[\x21-\x7e][ \t\n\r\x0b\x0c]")  # an ASCII non-space then whitespace: a cut between words
 

@@ -42,7 +42,7 @@ from .tokens import sidecar_path, tokenizer_identity
 PLAN = "tokenize-plan.json"
 LOCK = "tokenize.lock"
 SHARD_TOKENS = 1 << 28  # 268M tokens: 512 MiB of uint16 or 1 GiB of uint32 per shard
-BATCH_CHARS = 1 << 20  # text encoded per batch (1 MiB, no more than a unit): memory flat at any corpus size
+BATCH_CHARS = 1 << 19  # text encoded per batch (512 KiB, half the smallest unit): memory flat at any size
 MIN_UNIT_BYTES = 1 << 20  # units smaller than this cost more in start-up than they gain in balance
 UNITS_PER_TASK = 64  # enough units for every worker of a task to stay busy to the end
 PROGRESS_EVERY_S = 2.0
@@ -278,11 +278,11 @@ def tokenized_batches(segment_stream, tokenizer, dtype: np.dtype):
         if text == "" and not ends:  # marks a continued document
             open_tokens = max(open_tokens, 1)
             continue
-        batch.append((text, ends))
-        chars += len(text)
-        if chars >= BATCH_CHARS:
+        if batch and chars + len(text) > BATCH_CHARS:  # a batch holds at most BATCH_CHARS (or one segment)
             yield encode()
             batch, chars = [], 0
+        batch.append((text, ends))
+        chars += len(text)
     if batch:
         yield encode()
 
