@@ -68,8 +68,10 @@ def resolve_source(source: str) -> list[Path] | Path:
             raise ValueError(f"data.source={source!r} is a binary file (it has NUL bytes), not text: pass text files, "
                              "a folder, .jsonl, .parquet/.arrow, or token files written by `moe-lightning tokenize`.")
         return [path]
-    if path.is_dir():
-        candidates, looked_for = sorted(p for p in path.rglob("*") if p.is_file()), f"{sorted(READ_SUFFIXES)}"
+    folder = path.is_dir()
+    if folder:  # sorted by parts, as Path sorts, without Path's slow comparisons (50,000 files: 1.5 s)
+        candidates = sorted((p for p in path.rglob("*") if p.is_file()), key=lambda p: p.parts)
+        looked_for = f"{sorted(READ_SUFFIXES)}"
         if any(p.name.startswith("part-") and p.name.endswith(".npy") for p in candidates):
             raise FileNotFoundError(f"data.source={source!r} holds token shards but no {MANIFEST}: the tokenize run "
                                     "that wrote it did not finish (the manifest is written last). Rerun the same "
@@ -80,18 +82,22 @@ def resolve_source(source: str) -> list[Path] | Path:
         if not candidates:
             raise FileNotFoundError(f"data.source={source!r}: no such file, folder or glob match. Use 'stdlib' for "
                                     "the built-in corpus, or a path to text, .jsonl, Parquet/Arrow or .npy token files.")
-    table_folder = path.is_dir() and any(p.suffix in TABLE_SUFFIXES for p in candidates)
+    table_folder = folder and any(p.suffix in TABLE_SUFFIXES for p in candidates)
     files, skipped = [], []
+
+    def shown():  # only for the files skipped (relative_to costs 20 us a file)
+        return p.relative_to(path) if folder else p
+
     for p in candidates:
-        shown = p.relative_to(path) if path.is_dir() else p
-        if table_folder and p.suffix not in TABLE_SUFFIXES:
-            skipped.append(f"{shown} (a folder of Parquet/Arrow files: only those are read)")
-        elif path.is_dir() and p.suffix not in READ_SUFFIXES:
-            skipped.append(f"{shown} (suffix {p.suffix or 'none'!r} not read)")
-        elif p.suffix == ".npy":
+        suffix = p.suffix
+        if table_folder and suffix not in TABLE_SUFFIXES:
+            skipped.append(f"{shown()} (a folder of Parquet/Arrow files: only those are read)")
+        elif folder and suffix not in READ_SUFFIXES:
+            skipped.append(f"{shown()} (suffix {suffix or 'none'!r} not read)")
+        elif suffix == ".npy":
             skipped.append(f"{p} (token files are read only when named directly)")
-        elif p.suffix not in TABLE_SUFFIXES and is_binary(p):
-            skipped.append(f"{shown} (binary)")
+        elif suffix not in TABLE_SUFFIXES and is_binary(p):
+            skipped.append(f"{shown()} (binary)")
         else:
             files.append(p)
     if skipped:
