@@ -648,7 +648,7 @@ def _failed_unit(unit: dict, error, futures, slots, folder: Path) -> dict:
 def _stop(executor: ProcessPoolExecutor) -> None:
     """Stop the pool now: queued units cancelled, running workers terminated (their partial shards are removed
     by the caller), so nothing goes on writing after we return."""
-    processes = list(getattr(executor, "_processes", {}).values())  # 3.14 has terminate_workers(); 3.11 does not
+    processes = list((getattr(executor, "_processes", None) or {}).values())  # 3.14 has terminate_workers()
     executor.shutdown(wait=False, cancel_futures=True)
     for process in processes:
         if process.is_alive():
