@@ -1,16 +1,21 @@
 """Data path at scale, measured (not asserted): tokenize throughput and memory, fit start-up, loader speed.
 
-    python benchmarks/data_scale.py                 # the README's figures (several minutes, ~3 GB of disk)
-    python benchmarks/data_scale.py --quick         # small sizes, a minute
+    python benchmarks/data_scale.py                 # the docs' figures (tens of minutes, ~3 GB of disk)
+    python benchmarks/data_scale.py --quick         # small sizes, a few minutes
+    python benchmarks/data_scale.py --parts startup # one measurement
+    python benchmarks/data_scale.py --parts memory --scale 0.2   # 10 MB vs 400 MB
 
-1. ``moe-lightning tokenize`` throughput with 1 and N worker processes, byte-level and a trained BPE (8k):
-   tokens/s as the command reports it (after its imports), and the whole command's wall time.
-2. ``tokenize`` peak RSS (largest single process) at two corpus sizes >10x apart, the larger >= 300M tokens.
-3. ``fit`` (2 steps of configs/tiny.yaml) start-up seconds and peak RSS on synthetic token files (numpy
-   writes them in seconds) at two sizes 4x apart, the larger 400M tokens; and on two 400M-token files, as a
-   plain list and as a weighted mixture (the old path concatenated them: +2.7 GB).
-4. The training loader's sequences/s with 0 and 2 workers on the 400M-token file, next to the tiny model's
-   training rate (sequences/s of forward + backward + AdamW on one process, one thread).
+1. ``throughput``: ``moe-lightning tokenize`` with a trained BPE (8k) against the plain ``tokenizers`` loop
+   (``encode_batch`` over the same documents in 4 MiB batches, split over the same number of processes), with
+   1 and 2 workers: tokens/s of each and their ratio; and byte-level tokens/s.
+2. ``memory``: ``tokenize`` peak RSS (the largest single process) on one ``.txt`` of 50 MB and of 2 GB, with
+   every core: a large file is cut into byte-range units, so the two should be within 10 %.
+3. ``startup``: a ``TextDataModule``'s start-up (construction to the first training batch) and peak RSS on a
+   1M-sequence and a 500M-sequence token file (sparse ``.npy`` files: no disk, no writing time), seq_len 128.
+4. ``fit``: ``moe-lightning fit`` (2 steps of configs/tiny.yaml) wall time and peak RSS on synthetic token files
+   of 100M and 400M tokens, and on two 400M-token files as a list and as a weighted mixture.
+5. ``loader``: the training loader's sequences/s with 0 and 2 workers on the 400M-token file, next to the tiny
+   model's training rate (sequences/s of forward + backward + AdamW on one process, one thread).
 
 Every figure comes from a fresh process; peak RSS is ``getrusage(RUSAGE_CHILDREN).ru_maxrss`` of a wrapper
 that runs only that command (the largest of its processes, workers included).
@@ -23,7 +28,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
@@ -75,6 +79,45 @@ def bpe(path: Path, sample: Path) -> Path:
     return path
 
 
+def text_file(path: Path, megabytes: float) -> Path:
+    """One ``.txt`` (one document) of about ``megabytes``: the standard library's sources, repeated."""
+    from moe_lightning.data.sources import stdlib_files
+    block = "\n".join(p.read_text(errors="replace") for p in stdlib_files()[:400]).encode()
+    target = int(megabytes * 1e6)
+    with open(path, "wb") as f:
+        for _ in range(target // len(block)):
+            f.write(block)
+        f.write(block[:target % len(block)])
+    return path
+
+
+PLAIN_LOOP = """
+import json, sys, time, os
+from multiprocessing import get_context
+from tokenizers import Tokenizer
+os.environ["TOKENIZERS_PARALLELISM"] = "false"
+tok, texts = Tokenizer.from_file(sys.argv[1]), [json.loads(line)["text"] for line in open(sys.argv[2])]
+workers = int(sys.argv[3])
+def encode(part):
+    count, batch, chars = 0, [], 0
+    for text in part:
+        batch.append(text); chars += len(text)
+        if chars >= 1 << 22:
+            count += sum(len(e.ids) for e in tok.encode_batch(batch)); batch, chars = [], 0
+    return count + sum(len(e.ids) for e in tok.encode_batch(batch))
+parts = [texts[i::workers] for i in range(workers)]
+start = time.perf_counter()
+with get_context("fork").Pool(workers) as pool:
+    tokens = sum(pool.map(encode, parts))
+print("RATE", tokens / (time.perf_counter() - start))
+"""
+
+
+def plain_loop(tokenizer: Path, corpus: Path, workers: int) -> float:
+    """Tokens/s of ``tokenizers``' own batch encoding over the corpus's documents (read beforehand)."""
+    return rate(PLAIN_LOOP, tokenizer, corpus, workers)
+
+
 def tokenize(corpus: Path, out: Path, workers: int, log: Path, tokenizer: Path | None = None) -> dict:
     shutil.rmtree(out, ignore_errors=True)  # this script's own output of an earlier run in the same --workdir
     command = [sys.executable, "-m", "moe_lightning", "tokenize", str(corpus), "--out", str(out),
@@ -96,6 +139,16 @@ def token_file(path: Path, tokens: int) -> Path:
             out[start:start + (1 << 26)] = rng.integers(0, 257, min(1 << 26, tokens - start), dtype=np.uint16)
         out.flush()
         del out
+        path.with_name(path.name + ".json").write_text(json.dumps({"vocab_size": 257, "max_id": 256}))
+    return path
+
+
+def sparse_token_file(path: Path, tokens: int) -> Path:
+    """A token file of any length that costs no disk: an ``.npy`` header, then a hole (zeros) to the length."""
+    if not path.exists():
+        with open(path, "wb") as f:
+            np.lib.format.write_array_header_1_0(f, {"descr": "<u2", "fortran_order": False, "shape": (tokens,)})
+            f.truncate(f.tell() + 2 * tokens)
         path.with_name(path.name + ".json").write_text(json.dumps({"vocab_size": 257, "max_id": 256}))
     return path
 
@@ -183,12 +236,13 @@ def rate(script: str, *args) -> float:
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="small sizes: check the script, not the figures")
+    parser.add_argument("--scale", type=float, default=None, help="multiply the corpus sizes (--quick: 0.02)")
     parser.add_argument("--workdir", default=None, help="where corpora go (default: a temporary folder)")
     parser.add_argument("--workers", type=int, default=os.cpu_count())
-    parser.add_argument("--parts", nargs="+", default=["throughput", "memory", "fit", "loader"],
-                        choices=["throughput", "memory", "fit", "loader"], help="which measurements (default: all)")
+    parts = ["throughput", "memory", "startup", "fit", "loader"]
+    parser.add_argument("--parts", nargs="+", default=parts, choices=parts, help="which measurements (default: all)")
     args = parser.parse_args(argv)
-    scale = 0.02 if args.quick else 1.0
+    scale = args.scale or (0.02 if args.quick else 1.0)
     work = Path(args.workdir or tempfile.mkdtemp(prefix="data_scale_"))
     work.mkdir(parents=True, exist_ok=True)
     log = work / "log.txt"
@@ -198,27 +252,38 @@ def main(argv: list[str] | None = None) -> dict:
         report[name] = value
         print(json.dumps({name: value}), flush=True)
 
-    if "throughput" in args.parts:  # 1. throughput, 1 vs N workers
+    if "throughput" in args.parts:  # 1. tokenize against the plain tokenizers loop, 1 and 2 workers
         corpus = text_corpus(work / "text.jsonl", 60 * scale)
         tok = bpe(work / "bpe.json", corpus)
-        small_corpus = text_corpus(work / "text_small.jsonl", 6 * scale)  # BPE is ~100x slower than bytes
-        for kind, tokenizer, text in (("bytes", None, corpus), ("bpe8k", tok, small_corpus)):
-            rows = [tokenize(text, work / f"tp_{kind}_{w}", w, log, tokenizer) for w in sorted({1, args.workers})]
-            show(f"tokenize_throughput_{kind}", rows)
-    if "memory" in args.parts:  # 2. memory at two sizes >10x apart, the larger >= 300M tokens
-        for megabytes in (30, 350):  # JSON escapes make the text ~4 % smaller than the file
-            sized = text_corpus(work / f"text_{megabytes}.jsonl", megabytes * scale)
-            show(f"tokenize_rss_{megabytes}mb", tokenize(sized, work / f"rss_{megabytes}", args.workers, log))
+        small_corpus = text_corpus(work / "text_small.jsonl", 30 * scale)  # BPE is ~50x slower than bytes
+        for workers in (1, 2):
+            ours = tokenize(small_corpus, work / f"tp_bpe_{workers}", workers, log, tok)
+            plain = plain_loop(tok, small_corpus, workers)
+            show(f"tokenize_bpe8k_{workers}_workers", {**ours, "plain_encode_batch_tokens_per_s": round(plain),
+                                                        "ratio": round(ours["tokens_per_s"] / plain, 3)})
+        show("tokenize_bytes", [tokenize(corpus, work / f"tp_bytes_{w}", w, log) for w in sorted({1, args.workers})])
+    if "memory" in args.parts:  # 2. one .txt of 50 MB and of 2 GB: the same memory
+        for megabytes in (50, 2000):
+            sized = text_file(work / f"text_{megabytes}.txt", megabytes * scale)
+            show(f"tokenize_rss_{megabytes}mb_txt", tokenize(sized, work / f"rss_{megabytes}", args.workers, log))
+            shutil.rmtree(work / f"rss_{megabytes}")
             sized.unlink()
-    small, large = (token_file(work / f"tokens_{n}.npy", int(n * 1e6 * scale)) for n in (100, 400))
-    if "fit" in args.parts:  # 3. fit start-up and memory
+    if "startup" in args.parts:  # 3. data start-up at 1M and 500M sequences of 128 (sparse files)
+        for sequences in (1_000_000, 500_000_000):
+            path = sparse_token_file(work / f"sparse_{sequences}.npy", sequences * 128 + 1)
+            startup, rss = data_startup(str(path), log)
+            show(f"startup_{sequences}_sequences", {"startup_s": round(startup, 2), "peak_rss_mb": round(rss)})
+    small, large = (work / f"tokens_{n}.npy" for n in (100, 400))
+    if "fit" in args.parts:  # 4. fit start-up and memory
+        small, large = (token_file(work / f"tokens_{n}.npy", int(n * 1e6 * scale)) for n in (100, 400))
         large2 = token_file(work / "tokens_400b.npy", int(400e6 * scale))
         show("fit_one_file_100M", fit(str(small), log, work))
         show("fit_one_file_400M", fit(str(large), log, work))
         show("fit_list_of_two_400M", fit([str(large), str(large2)], log, work))
         show("fit_mixture_of_two_400M", fit([{"path": str(large), "weight": 3}, {"path": str(large2), "weight": 1}],
                                             log, work))
-    if "loader" in args.parts:  # 4. loader vs model
+    if "loader" in args.parts:  # 5. loader vs model
+        large = token_file(large, int(400e6 * scale))
         batches = 50 if args.quick else 400
         show("loader_sequences_per_s", {w: round(rate(LOADER, large, w, batches)) for w in (0, 2)})
         show("tiny_model_train_sequences_per_s", round(rate(TRAIN, REPO / "configs" / "tiny.yaml", 5), 1))

@@ -44,8 +44,8 @@ def test_packing_makes_shifted_windows_separated_by_end_of_document(corpus):
 
 
 def test_split_is_deterministic_disjoint_and_complete():
-    train, val = split_indices(1000, 0.05)
-    train2, val2 = split_indices(1000, 0.05)
+    train, val = (np.asarray(part) for part in split_indices(1000, 0.05))
+    train2, val2 = (np.asarray(part) for part in split_indices(1000, 0.05))
     assert np.array_equal(train, train2) and np.array_equal(val, val2)
     assert len(val) == 50 and not set(train) & set(val) and len(train) + len(val) == 1000
     assert val.min() < 100 and val.max() > 900  # spread over the corpus, not a tail

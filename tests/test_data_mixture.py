@@ -175,12 +175,49 @@ def test_mixture_of_shards_and_a_token_file_resumes_exactly_with_workers_and_no_
         fit(web_only, 6, resume=str(tmp_path / "ckpt" / "step=2.ckpt"))
 
 
-def test_one_corpus_resumes_without_the_resumable_warning(sources, tmp_path):
+def test_one_corpus_resumes_without_the_resumable_warning_and_refuses_other_data(sources, tmp_path):
     dm = partial(TextDataModule, sources[1], seq_len=16, batch_size=4)
     full, _, _, _ = fit(dm(), 4, ckpt_dir=tmp_path / "ckpt")
     resumed, _, _, said = fit(dm(), 4, resume=str(tmp_path / "ckpt" / "step=2.ckpt"))
     assert [r["loss"] for r in resumed] == pytest.approx([r["loss"] for r in full[2:]], abs=1e-6)
     assert not [w for w in said if "not resumable" in w]
+    for other in (dict(source=sources[1], seq_len=12), dict(source=sources[0], seq_len=16)):  # was: silently resumed
+        with pytest.raises(ValueError, match=r"was trained on other data(.|\n)*data train_sequences"):
+            fit(TextDataModule(batch_size=4, **other), 4, resume=str(tmp_path / "ckpt" / "step=2.ckpt"))
+
+
+def test_text_given_to_fit_is_tokenized_once_into_the_run_folder_and_reused_on_restart(tmp_path):
+    """Was: every rank tokenized the text itself, at every start. Now global rank 0 writes shards under the
+    logger's folder (Lightning's prepare_data, the other ranks at its barrier) and every rank maps them."""
+    import os
+    from lightning.pytorch.loggers import CSVLogger
+    text = os.path.dirname(os.__file__) + "/json"
+
+    def run():
+        L.seed_everything(0, verbose=False)
+        record = Record()
+        trainer = L.Trainer(accelerator="cpu", max_steps=2, logger=CSVLogger(tmp_path / "logs"), callbacks=[record],
+                            enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                            limit_val_batches=0, enable_checkpointing=False)
+        trainer.fit(MoELanguageModel(MoEConfig(**TINY), optimizer=partial(torch.optim.AdamW, lr=1e-2)),
+                    TextDataModule(text, seq_len=16, batch_size=4))
+        return record.rows
+    first = run()
+    [folder] = (tmp_path / "logs" / "lightning_logs" / "tokenized").iterdir()
+    shards = {p: p.stat().st_mtime_ns for p in folder.glob("part-*.npy")}
+    assert shards and (folder / "manifest.json").is_file()
+    assert run() == first  # the restart reads the same shards, untouched
+    assert {p: p.stat().st_mtime_ns for p in folder.glob("part-*.npy")} == shards
+    in_memory, _, _, _ = fit(TextDataModule(text, seq_len=16, batch_size=4), 2)  # no logger: tokenized in memory
+    assert [r["first"] for r in in_memory] == [r["first"] for r in first]
+
+
+def test_a_source_given_twice_is_refused():
+    """Was: silently counted twice in training and validation."""
+    with pytest.raises(ValueError, match=r"data.source\[1\] \('stdlib'\) repeats data.source\[0\]"):
+        TextDataModule([{"path": "stdlib", "weight": 1}, {"path": "stdlib", "weight": 2}])
+    with pytest.raises(ValueError, match=r"repeats data.source\[0\]"):
+        TextDataModule(["/tmp/x.npy", "/tmp/../tmp/x.npy"])
 
 
 def test_validation_logs_each_source_and_the_overall_loss(sources):

@@ -64,25 +64,27 @@ def test_shards_hold_exactly_the_tokens_of_tokenizing_at_start_up_for_every_inpu
     np.testing.assert_array_equal(got, expected)
     assert manifest["tokens"] == len(expected) and len(manifest["shards"]) > 5
     plan = json.loads((tmp_path / "shards" / "tokenize-plan.json").read_text())
-    assert any(p.get("row_groups") == [1] for u in plan["units"] for p in u["pieces"])  # Parquet cut by row group
+    parquet = next(i for i, (path, _, _) in enumerate(plan["inputs"]) if path.endswith("a.parquet"))
+    assert [parquet, 1] in [u["end"] for u in plan["units"]]  # Parquet cut between row groups
     assert manifest["documents"] == 5 + 300 + 600 + 100  # the empty text file is no document
     assert manifest["dtype"] == "uint16" and manifest["max_id"] == int(expected.max())
     written = sum(len(np.load(tmp_path / "shards" / s["file"])) for s in manifest["shards"])
     assert written == manifest["tokens"] == sum(s["tokens"] for s in manifest["shards"])
-    assert {os.path.basename(i["path"]) for i in manifest["inputs"]} >= {"docs.jsonl", "a.parquet", "b.arrow"}
-    assert not any(i["path"].endswith("README.md") for i in manifest["inputs"])
+    assert {os.path.basename(path) for path, _, _ in plan["inputs"]} >= {"docs.jsonl", "a.parquet", "b.arrow"}
+    assert not any(path.endswith("README.md") for path, _, _ in plan["inputs"])
+    assert manifest["input_files"] == len(plan["inputs"]) and "inputs" not in manifest
 
 
 def test_one_worker_and_many_write_the_same_stream_and_a_large_jsonl_is_split_by_lines(tmp_path, monkeypatch):
     path = tmp_path / "big.jsonl"
     path.write_text("".join(json.dumps({"text": f"line {i} " * (i % 13 + 1)}) + "\n" for i in range(4000)))
-    monkeypatch.setattr(tokenize_module, "BATCH_BYTES", 1000)  # many batches per unit
+    monkeypatch.setattr(tokenize_module, "BATCH_CHARS", 1000)  # many batches per unit
     one = tokenize_to_folder([str(path)], str(tmp_path / "one"), workers=1)
     monkeypatch.setattr(tokenize_module, "MIN_UNIT_BYTES", 5000)
     many = tokenize_to_folder([str(path)], str(tmp_path / "many"), workers=2, shard_tokens=20_000)
     assert len(many["shards"]) > len(one["shards"]) == 1
-    pieces = [p for u in json.loads((tmp_path / "many" / "tokenize-plan.json").read_text())["units"] for p in u["pieces"]]
-    assert len(pieces) > 4 and all(p["path"] == str(path) and "start" in p for p in pieces)  # byte ranges
+    units = json.loads((tmp_path / "many" / "tokenize-plan.json").read_text())["units"]
+    assert len(units) > 4 and all(u["start"][0] == 0 for u in units[:-1])  # byte ranges of the one file
     a, b = (stream(TextDataModule(str(tmp_path / name), seq_len=8)) for name in ("one", "many"))
     np.testing.assert_array_equal(a, b)
     assert one["documents"] == many["documents"] == 4000
@@ -95,7 +97,7 @@ def test_resume_redoes_only_unfinished_units_and_a_folder_without_manifest_is_ne
     # the state a kill leaves: the manifest not yet written, one unit's record missing, a shard half written
     (out / "manifest.json").unlink()
     (out / "part-00001.done.json").unlink()
-    (out / "part-00001-000.npy.tmp").write_bytes(b"half a shard")
+    (out / "part-00001-000.npy.k1ll3d.partial").write_bytes(b"half a shard")  # atomic_write's partial name
     finished = {p.name: p.stat().st_mtime_ns for p in out.glob("part-00000-*.npy")}
     with pytest.raises(FileNotFoundError, match="no manifest.json.*--resume"):
         TextDataModule(str(out))
@@ -105,9 +107,9 @@ def test_resume_redoes_only_unfinished_units_and_a_folder_without_manifest_is_ne
         tokenize_to_folder(corpus, str(out), text_field="text", resume=True)
     tokenize_to_folder(corpus, str(out), text_field="body", workers=1, shard_tokens=3000, resume=True)
     assert {p.name: p.stat().st_mtime_ns for p in out.glob("part-00000-*.npy")} == finished  # not redone
-    assert not list(out.glob("*.tmp"))
+    assert not list(out.glob("*.partial"))
     np.testing.assert_array_equal(stream(TextDataModule(str(out), seq_len=8)), reference)
-    tokenize_main([*corpus, "--out", str(out), "--text-field", "body", "--resume"])
+    tokenize_main([*corpus, "--out", str(out), "--text-field", "body", "--shard-tokens", "3000", "--resume"])
     assert "already complete" in capsys.readouterr().err
 
 
@@ -117,21 +119,27 @@ def test_progress_goes_to_stderr_with_rate_and_eta(corpus, tmp_path, capsys, mon
     captured = capsys.readouterr()
     lines = [line for line in captured.err.splitlines() if line.startswith("tokenize:")]
     assert len(lines) > 3 and "tokens/s" in lines[0] and "ETA" in lines[0] and lines[-1].endswith("done")
+    read, total = lines[-1].split(" MB read")[0].removeprefix("tokenize: ").split(" of ")
+    assert read == total  # bytes against bytes (was characters against bytes: "50.0 of 52.0 MB ... done")
     assert "shard(s)" in captured.out and "tokenize:" not in captured.out
 
 
 def test_disk_full_is_one_line_naming_the_file_and_leaves_no_shard_behind(corpus, tmp_path, capsys, monkeypatch):
-    create = tokenize_module._create  # shards go to /dev/full: the kernel's own "no space left on device"
-    monkeypatch.setattr(tokenize_module, "_create",
-                        lambda path: open("/dev/full", "wb", buffering=0) if path.name.endswith(".npy.tmp") else
-                        create(path))
+    import errno
+    real_fsync = os.fsync
+
+    def fsync(fd):  # the disk fills while a shard is written (the plan and records still fit)
+        if os.readlink(f"/proc/self/fd/{fd}").endswith(".partial") and ".npy." in os.readlink(f"/proc/self/fd/{fd}"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_fsync(fd)
+    monkeypatch.setattr(os, "fsync", fsync)
     with pytest.raises(SystemExit) as exit_:
         tokenize_main([*corpus, "--out", str(tmp_path / "s"), "--text-field", "body", "--workers", "1"])
     assert exit_.value.code == 1
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and f"no space left writing {tmp_path / 's' / 'part-00000-000.npy.tmp'}" in err[0]
+    assert len(err) == 1 and f"{tmp_path / 's' / 'part-00000-000.npy'} was not written: the disk is full" in err[0]
     assert "--resume" in err[0]
-    assert not list((tmp_path / "s").glob("*.npy")) and not (tmp_path / "s" / "manifest.json").exists()
+    assert not list((tmp_path / "s").glob("*.npy*")) and not (tmp_path / "s" / "manifest.json").exists()
 
 
 def test_token_file_of_another_tokenizer_is_refused_as_a_shard_folder_is(corpus, tmp_path):
@@ -151,14 +159,14 @@ def test_overwritten_token_file_never_pairs_old_tokens_with_a_new_sidecar(corpus
     def full_disk(*args, **kwargs):
         raise OSError("No space left on device")
     with monkeypatch.context() as patch:  # the .npy cannot be finished: the old tokens stay, with no new record
-        patch.setattr(tokenize_module.NpyWriter, "close", full_disk)
+        patch.setattr(tokenize_module.NpyStream, "finish", full_disk)
         with pytest.raises(OSError):
             write_token_file(corpus[:1], str(out), bpe, overwrite=True)
     assert out.read_bytes() == old_tokens
     assert not sidecar.exists() or json.loads(sidecar.read_text())["tokenizer"] is None
     write_token_file(corpus[:1], str(out), overwrite=True)
     with monkeypatch.context() as patch:  # the new .npy is in place but its record cannot be written
-        patch.setattr(tokenize_module, "write_json_atomically", full_disk)
+        patch.setattr(tokenize_module, "write_json", full_disk)
         with pytest.raises(OSError):
             write_token_file(corpus[:1], str(out), bpe, overwrite=True)
     assert out.read_bytes() != old_tokens and not sidecar.exists()  # ids are then checked against the tokenizer
@@ -195,10 +203,14 @@ def test_shard_folder_of_another_tokenizer_or_vocabulary_is_refused_before_train
         TextDataModule(str(tmp_path / "bytes"))
 
 
-def test_a_shard_changed_after_tokenize_is_refused_when_read(corpus, tmp_path):
+def test_a_truncated_or_replaced_shard_is_refused_at_start_up_naming_it(corpus, tmp_path):
+    """Was: "mmap length is greater than file size" in the middle of training, naming no file."""
     manifest = tokenize_to_folder(corpus[:1], str(tmp_path / "s"), workers=1)
-    np.save(tmp_path / "s" / manifest["shards"][0]["file"], np.zeros(10, dtype=np.uint16))
-    dm = TextDataModule(str(tmp_path / "s"), seq_len=4)
-    dm.setup()  # start-up reads the manifest only
-    with pytest.raises(ValueError, match="file changed after tokenize wrote it"):
-        dm.train_set[0]
+    shard = tmp_path / "s" / manifest["shards"][0]["file"]
+    with open(shard, "r+b") as f:
+        f.truncate(shard.stat().st_size - 100)  # a copy cut short, the manifest intact
+    with pytest.raises(ValueError, match=rf"shard {shard} holds .* bytes but manifest.json says .* \(truncated"):
+        TextDataModule(str(tmp_path / "s"), seq_len=4)
+    np.save(shard, np.zeros(10, dtype=np.uint16))
+    with pytest.raises(ValueError, match=rf"shard {shard} holds 148 bytes .* \(truncated"):
+        TextDataModule(str(tmp_path / "s"), seq_len=4)

@@ -1,16 +1,19 @@
 """``TextDataModule``: the face users name in YAML. Sources → token streams → sequences → resumable loaders."""
 
 import hashlib
+import json
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import lightning as L
 from torch.utils.data import ConcatDataset, DataLoader
 
+from ..resume import check_data
 from ..tokenizer import load_tokenizer
 from .sampling import MixtureSampler, MixtureSequences, PackedSequences, ResumableSampler, split_indices
 from .sources import info, is_token_source, parse_sources, resolve_source
-from .tokens import TokenStream, open_tokens
+from .tokens import TokenStream, open_shard_folder, open_tokens, tokenizer_identity
 
 
 class ResumableLoader(DataLoader):
@@ -74,7 +77,8 @@ class TextDataModule(L.LightningDataModule):
         self.sources = [e["path"] for e in self.entries]
         self.seq_len, self.batch_size, self.val_fraction = seq_len, batch_size, val_fraction
         self.text_field, self.max_tokens, self.num_workers = text_field, max_tokens, num_workers
-        self.shuffle_seed = shuffle_seed
+        self.shuffle_seed, self.tokenizer_path = shuffle_seed, tokenizer
+        self.prepare_data_per_node = False  # text is tokenized once, by global rank 0, into the run's folder
         self._resume_position: tuple[int, int] | None = None  # (epoch, samples consumed by all ranks)
         self.tokenizer = load_tokenizer(tokenizer)
         # fail now, not after the model is built: paths resolve, token files' headers and manifests are checked
@@ -92,7 +96,34 @@ class TextDataModule(L.LightningDataModule):
     def _parts(self, i: int, budget: int | None):
         if i in self._opened:
             return self._opened[i]
+        folder = self._tokenized_folder(i)
+        if folder is not None and folder.joinpath("manifest.json").is_file():
+            parts = open_shard_folder(folder, self.tokenizer)
+            return parts, len(self.resolved[i])
         return open_tokens(self.resolved[i], self.tokenizer, self.text_field, budget)
+
+    def _tokenized_folder(self, i: int) -> Path | None:
+        """Where text source ``i`` is tokenized for a run that logs: ``<logger root>/tokenized/<name>-<key>``,
+        keyed by the files (paths, sizes, times), the tokenizer and the field, so a restart reuses it and
+        changed text gets a new folder. ``None`` (tokenized in memory by each process, as without a trainer)
+        for token sources, runs without a logger (nothing written), and ``max_tokens`` (stops tokenizing early)."""
+        logger = self.trainer.logger if self.trainer is not None else None
+        if logger is None or is_token_source(self.resolved[i]) or self.max_tokens is not None:
+            return None
+        from .tokenize import describe_inputs
+        key = json.dumps([describe_inputs(self.resolved[i]), tokenizer_identity(self.tokenizer), self.text_field])
+        root = Path(getattr(logger, "root_dir", None) or logger.save_dir or self.trainer.default_root_dir)
+        return root / "tokenized" / f"{self.entries[i]['name']}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+
+    def prepare_data(self) -> None:
+        """Global rank 0 tokenizes text sources into the run's folder on every core (Lightning holds the other
+        ranks at a barrier without a timeout); every rank then memory-maps the shards instead of tokenizing."""
+        from .tokenize import tokenize_to_folder
+        for i, entry in enumerate(self.entries):
+            folder = self._tokenized_folder(i)
+            if folder is not None:
+                tokenize_to_folder([entry["path"]], str(folder), self.tokenizer_path, self.text_field,
+                                   resume=folder.exists(), num_tasks=1)
 
     def setup(self, stage: str | None = None) -> None:
         if self.train_set is None:
@@ -197,6 +228,7 @@ class TextDataModule(L.LightningDataModule):
             raise ValueError(f"data.source: the checkpoint was trained on the mixture {saved} (name, weight, training "
                              f"sequences) but this run has {ours}; its position means nothing in another mixture. "
                              "Resume with the same sources, weights and seq_len, or start a new run.")
+        check_data(state, self.description(), "the checkpoint")  # as the CLI does before building (Python users)
         return state["epoch"], state["samples"]
 
     def state_dict(self) -> dict:

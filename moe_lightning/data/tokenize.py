@@ -1,99 +1,86 @@
-"""``moe-lightning tokenize``: a corpus of any size → a folder of ``.npy`` token shards and a manifest, on every core.
+"""``moe-lightning tokenize``: a corpus of any size → a folder of ``.npy`` token shards and a manifest, on every core
+and, as a scheduler's array of tasks, on many nodes.
 
-The input is cut into units (files, JSONL byte ranges, Parquet row groups) planned once and recorded in the
-folder; each worker process tokenizes one unit at a time in bounded batches and streams it into its own shards,
-so memory stays flat whatever the corpus size. Each shard is written under a temporary name and renamed when
-complete; a unit's record is written after its shards; the manifest, the only file ``fit`` reads, is written
-last. ``--resume`` reruns only the units without a record. Nothing here imports torch or Lightning.
+The input is cut once into units of work, recorded in the folder's plan: spans of the corpus in order, cutting
+large text and JSONL files by byte range (between words, between lines), Parquet files by row group and Arrow
+files by record batch, and grouping small files. Each worker process tokenizes one unit at a time in bounded
+batches and streams it into its own shards, so memory stays flat whatever the file sizes. Every file is written
+through ``durable.atomic_write``; a unit's record follows its shards; the manifest, the only file ``fit`` reads
+(its size does not grow with the number of input files), is written last, by whichever task finishes last.
+``--resume`` reruns only the units without a record, after checking the arguments and inputs against the plan.
+Nothing here imports torch or Lightning.
 """
 
 import argparse
+import ctypes
 import errno
+import fcntl
 import io
 import json
 import math
 import multiprocessing
 import os
+import re
+import signal
+import socket
 import sys
+import threading
 import time
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
-from queue import Empty
 
 import numpy as np
 
+from ..durable import PARTIAL_SUFFIX, atomic_write, write_text
 from ..tokenizer import load_tokenizer
-from .sources import MANIFEST, TABLE_SUFFIXES, is_token_source, iter_jsonl, iter_table_batches, resolve_source, \
-    table_row_groups
+from . import sources
+from .sources import MANIFEST, TABLE_SUFFIXES, WORD_END, is_token_source, iter_jsonl, iter_table_batches, \
+    last_word_end, resolve_source, segments, table_groups
 from .tokens import sidecar_path, tokenizer_identity
 
 PLAN = "tokenize-plan.json"
+LOCK = "tokenize.lock"
 SHARD_TOKENS = 1 << 28  # 268M tokens: 512 MiB of uint16 or 1 GiB of uint32 per shard
-BATCH_BYTES = 1 << 22  # text encoded per batch (4 MiB): a process's memory does not grow with the corpus
+BATCH_CHARS = 1 << 19  # text encoded per batch (512 KiB, half the smallest unit): memory flat at any size
 MIN_UNIT_BYTES = 1 << 20  # units smaller than this cost more in start-up than they gain in balance
+UNITS_PER_TASK = 64  # enough units for every worker of a task to stay busy to the end
 PROGRESS_EVERY_S = 2.0
 FORMAT = "moe_lightning token shards v1"
+PLAN_FORMAT = "moe_lightning tokenize plan v2"
 
 
 class TokenizeError(Exception):
     """A failure the user can act on, reported as one line."""
+
+    exit_code = 1
+
+
+class Stopped(TokenizeError):
+    """SIGTERM or SIGINT: workers stopped, finished units kept."""
+
+    def __init__(self, message: str, signum: int):
+        super().__init__(message)
+        self.exit_code = 128 + signum
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16 if vocab_size <= 2**16 else np.uint32)
 
 
-def _create(path: Path):
-    """Open a new file for writing, unbuffered (short writes and a full disk are seen where they happen)."""
-    return open(path, "wb", buffering=0)
+def write_json(path: Path, record: dict) -> None:
+    write_text(path, json.dumps(record, indent=1))
 
 
-def _write_all(file, data, path: Path) -> None:
-    view = memoryview(data).cast("B")
-    while view:
-        try:
-            written = file.write(view)
-        except OSError as error:
-            raise _write_error(error, path) from None
-        if not written:
-            raise TokenizeError(f"tokenize: writing {path} stopped short ({len(view)} bytes not written); check the "
-                                "disk, then rerun with --resume.")
-        view = view[written:]
+class NpyStream:
+    """A ``.npy`` array streamed into an open file (one of ``atomic_write``'s): numpy's header leaves room for
+    the shape to grow, so ``finish`` writes the final length over the placeholder."""
 
-
-def _write_error(error: OSError, path: Path) -> TokenizeError:
-    if error.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
-        return TokenizeError(f"tokenize: no space left writing {path} ({error.strerror}); free space or choose "
-                             "another --out, then rerun the same command with --resume.")
-    return TokenizeError(f"tokenize: cannot write {path}: {error.strerror or error}.")
-
-
-def _finish(file, tmp: Path, final: Path) -> None:
-    """Flush to disk (a full disk may only show here) and rename into place."""
-    try:
-        os.fsync(file.fileno())
-        file.close()
-        os.replace(tmp, final)
-    except OSError as error:
-        raise _write_error(error, tmp) from None
-
-
-def write_json_atomically(path: Path, record: dict) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with _create(tmp) as file:
-        _write_all(file, json.dumps(record, indent=1).encode(), tmp)
-        _finish(file, tmp, path)
-
-
-class NpyWriter:
-    """A ``.npy`` file written as a stream: numpy's header leaves room for the shape to grow, so the final length
-    is written over the placeholder at the end; the file lives under ``<name>.tmp`` until it is complete."""
-
-    def __init__(self, path: Path, dtype: np.dtype):
-        self.path, self.tmp, self.dtype = path, path.with_name(path.name + ".tmp"), dtype
+    def __init__(self, file, dtype: np.dtype):
+        self.file, self.dtype = file, dtype
         self.tokens, self.documents, self.max_id = 0, 0, -1
-        self.file = _create(self.tmp)
         self.header_bytes = len(self._header(0))
-        _write_all(self.file, self._header(0), self.tmp)
+        file.write(self._header(0))
 
     def _header(self, length: int) -> bytes:
         out = io.BytesIO()
@@ -102,41 +89,20 @@ class NpyWriter:
         return out.getvalue()
 
     def write(self, tokens: np.ndarray, documents: int) -> None:
-        _write_all(self.file, np.ascontiguousarray(tokens, dtype=self.dtype), self.tmp)
+        self.file.write(np.ascontiguousarray(tokens, dtype=self.dtype).data)
         self.tokens, self.documents = self.tokens + len(tokens), self.documents + documents
         self.max_id = max(self.max_id, int(tokens.max()) if len(tokens) else -1)
 
-    def close(self) -> dict:
+    def finish(self, name: str) -> dict:
         header = self._header(self.tokens)
         assert len(header) == self.header_bytes, "numpy's .npy header no longer leaves room for the shape"
-        try:
-            self.file.seek(0)
-        except OSError as error:
-            raise _write_error(error, self.tmp) from None
-        _write_all(self.file, header, self.tmp)
-        _finish(self.file, self.tmp, self.path)
-        return {"file": self.path.name, "tokens": self.tokens, "documents": self.documents, "max_id": self.max_id}
+        self.file.seek(0)
+        self.file.write(header)
+        return {"file": name, "tokens": self.tokens, "documents": self.documents, "max_id": self.max_id,
+                "bytes": self.header_bytes + self.tokens * self.dtype.itemsize}
 
 
 # ---- planning: the corpus cut into units of work ----------------------------------------------------------------
-
-def _pieces(path: Path, target_bytes: int) -> list[dict]:
-    """One input file as pieces of about ``target_bytes``: JSONL by byte range, Parquet by row groups."""
-    size = path.stat().st_size
-    if path.suffix == ".jsonl" and size > target_bytes:
-        cuts = list(range(0, size, target_bytes)) + [size]
-        return [{"path": str(path), "start": a, "end": b, "bytes": b - a} for a, b in zip(cuts, cuts[1:])]
-    if path.suffix == ".parquet":
-        pieces, group, group_bytes = [], [], 0
-        groups = table_row_groups(path)
-        for index, (_, nbytes) in enumerate(groups):
-            group, group_bytes = group + [index], group_bytes + nbytes
-            if group_bytes >= target_bytes or index == len(groups) - 1:
-                pieces.append({"path": str(path), "row_groups": group, "bytes": group_bytes})
-                group, group_bytes = [], 0
-        return pieces or [{"path": str(path), "row_groups": [], "bytes": 0}]
-    return [{"path": str(path), "bytes": size}]
-
 
 def input_files(sources: list[str]) -> list[Path]:
     """The documents' files, in corpus order; token files are refused (they are tokenized already)."""
@@ -150,49 +116,175 @@ def input_files(sources: list[str]) -> list[Path]:
     return files
 
 
-def plan_units(files: list[Path], target_bytes: int) -> list[dict]:
-    """Units of work in corpus order: consecutive pieces of the input adding up to about ``target_bytes``."""
-    units, current, current_bytes = [], [], 0
-    for path in files:
-        for piece in _pieces(path, target_bytes):
-            current.append(piece)
-            current_bytes += piece["bytes"]
-            if current_bytes >= target_bytes:
-                units.append(current)
-                current, current_bytes = [], 0
-    if current:
-        units.append(current)
-    return [{"index": i, "pieces": pieces, "bytes": sum(p["bytes"] for p in pieces)} for i, pieces in enumerate(units)]
+def describe_inputs(files: list[Path]) -> list[list]:
+    """``[path, bytes, mtime_ns]`` per input file: what a resumed run checks is unchanged."""
+    return [[str(p), s.st_size, s.st_mtime_ns] for p, s in ((p, p.stat()) for p in files)]
 
 
-def _text_batches(pieces: list[dict], text_field: str):
-    """``(texts, input bytes they stand for)`` in order, about ``BATCH_BYTES`` of text at a time."""
-    for piece in pieces:
-        path = Path(piece["path"])
-        if path.suffix == ".jsonl":
-            texts, size = [], 0
-            for text in iter_jsonl(path, text_field, piece.get("start", 0), piece.get("end")):
-                texts.append(text)
-                size += len(text)
-                if size >= BATCH_BYTES:
-                    yield texts, size
-                    texts, size = [], 0
-            yield texts, size
-        elif path.suffix in TABLE_SUFFIXES:
-            batches = iter_table_batches(path, text_field, piece.get("row_groups"))
-            for texts in batches:
-                yield texts, sum(map(len, texts))
+def plan_units(inputs: list[list], groups: dict[int, list[int]], target: int) -> list[dict]:
+    """Units of about ``target`` bytes, each a span ``[start, end)`` of ``(input, position)`` in corpus order:
+    small files grouped, a large text or JSONL file cut by byte range, a table between row groups or batches."""
+    units, start, size = [], [0, 0], 0
+
+    def cut(i: int, position: int) -> None:
+        nonlocal start, size
+        units.append({"index": len(units), "start": start, "end": [i, position], "bytes": size})
+        start, size = [i, position], 0
+
+    for i, (_, nbytes, _) in enumerate(inputs):
+        if i in groups:
+            for g, group_bytes in enumerate(groups[i]):
+                size += group_bytes
+                if size >= target:
+                    cut(i, g + 1)
+            continue
+        position = 0
+        while nbytes - position + size >= target:
+            position += target - size
+            size = target
+            cut(i, position)
+        size += nbytes - position
+    if size or not units:
+        units.append({"index": len(units), "start": start, "end": [len(inputs), 0], "bytes": size})
+    return units
+
+
+def unit_pieces(unit: dict, plan: dict) -> list[tuple]:
+    """``(path, first, last, end of the input, is table)`` for each input the unit covers (non-empty ranges only);
+    positions are bytes in text and JSONL files, row groups or record batches in tables."""
+    (i0, p0), (i1, p1) = unit["start"], unit["end"]
+    pieces = []
+    for i in range(i0, min(i1 + 1, len(plan["inputs"]))):
+        path, size, _ = plan["inputs"][i]
+        groups = plan["groups"].get(str(i))
+        whole = size if groups is None else len(groups)
+        first, last = (p0 if i == i0 else 0), (p1 if i == i1 else whole)
+        if last > first:
+            pieces.append((path, first, last, whole, groups is not None))
+    return pieces
+
+
+def describe_unit(unit: dict, plan: dict) -> str:
+    pieces = unit_pieces(unit, plan)
+    if not pieces:
+        return f"unit {unit['index']}"
+    path, first, last, whole, table = pieces[0]
+    where = "" if (first, last) == (0, whole) else \
+        f" {'groups' if table else 'bytes'} {first:,}-{last:,}"
+    more = f" and {len(pieces) - 1} more file(s)" if len(pieces) > 1 else ""
+    return f"unit {unit['index']} ({path}{where}{more})"
+
+
+# ---- reading a unit: segments of documents in order -------------------------------------------------------------
+
+def _word_end_at_or_after(file, position: int, size: int) -> int:
+    """Where a text file's byte range starting at ``position`` really starts: the first cut between words (see
+    ``sources.segments``) at or after it, else (a blob without whitespace) the first character boundary. Both
+    neighbouring units compute the same, so their ranges tile the file."""
+    if position <= 0 or position >= size:
+        return min(max(position, 0), size)
+    file.seek(position - 1)
+    window = b""
+    while len(window) <= sources.MAX_SEGMENT_CHARS:  # read a little at a time: a word end is usually bytes away
+        more = file.read(1 << 16)
+        if not more:
+            return size
+        searched, window = max(len(window) - 1, 0), window + more
+        found = _WORD_END_BYTES.search(window, searched)
+        if found is not None:
+            return position - 1 + found.start() + 1
+    return position - 1 + _character_start(window, 1)
+
+
+def _character_start(data: bytes, at: int) -> int:
+    """The first UTF-8 character boundary at or after ``at`` (a cut there splits no character)."""
+    while at < len(data) and data[at] & 0xC0 == 0x80:
+        at += 1
+    return at
+
+
+_WORD_END_BYTES = re.compile(WORD_END.pattern.encode())
+
+
+def _text_file_segments(path: str, first: int, last: int, size: int):
+    """``(text, ends the document)`` for bytes ``[first, last)`` of a text file (one document), read a batch at a
+    time and cut between words; the segment that reaches the file's end ends the document."""
+    with open(path, "rb") as file:
+        begin, end = (_word_end_at_or_after(file, p, size) for p in (first, last))
+        file.seek(begin)
+        left, carry = end - begin, b""
+        while left or carry:
+            data = file.read(min(sources.SEGMENT_CHARS, left))
+            if left and not data:
+                raise ValueError(f"{path}: the file is shorter than when the run was planned; tokenize again.")
+            left, block = left - len(data), carry + data
+            cut = len(block) if not left else last_word_end(block, 0, len(block))
+            if cut <= 0 and len(block) >= sources.MAX_SEGMENT_CHARS:  # a blob without whitespace
+                cut = _character_start(block, len(block) // 2)
+            if cut <= 0:
+                carry = block
+                continue
+            carry = block[cut:]
+            yield block[:cut].decode("utf-8", errors="replace"), not left and not carry and end == size
+
+
+def unit_segments(unit: dict, plan: dict, nulls: list[int]):
+    """``(text, ends a document)`` for every piece of a unit, in corpus order; a text file's range that does not
+    start the file continues a document begun in the previous unit. Null table texts are counted in ``nulls``."""
+    field = plan["text_field"]
+    for path, first, last, whole, table in unit_pieces(unit, plan):
+        if table:
+            for texts, null_rows in iter_table_batches(Path(path), field, list(range(first, last))):
+                nulls[0] += null_rows
+                for text in texts:
+                    yield from _document(text)
+        elif path.endswith(".jsonl"):
+            for text in iter_jsonl(Path(path), field, first, None if last == whole else last):
+                yield from _document(text)
         else:
-            yield [path.read_text(encoding="utf-8", errors="replace")], piece["bytes"]
+            if first > 0:
+                yield "", False  # continues a document: its end-of-document token is due even if this is empty
+            yield from _text_file_segments(path, first, last, whole)
 
 
-def tokenized_batches(pieces: list[dict], tokenizer, text_field: str, dtype: np.dtype):
-    """``(tokens, documents, input bytes)`` per batch: each non-empty document's ids then end-of-document."""
+def _document(text: str):
+    pieces = segments(text)
+    for piece in pieces[:-1]:
+        yield piece, False
+    yield pieces[-1], True
+
+
+def tokenized_batches(segment_stream, tokenizer, dtype: np.dtype):
+    """``(tokens, documents, characters)`` per batch of about ``BATCH_CHARS``: each non-empty document's ids then
+    the end-of-document token (a document split into segments gets one, after its last)."""
     eos = np.array([tokenizer.eos_id], dtype=dtype)
-    for texts, size in _text_batches(pieces, text_field):
-        ids = [i for i in tokenizer.encode_batch(texts) if len(i)]
-        tokens = np.concatenate([part for i in ids for part in (i.astype(dtype), eos)]) if ids else eos[:0]
-        yield tokens, len(ids), size
+    batch, chars, open_tokens = [], 0, 0
+
+    def encode():
+        nonlocal open_tokens
+        parts, documents = [], 0
+        for ids, (_, ends) in zip(tokenizer.encode_batch([text for text, _ in batch]), batch):
+            if len(ids):
+                parts.append(ids.astype(dtype, copy=False))
+            open_tokens += len(ids)
+            if ends and open_tokens:
+                parts.append(eos)
+                documents, open_tokens = documents + 1, 0
+            elif ends:
+                open_tokens = 0
+        return (np.concatenate(parts) if parts else eos[:0]), documents, chars
+
+    for text, ends in segment_stream:
+        if text == "" and not ends:  # marks a continued document
+            open_tokens = max(open_tokens, 1)
+            continue
+        if batch and chars + len(text) > BATCH_CHARS:  # a batch holds at most BATCH_CHARS (or one segment)
+            yield encode()
+            batch, chars = [], 0
+        batch.append((text, ends))
+        chars += len(text)
+    if batch:
+        yield encode()
 
 
 # ---- workers ----------------------------------------------------------------------------------------------------
@@ -200,67 +292,105 @@ def tokenized_batches(pieces: list[dict], tokenizer, text_field: str, dtype: np.
 _WORKER: dict = {}
 
 
-def _init_worker(tokenizer_path: str | None, queue) -> None:
+def _init_worker(tokenizer_path: str | None, slots, tick=None) -> None:
+    """Load the tokenizer once per process; ``tick`` (a run in one process) shows progress between batches."""
+    if tick is None:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the main process decides
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        _die_with_parent()
+        _return_freed_batches()
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # parallel across processes, not threads inside each
-    _WORKER.update(tokenizer=load_tokenizer(tokenizer_path), queue=queue)
+    _WORKER.update(tokenizer=load_tokenizer(tokenizer_path), slots=slots, tick=tick or (lambda: None))
+
+
+def _die_with_parent() -> None:
+    """Linux: the kernel kills this worker when the main process dies, however it dies (even SIGKILL), so no
+    orphan goes on writing shards a resumed run is about to write."""
+    if sys.platform != "linux":
+        return
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() == 1:  # the parent died before the request took effect
+        os._exit(1)
+
+
+def _return_freed_batches() -> None:
+    """glibc raises its mmap threshold each time a large block is freed, after which batches of text and ids
+    come from the heap and fragment it: a process's memory then creeps up with the number of batches (47 → 52 MB
+    from a 4 MB to a 40 MB file). A fixed threshold keeps them mapped and returned: 46 MB for both."""
+    if sys.platform == "linux":
+        try:
+            ctypes.CDLL(None).mallopt(-3, 1 << 18)  # M_MMAP_THRESHOLD = 256 KiB
+        except (OSError, AttributeError):
+            pass
 
 
 def unit_record(out: Path, index: int) -> Path:
     return out / f"part-{index:05d}.done.json"
 
 
-def tokenize_unit(unit: dict, out: str, text_field: str, shard_tokens: int) -> dict:
+def shard_name(unit: int, number: int) -> str:
+    return f"part-{unit:05d}-{number:03d}.npy"
+
+
+def tokenize_unit(unit: dict, plan: dict, out: str) -> dict:
     """Tokenize one unit into ``part-<unit>-<n>.npy`` shards, then record it as done."""
-    out, tokenizer = Path(out), _WORKER["tokenizer"]
-    dtype, shards, writer = token_dtype(tokenizer.vocab_size), [], None
-    try:
-        for tokens, documents, size in tokenized_batches(unit["pieces"], tokenizer, text_field, dtype):
-            if len(tokens) and (writer is None or writer.tokens >= shard_tokens):
-                if writer is not None:
-                    shards.append(writer.close())
-                writer = NpyWriter(out / f"part-{unit['index']:05d}-{len(shards):03d}.npy", dtype)
+    out, tokenizer, slots, index = Path(out), _WORKER["tokenizer"], _WORKER["slots"], unit["index"]
+    dtype, shards, nulls = token_dtype(tokenizer.vocab_size), [], [0]
+    batches = tokenized_batches(unit_segments(unit, plan, nulls), tokenizer, dtype)
+
+    def reported(stream):
+        for tokens, documents, chars in stream:
+            slots[2 * index] = min(slots[2 * index] + chars, unit["bytes"])
+            slots[2 * index + 1] += len(tokens)
+            _WORKER["tick"]()
             if len(tokens):
-                writer.write(tokens, documents)
-            _WORKER["queue"].put((size, len(tokens)))
-        if writer is not None:
-            shards.append(writer.close())
-    finally:
-        if writer is not None and not writer.file.closed:
-            writer.file.close()
-            writer.tmp.unlink(missing_ok=True)
-    record = {"index": unit["index"], "bytes": unit["bytes"], "shards": shards}
-    write_json_atomically(unit_record(out, unit["index"]), record)
+                yield tokens, documents
+
+    stream = reported(batches)
+    pending = next(stream, None)
+    while pending is not None:
+        name = shard_name(index, len(shards))
+        with atomic_write(out / name) as file:
+            shard = NpyStream(file, dtype)
+            shard.write(*pending)
+            pending = None
+            for tokens, documents in stream:
+                if shard.tokens >= plan["shard_tokens"]:
+                    pending = (tokens, documents)
+                    break
+                shard.write(tokens, documents)
+            shards.append(shard.finish(name))
+    record = {"index": index, "bytes": unit["bytes"], "shards": shards, "null_rows": nulls[0]}
+    write_json(unit_record(out, index), record)
+    slots[2 * index] = unit["bytes"]
     return record
 
 
-class _InlineQueue:
-    """The progress queue of a one-process run: reports go straight to the display."""
-
-    def __init__(self, progress):
-        self.put = lambda item: progress.update(*item)
-
-
 class Progress:
-    """Input read, tokens written, tokens/s and ETA on stderr, every few seconds."""
+    """Input read, tokens written, tokens/s and ETA on stderr, every few seconds, from the per-unit counters the
+    workers keep in shared memory (no queue a killed worker could leave locked)."""
 
-    def __init__(self, total_bytes: int, done_bytes: int):
-        self.total, self.done, self.tokens, self.every = total_bytes, done_bytes, 0, PROGRESS_EVERY_S
+    def __init__(self, plan: dict, slots, already_done: int):
+        self.slots, self.total, self.before = slots, sum(u["bytes"] for u in plan["units"]), already_done
         self.start = self.last = time.monotonic()
-        self.start_bytes = done_bytes
 
-    def update(self, nbytes: int, tokens: int) -> None:
-        self.done, self.tokens = self.done + nbytes, self.tokens + tokens
-        if time.monotonic() - self.last >= self.every:
+    def maybe_show(self) -> None:
+        if time.monotonic() - self.last >= PROGRESS_EVERY_S:
             self.show()
 
     def show(self, final: bool = False) -> None:
         self.last = now = time.monotonic()
+        counts = np.frombuffer(self.slots, dtype=np.int64).reshape(-1, 2).sum(0)
+        done, tokens = self.before + int(counts[0]), int(counts[1])
         elapsed = max(now - self.start, 1e-9)
-        rate = (self.done - self.start_bytes) / elapsed
-        left = max(self.total - self.done, 0)
-        eta = "done" if final else (f"ETA {_duration(left / rate)}" if rate > 0 else "ETA ?")
-        print(f"tokenize: {self.done / 1e6:,.1f} of {self.total / 1e6:,.1f} MB read, {self.tokens:,} tokens, "
-              f"{self.tokens / elapsed:,.0f} tokens/s, {eta}", file=sys.stderr, flush=True)
+        rate = (done - self.before) / elapsed
+        eta = "done" if final else (f"ETA {_duration((self.total - done) / rate)}" if rate > 0 else "ETA ?")
+        digits = 1 if self.total >= 1e8 else 3
+        print(f"tokenize: {done / 1e6:,.{digits}f} of {self.total / 1e6:,.{digits}f} MB read, {tokens:,} tokens, "
+              f"{tokens / elapsed:,.0f} tokens/s, {eta}", file=sys.stderr, flush=True)
 
 
 def _duration(seconds: float) -> str:
@@ -268,101 +398,291 @@ def _duration(seconds: float) -> str:
     return f"{seconds // 3600}h{seconds // 60 % 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
 
 
+# ---- one run per folder -----------------------------------------------------------------------------------------
+
+class FolderLock:
+    """One ``tokenize`` per folder, or the tasks of one array: a plain run holds ``tokenize.lock`` exclusively,
+    each task holds it shared and its own task lock exclusively. The kernel's ``flock`` releases a lock when its
+    process dies, so a stale lock (a killed run) is taken over by the next run; who holds one is named from the
+    record beside it."""
+
+    def __init__(self, folder: Path, task: int, tasks: int):
+        self.folder, self.files = folder, []
+        me = {"host": socket.gethostname(), "pid": os.getpid(), "task": task, "tasks": tasks}
+        self._take(folder / LOCK, shared=tasks > 1, me=me)
+        if tasks > 1:
+            self._take(folder / f"tokenize-task-{task:05d}-of-{tasks:05d}.lock", shared=False, me=me)
+
+    def _take(self, path: Path, shared: bool, me: dict) -> None:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
+        except OSError as error:
+            os.close(fd)
+            if error.errno not in (errno.EAGAIN, errno.EACCES):
+                raise
+            raise TokenizeError(f"tokenize: another tokenize is writing {self.folder} ({self._holders(path)}); "
+                                "wait for it to finish, or stop it, then rerun with --resume.") from None
+        self.files.append(fd)
+        if not shared:
+            write_json(path.with_name(path.name + ".holder"), me)
+
+    def _holders(self, path: Path) -> str:
+        names = [path.name + ".holder"] if path.name != LOCK else \
+            [LOCK + ".holder"] + sorted(p.name for p in self.folder.glob("tokenize-task-*.lock.holder"))
+        held = []
+        for name in names:
+            try:
+                h = json.loads((self.folder / name).read_text())
+            except (OSError, ValueError):
+                continue
+            if h["host"] == socket.gethostname() and not _alive(h["pid"]):
+                continue  # the record of an earlier holder
+            task = f"task {h['task']} of {h['tasks']}, " if h.get("tasks", 1) > 1 else ""
+            held.append(f"{task}host {h['host']}, pid {h['pid']}")
+        return "; ".join(held) or "holder unknown"
+
+    def release(self) -> None:
+        for fd in self.files:
+            os.close(fd)
+        self.files = []
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 # ---- the command ------------------------------------------------------------------------------------------------
 
+def task_from_environment(task_index: int | None, num_tasks: int | None) -> tuple[int, int]:
+    """``(task index, number of tasks)``: as given, else a SLURM array's or torchrun's, else ``(0, 1)``."""
+    for index_key, count_key in (("SLURM_ARRAY_TASK_ID", "SLURM_ARRAY_TASK_COUNT"), ("RANK", "WORLD_SIZE")):
+        if num_tasks is None and index_key in os.environ and count_key in os.environ:
+            task_index = int(os.environ[index_key]) - int(os.environ.get("SLURM_ARRAY_TASK_MIN", 0)) \
+                if index_key.startswith("SLURM") else int(os.environ[index_key])
+            num_tasks = int(os.environ[count_key])
+    num_tasks = 1 if num_tasks is None else num_tasks
+    task_index = 0 if task_index is None else task_index
+    if num_tasks < 1 or not 0 <= task_index < num_tasks:
+        raise TokenizeError(f"tokenize: --task-index={task_index} must be in 0..--num-tasks-1 "
+                            f"(--num-tasks={num_tasks}).")
+    return task_index, num_tasks
+
+
 def tokenize_to_folder(sources: list[str], out: str, tokenizer_path: str | None = None, text_field: str = "text",
-                       workers: int | None = None, shard_tokens: int = SHARD_TOKENS, resume: bool = False) -> dict:
-    """Tokenize ``sources`` into the shard folder ``out``; return its manifest."""
+                       workers: int | None = None, shard_tokens: int = SHARD_TOKENS, resume: bool = False,
+                       task_index: int | None = None, num_tasks: int | None = None) -> dict | None:
+    """Tokenize ``sources`` into the shard folder ``out`` (this task's share of it); return the manifest, or
+    ``None`` when other tasks of the array still have units to finish."""
     folder, workers = Path(out), workers or os.cpu_count() or 1
     if workers < 1 or shard_tokens < 1:
         raise TokenizeError(f"tokenize: --workers={workers} and --shard-tokens={shard_tokens} must be positive.")
+    task, tasks = task_from_environment(task_index, num_tasks)
     tokenizer = load_tokenizer(tokenizer_path)
-    identity = {"sources": sources, "tokenizer": tokenizer_identity(tokenizer), "text_field": text_field,
-                "shard_tokens": shard_tokens}
-    if (folder / MANIFEST).exists():
-        if resume:
-            print(f"tokenize: {folder} is already complete ({MANIFEST} written); nothing to do.", file=sys.stderr)
-            return json.loads((folder / MANIFEST).read_text())
-        raise FileExistsError(f"tokenize: --out {folder} already holds a tokenized corpus; choose another folder.")
-    if folder.exists() and any(folder.iterdir()):
-        if not resume:
-            raise FileExistsError(f"tokenize: --out {folder} exists and is not empty; pass --resume to continue the "
-                                  "run that wrote it, or choose another folder.")
-        plan = _resumable_plan(folder, identity)
-    else:
-        if resume and not folder.exists():
-            print(f"tokenize: {folder} does not exist yet; starting from the beginning.", file=sys.stderr)
-        folder.mkdir(parents=True, exist_ok=True)
-        files = input_files(sources)
-        inputs = [{"path": str(p), "bytes": p.stat().st_size, "mtime_ns": p.stat().st_mtime_ns} for p in files]
-        bytes_per_token = 1 if tokenizer.spec()["kind"] == "bytes" else 4
-        total = sum(i["bytes"] for i in inputs)  # units: at most a shard each, and enough to keep every worker busy
-        target = max(MIN_UNIT_BYTES, min(shard_tokens * bytes_per_token, math.ceil(total / (4 * workers))))
-        plan = {**identity, "units": plan_units(files, target), "inputs": inputs}
-        write_json_atomically(folder / PLAN, plan)
-    pending = [u for u in plan["units"] if not unit_record(folder, u["index"]).exists()]
-    _run_units(pending, plan, folder, tokenizer_path, text_field, shard_tokens, workers)
-    return _write_manifest(folder, plan, tokenizer, tokenizer_path)
-
-
-def _resumable_plan(folder: Path, identity: dict) -> dict:
-    """The plan of the interrupted run in ``folder``, if it is the same job over unchanged inputs."""
+    identity = {"format": PLAN_FORMAT, "sources": sources, "tokenizer": tokenizer_identity(tokenizer),
+                "text_field": text_field, "shard_tokens": shard_tokens}
+    if folder.exists() and not (folder / PLAN).exists() and any(
+            not p.name.startswith("tokenize") for p in folder.iterdir()):
+        raise FileExistsError(f"tokenize: --out {folder} exists and is not a tokenize folder (no {PLAN}); choose "
+                              "another folder.")
+    folder.mkdir(parents=True, exist_ok=True)
+    lock = FolderLock(folder, task, tasks)
     try:
-        plan = json.loads((folder / PLAN).read_text())
-    except (OSError, json.JSONDecodeError):
-        raise FileExistsError(f"tokenize: --out {folder} is not a tokenize run's folder (no readable {PLAN}); "
-                              "choose another folder.") from None
-    differs = [key for key, value in identity.items() if plan.get(key) != value]
-    if differs:
-        raise TokenizeError(f"tokenize --resume: {folder} was started with other {', '.join(differs)} "
-                            f"({', '.join(f'{k}={plan.get(k)!r}' for k in differs)}); rerun with the same arguments.")
-    for record in plan["inputs"]:
-        path = Path(record["path"])
-        stat = path.stat() if path.exists() else None
-        if stat is None or (stat.st_size, stat.st_mtime_ns) != (record["bytes"], record["mtime_ns"]):
-            raise TokenizeError(f"tokenize --resume: input {path} changed since the run started; shards already "
-                                "written would not match it. Tokenize into a new folder.")
-    for stale in folder.glob("part-*.npy.tmp"):  # a shard a killed worker was writing: ours, never complete
-        stale.unlink()
+        with _stopped_by_signals():
+            if (folder / PLAN).exists():
+                if not resume and tasks == 1:
+                    done = "holds a tokenized corpus" if (folder / MANIFEST).exists() else "holds an unfinished run"
+                    raise FileExistsError(f"tokenize: --out {folder} already {done}; pass --resume to continue "
+                                          "the run that wrote it, or choose another folder.")
+                plan = _checked_plan(folder, identity, input_files(sources))
+                if (folder / MANIFEST).exists():
+                    print(f"tokenize: {folder} is already complete ({MANIFEST} written, same arguments and inputs); "
+                          "nothing to do.", file=sys.stderr)
+                    return json.loads((folder / MANIFEST).read_text())
+            else:
+                if resume:
+                    print(f"tokenize: {folder} holds no run yet; starting from the beginning.", file=sys.stderr)
+                plan = _new_plan(folder, identity, input_files(sources), tokenizer, tasks)
+            mine = [u for u in plan["units"] if u["index"] % tasks == task]
+            _remove_partials(folder, mine)
+            pending = [u for u in mine if not unit_record(folder, u["index"]).exists()]
+            _run_units(pending, plan, folder, tokenizer_path, workers)
+            return _finish(folder, plan, tokenizer, tokenizer_path, task, tasks)
+    finally:
+        lock.release()
+
+
+def _new_plan(folder: Path, identity: dict, files: list[Path], tokenizer, tasks: int) -> dict:
+    inputs = describe_inputs(files)
+    groups = {i: table_groups(p) for i, p in enumerate(files) if p.suffix in TABLE_SUFFIXES}
+    total = sum(size for _, size, _ in inputs)
+    bytes_per_token = 1 if tokenizer.spec()["kind"] == "bytes" else 4
+    # at most a shard a unit, and enough units to keep every worker of every task busy
+    target = max(MIN_UNIT_BYTES, min(identity["shard_tokens"] * bytes_per_token,
+                                     math.ceil(total / (UNITS_PER_TASK * tasks))))
+    plan = {**identity, "inputs": inputs, "groups": {str(i): g for i, g in groups.items()},
+            "units": plan_units(inputs, groups, target)}
+    if (folder / PLAN).exists():  # another task of the array planned first: its plan must be this one
+        return _checked_plan(folder, identity, files)
+    write_json(folder / PLAN, plan)
     return plan
 
 
-def _run_units(pending: list[dict], plan: dict, folder: Path, tokenizer_path, text_field, shard_tokens,
-               workers: int) -> None:
-    total = sum(u["bytes"] for u in plan["units"])
-    progress = Progress(total, total - sum(u["bytes"] for u in pending))
-    args = [(unit, str(folder), text_field, shard_tokens) for unit in pending]
-    if workers == 1 or len(pending) <= 1:
-        _init_worker(tokenizer_path, _InlineQueue(progress))
-        for a in args:
-            tokenize_unit(*a)
-    else:
-        context = multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn")
-        queue = context.Queue()
-        with context.Pool(min(workers, len(pending)), initializer=_init_worker,
-                          initargs=(tokenizer_path, queue)) as pool:
-            results = [pool.apply_async(tokenize_unit, a) for a in args]
-            while not all(r.ready() for r in results) or not queue.empty():
+def _checked_plan(folder: Path, identity: dict, files: list[Path]) -> dict:
+    """The plan in ``folder``, if it is this job (same arguments) over the same, unchanged inputs."""
+    try:
+        plan = json.loads((folder / PLAN).read_text())
+    except (OSError, json.JSONDecodeError):
+        raise TokenizeError(f"tokenize: {folder / PLAN} is unreadable; tokenize into a new folder.") from None
+    differs = [key for key, value in identity.items() if plan.get(key) != value]
+    if differs:
+        raise TokenizeError(f"tokenize --resume: {folder} was written with other {', '.join(differs)} "
+                            f"({', '.join(f'{k}={plan.get(k)!r}' for k in differs)}); rerun with the same "
+                            "arguments, or tokenize into a new folder.")
+    now = describe_inputs(files)
+    if now != plan["inputs"]:
+        planned = {p: (b, m) for p, b, m in plan["inputs"]}
+        current = {p: (b, m) for p, b, m in now}
+        added = [p for p in current if p not in planned]
+        gone = [p for p in planned if p not in current]
+        changed = [p for p in current if p in planned and current[p] != planned[p]]
+        what = "; ".join(f"{label} {len(paths)} file(s), e.g. {paths[0]}" for label, paths in
+                         (("added", added), ("removed", gone), ("changed", changed)) if paths) or "reordered"
+        raise TokenizeError(f"tokenize --resume: the inputs differ from those {folder} was tokenized from ({what}); "
+                            "shards already written would not match them. Tokenize into a new folder.")
+    return plan
+
+
+def _remove_partials(folder: Path, units: list[dict]) -> None:
+    """Partial shards of this task's units (a killed worker's): ours by name, never complete."""
+    for unit in units:
+        for partial in folder.glob(f"part-{unit['index']:05d}-*{PARTIAL_SUFFIX}"):
+            partial.unlink(missing_ok=True)
+
+
+class _stopped_by_signals:
+    """SIGTERM and SIGINT raise ``Stopped`` in the main thread while tokenizing (then workers are stopped)."""
+
+    def __enter__(self):
+        self.saved = {}
+        if threading.current_thread() is threading.main_thread():
+            for signum in (signal.SIGTERM, signal.SIGINT):
+                self.saved[signum] = signal.signal(signum, self._raise)
+        return self
+
+    @staticmethod
+    def _raise(signum, frame):
+        raise Stopped(f"tokenize: stopped by {signal.Signals(signum).name} before any unit was tokenized; rerun the "
+                      "same command with --resume.", signum)
+
+    def __exit__(self, *exc):
+        for signum, handler in self.saved.items():
+            signal.signal(signum, handler)
+
+
+def _run_units(pending: list[dict], plan: dict, folder: Path, tokenizer_path, workers: int) -> None:
+    """Tokenize ``pending`` on ``workers`` processes; at the first failure (an error, a worker killed, a signal)
+    stop every worker and say which unit failed and why; finished units stay for ``--resume``."""
+    slots = multiprocessing.RawArray("q", 2 * len(plan["units"]))
+    already = sum(u["bytes"] for u in plan["units"] if unit_record(folder, u["index"]).exists())
+    progress = Progress(plan, slots, already)
+    failure = None
+    try:
+        if workers == 1 or len(pending) <= 1:
+            _init_worker(tokenizer_path, slots, tick=progress.maybe_show)
+            for unit in pending:
                 try:
-                    progress.update(*queue.get(timeout=0.5))
-                except Empty:  # nothing reported in the last half second
-                    pass
-            for r in results:
-                r.get()  # a worker's error surfaces here, unchanged
+                    tokenize_unit(unit, plan, str(folder))
+                except Exception as error:
+                    failure = (unit, error)
+                    break
+        else:
+            context = multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn")
+            executor = ProcessPoolExecutor(min(workers, len(pending)), mp_context=context, initializer=_init_worker,
+                                           initargs=(tokenizer_path, slots))
+            try:
+                futures = {executor.submit(tokenize_unit, unit, plan, str(folder)): unit for unit in pending}
+                waiting = set(futures)
+                while waiting and failure is None:
+                    done, waiting = wait(waiting, timeout=0.5, return_when=FIRST_COMPLETED)
+                    for future in sorted(done, key=lambda f: futures[f]["index"]):
+                        if future.exception() is not None and failure is None:
+                            failure = (_failed_unit(futures[future], future.exception(), futures, slots, folder),
+                                       future.exception())
+                    progress.maybe_show()
+            finally:
+                _stop(executor)
+    except Stopped as stop:
+        _remove_partials(folder, pending)
+        kept = sum(unit_record(folder, u["index"]).exists() for u in plan["units"])
+        name = signal.Signals(stop.exit_code - 128).name
+        raise Stopped(f"tokenize: stopped by {name}; {kept} of {len(plan['units'])} units are finished and kept: "
+                      "rerun the same command with --resume to finish.", stop.exit_code - 128) from None
+    if failure is not None:
+        _remove_partials(folder, pending)
+        unit, error = failure
+        kept = sum(unit_record(folder, u["index"]).exists() for u in plan["units"])
+        cause = "a worker process died (killed, e.g. by the out-of-memory killer or a signal)" \
+            if isinstance(error, BrokenProcessPool) else _one_line(error).rstrip(".")
+        raise TokenizeError(f"tokenize: {describe_unit(unit, plan)} failed: {cause}. {kept} of {len(plan['units'])} "
+                            "units are finished and kept: fix the cause and rerun the same command with --resume.")
     progress.show(final=True)
 
 
-def _write_manifest(folder: Path, plan: dict, tokenizer, tokenizer_path: str | None) -> dict:
-    shards = [s for unit in plan["units"] for s in json.loads(unit_record(folder, unit["index"]).read_text())["shards"]]
+def _failed_unit(unit: dict, error, futures, slots, folder: Path) -> dict:
+    """A broken pool fails every unfinished unit at once: name the first that was being tokenized."""
+    if isinstance(error, BrokenProcessPool):
+        started = [u for u in futures.values() if (slots[2 * u["index"]] or slots[2 * u["index"] + 1])
+                   and not unit_record(folder, u["index"]).exists()]
+        if started:
+            return min(started, key=lambda u: u["index"])
+    return unit
+
+
+def _stop(executor: ProcessPoolExecutor) -> None:
+    """Stop the pool now: queued units cancelled, running workers terminated (their partial shards are removed
+    by the caller), so nothing goes on writing after we return."""
+    processes = list((getattr(executor, "_processes", None) or {}).values())  # 3.14 has terminate_workers()
+    executor.shutdown(wait=False, cancel_futures=True)
+    for process in processes:
+        if process.is_alive():
+            process.terminate()
+    for process in processes:
+        process.join()
+
+
+def _one_line(error: BaseException) -> str:
+    message = error.args[0] if isinstance(error, KeyError) and error.args else str(error)
+    return " ".join(str(message).split()) or type(error).__name__
+
+
+def _finish(folder: Path, plan: dict, tokenizer, tokenizer_path: str | None, task: int, tasks: int) -> dict | None:
+    """The manifest, once every unit of every task is done (so the last task to finish writes it)."""
+    missing = [u["index"] for u in plan["units"] if not unit_record(folder, u["index"]).exists()]
+    if missing:
+        owners = sorted({i % tasks for i in missing})
+        print(f"tokenize: task {task} of {tasks} finished its units; {len(missing)} unit(s) of task(s) "
+              f"{', '.join(map(str, owners[:10]))}{' ...' if len(owners) > 10 else ''} are not done yet. The last task "
+              "to finish writes the manifest (a task that failed: rerun it with --resume).", file=sys.stderr)
+        return None
+    records = [json.loads(unit_record(folder, u["index"]).read_text()) for u in plan["units"]]
+    shards = [s for record in records for s in record["shards"]]
     if not shards:
         raise TokenizeError(f"tokenize: sources {plan['sources']} hold no text; nothing written to {folder}.")
     manifest = {"format": FORMAT, "tokenizer": tokenizer_identity(tokenizer), "tokenizer_path": tokenizer_path,
                 "vocab_size": tokenizer.vocab_size, "eos_id": tokenizer.eos_id,
                 "dtype": token_dtype(tokenizer.vocab_size).name, "text_field": plan["text_field"],
                 "tokens": sum(s["tokens"] for s in shards), "documents": sum(s["documents"] for s in shards),
+                "null_rows": sum(r.get("null_rows", 0) for r in records),
                 "max_id": max((s["max_id"] for s in shards), default=-1), "shards": shards,
-                "inputs": plan["inputs"]}
-    write_json_atomically(folder / MANIFEST, manifest)
+                "input_files": len(plan["inputs"]), "input_bytes": sum(size for _, size, _ in plan["inputs"])}
+    write_json(folder / MANIFEST, manifest)
     return manifest
 
 
@@ -376,25 +696,24 @@ def write_token_file(sources: list[str], out_path: str, tokenizer_path: str | No
     if out.exists() and not overwrite:
         raise FileExistsError(f"out={out_path!r} exists; choose another path or pass --overwrite.")
     tokenizer = load_tokenizer(tokenizer_path)
-    pieces = [p for unit in plan_units(input_files(sources), 1 << 62) for p in unit["pieces"]]
-    out.parent.mkdir(parents=True, exist_ok=True)
-    sidecar = sidecar_path(out)
-    writer = NpyWriter(out, token_dtype(tokenizer.vocab_size))
-    try:
-        for tokens, documents, _ in tokenized_batches(pieces, tokenizer, text_field, writer.dtype):
+    files = input_files(sources)
+    inputs = describe_inputs(files)
+    groups = {str(i): table_groups(p) for i, p in enumerate(files) if p.suffix in TABLE_SUFFIXES}
+    plan = {"inputs": inputs, "groups": groups, "text_field": text_field}
+    whole = {"index": 0, "start": [0, 0], "end": [len(inputs), 0], "bytes": sum(s for _, s, _ in inputs)}
+    sidecar, dtype = sidecar_path(out), token_dtype(tokenizer.vocab_size)
+    with atomic_write(out) as file:
+        writer = NpyStream(file, dtype)
+        for tokens, documents, _ in tokenized_batches(unit_segments(whole, plan, [0]), tokenizer, dtype):
             writer.write(tokens, documents)
         if writer.tokens == 0:
             raise ValueError(f"sources {sources}: no text found, nothing to write.")
-        # the old file's record goes first and the new one follows the finished .npy, so a failure part-way
-        # never pairs one file's tokens with the other's record (a .npy alone has its ids checked when read)
+        writer.finish(out.name)
+        # the old file's record goes before the rename and the new one after it, so a failure part-way never
+        # pairs one file's tokens with the other's record (a .npy alone has its ids checked when read)
         sidecar.unlink(missing_ok=True)
-        writer.close()
-    finally:
-        if not writer.file.closed:
-            writer.file.close()
-            writer.tmp.unlink(missing_ok=True)
-    write_json_atomically(sidecar, {"vocab_size": tokenizer.vocab_size, "tokenizer": tokenizer_path,
-                                    "max_id": writer.max_id, "tokenizer_identity": tokenizer_identity(tokenizer)})
+    write_json(sidecar, {"vocab_size": tokenizer.vocab_size, "tokenizer": tokenizer_path, "max_id": writer.max_id,
+                         "tokenizer_identity": tokenizer_identity(tokenizer)})
     return out
 
 
@@ -409,17 +728,23 @@ def tokenize_main(argv: list[str] | None = None) -> None:
     parser.add_argument("--shard-tokens", type=int, default=SHARD_TOKENS, help="tokens per shard (about)")
     parser.add_argument("--resume", action="store_true", help="continue an interrupted run into the same folder")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing .npy output")
+    parser.add_argument("--num-tasks", type=int, default=None,
+                        help="tasks sharing the work (default: SLURM_ARRAY_TASK_COUNT or WORLD_SIZE, else 1)")
+    parser.add_argument("--task-index", type=int, default=None,
+                        help="this task's index (default: SLURM_ARRAY_TASK_ID or RANK, else 0)")
     args = parser.parse_args(argv)
+    _return_freed_batches()  # this process tokenizes too when one worker suffices
     try:
         if args.out.endswith(".npy"):
             out = write_token_file(args.sources, args.out, args.tokenizer, args.text_field, args.overwrite)
             print(f"wrote {len(np.load(out, mmap_mode='r')):,} tokens to {out}")
             return
         manifest = tokenize_to_folder(args.sources, args.out, args.tokenizer, args.text_field, args.workers,
-                                      args.shard_tokens, args.resume)
+                                      args.shard_tokens, args.resume, args.task_index, args.num_tasks)
     except (TokenizeError, ValueError, KeyError, OSError, ImportError) as error:
-        message = error.args[0] if isinstance(error, KeyError) and error.args else str(error)
-        print(f"moe-lightning tokenize: error: {message}", file=sys.stderr)
-        raise SystemExit(1) from None
-    print(f"wrote {manifest['tokens']:,} tokens ({manifest['documents']:,} documents) in "
-          f"{len(manifest['shards'])} shard(s) to {args.out}")
+        print(f"moe-lightning tokenize: error: {_one_line(error)}", file=sys.stderr)
+        raise SystemExit(getattr(error, "exit_code", 1)) from None
+    if manifest is not None:
+        nulls = f"; {manifest['null_rows']:,} rows with null text skipped" if manifest["null_rows"] else ""
+        print(f"wrote {manifest['tokens']:,} tokens ({manifest['documents']:,} documents{nulls}) in "
+              f"{len(manifest['shards'])} shard(s) to {args.out}")

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .sources import MANIFEST, iter_documents
+from .sources import MANIFEST, info, iter_documents, segments
 
 SCAN_TOKENS = 1 << 22  # a bare .npy without a sidecar: ids checked in its first 4M tokens at start-up
 
@@ -152,16 +152,30 @@ def open_shard_folder(folder: Path, tokenizer) -> list[TokenPart]:
     if int(manifest.get("max_id", 0)) >= tokenizer.vocab_size:
         raise ValueError(f"{where}: its manifest records token id {manifest['max_id']}, outside the tokenizer's "
                          f"{tokenizer.vocab_size} ids: tokenize the corpus again.")
-    parts = []
+    parts, dtype = [], np.dtype(manifest.get("dtype", "uint16"))
     for shard in manifest["shards"]:
         path = folder / shard["file"]
         if not path.is_file():
             raise FileNotFoundError(f"{where}: shard {shard['file']} listed in {MANIFEST} is missing; copy the "
                                     "whole folder, or tokenize again.")
+        expected = shard.get("bytes") or _header_bytes(path) + int(shard["tokens"]) * dtype.itemsize
+        size = path.stat().st_size
+        if size != expected:  # a truncated copy would fail later, in the middle of training, naming no file
+            raise ValueError(f"{where}: shard {path} holds {size:,} bytes but {MANIFEST} says {expected:,} "
+                             f"({'truncated' if size < expected else 'changed'} after tokenize wrote it): copy the "
+                             "whole folder again, or tokenize again.")
         parts.append(TokenPart(int(shard["tokens"]), path=path))
     if sum(p.length for p in parts) == 0:
         raise ValueError(f"{where}: its manifest lists no tokens (an empty corpus): tokenize text into it.")
     return parts
+
+
+def _header_bytes(path: Path) -> int:
+    """Length of a ``.npy`` file's header (manifests written before shard sizes were recorded)."""
+    with open(path, "rb") as f:
+        version = np.lib.format.read_magic(f)
+        (np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0)(f)
+        return f.tell()
 
 
 def tokenize_in_memory(files: list[Path], tokenizer, text_field: str,
@@ -169,16 +183,19 @@ def tokenize_in_memory(files: list[Path], tokenizer, text_field: str,
     """Documents tokenized at start-up (small corpora; large ones go through ``moe-lightning tokenize``):
     every document's tokens followed by the end-of-document token; and how many files were read."""
     dtype = np.uint16 if tokenizer.vocab_size <= 2**16 else np.uint32
-    chunks, count, files_read = [], 0, 0
+    chunks, count, files_read, nulls = [], 0, 0, [0]
     for path in files:
         files_read += 1
-        for text in iter_documents([path], text_field):
-            ids = tokenizer.encode(text)
+        for text in iter_documents([path], text_field, nulls):
+            pieces = segments(text)  # a long document in pieces that encode to the same ids
+            ids = tokenizer.encode(text) if len(pieces) == 1 else np.concatenate([tokenizer.encode(p) for p in pieces])
             if len(ids):
                 chunks.append(np.append(ids, tokenizer.eos_id).astype(dtype))
                 count += len(chunks[-1])
         if max_tokens is not None and count >= max_tokens:
             break
+    if nulls[0]:
+        info(f"data: skipped {nulls[0]:,} table row(s) whose {text_field!r} is null")
     return (np.concatenate(chunks) if chunks else np.zeros(0, dtype=dtype)), files_read
 
 

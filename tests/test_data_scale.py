@@ -1,0 +1,252 @@
+"""The data path at corpus scale: samplers in O(1) memory, and `tokenize` under faults (a killed worker, a bad
+record, a second run, SIGTERM), with large and many small files, and spread over tasks."""
+
+import itertools
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import tracemalloc
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from moe_lightning.data import MixtureSampler, MixtureSequences, ResumableSampler, TextDataModule, tokenize_to_folder
+from moe_lightning.data import tokenize as tokenize_module
+from moe_lightning.data.sampling import Shuffle
+from moe_lightning.data.tokenize import TokenizeError, tokenize_main
+from moe_lightning.tokenizer import ByteTokenizer
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+# ---- samplers -------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 17, 1000, 4097, 1_000_003])
+def test_shuffle_is_a_permutation_of_every_size(n):
+    order = Shuffle(n, 7, 0)(np.arange(n))
+    np.testing.assert_array_equal(np.sort(order), np.arange(n))
+    if n >= 1000:
+        assert abs(np.corrcoef(np.arange(n), order)[0, 1]) < 0.1  # no trace of the identity left
+        assert not np.array_equal(order, Shuffle(n, 7, 1)(np.arange(n)))  # each epoch its own order
+        np.testing.assert_array_equal(order[n // 3::5], Shuffle(n, 7, 0)(np.arange(n)[n // 3::5]))  # per index
+
+
+def test_samplers_start_at_a_trillion_sequences_in_constant_memory_and_resume_exactly():
+    """Was: a randperm per epoch (8 TB here) and a permutation per mixture pass, on every rank."""
+    tracemalloc.start()
+    try:
+        single = ResumableSampler(range(10**12), num_replicas=8, rank=3, seed=1)
+        single.resume_epoch, single.resume_samples = 0, 10**11  # resumed deep into the epoch
+        first = list(itertools.islice(iter(single), 5))
+        mixture = MixtureSampler(MixtureSequences([range(10**12), range(10**9)]), [3.0, 1.0], ["a", "b"],
+                                 num_replicas=8, rank=3, seed=1)
+        mixed = list(itertools.islice(iter(mixture), 5))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 64 << 20, peak
+    expected = Shuffle(10**12, 1, 0)(10**11 + 3 + 8 * np.arange(5))
+    assert first == expected.tolist()
+    k, c = mixture.draws(3 + 8 * np.arange(5))
+    flat = [mixture.dataset.offsets[s] + int(Shuffle(int(mixture.lengths[s]), 1, int(s), 0)(np.array([p]))[0])
+            for s, p in zip(k, c)]
+    assert mixed == flat
+
+
+# ---- tokenize under faults ------------------------------------------------------------------------------------
+
+def jsonl(path: Path, records: int, bad_at: int | None = None, width: int = 40) -> Path:
+    with open(path, "w") as f:
+        for i in range(records):
+            record = json.dumps({"text": f"record {i} " + "word " * (width + i % 7)})
+            f.write("{broken\n" if i == bad_at else record + "\n")
+    return path
+
+
+def clean_env() -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RANK", "WORLD_SIZE"))}
+    return {**env, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+
+
+SLOW_UNITS = """
+import sys, time
+from moe_lightning.data import tokenize as t
+t.MIN_UNIT_BYTES = 20_000
+original = t.tokenize_unit
+def slow(unit, plan, out):  # every unit takes a while: time to kill a worker or signal the run
+    time.sleep(float(sys.argv[1]))
+    return original(unit, plan, out)
+t.tokenize_unit = slow
+t.tokenize_main(sys.argv[2:])
+"""
+
+
+def start_tokenize(delay: float, *args) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", SLOW_UNITS, str(delay), *map(str, args)], env=clean_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def children(pid: int) -> list[int]:
+    found = Path(f"/proc/{pid}/task/{pid}/children")
+    return [int(p) for p in found.read_text().split()] if found.exists() else []
+
+
+def wait_for(condition, timeout: float = 60.0):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def test_a_killed_worker_stops_the_run_with_one_line_and_resume_finishes_it(tmp_path):
+    """Was: multiprocessing.Pool waits forever for the killed worker's unit."""
+    corpus, out = jsonl(tmp_path / "c.jsonl", 3000), tmp_path / "out"
+    run = start_tokenize(1.0, corpus, "--out", out, "--workers", 2)
+    wait_for(lambda: len(children(run.pid)) >= 2)
+    os.kill(children(run.pid)[0], signal.SIGKILL)
+    _, err = run.communicate(timeout=120)
+    lines = [line for line in err.splitlines() if line.startswith("moe-lightning tokenize")]
+    assert run.returncode == 1 and len(lines) == 1, err
+    assert "failed: a worker process died" in lines[0] and "--resume" in lines[0] and "unit " in lines[0]
+    assert not list(out.glob("*.partial")) and not (out / "manifest.json").exists()
+    tokenize_main([str(corpus), "--out", str(out), "--workers", "2", "--resume"])
+    reference = tokenize_to_folder([str(corpus)], str(tmp_path / "ref"), workers=1)
+    assert json.loads((out / "manifest.json").read_text())["tokens"] == reference["tokens"]
+
+
+def test_a_bad_record_stops_at_its_unit_keeping_what_finished(tmp_path, monkeypatch):
+    """Was: reported only after every other unit had been tokenized."""
+    monkeypatch.setattr(tokenize_module, "MIN_UNIT_BYTES", 20_000)
+    corpus = jsonl(tmp_path / "c.jsonl", 4000, bad_at=900)
+    with pytest.raises(TokenizeError) as raised:
+        tokenize_to_folder([str(corpus)], str(tmp_path / "out"), workers=1)
+    message = str(raised.value)
+    assert "failed:" in message and "c.jsonl:byte" in message and "not valid JSON" in message
+    plan = json.loads((tmp_path / "out" / "tokenize-plan.json").read_text())
+    done = sorted(int(p.name[5:10]) for p in (tmp_path / "out").glob("part-*.done.json"))
+    failed = int(message.split("unit ")[1].split(" ")[0])
+    assert done == list(range(failed)) and failed < len(plan["units"]) - 3  # stopped there, earlier units kept
+    assert f"{failed} of {len(plan['units'])} units are finished and kept" in message
+
+
+def test_a_second_tokenize_into_the_folder_is_refused_naming_the_holder_and_sigterm_stops_the_workers(tmp_path):
+    corpus, out = jsonl(tmp_path / "c.jsonl", 3000), tmp_path / "out"
+    run = start_tokenize(1.0, corpus, "--out", out, "--workers", 2)
+    wait_for(lambda: len(children(run.pid)) >= 2)
+    second = subprocess.run([sys.executable, "-m", "moe_lightning", "tokenize", str(corpus), "--out", str(out),
+                             "--resume"], env=clean_env(), capture_output=True, text=True, timeout=120)
+    assert second.returncode == 1 and f"pid {run.pid}" in second.stderr and "another tokenize" in second.stderr
+    workers = children(run.pid)
+    run.send_signal(signal.SIGTERM)
+    _, err = run.communicate(timeout=60)
+    assert run.returncode == 128 + signal.SIGTERM and "stopped by SIGTERM" in err and "--resume" in err
+    assert not any(Path(f"/proc/{w}").exists() for w in workers)  # no worker goes on writing
+    assert not list(out.glob("*.partial"))
+    finished = {p.name: p.stat().st_mtime_ns for p in out.glob("part-*.npy")}
+    tokenize_main([str(corpus), "--out", str(out), "--workers", "1", "--resume"])  # the stale lock is taken over
+    assert all(out.joinpath(name).stat().st_mtime_ns == t for name, t in finished.items())
+
+
+def test_two_tasks_run_concurrently_write_the_same_stream_as_one(tmp_path):
+    corpus = jsonl(tmp_path / "c.jsonl", 3000)
+    one = tokenize_to_folder([str(corpus)], str(tmp_path / "one"), workers=1, num_tasks=1)
+    tasks = [subprocess.Popen([sys.executable, "-c", SLOW_UNITS, "0.05", str(corpus), "--out", str(tmp_path / "two"),
+                               "--workers", "1"], env={**clean_env(), "SLURM_ARRAY_TASK_ID": str(i),
+                                                       "SLURM_ARRAY_TASK_COUNT": "2"},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+    outputs = [t.communicate(timeout=300) for t in tasks]
+    assert [t.returncode for t in tasks] == [0, 0], outputs
+    manifest = json.loads((tmp_path / "two" / "manifest.json").read_text())
+    assert len(manifest["shards"]) > 2
+    done = [int(p.name[5:10]) for p in (tmp_path / "two").glob("part-*.done.json")]
+    assert len(done) == len(manifest["shards"])
+    streams = [TextDataModule(str(tmp_path / name), seq_len=8) for name in ("one", "two")]
+    for dm in streams:
+        dm.setup()
+    np.testing.assert_array_equal(streams[0].train_set.tokens[:], streams[1].train_set.tokens[:])
+    assert manifest["tokens"] == one["tokens"]
+
+
+def test_resume_checks_arguments_and_inputs_even_when_the_folder_is_complete(tmp_path, capsys):
+    """Was: "nothing to do" and exit 0 for a complete folder of another corpus; added files silently left out."""
+    (tmp_path / "in").mkdir()
+    for i in range(3):
+        (tmp_path / "in" / f"{i}.txt").write_text(f"document {i} " * 50)
+    out = str(tmp_path / "out")
+    tokenize_to_folder([str(tmp_path / "in")], out, workers=1)
+    other = jsonl(tmp_path / "other.jsonl", 10)
+    with pytest.raises(SystemExit):
+        tokenize_main([str(other), "--out", out, "--resume"])
+    assert "other sources" in capsys.readouterr().err
+    (tmp_path / "in" / "3.txt").write_text("a file added later")
+    with pytest.raises(TokenizeError, match=r"added 1 file\(s\), e.g. .*3.txt"):
+        tokenize_to_folder([str(tmp_path / "in")], out, resume=True)
+
+
+# ---- large and many files ---------------------------------------------------------------------------------
+
+def test_a_large_text_file_is_cut_into_units_between_words_with_the_ids_of_one_encode(tmp_path, monkeypatch):
+    """A .txt is one document: cut by byte range (between a word and the space after it), encoded in bounded
+    batches, its pieces give the byte-level BPE's ids of encoding it whole, one end-of-document at the end."""
+    from tests.test_data_shards import bpe_tokenizer
+    from moe_lightning.tokenizer import load_tokenizer
+    words = [f"w{i % 97}ord{'é' * (i % 3)}" for i in range(20000)]
+    text = "".join(w + (" " if i % 11 else "\n  ") for i, w in enumerate(words))
+    (tmp_path / "big.txt").write_text(text)
+    tok = bpe_tokenizer(tmp_path / "bpe.json", text[:20000])
+    monkeypatch.setattr(tokenize_module, "MIN_UNIT_BYTES", 10_000)
+    monkeypatch.setattr(tokenize_module, "BATCH_CHARS", 3000)
+    monkeypatch.setattr(tokenize_module.sources, "SEGMENT_CHARS", 3000)  # read and cut a few KB at a time
+    manifest = tokenize_to_folder([str(tmp_path / "big.txt")], str(tmp_path / "out"), tok, workers=2)
+    plan = json.loads((tmp_path / "out" / "tokenize-plan.json").read_text())
+    assert len(plan["units"]) > 5 and manifest["documents"] == 1
+    dm = TextDataModule(str(tmp_path / "out"), seq_len=8, tokenizer=tok)
+    dm.setup()
+    tokenizer = load_tokenizer(tok)
+    np.testing.assert_array_equal(dm.train_set.tokens[:], np.append(tokenizer.encode(text), tokenizer.eos_id))
+
+
+def test_an_oversized_document_is_encoded_in_pieces_whatever_it_holds(tmp_path, monkeypatch):
+    """Was: a 200 MB document aborted the process inside the tokenizer library. A document is now handed to the
+    tokenizer in pieces cut between words (the same ids) or, in a run without whitespace, at a length limit."""
+    from moe_lightning.data import sources
+    monkeypatch.setattr(sources, "SEGMENT_CHARS", 500)
+    monkeypatch.setattr(sources, "MAX_SEGMENT_CHARS", 2000)
+    calls = []
+    encode_batch = ByteTokenizer.encode_batch
+    monkeypatch.setattr(ByteTokenizer, "encode_batch", lambda self, texts: calls.append(max(map(len, texts)))
+                        or encode_batch(self, texts))
+    prose, blob = " ".join(f"token{i}" for i in range(2000)), "y" * 5000
+    for kind in ("jsonl", "txt"):
+        path = tmp_path / f"doc.{kind}"
+        path.write_text("".join(json.dumps({"text": t}) + "\n" for t in (prose, blob)) if kind == "jsonl" else
+                        prose + "\n" + blob)
+        manifest = tokenize_to_folder([str(path)], str(tmp_path / kind), workers=1)
+        dm = TextDataModule(str(tmp_path / kind), seq_len=8)
+        dm.setup()
+        texts = [prose, blob] if kind == "jsonl" else [prose + "\n" + blob]
+        expected = np.concatenate([np.append(np.frombuffer(t.encode(), np.uint8), 256) for t in texts])
+        np.testing.assert_array_equal(dm.train_set.tokens[:], expected)
+        assert manifest["documents"] == len(texts) and max(calls) <= 2000
+        calls.clear()
+
+
+def test_many_small_files_are_grouped_and_the_manifest_does_not_list_them(tmp_path):
+    (tmp_path / "in").mkdir()
+    for i in range(400):
+        (tmp_path / "in" / f"{i:04d}.txt").write_text(f"small file {i}")
+    manifest = tokenize_to_folder([str(tmp_path / "in")], str(tmp_path / "out"), workers=2)
+    assert len((tmp_path / "out" / "manifest.json").read_text()) < 2000  # was: every input file listed
+    assert len(manifest["shards"]) == 1 and manifest["documents"] == 400 and manifest["input_files"] == 400
+
+
+def test_parquet_rows_with_null_text_are_counted_in_the_summary(tmp_path, capsys):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+    pq.write_table(pa.table({"text": ["a row", None, "another", None, None]}), tmp_path / "t.parquet")
+    tokenize_main([str(tmp_path / "t.parquet"), "--out", str(tmp_path / "out"), "--workers", "1"])
+    assert "(2 documents; 3 rows with null text skipped)" in capsys.readouterr().out
