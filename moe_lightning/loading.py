@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from .dtypes import DTYPES
 from .hf import from_pretrained
 from .model import MoEConfig, MoETransformer
 from .parallel.checkpoint import (METADATA_FILE, PARTIAL_SUFFIX, load_metadata, metadata_file, read_sharded_weights,
@@ -151,10 +152,10 @@ def export_main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="moe-lightning export", description=export_main.__doc__)
     parser.add_argument("checkpoint", help="sharded checkpoint folder or single-file .ckpt")
     parser.add_argument("--out", required=True, help="output file (torch.save format)")
-    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
+    parser.add_argument("--dtype", choices=list(DTYPES), default=None,
                         help="cast floating-point weights (default: keep the saved dtype)")
     parser.add_argument("--overwrite", action="store_true")
     args = parser.parse_args(argv)
-    out = export_checkpoint(args.checkpoint, args.out, getattr(torch, args.dtype) if args.dtype else None,
+    out = export_checkpoint(args.checkpoint, args.out, DTYPES.get(args.dtype),
                             args.overwrite)
     print(f"wrote {out}")

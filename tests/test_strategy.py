@@ -423,7 +423,7 @@ def test_resume_and_export_refuse_a_checkpoint_that_would_run_code(runs, tmp_pat
 
 def test_single_file_checkpoint_is_plain_data_and_the_cli_resumes_from_it(tmp_path):
     """LightningCLI re-parses the model's hyperparameters from a single file: the config dict must parse."""
-    from moe_lightning.cli import run
+    from moe_lightning.commands import run
     common = ["--config", str(REPO_ROOT / "configs" / "tiny.yaml"), f"--trainer.default_root_dir={tmp_path}",
               "--trainer.logger=false", "--trainer.limit_val_batches=0", "--trainer.enable_progress_bar=false",
               "--data.init_args.max_tokens=100000", "--data.init_args.batch_size=2",

@@ -21,10 +21,10 @@ from queue import Empty
 
 import numpy as np
 
-from ..tokenizer import load_tokenizer
+from ..tokenizer import load_tokenizer, tokenizer_identity
 from .sources import MANIFEST, TABLE_SUFFIXES, is_token_source, iter_jsonl, iter_table_batches, resolve_source, \
     table_row_groups
-from .tokens import sidecar_path, tokenizer_identity
+from .tokens import sidecar_path
 
 PLAN = "tokenize-plan.json"
 SHARD_TOKENS = 1 << 28  # 268M tokens: 512 MiB of uint16 or 1 GiB of uint32 per shard
@@ -277,7 +277,7 @@ def tokenize_to_folder(sources: list[str], out: str, tokenizer_path: str | None 
     if workers < 1 or shard_tokens < 1:
         raise TokenizeError(f"tokenize: --workers={workers} and --shard-tokens={shard_tokens} must be positive.")
     tokenizer = load_tokenizer(tokenizer_path)
-    identity = {"sources": sources, "tokenizer": tokenizer_identity(tokenizer), "text_field": text_field,
+    identity = {"sources": sources, "tokenizer": tokenizer_identity(tokenizer.spec()), "text_field": text_field,
                 "shard_tokens": shard_tokens}
     if (folder / MANIFEST).exists():
         if resume:
@@ -356,7 +356,7 @@ def _write_manifest(folder: Path, plan: dict, tokenizer, tokenizer_path: str | N
     shards = [s for unit in plan["units"] for s in json.loads(unit_record(folder, unit["index"]).read_text())["shards"]]
     if not shards:
         raise TokenizeError(f"tokenize: sources {plan['sources']} hold no text; nothing written to {folder}.")
-    manifest = {"format": FORMAT, "tokenizer": tokenizer_identity(tokenizer), "tokenizer_path": tokenizer_path,
+    manifest = {"format": FORMAT, "tokenizer": tokenizer_identity(tokenizer.spec()), "tokenizer_path": tokenizer_path,
                 "vocab_size": tokenizer.vocab_size, "eos_id": tokenizer.eos_id,
                 "dtype": token_dtype(tokenizer.vocab_size).name, "text_field": plan["text_field"],
                 "tokens": sum(s["tokens"] for s in shards), "documents": sum(s["documents"] for s in shards),
@@ -394,7 +394,7 @@ def write_token_file(sources: list[str], out_path: str, tokenizer_path: str | No
             writer.file.close()
             writer.tmp.unlink(missing_ok=True)
     write_json_atomically(sidecar, {"vocab_size": tokenizer.vocab_size, "tokenizer": tokenizer_path,
-                                    "max_id": writer.max_id, "tokenizer_identity": tokenizer_identity(tokenizer)})
+                                    "max_id": writer.max_id, "tokenizer_identity": tokenizer_identity(tokenizer.spec())})
     return out
 
 

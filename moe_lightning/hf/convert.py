@@ -14,14 +14,12 @@ from pathlib import Path
 
 import torch
 
+from ..dtypes import DTYPES
 from ..model import MoEConfig
 from ..parallel import checkpoint as ckpt
 from .mapping import HFFormatError
 from .pretrained import FAMILIES, from_pretrained, stored_dtype_getter, write_pretrained
 from .tokenizer_files import tokenizer_files
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
 
 @contextlib.contextmanager
 def single_process_dcp():
@@ -118,7 +116,7 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--architecture", choices=sorted(FAMILIES), default=None,
                         help="Hugging Face target when the model could be several (default: the one that fits)")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="cast floating-point weights")
+    parser.add_argument("--dtype", choices=list(DTYPES), default=None, help="cast floating-point weights")
     parser.add_argument("--shard-gb", type=float, default=None, help="largest safetensors shard, GiB (default 5)")
     parser.add_argument("--overwrite", action="store_true")
 
