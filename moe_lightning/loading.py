@@ -10,8 +10,10 @@ The tokenizer comes from the checkpoint itself: ``TextDataModule.state_dict`` re
 """
 
 import argparse
+import contextlib
 import dataclasses
 import os
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,6 +37,15 @@ class Checkpoint:
     config: dict
     state_dict: dict[str, torch.Tensor]
     tokenizer: dict
+
+
+@contextlib.contextmanager
+def single_process_dcp():
+    """DCP warns "torch.distributed is disabled ... assuming the intent is to load in a single process" even when
+    told so (``no_dist=True``): it is the intent here (export, generate read a sharded checkpoint in one process)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
 
 
 def folder_kind(path: Path) -> str:
@@ -82,8 +93,6 @@ def read_checkpoint(checkpoint: str | Path) -> Checkpoint:
     if path.is_dir():
         if folder_kind(path) == "hf":
             raise ValueError(f"checkpoint={str(path)!r} is a Hugging Face folder: load it with load_model.")
-        from .hf.convert import single_process_dcp
-
         with single_process_dcp():
             weights, metadata = read_sharded_weights(path)
         kind = "sharded"
