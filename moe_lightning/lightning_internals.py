@@ -43,6 +43,7 @@ import signal
 from collections.abc import Callable
 
 from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnector
+from lightning.pytorch.trainer.states import TrainerFn
 
 
 def optimizer_step_ends(trainer) -> bool:
@@ -78,6 +79,8 @@ class _Handlers(_SignalConnector):
         self.signals, self.handler = signals, handler
 
     def register_signal_handlers(self) -> None:  # Lightning calls it again after the restore: keep the first
+        if self.trainer.state.fn != TrainerFn.FITTING:  # a later validate/test/predict: Lightning's own
+            return super().register_signal_handlers()
         self.received_sigterm = False
         if not self._original_handlers:
             self._original_handlers = {s: signal.getsignal(s) for s in self.signals}

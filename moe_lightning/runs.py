@@ -180,8 +180,8 @@ def remove_unfinished_saves(folders: set[Path], keep: Path | None = None) -> lis
 
 EXIT_MAX_TIME = 75
 """Exit status of a ``fit`` that ``trainer.max_time`` stopped before ``max_steps``: sysexits.h's ``EX_TEMPFAIL``
-("temporary failure, try again"), which is what it is, distinct from 0 (finished), 1 (an error), 2 (bad usage)
-and ``128 + signal`` (preempted). A requeue script relaunches the same command on 75 and on 128 + n."""
+("temporary failure, try again": the run is not finished), distinct from 0 (finished), 1 (an error), 2 (bad
+usage) and ``128 + signal`` (preempted). A requeue script relaunches the same command on 75 and on 128 + n."""
 
 
 class Preempted(SystemExit):
