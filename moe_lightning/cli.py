@@ -325,5 +325,6 @@ class MoECLI(LightningCLI):
 def lightning_cli(argv: list[str] | None, descriptions: dict[str, str]) -> MoECLI:
     """fit/validate/test/predict (``moe_lightning.commands.run`` dispatches here, with each command's line)."""
     return MoECLI(MoELanguageModel, TextDataModule, subclass_mode_model=True, subclass_mode_data=True, args=argv,
-                  parser_kwargs={name: {"description": text} for name, text in descriptions.items()}, parser_class=MoEArgumentParser,
+                  parser_kwargs={name: {"description": text} for name, text in descriptions.items()},
+                  parser_class=MoEArgumentParser,
                   save_config_callback=SaveConfigBesideLogs, save_config_kwargs={"overwrite": False})

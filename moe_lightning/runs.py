@@ -211,6 +211,10 @@ def _requeue_slurm_job() -> str:
     return f"; SLURM job {job} requeued"
 
 
+def _stopped(signum: int) -> str:
+    return "interrupted" if signum == signal.SIGINT else "preempted"
+
+
 def exit_status(trainer, code: int) -> int:
     """``code`` on every rank but those Lightning started as children of the main process, which exit 0: its
     observer thread kills the main process (SIGKILL) as soon as a child exits non-zero, and the main process's
@@ -293,7 +297,8 @@ class Preemption(Callback):
         if self.signum is None:
             self.signum, self._first_at = signum, now
             if not self.training:
-                raise Preempted(0 if self._spawned_child else 128 + signum, "preempted before the first step: nothing to save")
+                raise Preempted(0 if self._spawned_child else 128 + signum,
+                                f"{_stopped(signum)} before the first step: nothing to save")
         elif now - self._first_at >= self.repeat_grace_s:
             os._exit(128 + signum)
 
@@ -370,7 +375,7 @@ class Preemption(Callback):
     def _preempt(self, trainer, signum: int, requeue: bool) -> None:
         step, path = trainer.global_step, self.checkpoint_path(trainer)
         name = signal.Signals(signum).name
-        what = "interrupted" if signum == signal.SIGINT else "preempted"
+        what = _stopped(signum)
         if trainer.is_global_zero:
             _say(f"{what} ({name}): saving step {step} to {path}; a second {name} now stops at once and "
                  "keeps the previous checkpoint")

@@ -15,7 +15,8 @@ from lightning.pytorch.loggers import CSVLogger
 
 from moe_lightning.commands import run
 from moe_lightning.parallel.checkpoint import MARKER_FILE, METADATA_FILE, ShardedCheckpointer, CheckpointError
-from moe_lightning.runs import EXIT_MAX_TIME, Preemption, allocate_run_folder, newest_checkpoint, remove_unfinished_saves
+from moe_lightning.runs import (EXIT_MAX_TIME, Preemption, allocate_run_folder, newest_checkpoint,
+                               remove_unfinished_saves)
 from tests.distributed import REPO_ROOT, clean_env, free_port
 from tests.test_safety import quick
 

@@ -109,7 +109,7 @@ def test_model_adds_the_guard_once():
     assert [type(c) for c in module.configure_callbacks()] == [NonFiniteGuard, Preemption, FinalCheckpoint]
     trainer = L.Trainer(accelerator="cpu", callbacks=[NonFiniteGuard(check_every_n_steps=1)], logger=False)
     module.trainer = trainer
-    assert [type(c) for c in module.configure_callbacks()] == [Preemption, FinalCheckpoint]  # the config's guard is kept
+    assert [type(c) for c in module.configure_callbacks()] == [Preemption, FinalCheckpoint]  # the config's guard
 
 
 # ---- 2. resuming a different model ------------------------------------------------------------

@@ -394,7 +394,8 @@ def write_token_file(sources: list[str], out_path: str, tokenizer_path: str | No
             writer.file.close()
             writer.tmp.unlink(missing_ok=True)
     write_json_atomically(sidecar, {"vocab_size": tokenizer.vocab_size, "tokenizer": tokenizer_path,
-                                    "max_id": writer.max_id, "tokenizer_identity": tokenizer_identity(tokenizer.spec())})
+                                    "max_id": writer.max_id,
+                                    "tokenizer_identity": tokenizer_identity(tokenizer.spec())})
     return out
 
 
