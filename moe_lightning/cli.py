@@ -1,9 +1,8 @@
-"""LightningCLI's fit/validate/test/predict for ``moe-lightning`` (the command table and the other commands:
-``moe_lightning.commands``)."""
+"""LightningCLI's fit/validate/test/predict for ``moe-lightning`` (the entry point, the command table and the other
+commands: ``moe_lightning.commands``, which imports this module only for these four)."""
 
 import dataclasses
 import errno
-import hashlib
 import importlib
 import inspect
 import json
@@ -19,14 +18,13 @@ from jsonargparse import DefaultHelpFormatter, Namespace
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 
-from .commands import COMMANDS, EXTRA_COMMANDS, main, run  # noqa: F401  (re-exported: the entry points before)
 from .data import TextDataModule
 from .durable import write_text
 from .generate import add_sampling_arguments, encode_prompt, read_prompts, sampling_from, warn_long_prompts
 from .loading import checkpoint_tokenizer
 from .module import MoELanguageModel
 from .resume import check_checkpoint
-from .tokenizer import load_tokenizer
+from .tokenizer import load_tokenizer, tokenizer_identity
 from . import runs
 
 
@@ -141,14 +139,6 @@ def check_gradient_clip(trainer: Namespace) -> None:
     if value is not None and value < 0:  # clipping scales by min(1, value / norm): a negative value flips gradients
         raise ValueError(f"trainer.gradient_clip_val={value}: must be >= 0 (a negative norm would turn every "
                          "gradient around); 0 or null disables clipping.")
-
-
-def tokenizer_identity(spec: dict) -> tuple:
-    """What makes two tokenizer specs tokenize alike: the kind, and for a JSON tokenizer its content and EOS."""
-    if spec.get("kind") != "tokenizers":
-        return ("bytes",)
-    return "tokenizers", spec.get("sha256") or hashlib.sha256(spec["json"].encode("utf-8")).hexdigest(), \
-        spec.get("eos_token")
 
 
 def check_tokenizer(config: Namespace, subcommand: str, ckpt_path: str | None) -> None:
@@ -308,7 +298,6 @@ class MoECLI(LightningCLI):
 
     def before_fit(self) -> None:
         self._check_model_fits_data()
-        runs.add_preemption(self.trainer)  # SIGTERM/SLURM requeue: save, exit non-zero (runs.py)
         config = self.config_init[self.subcommand]
         if config.get("ckpt_path") == "last":  # any earlier run of this command, not only this version
             config["ckpt_path"] = runs.resolve_last(self.trainer)
@@ -321,6 +310,9 @@ class MoECLI(LightningCLI):
 
     before_test = before_validate
     before_predict = _check_resume
+
+    def after_fit(self) -> None:
+        runs.exit_if_stopped_by_max_time(self.trainer)  # a distinct exit status: the run is not finished
 
     def _remove_stale_partial_checkpoints(self) -> None:
         """A run killed while saving leaves ``<name>.partial``: never loadable, so the next run of the folder
@@ -354,7 +346,7 @@ class MoECLI(LightningCLI):
             saved = any(getattr(cb, "best_model_path", "") or getattr(cb, "last_model_path", "")
                         for cb in self.trainer.checkpoint_callbacks)  # its config.yaml is what resumes them
             if log_dir is not None and not saved and runs.remove_empty_run_folder(log_dir):
-                rank_zero_info(f"removed {log_dir}: the run failed before writing anything but its config")
+                rank_zero_info(f"removed {log_dir}: the run stopped before writing anything but its config")
             raise
 
 
@@ -397,10 +389,10 @@ def drop_tips(record: logging.LogRecord) -> bool:
         "Trainer already configured with model summary callbacks: [<class 'moe_lightning.callbacks.console."))
 
 
-def lightning_cli(argv: list[str] | None = None) -> MoECLI:
-    """fit/validate/test/predict (``moe_lightning.commands.run`` dispatches here)."""
+def lightning_cli(argv: list[str] | None, descriptions: dict[str, str]) -> MoECLI:
+    """fit/validate/test/predict (``moe_lightning.commands.run`` dispatches here, with each command's line)."""
     logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(drop_tips)
-    descriptions = {name: {"description": COMMANDS[name]} for name in MoECLI.subcommands()}
     return MoECLI(MoELanguageModel, TextDataModule, subclass_mode_model=True, subclass_mode_data=True, args=argv,
-                  parser_kwargs=descriptions, parser_class=MoEArgumentParser,
+                  parser_kwargs={name: {"description": text} for name, text in descriptions.items()},
+                  parser_class=MoEArgumentParser,
                   save_config_callback=SaveConfigBesideLogs, save_config_kwargs={"overwrite": False})

@@ -60,4 +60,4 @@ def run(argv: list[str] | None = None):
         return getattr(importlib.import_module(module_name), function_name)(words[1:])
     from .cli import lightning_cli
 
-    return lightning_cli(argv)
+    return lightning_cli(argv, {name: COMMANDS[name] for name in TRAINER_COMMANDS})

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from .dtypes import DTYPES
 from .model import MoETransformer
 from .model.transformer import check_sampling
 
@@ -76,12 +77,6 @@ def encode_prompt(tokenizer, text: str, device: torch.device | str) -> torch.Ten
     return torch.tensor([ids], dtype=torch.long, device=device)
 
 
-def complete(model: MoETransformer, tokenizer, prompt: str, sampling: Sampling) -> str:
-    """The whole continuation of one prompt, as text."""
-    device = next(model.parameters()).device
-    return tokenizer.decode(list(stream(model, encode_prompt(tokenizer, prompt, device), sampling, tokenizer.eos_id)))
-
-
 def stream_text(tokens: Iterator[int], tokenizer) -> Iterator[str]:
     """Text pieces as tokens arrive; a multi-byte character is held back until its last byte arrives."""
     ids: list[int] = []
@@ -96,9 +91,6 @@ def stream_text(tokens: Iterator[int], tokenizer) -> Iterator[str]:
     text = tokenizer.decode(ids)
     if len(text) > shown:
         yield text[shown:]
-
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def default_dtype(device: str) -> str:

@@ -10,13 +10,16 @@ The tokenizer comes from the checkpoint itself: ``TextDataModule.state_dict`` re
 """
 
 import argparse
+import contextlib
 import dataclasses
 import os
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from .dtypes import DTYPES
 from .hf import from_pretrained
 from .model import MoEConfig, MoETransformer
 from .parallel.checkpoint import (METADATA_FILE, PARTIAL_SUFFIX, load_metadata, metadata_file, read_sharded_weights,
@@ -34,6 +37,15 @@ class Checkpoint:
     config: dict
     state_dict: dict[str, torch.Tensor]
     tokenizer: dict
+
+
+@contextlib.contextmanager
+def single_process_dcp():
+    """DCP warns "torch.distributed is disabled ... assuming the intent is to load in a single process" even when
+    told so (``no_dist=True``): it is the intent here (export, generate read a sharded checkpoint in one process)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
 
 
 def folder_kind(path: Path) -> str:
@@ -81,8 +93,6 @@ def read_checkpoint(checkpoint: str | Path) -> Checkpoint:
     if path.is_dir():
         if folder_kind(path) == "hf":
             raise ValueError(f"checkpoint={str(path)!r} is a Hugging Face folder: load it with load_model.")
-        from .hf.convert import single_process_dcp
-
         with single_process_dcp():
             weights, metadata = read_sharded_weights(path)
         kind = "sharded"
@@ -151,10 +161,10 @@ def export_main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="moe-lightning export", description=export_main.__doc__)
     parser.add_argument("checkpoint", help="sharded checkpoint folder or single-file .ckpt")
     parser.add_argument("--out", required=True, help="output file (torch.save format)")
-    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
+    parser.add_argument("--dtype", choices=list(DTYPES), default=None,
                         help="cast floating-point weights (default: keep the saved dtype)")
     parser.add_argument("--overwrite", action="store_true")
     args = parser.parse_args(argv)
-    out = export_checkpoint(args.checkpoint, args.out, getattr(torch, args.dtype) if args.dtype else None,
+    out = export_checkpoint(args.checkpoint, args.out, DTYPES.get(args.dtype),
                             args.overwrite)
     print(f"wrote {out}")

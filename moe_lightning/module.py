@@ -12,12 +12,13 @@ from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from . import hf
-from .callbacks._logging import logs_written
 from .callbacks.final_checkpoint import FinalCheckpoint
 from .callbacks.nonfinite import NonFiniteGuard
 from .generate import stream
+from .lightning_internals import logs_written, optimizer_step_ends
 from .model import LocalTokenDispatcher, MoEConfig, MoETransformer, mtp
 from .optim import WarmupCosineLR, param_groups
+from .runs import Preemption
 
 
 def compile_blocks(layers: torch.nn.ModuleList, backend: str = "inductor") -> None:
@@ -218,7 +219,7 @@ class MoELanguageModel(L.LightningModule):
         accumulate = self.trainer.accumulate_grad_batches
         micro = batch_idx % accumulate
         self._train_loss_sum = loss if micro == 0 or self._train_loss_sum is None else self._train_loss_sum + loss
-        if self.trainer.fit_loop.epoch_loop._should_accumulate():  # not the step's last micro-batch
+        if not optimizer_step_ends(self.trainer):  # not the step's last micro-batch
             return
         mean = self._train_loss_sum / (micro + 1)
         if logs_written(self.trainer) and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
@@ -228,10 +229,11 @@ class MoELanguageModel(L.LightningModule):
         self.log("train/perplexity", mean.exp())
 
     def configure_callbacks(self):
-        """The non-finite-loss guard and the final checkpoint run in every fit (unless the trainer already has
-        them, e.g. from YAML)."""
+        """The non-finite-loss guard, the signal handling and the final checkpoint run in every fit (unless the
+        trainer already has them, e.g. from YAML)."""
         present = self.trainer.callbacks if self._trainer is not None else []
-        return [cls() for cls in (NonFiniteGuard, FinalCheckpoint) if not any(isinstance(cb, cls) for cb in present)]
+        return [cls() for cls in (NonFiniteGuard, Preemption, FinalCheckpoint)
+                if not any(isinstance(cb, cls) for cb in present)]
 
     def on_before_optimizer_step(self, optimizer) -> None:
         """Once per optimizer step, after every micro-batch's backward: move the balancing bias using the

@@ -1,10 +1,13 @@
 """A run on a shared cluster: preemption, resuming by itself, run folders, and clean-up of only our own leftovers.
 
-- **Preemption.** SIGTERM (and SLURM's requeue signal, SIGUSR1 by default, when ``SLURMEnvironment`` requeues)
-  makes every rank finish the current optimizer step, write one checkpoint through ``trainer.save_checkpoint``
-  (the path periodic saves take, so sharded or single-file and atomic alike) and exit with ``128 + signal``,
-  printing ``preempted at step N, checkpoint at PATH``. It replaces Lightning's signal handling, which exits 0
-  after SIGTERM and, with several processes, broadcasts from inside the signal handler (a hang).
+- **Preemption**, the package's one signal path. SIGINT (Ctrl-C), SIGTERM and SLURM's requeue signal (SIGUSR1
+  by default, when ``SLURMEnvironment`` requeues) make every rank finish the current optimizer step, write one
+  checkpoint through ``trainer.save_checkpoint`` (the path periodic saves take, so sharded or single-file and
+  atomic alike) and exit with ``128 + signal``, printing ``preempted at step N, checkpoint at PATH``. It replaces
+  Lightning's signal handling, which exits 0 after SIGTERM and, with several processes, broadcasts from inside
+  the signal handler (a hang).
+- **Exit status.** 0: finished; ``128 + signal``: preempted or interrupted (the checkpoint is written);
+  ``EXIT_MAX_TIME`` (75): ``trainer.max_time`` stopped it (the final checkpoint is written); 1: an error.
 - **Resume by itself.** ``--ckpt_path last`` resumes from the newest complete checkpoint of *any* earlier run of
   the same logger name (``<save_dir>/<name>/version_*/checkpoints``, or the checkpoint callbacks' own
   ``dirpath``), so a requeued job running the identical command continues; with none it starts fresh and says so.
@@ -23,11 +26,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.environments import LightningEnvironment, SLURMEnvironment
-from lightning.pytorch.callbacks import Callback, Checkpoint, ModelCheckpoint
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint, Timer
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
-from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnector
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 
+from .lightning_internals import cluster_environment, install_signal_handlers, optimizer_step_ends, write_step_metrics
 from .parallel import checkpoint as ckpt
 
 # ---- run folders --------------------------------------------------------------------------------------------
@@ -173,7 +176,12 @@ def remove_unfinished_saves(folders: set[Path], keep: Path | None = None) -> lis
     return removed
 
 
-# ---- preemption ---------------------------------------------------------------------------------------------
+# ---- preemption and the exit status -------------------------------------------------------------------------
+
+EXIT_MAX_TIME = 75
+"""Exit status of a ``fit`` that ``trainer.max_time`` stopped before ``max_steps``: sysexits.h's ``EX_TEMPFAIL``
+("temporary failure, try again": the run is not finished), distinct from 0 (finished), 1 (an error), 2 (bad
+usage) and ``128 + signal`` (preempted). A requeue script relaunches the same command on 75 and on 128 + n."""
 
 
 class Preempted(SystemExit):
@@ -188,7 +196,7 @@ class Preempted(SystemExit):
 
 
 def _say(text: str) -> None:
-    os.write(2, (text.rstrip("\n") + "\n").encode())  # safe inside a signal handler, unlike print
+    os.write(2, (text.rstrip("\n") + "\n").encode())  # unbuffered: in order with Lightning's stderr, every rank
 
 
 def _requeue_slurm_job() -> str:
@@ -203,33 +211,54 @@ def _requeue_slurm_job() -> str:
     return f"; SLURM job {job} requeued"
 
 
-class _PreemptionSignals(_SignalConnector):
-    """Stands in for the trainer's signal connector (Lightning has no public hook to replace it): installs
-    ``Preemption.handle`` where Lightning would install its own, and restores the previous handlers at teardown.
-    ``received_sigterm`` stays False, so Lightning's loops never raise their exit-0 ``SIGTERMException``."""
+def _stopped(signum: int) -> str:
+    return "interrupted" if signum == signal.SIGINT else "preempted"
 
-    def __init__(self, trainer, preemption: "Preemption"):
-        super().__init__(trainer)
-        self.preemption = preemption
 
-    def register_signal_handlers(self) -> None:
-        self.received_sigterm = False
-        self._original_handlers = {s: signal.getsignal(s) for s in self.preemption.signals}
-        for signum in self.preemption.signals:
-            self._register_signal(signum, self.preemption.handle)
+def exit_status(trainer, code: int) -> int:
+    """``code`` on every rank but those Lightning started as children of the main process, which exit 0: its
+    observer thread kills the main process (SIGKILL) as soon as a child exits non-zero, and the main process's
+    status is the job's."""
+    spawned_child = isinstance(cluster_environment(trainer), LightningEnvironment) and trainer.local_rank > 0
+    return 0 if spawned_child else code
+
+
+def stopped_by_max_time(trainer) -> bool:
+    """Whether ``trainer.max_time`` (Lightning's ``Timer``) ended the fit before ``max_steps``."""
+    timer = next((c for c in trainer.callbacks if isinstance(c, Timer)), None)
+    left = timer.time_remaining() if timer is not None else None
+    return left is not None and left <= 0 and not 0 <= trainer.max_steps <= trainer.global_step
+
+
+def exit_if_stopped_by_max_time(trainer) -> None:
+    """After ``fit``: exit with ``EXIT_MAX_TIME`` when ``max_time`` stopped the run, so that a requeue script can
+    tell an unfinished run from a finished one (``FinalCheckpoint`` has saved the step it stopped at)."""
+    if not stopped_by_max_time(trainer):
+        return
+    if trainer.is_global_zero:
+        _say(f"trainer.max_time reached at step {trainer.global_step} of {trainer.max_steps}: exit status "
+             f"{EXIT_MAX_TIME}, the run is not finished (the same command with --ckpt_path last continues it)")
+    raise SystemExit(exit_status(trainer, EXIT_MAX_TIME))
 
 
 class Preemption(Callback):
-    """Save and exit non-zero on SIGTERM (and SLURM's requeue signal), every rank at the same step.
+    """Save and exit non-zero on SIGINT (Ctrl-C), SIGTERM and SLURM's requeue signal, every rank at one step.
 
-    A signal may reach one rank only (``kill`` of the main process), or ranks in different steps. The ranks
-    agree through a flag all-reduced over a gloo group of CPU tensors: started asynchronously when an
-    optimizer step begins and read when it ends, so there is no device sync, and the host waits only if a
-    tiny all-reduce took longer than a whole step. Ranks stop after the first step at whose start any rank
-    had seen a signal (one step later than the signalled rank's own step when it came mid-step). One process
-    reads its own flag. A repeat of the signal more than ``repeat_grace_s`` after the first exits at once,
-    keeping the previous checkpoint (``timeout`` and process-group delivery send one signal twice at once);
-    during the save the repeat is left to the kernel (default action), so it works even inside a collective.
+    The package's one signal handler (``MoELanguageModel`` adds this callback to every fit). The handler only
+    records the signal; the training hooks act on it. A signal may reach one rank only (``kill`` of the main
+    process), or ranks in different steps. The ranks agree through a flag all-reduced over a gloo group of CPU
+    tensors: started asynchronously when an optimizer step begins and read when it ends, so there is no device
+    sync, and the host waits only if a tiny all-reduce took longer than a whole step. Ranks stop after the first
+    step at whose start any rank had seen a signal (one step later than the signalled rank's own step when it
+    came mid-step), write ``last.ckpt`` through ``trainer.save_checkpoint`` and exit with ``128 + signal``
+    (130 for Ctrl-C, 143 for SIGTERM). One process reads its own flag.
+
+    Two cases cannot wait for a step's end, and the handler acts itself: before the first step (the model is
+    being built or a checkpoint loaded) there is nothing to save, so it raises ``Preempted`` at once
+    ("preempted before the first step: nothing to save", the same exit status); a repeat of the signal more than
+    ``repeat_grace_s`` after the first exits at once, keeping the previous checkpoint (``timeout`` and
+    process-group delivery send one signal twice at once). During the save a repeat is left to the kernel
+    (default action), so it works even inside a collective.
 
     Args:
         repeat_grace_s: A repeat within this many seconds of the first signal is the same request.
@@ -239,71 +268,85 @@ class Preemption(Callback):
         if not repeat_grace_s >= 0:
             raise ValueError(f"Preemption.repeat_grace_s={repeat_grace_s!r} must be >= 0 (seconds).")
         self.repeat_grace_s = repeat_grace_s
-        self.signals: list[int] = [signal.SIGTERM]
+        self.signals: list[int] = [signal.SIGINT, signal.SIGTERM]
         self.requeue_signal: int | None = None
         self.signum: int | None = None  # the first signal this process received
+        self.training = False  # False until the first step: a signal then stops at once (nothing to save)
         self._first_at = 0.0
+        self._said = False
+        self._spawned_child = False
         self._group = None
         self._pending = None  # (work, flags) of the all-reduce of the step in progress
-        self._step: int | None = None
 
     # ---- signals ------------------------------------------------------------------------------------------
     def setup(self, trainer, pl_module, stage: str) -> None:
         if stage != "fit":
             return
-        environment = getattr(trainer.strategy, "cluster_environment", None) \
-            or trainer._accelerator_connector.cluster_environment
+        environment = cluster_environment(trainer)
         if isinstance(environment, SLURMEnvironment) and environment.auto_requeue:
             self.requeue_signal = int(environment.requeue_signal or signal.SIGUSR1)
-            self.signals = [signal.SIGTERM, self.requeue_signal]
-        trainer._signal_connector = _PreemptionSignals(trainer, self)
-        # Lightning also broadcasts its own SIGTERM flag from rank 0 before every batch (a collective and a
-        # device-to-host read per step); with its handler replaced that flag is always 0: skip it.
-        if hasattr(trainer.fit_loop.epoch_loop, "_broadcast_sigterm_tensor"):
-            trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = lambda: None
+            self.signals = [signal.SIGINT, signal.SIGTERM, self.requeue_signal]
+        self.signum, self.training, self._said = None, False, False
+        self._spawned_child = exit_status(trainer, 1) == 0
+        install_signal_handlers(trainer, self.signals, self.handle)  # now: the model is built after this hook
 
     def handle(self, signum: int, frame) -> None:
+        """Records the signal, nothing else (it runs between any two bytecodes, a print or a log call included);
+        before the first step and on a late repeat it stops the process (see the class docstring)."""
         now = time.monotonic()
-        name = signal.Signals(signum).name
         if self.signum is None:
             self.signum, self._first_at = signum, now
+            if not self.training:
+                raise Preempted(0 if self._spawned_child else 128 + signum,
+                                f"{_stopped(signum)} before the first step: nothing to save")
+        elif now - self._first_at >= self.repeat_grace_s:
+            os._exit(128 + signum)
+
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        if isinstance(exception, Preempted) and not self.training and trainer.is_global_zero:
+            _say(str(exception))  # raised by the handler, which prints nothing
+
+    def _say_received(self) -> None:
+        if self.signum is not None and not self._said:
+            self._said = True
+            name = signal.Signals(self.signum).name
             _say(f"[rank {rank_zero_only.rank}] {name} received: finishing the current step, then saving a "
                  f"checkpoint (send it again to stop at once)")
-        elif now - self._first_at >= self.repeat_grace_s:
-            _say(f"[rank {rank_zero_only.rank}] {name} again: exiting at once without saving; earlier checkpoints "
-                 "are intact")
-            os._exit(128 + signum)
 
     # ---- agreement ----------------------------------------------------------------------------------------
     def on_train_start(self, trainer, pl_module) -> None:
-        self._step = trainer.global_step
         if trainer.world_size > 1 and dist.is_initialized() and self._group is None:
             self._group = dist.new_group(backend="gloo")  # CPU flags: never a device sync
+        self.training = True
 
-    def _flags(self) -> torch.Tensor:
+    def _flags(self) -> list[int]:
+        """[terminate, requeue, interrupt] as this rank saw them."""
         requeue = self.signum is not None and self.signum == self.requeue_signal
-        return torch.tensor([int(self.signum is not None and not requeue), int(requeue)], dtype=torch.int32)
+        interrupt = self.signum == signal.SIGINT
+        return [int(self.signum is not None and not requeue and not interrupt), int(requeue), int(interrupt)]
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self._say_received()
         if self._group is not None and self._pending is None:  # the first micro-batch of a step
-            flags = self._flags()
+            flags = torch.tensor(self._flags(), dtype=torch.int32)
             self._pending = (dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._group, async_op=True), flags)
 
-    def _agreed(self) -> torch.Tensor:
+    def _agreed(self) -> list[int]:
         if self._pending is None:
             return self._flags()
         work, flags = self._pending
         self._pending = None
         work.wait()
-        return flags
+        return flags.tolist()  # a CPU tensor: no device sync
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if trainer.global_step == self._step:
-            return  # a micro-batch that did not step the optimizer
-        self._step = trainer.global_step
-        terminate, requeue = self._agreed().tolist()
-        if (terminate or requeue) and not 0 <= trainer.max_steps <= trainer.global_step:
-            self._preempt(trainer, signal.SIGTERM if terminate else self.requeue_signal, bool(requeue))
+        self._say_received()
+        if not optimizer_step_ends(trainer):
+            return
+        terminate, requeue, interrupt = self._agreed()
+        if (terminate or requeue or interrupt) and not 0 <= trainer.max_steps <= trainer.global_step:
+            signum = signal.SIGTERM if terminate else self.requeue_signal if requeue else signal.SIGINT
+            self._preempt(trainer, signum, bool(requeue))
 
     def on_train_end(self, trainer, pl_module) -> None:
         if self._pending is not None:  # the flag of a last step that ended the run
@@ -332,8 +375,9 @@ class Preemption(Callback):
     def _preempt(self, trainer, signum: int, requeue: bool) -> None:
         step, path = trainer.global_step, self.checkpoint_path(trainer)
         name = signal.Signals(signum).name
+        what = _stopped(signum)
         if trainer.is_global_zero:
-            _say(f"preempted ({name}): saving step {step} to {path}; a second {name} now stops at once and "
+            _say(f"{what} ({name}): saving step {step} to {path}; a second {name} now stops at once and "
                  "keeps the previous checkpoint")
         self._arm_immediate_exit()
         trainer.save_checkpoint(path, weights_only=False)  # what periodic saves write: a full resume state
@@ -343,25 +387,10 @@ class Preemption(Callback):
         trainer.strategy.barrier("preempted")
         # The step's logged metrics, which Lightning writes after this hook: the step is done, its row belongs in
         # this run's log (the resumed run starts after it).
-        trainer._logger_connector.on_batch_end()
-        trainer._logger_connector.update_train_step_metrics()
-        message = f"preempted at step {step}, checkpoint at {path}"
+        write_step_metrics(trainer)
+        message = f"{what} at step {step}, checkpoint at {path}"
         if requeue and trainer.is_global_zero:
             message += _requeue_slurm_job()
         if trainer.is_global_zero:
             _say(message)
-        # Ranks that Lightning started as children of the main process exit 0: its observer thread kills the main
-        # process (SIGKILL) as soon as a child exits non-zero, and the main process's status is the job's.
-        spawned_child = isinstance(trainer._accelerator_connector.cluster_environment, LightningEnvironment) \
-            and trainer.local_rank > 0
-        raise Preempted(0 if spawned_child else 128 + signum, message)
-
-
-def add_preemption(trainer) -> None:
-    """Give a trainer the ``Preemption`` callback (unless it has one), before its checkpoint callbacks so that a
-    preempted step is not saved twice."""
-    callbacks = trainer.callbacks
-    if any(isinstance(c, Preemption) for c in callbacks):
-        return
-    first = next((i for i, c in enumerate(callbacks) if isinstance(c, Checkpoint)), len(callbacks))
-    callbacks.insert(first, Preemption())
+        raise Preempted(exit_status(trainer, 128 + signum), message)

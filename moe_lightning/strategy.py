@@ -33,13 +33,13 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_optimizer_state_dict)
 from torch.distributed.fsdp import FSDPModule
 
+from .dtypes import DTYPES
 from .model import MoETransformer
 from .parallel import MeshError, MeshLayout, apply_expert_parallel, fsdp, reshard
 from .parallel import checkpoint as ckpt
 from .parallel.clip import clip_grads_
 
-DTypeName = Literal["auto", "bf16", "fp16", "fp32"]
-_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DTypeName = Literal["auto", "bf16", "fp16", "fp32", "bfloat16", "float16", "float32"]  # dtypes.DTYPES
 
 
 class FileCheckpointIO(TorchCheckpointIO):
@@ -97,8 +97,8 @@ class MoEFSDPStrategy(ModelParallelStrategy):
         super().__init__(save_distributed_checkpoint=save_distributed_checkpoint,
                          process_group_backend=process_group_backend, timeout=timeout)
         for name, value in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)):
-            if value != "auto" and value not in _DTYPES:
-                raise MeshError(f"strategy.{name}={value!r}: use one of 'auto', {', '.join(map(repr, _DTYPES))}.")
+            if value != "auto" and value not in DTYPES:
+                raise MeshError(f"strategy.{name}={value!r}: use one of 'auto', {', '.join(map(repr, DTYPES))}.")
         if not isinstance(prefetch_depth, int) or prefetch_depth < 0:
             raise MeshError(f"strategy.prefetch_depth={prefetch_depth!r}: must be an integer >= 0.")
         MeshLayout.check_arguments(replicate_size, shard_size, expert_parallel_size)  # before any launch
@@ -165,7 +165,7 @@ class MoEFSDPStrategy(ModelParallelStrategy):
     def _dtype(self, name: DTypeName, cuda_default: torch.dtype | None) -> torch.dtype | None:
         if name == "auto":
             return cuda_default if self.root_device.type == "cuda" else None
-        return _DTYPES[name]
+        return DTYPES[name]
 
     def _parallelize(self) -> None:
         """The sequence in ``parallel/fsdp.py`` with this strategy's arguments (idempotent)."""

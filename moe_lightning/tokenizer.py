@@ -76,6 +76,16 @@ def _declared_eos_token(path: Path) -> str | None:
     return eos.get("content") if isinstance(eos, dict) else eos
 
 
+def tokenizer_identity(spec: dict) -> dict:
+    """What makes two tokenizers alike, from their ``spec()``: the same ids for the same text and the same
+    end-of-document id. The kind, and for a ``tokenizers`` JSON its content hash and EOS token (not its path).
+    Token manifests record it; checkpoints are compared with it."""
+    if spec.get("kind") != "tokenizers":
+        return {"kind": spec.get("kind", "bytes")}
+    sha256 = spec.get("sha256") or hashlib.sha256(spec["json"].encode("utf-8")).hexdigest()
+    return {"kind": "tokenizers", "sha256": sha256, "eos_token": spec.get("eos_token")}
+
+
 def load_tokenizer(path: str | None):
     return ByteTokenizer() if path is None else HFTokenizer(path)
 

@@ -27,6 +27,17 @@ class SignalAtStep(Callback):
                 os.kill(os.getpid(), self.signum)
 
 
+class SignalAtFitStart(Callback):
+    """Send ``signal`` to this process once the model is built, before any step (a checkpoint may load next)."""
+
+    def __init__(self, signal: str = "SIGTERM"):
+        self.signum = getattr(signals, signal)
+
+    def on_fit_start(self, trainer, pl_module):
+        os.kill(os.getpid(), self.signum)
+        time.sleep(5)  # still setting up when the signal is handled
+
+
 class SignalDuringSave(Callback):
     """Send ``signal`` again once the checkpoint save of a preemption has started (the repeat must exit at once)."""
 

@@ -20,9 +20,9 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from moe_lightning import MoEConfig, MoELanguageModel, TextDataModule
 from moe_lightning.parallel.checkpoint import ShardedCheckpointer
-from moe_lightning.parallel.comm import CollectiveCounter
 from moe_lightning.optim import WarmupCosineLR
 from moe_lightning.strategy import MoEFSDPStrategy
+from tests.collectives import CollectiveCounter
 
 TINY = dict(vocab_size=320, dim=64, n_layers=3, n_heads=4, n_kv_heads=2, max_seq_len=32, ffn_hidden=128,
             n_dense_layers=1, num_experts=4, top_k=2, expert_hidden=64, n_shared_experts=1)

@@ -4,6 +4,7 @@ import csv
 import re
 import warnings
 from pathlib import Path
+from types import SimpleNamespace
 
 import lightning as L
 import numpy as np
@@ -214,8 +215,9 @@ def test_allocator_monitor_warns_once_with_advice(monkeypatch):
     monkeypatch.setattr(allocator_monitor, "read_cuda_memory_stats", lambda device: dict(stats))
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device: None)
 
-    class Trainer:  # what the callback reads from the trainer
+    class Trainer:  # what the callback reads from the trainer; every call ends an optimizer step
         global_step, loggers = 0, []
+        fit_loop = SimpleNamespace(epoch_loop=SimpleNamespace(_should_accumulate=lambda: False))
 
     class Module:
         device = torch.device("cuda", 0)
@@ -268,7 +270,7 @@ trainer:
 
 
 def test_callbacks_come_from_yaml(tmp_path, capsys):
-    from moe_lightning.cli import run
+    from moe_lightning.commands import run
 
     (tmp_path / "callbacks.yaml").write_text(CALLBACKS_YAML)
     with pytest.raises(SystemExit):

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from moe_lightning.cli import run
+from moe_lightning.commands import run
 from moe_lightning.parallel import checkpoint as ckpt
 from moe_lightning.parallel.checkpoint import CheckpointError, ShardedCheckpointer
 

@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from moe_lightning import MoEConfig, MoETransformer
-from moe_lightning.cli import run
+from moe_lightning.commands import run
 from moe_lightning.generate import main as generate_main
 from moe_lightning.loading import load_model
 from moe_lightning.parallel.checkpoint import CheckpointError, SafeReader, load_sharded

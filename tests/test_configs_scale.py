@@ -6,7 +6,7 @@ import io
 import pytest
 import torch
 
-from moe_lightning.cli import run
+from moe_lightning.commands import run
 from moe_lightning.flops import parameter_counts
 from moe_lightning.model import MoEConfig, MoETransformer
 from moe_lightning.plan import load_model_config

@@ -89,7 +89,7 @@ def test_token_file_is_never_overwritten_without_asking(corpus, tmp_path):
 
 
 def test_tokenize_command_writes_a_token_file(corpus, tmp_path, capsys):
-    from moe_lightning.cli import run
+    from moe_lightning.commands import run
     run(["tokenize", str(corpus), "--out", str(tmp_path / "t.npy")])
     assert "wrote 962 tokens" in capsys.readouterr().out
     assert np.load(tmp_path / "t.npy").dtype == np.uint16

@@ -10,8 +10,8 @@ import torch.nn.functional as F
 import yaml
 
 from moe_lightning import MoEConfig, MoELanguageModel, MoETransformer, TextDataModule
-from moe_lightning.cli import COMMANDS, EXTRA_COMMANDS, run
-from moe_lightning.generate import Sampling, complete, stream, stream_text
+from moe_lightning.commands import COMMANDS, EXTRA_COMMANDS, run
+from moe_lightning.generate import Sampling, encode_prompt, stream, stream_text
 from moe_lightning.generate import main as generate_main
 from moe_lightning.loading import export_checkpoint, load_model, read_checkpoint
 from moe_lightning.strategy import MoEFSDPStrategy
@@ -22,6 +22,12 @@ CONFIG = dict(vocab_size=320, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_s
               n_dense_layers=1, num_experts=4, top_k=2, expert_hidden=16, n_shared_experts=1, init_std=0.3)
 GREEDY = Sampling(max_new_tokens=24, temperature=0.0, stop_at_eod=False)
 PROMPT = "def main"
+
+
+def complete(model: MoETransformer, tokenizer, prompt: str, sampling: Sampling) -> str:
+    """The whole continuation of one prompt, as text."""
+    device = next(model.parameters()).device
+    return tokenizer.decode(list(stream(model, encode_prompt(tokenizer, prompt, device), sampling, tokenizer.eos_id)))
 
 
 def train_bpe(path: Path, corpus: Path) -> None:

@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 
 transformers = pytest.importorskip("transformers")
 
-from moe_lightning import MoEConfig, MoELanguageModel, cli, hf  # noqa: E402
+from moe_lightning import MoEConfig, MoELanguageModel, commands, hf  # noqa: E402
 from moe_lightning.flops import parameter_counts  # noqa: E402
 from moe_lightning.hf import HFFormatError  # noqa: E402
 from moe_lightning.hf.files import SafetensorsDir  # noqa: E402
@@ -137,8 +137,8 @@ def test_bfloat16_checkpoint_keeps_its_dtype_bitwise(tmp_path):
     assert ours.layers[1].ffn.router.expert_bias.dtype == torch.float32
     original = safetensors_of(tmp_path / "bf16")
     assert original["model.layers.1.mlp.gate.e_score_correction_bias"].dtype == torch.bfloat16
-    cli.run(["convert", str(tmp_path / "bf16"), "--out", str(tmp_path / "model.pt")])
-    cli.run(["convert", str(tmp_path / "model.pt"), "--out", str(tmp_path / "back")])
+    commands.run(["convert", str(tmp_path / "bf16"), "--out", str(tmp_path / "model.pt")])
+    commands.run(["convert", str(tmp_path / "model.pt"), "--out", str(tmp_path / "back")])
     for written in (safetensors_of(hf.save_pretrained(ours, tmp_path / "out")), safetensors_of(tmp_path / "back")):
         assert set(original) == set(written)
         for key, tensor in original.items():
@@ -418,7 +418,7 @@ def test_cli_fit_from_pretrained_uses_its_tokenizer(tmp_path):
     tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(words, unk_token="[UNK]"))
     tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
     tok.save(str(path / "tokenizer.json"))
-    run = cli.run(["fit", "--model=moe_lightning.MoELanguageModel", f"--model.init_args.pretrained={path}",
+    run = commands.run(["fit", "--model=moe_lightning.MoELanguageModel", f"--model.init_args.pretrained={path}",
                    "--data=moe_lightning.TextDataModule", f"--data.init_args.source={shutil.__file__}",
                    "--data.init_args.seq_len=16", "--data.init_args.batch_size=2", "--trainer.fast_dev_run=true",
                    "--trainer.accelerator=cpu", "--trainer.enable_progress_bar=false",
@@ -429,16 +429,16 @@ def test_cli_fit_from_pretrained_uses_its_tokenizer(tmp_path):
 
 def test_convert_both_directions_is_bitwise(family, tmp_path):
     name, ref, path = family
-    cli.run(["convert", str(path), "--out", str(tmp_path / "model.pt")])
+    commands.run(["convert", str(path), "--out", str(tmp_path / "model.pt")])
     payload = torch.load(tmp_path / "model.pt", weights_only=True)
     assert MoEConfig(**payload["config"]) == hf.load_config(path)
-    cli.run(["convert", str(tmp_path / "model.pt"), "--out", str(tmp_path / "back")])
+    commands.run(["convert", str(tmp_path / "model.pt"), "--out", str(tmp_path / "back")])
     original, back = safetensors_of(path), safetensors_of(tmp_path / "back")
     assert set(back) == set(original) and all(torch.equal(back[k], original[k]) for k in original)
     lightning_ckpt = {"state_dict": {f"model.{k}": v for k, v in payload["state_dict"].items()},
                       "hyper_parameters": {"config": MoEConfig(**payload["config"])}}  # as Lightning saves it
     torch.save(lightning_ckpt, tmp_path / "last.ckpt")
-    cli.run(["export", str(tmp_path / "last.ckpt"), "--hf", "--out", str(tmp_path / "exported")])
+    commands.run(["export", str(tmp_path / "last.ckpt"), "--hf", "--out", str(tmp_path / "exported")])
     exported = safetensors_of(tmp_path / "exported")
     assert set(exported) == set(original) and all(torch.equal(exported[k], original[k]) for k in original)
 
@@ -447,7 +447,7 @@ def test_convert_to_pt_refuses_flags_it_would_ignore(tmp_path, capsys):
     build_reference("mixtral").save_pretrained(tmp_path / "src")
     for flag in (["--architecture", "MixtralForCausalLM"], ["--shard-gb", "1"]):
         with pytest.raises(SystemExit):
-            cli.run(["convert", str(tmp_path / "src"), "--out", str(tmp_path / "model.pt"), *flag])
+            commands.run(["convert", str(tmp_path / "src"), "--out", str(tmp_path / "model.pt"), *flag])
         assert f"{flag[0]} only applies when writing a Hugging Face directory" in capsys.readouterr().err
     assert not (tmp_path / "model.pt").exists()
 
@@ -476,10 +476,10 @@ def test_sharded_load_equals_single_process_and_reads_only_local_slices(sharded_
 
 def test_export_sharded_checkpoint_to_hf_is_bitwise(sharded_load):
     tmp, _ = sharded_load
-    cli.run(["export", str(tmp / "sharded.ckpt"), "--hf", "--out", str(tmp / "exported")])
+    commands.run(["export", str(tmp / "sharded.ckpt"), "--hf", "--out", str(tmp / "exported")])
     original, exported = safetensors_of(tmp / "hf"), safetensors_of(tmp / "exported")
     assert set(exported) == set(original) and all(torch.equal(exported[k], original[k]) for k in original)
-    cli.run(["export", str(tmp / "sharded.ckpt"), "--out", str(tmp / "model.pt")])  # without --hf: one .pt file
+    commands.run(["export", str(tmp / "sharded.ckpt"), "--out", str(tmp / "model.pt")])  # without --hf: one .pt file
     state = torch.load(tmp / "model.pt", weights_only=False)["state_dict"]
     assert torch.equal(state["layers.1.ffn.router.expert_bias"],
                        original["model.layers.1.mlp.gate.e_score_correction_bias"])
@@ -525,8 +525,8 @@ def test_mtp_layer_uses_the_released_names_and_round_trips_bitwise(tmp_path):
     assert loaded.config.mtp_layers == 1 and loaded.mtp[0].block.is_moe
     again = safetensors_of(hf.save_pretrained(loaded, tmp_path / "again"))
     assert set(again) == set(written) and all(torch.equal(again[k], written[k]) for k in written)
-    cli.run(["convert", str(tmp_path / "mtp"), "--out", str(tmp_path / "model.pt")])  # and through our .pt file
-    cli.run(["convert", str(tmp_path / "model.pt"), "--out", str(tmp_path / "back")])
+    commands.run(["convert", str(tmp_path / "mtp"), "--out", str(tmp_path / "model.pt")])  # and through our .pt file
+    commands.run(["convert", str(tmp_path / "model.pt"), "--out", str(tmp_path / "back")])
     back = safetensors_of(tmp_path / "back")
     assert set(back) == set(written) and all(torch.equal(back[k], written[k]) for k in written)
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 import yaml
 
-from moe_lightning.cli import run
+from moe_lightning.commands import run
 from moe_lightning.model import MoEConfig, MoETransformer
 from moe_lightning.optim import Muon, muon_param_groups, newton_schulz, param_groups
 from moe_lightning.optim.flexshard import lpt_owners

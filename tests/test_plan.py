@@ -9,7 +9,7 @@ import pytest
 import torch
 import yaml
 
-from moe_lightning.cli import run
+from moe_lightning.commands import run
 from moe_lightning.flops import training_flops_per_token
 from moe_lightning.model import MoEConfig, MoETransformer
 from moe_lightning.plan import GiB, Cluster, Workload, count_parameters, plan

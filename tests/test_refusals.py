@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from moe_lightning.cli import run
+from moe_lightning.commands import run
 from moe_lightning.model.config import ConfigError, MoEConfig
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"

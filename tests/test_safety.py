@@ -18,7 +18,9 @@ from lightning.pytorch.loggers import CSVLogger
 
 from moe_lightning import MoEConfig, MoELanguageModel, TextDataModule
 from moe_lightning.callbacks import FinalCheckpoint, NonFiniteGuard, NonFiniteLossError
-from moe_lightning.cli import default_precision, run
+from moe_lightning.runs import Preemption
+from moe_lightning.cli import default_precision
+from moe_lightning.commands import run
 from moe_lightning.model.config import ConfigError
 from moe_lightning.parallel.checkpoint import MARKER_FILE
 from moe_lightning.resume import ResumeMismatchError
@@ -104,10 +106,10 @@ def test_no_checkpoint_with_a_nonfinite_tensor_is_written_and_earlier_ones_stay(
 
 def test_model_adds_the_guard_once():
     module = MoELanguageModel(MoEConfig(**SMALL))
-    assert [type(c) for c in module.configure_callbacks()] == [NonFiniteGuard, FinalCheckpoint]
+    assert [type(c) for c in module.configure_callbacks()] == [NonFiniteGuard, Preemption, FinalCheckpoint]
     trainer = L.Trainer(accelerator="cpu", callbacks=[NonFiniteGuard(check_every_n_steps=1)], logger=False)
     module.trainer = trainer
-    assert [type(c) for c in module.configure_callbacks()] == [FinalCheckpoint]  # the config's guard is kept
+    assert [type(c) for c in module.configure_callbacks()] == [Preemption, FinalCheckpoint]  # the config's guard
 
 
 # ---- 2. resuming a different model ------------------------------------------------------------

@@ -258,8 +258,8 @@ def test_expert_stacks_shard_on_the_expert_dimension_when_it_divides(world, repl
 def test_strategy_rejects_bad_arguments_at_construction():
     with pytest.raises(MeshError, match="strategy.expert_parallel_size=3 must divide strategy.shard_size=4"):
         MoEFSDPStrategy(shard_size=4, expert_parallel_size=3)
-    with pytest.raises(MeshError, match="strategy.param_dtype='bfloat16'"):
-        MoEFSDPStrategy(param_dtype="bfloat16")
+    with pytest.raises(MeshError, match="strategy.param_dtype='bfloat8'"):  # bf16 and bfloat16 are both taken
+        MoEFSDPStrategy(param_dtype="bfloat8")
     with pytest.raises(MeshError, match="strategy.prefetch_depth=-1"):
         MoEFSDPStrategy(prefetch_depth=-1)
     with pytest.raises(MeshError, match="save_distributed_checkpoint=False gathers .*moe-lightning export"):
@@ -464,7 +464,7 @@ def test_resume_and_export_refuse_a_checkpoint_that_would_run_code(runs, tmp_pat
 
 def test_single_file_checkpoint_is_plain_data_and_the_cli_resumes_from_it(tmp_path):
     """LightningCLI re-parses the model's hyperparameters from a single file: the config dict must parse."""
-    from moe_lightning.cli import run
+    from moe_lightning.commands import run
     common = ["--config", str(REPO_ROOT / "configs" / "tiny.yaml"), f"--trainer.default_root_dir={tmp_path}",
               "--trainer.logger=false", "--trainer.limit_val_batches=0", "--trainer.enable_progress_bar=false",
               "--data.init_args.max_tokens=100000", "--data.init_args.batch_size=2",

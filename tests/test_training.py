@@ -8,7 +8,7 @@ import torch
 import yaml
 
 from moe_lightning import MoEConfig, MoELanguageModel, TextDataModule
-from moe_lightning.cli import run
+from moe_lightning.commands import run
 from moe_lightning.flops import parameter_counts
 from moe_lightning.plan import load_model_config
 
@@ -123,7 +123,7 @@ def test_console_entry_point_exits_zero_after_a_run(tmp_path):
 
     from tests.distributed import clean_env
 
-    script = ("import sys; from moe_lightning.cli import main; sys.exit(main(sys.argv[1:]))")
+    script = ("import sys; from moe_lightning.commands import main; sys.exit(main(sys.argv[1:]))")
     result = subprocess.run([sys.executable, "-c", script, "fit", "--config", str(CONFIGS / "tiny.yaml"),
                              "--trainer.fast_dev_run=true", "--data.init_args.max_tokens=100000"],
                             env=clean_env(), cwd=tmp_path, capture_output=True, text=True, timeout=300)

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from ._logging import logs_written
+from ..lightning_internals import logs_written
 
 
 class _Boundary:

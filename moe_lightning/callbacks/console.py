@@ -12,7 +12,7 @@ from lightning.pytorch.callbacks import ModelSummary, TQDMProgressBar
 from lightning.pytorch.callbacks.progress.tqdm_progress import _update_n
 from lightning.pytorch.utilities.model_summary.model_summary import _format_summary_table
 
-from ._logging import logs_written
+from ..lightning_internals import logs_written
 
 log = logging.getLogger("lightning.pytorch.callbacks.model_summary")  # where Lightning's own summary goes
 

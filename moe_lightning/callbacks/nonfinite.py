@@ -5,6 +5,7 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from torch.distributed.tensor import DTensor
 
+from ..lightning_internals import optimizer_step_ends
 from ._logging import check_interval
 
 FIXES = ("lower the learning rate (model.init_args.optimizer.init_args.lr), clip gradients "
@@ -49,7 +50,7 @@ class NonFiniteGuard(Callback):
         bad = ~torch.isfinite(loss.detach()).all()
         self._bad[0] += bad
         self._bad[1].masked_fill_(bad & (self._bad[1] == _NONE), -self._step)  # all on device: no host sync
-        if trainer.global_step != self._step and trainer.global_step % self._every == 0:  # just stepped
+        if optimizer_step_ends(trainer) and trainer.global_step % self._every == 0:  # just stepped
             self._raise_if_bad(trainer)
 
     def on_train_end(self, trainer, pl_module) -> None:

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
+from ..lightning_internals import optimizer_step_ends
 from ..model.attention import MaxLogitRecorder, qk_clip_unsupported
 
 
@@ -112,7 +113,6 @@ class QKClip(L.Callback):
                              "K2 uses 0.5).")
         self.threshold, self.alpha = float(threshold), float(alpha)
         self._attentions: list[MaxLogitRecorder] = []
-        self._last_step = 0
         self.last_max_logits: torch.Tensor | None = None  # [layers, heads] of the last step, all ranks combined
         self.last_gamma: torch.Tensor | None = None
 
@@ -132,17 +132,13 @@ class QKClip(L.Callback):
         for attention in self._attentions:
             attention.record_max_logits, attention.max_logits = True, None
 
-    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._last_step = trainer.global_step  # after a resume: the restored step
-
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         for attention in self._attentions:
             attention.record_max_logits, attention.max_logits = False, None
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if trainer.global_step == self._last_step:  # not the last micro-batch of a step
+        if not optimizer_step_ends(trainer):  # not the last micro-batch of a step
             return
-        self._last_step = trainer.global_step
         max_logits_LH = self.collect_max_logits(pl_module.device)
         gamma_LH = clip_qk_(self._attentions, max_logits_LH, self.threshold, self.alpha)
         self.last_max_logits, self.last_gamma = max_logits_LH, gamma_LH

@@ -10,10 +10,10 @@ import lightning as L
 from torch.utils.data import ConcatDataset, DataLoader
 
 from ..resume import check_data
-from ..tokenizer import load_tokenizer
+from ..tokenizer import load_tokenizer, tokenizer_identity
 from .sampling import MixtureSampler, MixtureSequences, PackedSequences, ResumableSampler, split_indices
 from .sources import info, is_token_source, parse_sources, resolve_source
-from .tokens import TokenStream, open_shard_folder, open_tokens, tokenizer_identity
+from .tokens import TokenStream, open_shard_folder, open_tokens
 
 
 class ResumableLoader(DataLoader):
@@ -111,7 +111,7 @@ class TextDataModule(L.LightningDataModule):
         if logger is None or is_token_source(self.resolved[i]) or self.max_tokens is not None:
             return None
         from .tokenize import describe_inputs
-        key = json.dumps([describe_inputs(self.resolved[i]), tokenizer_identity(self.tokenizer), self.text_field])
+        key = json.dumps([describe_inputs(self.resolved[i]), tokenizer_identity(self.tokenizer.spec()), self.text_field])
         root = Path(getattr(logger, "root_dir", None) or logger.save_dir or self.trainer.default_root_dir)
         return root / "tokenized" / f"{self.entries[i]['name']}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
 

@@ -33,11 +33,11 @@ from pathlib import Path
 import numpy as np
 
 from ..durable import PARTIAL_SUFFIX, atomic_write, write_text
-from ..tokenizer import load_tokenizer
+from ..tokenizer import load_tokenizer, tokenizer_identity
 from . import sources
 from .sources import MANIFEST, TABLE_SUFFIXES, WORD_END, is_token_source, iter_jsonl, iter_table_batches, \
     last_word_end, resolve_source, segments, table_groups
-from .tokens import sidecar_path, tokenizer_identity
+from .tokens import sidecar_path
 
 PLAN = "tokenize-plan.json"
 LOCK = "tokenize.lock"
@@ -485,7 +485,7 @@ def tokenize_to_folder(sources: list[str], out: str, tokenizer_path: str | None 
         raise TokenizeError(f"tokenize: --workers={workers} and --shard-tokens={shard_tokens} must be positive.")
     task, tasks = task_from_environment(task_index, num_tasks)
     tokenizer = load_tokenizer(tokenizer_path)
-    identity = {"format": PLAN_FORMAT, "sources": sources, "tokenizer": tokenizer_identity(tokenizer),
+    identity = {"format": PLAN_FORMAT, "sources": sources, "tokenizer": tokenizer_identity(tokenizer.spec()),
                 "text_field": text_field, "shard_tokens": shard_tokens}
     if folder.exists() and not (folder / PLAN).exists() and any(
             not p.name.startswith("tokenize") for p in folder.iterdir()):
@@ -675,7 +675,7 @@ def _finish(folder: Path, plan: dict, tokenizer, tokenizer_path: str | None, tas
     shards = [s for record in records for s in record["shards"]]
     if not shards:
         raise TokenizeError(f"tokenize: sources {plan['sources']} hold no text; nothing written to {folder}.")
-    manifest = {"format": FORMAT, "tokenizer": tokenizer_identity(tokenizer), "tokenizer_path": tokenizer_path,
+    manifest = {"format": FORMAT, "tokenizer": tokenizer_identity(tokenizer.spec()), "tokenizer_path": tokenizer_path,
                 "vocab_size": tokenizer.vocab_size, "eos_id": tokenizer.eos_id,
                 "dtype": token_dtype(tokenizer.vocab_size).name, "text_field": plan["text_field"],
                 "tokens": sum(s["tokens"] for s in shards), "documents": sum(s["documents"] for s in shards),
@@ -713,7 +713,7 @@ def write_token_file(sources: list[str], out_path: str, tokenizer_path: str | No
         # pairs one file's tokens with the other's record (a .npy alone has its ids checked when read)
         sidecar.unlink(missing_ok=True)
     write_json(sidecar, {"vocab_size": tokenizer.vocab_size, "tokenizer": tokenizer_path, "max_id": writer.max_id,
-                         "tokenizer_identity": tokenizer_identity(tokenizer)})
+                         "tokenizer_identity": tokenizer_identity(tokenizer.spec())})
     return out
 
 

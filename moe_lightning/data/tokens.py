@@ -10,19 +10,17 @@ from pathlib import Path
 
 import numpy as np
 
+from ..tokenizer import tokenizer_identity
 from .sources import MANIFEST, info, iter_documents, segments
 
 SCAN_TOKENS = 1 << 22  # a bare .npy without a sidecar: ids checked in its first 4M tokens at start-up
 
 
-def tokenizer_identity(tokenizer) -> dict:
-    """What a token file must have been written with: the tokenizer's kind and content hash (not its JSON)."""
-    return {k: v for k, v in tokenizer.spec().items() if k in ("kind", "sha256")}
-
-
 def refuse_other_tokenizer(where: str, written_with: dict, written_vocab: int, tokenizer) -> None:
     """Token ids mean nothing under another tokenizer: refuse a file or folder written with one."""
-    ours = tokenizer_identity(tokenizer)
+    ours = tokenizer_identity(tokenizer.spec())
+    if "eos_token" not in written_with:  # written before the EOS token was part of the identity
+        ours.pop("eos_token", None)
     if written_with != ours or written_vocab != tokenizer.vocab_size:
         raise ValueError(f"{where} was tokenized with {written_with} ({written_vocab} tokens) but "
                          f"data.tokenizer is {ours} ({tokenizer.vocab_size} tokens): pass the tokenizer it was "

@@ -5,32 +5,20 @@ so writing a Hugging Face directory never holds more than one shard of it.
 """
 
 import argparse
-import contextlib
 import dataclasses
 import os
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
+from ..dtypes import DTYPES
+from ..loading import export_main as export_file, recorded_tokenizer, single_process_dcp
 from ..model import MoEConfig
 from ..parallel import checkpoint as ckpt
 from .mapping import HFFormatError
 from .pretrained import FAMILIES, from_pretrained, stored_dtype_getter, write_pretrained
 from .tokenizer_files import tokenizer_files
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@contextlib.contextmanager
-def single_process_dcp():
-    """DCP warns "torch.distributed is disabled ... assuming the intent is to load in a single process" even when
-    told so (``no_dist=True``): it is the intent here (export, generate read a sharded checkpoint in one process)."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
-        yield
-
 
 def _config(value) -> MoEConfig:
     if isinstance(value, MoEConfig):
@@ -50,8 +38,6 @@ def _load(file: Path) -> dict:
 def open_checkpoint(path: str | Path) -> tuple[MoEConfig, Callable[[str], torch.Tensor], dict | None]:
     """Config, a tensor-by-name reader and the recorded tokenizer spec (``loading.recorded_tokenizer``) of a sharded
     checkpoint directory, a Lightning ``.ckpt`` or a ``.pt``."""
-    from ..loading import recorded_tokenizer
-
     path = ckpt.resolve_checkpoint(Path(path))
     if path.is_dir():
         if not (path / ckpt.METADATA_FILE).is_file():
@@ -118,7 +104,7 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--architecture", choices=sorted(FAMILIES), default=None,
                         help="Hugging Face target when the model could be several (default: the one that fits)")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="cast floating-point weights")
+    parser.add_argument("--dtype", choices=list(DTYPES), default=None, help="cast floating-point weights")
     parser.add_argument("--shard-gb", type=float, default=None, help="largest safetensors shard, GiB (default 5)")
     parser.add_argument("--overwrite", action="store_true")
 
@@ -156,8 +142,6 @@ def export_main(argv: list[str] | None = None) -> None:
     """``moe-lightning export CKPT --hf --out DIR`` writes a Hugging Face directory; without ``--hf`` the
     single-file export of ``moe_lightning.loading`` runs."""
     if "--hf" not in (argv or []):
-        from ..loading import export_main as export_file
-
         return export_file(argv)
     parser = argparse.ArgumentParser(prog="moe-lightning export --hf", description=export_main.__doc__)
     parser.add_argument("checkpoint", help="sharded checkpoint directory, Lightning .ckpt or .pt file")

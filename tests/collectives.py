@@ -1,4 +1,4 @@
-"""Count collective calls and their payload bytes (for tests of communication patterns and benchmarks)."""
+"""Count collective calls and their payload bytes (tests of communication patterns)."""
 
 import functools
 from collections import Counter
