@@ -7,7 +7,6 @@ from collections.abc import Iterable
 from typing import Literal
 
 import torch
-from lightning.pytorch.utilities import rank_zero_info
 from torch.distributed.tensor import DTensor
 
 from .host_staging import HostStagedNS
@@ -125,6 +124,7 @@ class Muon(torch.optim.Optimizer):
             why = "as set (ns_dtype)" if self.ns_dtype != "auto" else (
                 "this CPU has no bf16 matmul units (ns_dtype: bfloat16 forces it)" if dtype == torch.float32
                 else "bf16 matmuls are fast here")
+            from lightning.pytorch.utilities import rank_zero_info  # here: `plan` reads this package without Lightning
             rank_zero_info(f"Muon: Newton–Schulz runs in {str(dtype).removeprefix('torch.')} on {device}: {why}.")
         return self._ns_dtypes[device]
 
