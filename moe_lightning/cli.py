@@ -225,7 +225,7 @@ class MoECLI(LightningCLI):
     def instantiate_trainer(self, **kwargs):
         """The trainer, writing single-file checkpoints beside and renaming them (unless a plugin says otherwise)."""
         from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
-        from .strategy import FileCheckpointIO
+        from .parallel.checkpoint import FileCheckpointIO
 
         trainer = super().instantiate_trainer(**kwargs)
         if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # Lightning's default
@@ -301,8 +301,10 @@ class MoECLI(LightningCLI):
         self._check_model_fits_data()
         runs.add_preemption(self.trainer)  # SIGTERM/SLURM requeue: save, exit non-zero (runs.py)
         config = self.config_init[self.subcommand]
+        runs.lock_run_folders(self.trainer)  # one run per checkpoint folder, before reading or cleaning it
         if config.get("ckpt_path") == "last":  # any earlier run of this command, not only this version
             config["ckpt_path"] = runs.resolve_last(self.trainer)
+            runs.lock_run_folders(self.trainer, resumed=config["ckpt_path"])  # one continuation of a run
         self._remove_stale_partial_checkpoints()
 
     before_validate = before_test = _check_model_fits_data

@@ -26,7 +26,6 @@ from typing import Any, Literal, Optional, Union
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
@@ -77,19 +76,6 @@ def clip_grads_(grads: list[torch.Tensor], max_norm: float, device: torch.device
     for (grad_device, _), local in groups.items():
         torch._foreach_mul_(local, scale.to(grad_device))
     return total
-
-
-class FileCheckpointIO(TorchCheckpointIO):
-    """Lightning's single-file checkpoint I/O, except that the file is written beside and renamed
-    (``checkpoint.save_file``): a full disk or a kill never leaves a truncated file under the final name.
-    A URL (``s3://...``) is not a local path: Lightning's own fsspec writer saves it."""
-
-    def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Optional[Any] = None) -> None:
-        if "://" in str(path):
-            return super().save_checkpoint(checkpoint, path, storage_options)
-        if storage_options is not None:
-            raise TypeError(f"{type(self).__name__}.save_checkpoint(storage_options=...) is not supported.")
-        ckpt.save_file(checkpoint, Path(path))
 
 
 class MoEFSDPStrategy(ModelParallelStrategy):
@@ -149,7 +135,7 @@ class MoEFSDPStrategy(ModelParallelStrategy):
         self._fsdp_root: FSDPModule | None = None
         self.async_checkpoint, self._fitting = async_checkpoint, False  # background saves only inside fit
         self.checkpointer = ckpt.ShardedCheckpointer()
-        self.checkpoint_io = FileCheckpointIO()  # single-file saves (save_distributed_checkpoint=False)
+        self.checkpoint_io = ckpt.FileCheckpointIO()  # single-file saves (save_distributed_checkpoint=False)
 
     # ---- mesh -----------------------------------------------------------------------------------
     @property
@@ -451,9 +437,10 @@ class MoEFSDPStrategy(ModelParallelStrategy):
         return {"state": state, "param_groups": groups}
 
     def remove_checkpoint(self, filepath: _PATH) -> None:
-        if self.checkpointer.pending_path == Path(filepath):
-            self.checkpointer.wait()
-        super().remove_checkpoint(filepath)
+        """Lightning's top-k rotation removes the previous checkpoint as a new save starts: while that save is
+        written in the background, the removal waits for its commit (the previous one is the only complete copy)."""
+        if not self.checkpointer.remove_after_commit(Path(filepath)):
+            super().remove_checkpoint(filepath)
 
     def on_train_start(self) -> None:
         super().on_train_start()
@@ -470,12 +457,12 @@ class MoEFSDPStrategy(ModelParallelStrategy):
         self.barrier()  # the last checkpoint is visible to every rank when fit returns
 
     def on_exception(self, exception: BaseException) -> None:
-        try:  # a save started before the failure holds a consistent state: finish it
-            self.checkpointer.wait()
+        try:  # a save started before the failure holds a consistent state: finish it (the other ranks may be
+            self.checkpointer.wait(agree=False)  # elsewhere: no collective of ours)
         except ckpt.CheckpointError as error:
             rank_zero_warn(str(error))
         super().on_exception(exception)
 
     def teardown(self) -> None:
-        self.checkpointer.wait()
+        self.checkpointer.wait(agree=False)
         super().teardown()
