@@ -246,6 +246,13 @@ def disk_full_error(path: Path, needed: int | None) -> CheckpointError:
                            f"{path.parent}). Earlier checkpoints are intact; free space or save elsewhere.")
 
 
+def _describe(error: BaseException) -> str:
+    """One line for a failed write; DCP's exception lists each rank's error with its frames: keep the errors."""
+    if isinstance(error, dcp.api.CheckpointException):
+        return "; ".join(f"rank {rank}: {failure!r}" for rank, (failure, _) in sorted(error.failures.items()))
+    return repr(error)
+
+
 def is_disk_full(error: BaseException) -> bool:
     """ENOSPC/EDQUOT anywhere in ``error``'s chain or DCP's per-rank failures; torch's zip writer reports a short
     write as "unexpected pos"."""
@@ -519,8 +526,9 @@ class ShardedCheckpointer:
                 self._discard(partial)  # as for a save in the foreground: the space goes back
                 error = disk_full_error(path, None)
             else:
-                error = CheckpointError(f"Asynchronous checkpoint {path} failed while writing ({failure!r}): it was "
-                                        f"not committed (its files stay in {partial}); earlier checkpoints are intact.")
+                error = CheckpointError(f"Asynchronous checkpoint {path} failed while writing ({_describe(failure)}): "
+                                        f"it was not committed (its files stay in {partial}); earlier checkpoints are "
+                                        "intact.")
             error.__cause__ = failure
             if agree:
                 self._agree(error, path)
