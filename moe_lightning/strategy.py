@@ -359,7 +359,7 @@ class MoEFSDPStrategy(ModelParallelStrategy):
         path = ckpt.resolve_checkpoint(Path(self.broadcast(str(checkpoint_path))))
         if not path.is_dir():
             return self._load_single_file(path)
-        metadata = ckpt.load_metadata(ckpt.metadata_file(path))  # refuse an unsafe file before any tensor
+        metadata = ckpt.checkpoint_metadata(path)  # refuses an unsafe file before any tensor is read
         config = getattr(self.lightning_module, "config", None)
         if config is not None:  # also for ckpt_path="last"/"best", which the CLI cannot see before the run
             check_resume(metadata.get("hyper_parameters", {}), {"config": config}, str(path))
@@ -377,7 +377,7 @@ class MoEFSDPStrategy(ModelParallelStrategy):
         """A single-file checkpoint (full tensors, e.g. of a one-process run): every rank reads the file (memory-
         mapped) and copies out the part of each tensor its shards hold. (Lightning's own path keys the optimizer
         state by ``model.parameters()`` order, not the optimizer's, and ignores the ``ep`` split of experts.)"""
-        checkpoint = ckpt.load_metadata(path, mmap=True)
+        checkpoint = ckpt.checkpoint_metadata(path)  # memory-mapped: each rank touches only the parts it holds
         config = getattr(self.lightning_module, "config", None)
         if config is not None:
             check_resume(checkpoint.get("hyper_parameters", {}), {"config": config}, str(path))

@@ -40,6 +40,30 @@ def step_of(path: Path) -> int:
     return ckpt.load_metadata(ckpt.metadata_file(path), mmap=True)["global_step"]
 
 
+# ---- durable writes ------------------------------------------------------------------------------------------
+
+def test_a_sharded_commit_syncs_the_marker_meta_and_the_folder(tmp_path, monkeypatch):
+    """Before: the marker and ``meta.pt`` were written without fsync and the folder was never synced after the
+    rename, so a power loss could leave a committed name over unsynced files (or bring back the old folder)."""
+    real_fsync, real_replace, events = os.fsync, os.replace, []
+
+    def fsync(fd):
+        events.append(("fsync", Path(os.readlink(f"/proc/self/fd/{fd}")).name))
+        return real_fsync(fd)
+
+    def replace(src, dst):
+        events.append(("replace", Path(dst).name))
+        return real_replace(src, dst)
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    ShardedCheckpointer().save({"w": torch.ones(4)}, {"global_step": 1}, tmp_path / "last.ckpt", set(), None)
+    synced = [name for kind, name in events if kind == "fsync"]
+    assert any(name.startswith(ckpt.MARKER_FILE + ".") for name in synced), events
+    assert any(name.startswith(ckpt.METADATA_FILE + ".") for name in synced), events
+    commit = events.index(("replace", "last.ckpt"))
+    assert ("fsync", "last.ckpt.partial") in events[:commit] and ("fsync", tmp_path.name) in events[commit:], events
+
+
 # ---- defect 1: a background save with top-k rotation ----------------------------------------------------------
 
 ROTATE_THEN_DIE = """
