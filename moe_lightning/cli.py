@@ -225,7 +225,7 @@ class MoECLI(LightningCLI):
     def instantiate_trainer(self, **kwargs):
         """The trainer, writing single-file checkpoints beside and renaming them (unless a plugin says otherwise)."""
         from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
-        from .parallel.checkpoint import FileCheckpointIO
+        from .parallel.checkpoint_io import FileCheckpointIO
 
         trainer = super().instantiate_trainer(**kwargs)
         if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # Lightning's default

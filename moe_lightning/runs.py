@@ -8,10 +8,14 @@
 - **Resume by itself.** ``--ckpt_path last`` resumes from the newest complete checkpoint of *any* earlier run of
   the same logger name (``<save_dir>/<name>/version_*/checkpoints``, or the checkpoint callbacks' own
   ``dirpath``), so a requeued job running the identical command continues; with none it starts fresh and says so.
+  A candidate that cannot be read or fails ``checkpoint.verify_checkpoint`` is skipped, saying which and why; the
+  ranks check that they chose the same (``AgreedResume``).
 - **Run folders** (``version_N``) are created with an exclusive ``mkdir``: two jobs starting at once in one
-  folder get different versions.
-- **Clean-up** of unfinished saves removes only ``*.partial`` directories that carry the marker file the sharded
-  checkpointer writes into every directory it creates, never the path the user passed, never anything else.
+  folder get different versions. A fixed checkpoint folder (and the one ``last`` continues from) has one owner at a
+  time: ``lock_folder``'s ``.moe-lightning.lock`` (host, pid).
+- **Clean-up** of unfinished saves touches only ``*.partial`` directories that carry the marker file the sharded
+  checkpointer writes into every directory it creates, never the path the user passed, never anything else: a
+  complete one (killed before its commit) is committed, the others are removed.
 """
 
 import atexit

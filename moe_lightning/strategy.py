@@ -40,6 +40,7 @@ from torch.distributed.tensor import DTensor
 from .model import GroupedExperts, MoETransformer
 from .parallel import MeshError, MeshLayout, apply_expert_parallel
 from .parallel import checkpoint as ckpt
+from .parallel.checkpoint_io import FileCheckpointIO
 from .resume import check_resume
 
 DTypeName = Literal["auto", "bf16", "fp16", "fp32"]
@@ -135,7 +136,7 @@ class MoEFSDPStrategy(ModelParallelStrategy):
         self._fsdp_root: FSDPModule | None = None
         self.async_checkpoint, self._fitting = async_checkpoint, False  # background saves only inside fit
         self.checkpointer = ckpt.ShardedCheckpointer()
-        self.checkpoint_io = ckpt.FileCheckpointIO()  # single-file saves (save_distributed_checkpoint=False)
+        self.checkpoint_io = FileCheckpointIO()  # single-file saves (save_distributed_checkpoint=False)
 
     # ---- mesh -----------------------------------------------------------------------------------
     @property

@@ -200,7 +200,7 @@ def test_a_url_checkpoint_path_is_saved_by_lightnings_fsspec_writer_not_as_a_loc
     """Before: ``Path("memory://bucket/x.ckpt")`` wrote the local file ``memory:/bucket/x.ckpt`` (an ``s3://``
     checkpoint ended up on local disk under ``s3:/``)."""
     import fsspec
-    from moe_lightning.parallel.checkpoint import FileCheckpointIO
+    from moe_lightning.parallel.checkpoint_io import FileCheckpointIO
 
     monkeypatch.chdir(tmp_path)
     FileCheckpointIO().save_checkpoint({"step": 3}, "memory://bucket/x.ckpt")

@@ -84,8 +84,11 @@ def write_directory(path: str | Path, hf_config: dict, tensors: Iterable[tuple[s
         for entry in path.iterdir() if path.is_dir() else []:
             if entry.name in ("config.json", INDEX, *(files or {})) or re.fullmatch(r"model.*\.safetensors", entry.name):
                 continue  # a previous save's weights (or files replaced now) would otherwise mix with these
-            if entry.name != ckpt.MARKER_FILE:
-                (shutil.copytree if entry.is_dir() else shutil.copy2)(entry, partial / entry.name)
+            if entry.is_dir():
+                shutil.copytree(entry, partial / entry.name)
+            elif entry.name != ckpt.MARKER_FILE:
+                with entry.open("rb") as source:
+                    durable.write_with(partial / entry.name, lambda file: shutil.copyfileobj(source, file))
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         raise

@@ -1,4 +1,8 @@
-"""All checkpoint I/O: sharded saves (sync or in the background) committed atomically, safe metadata, reading one in one process.
+"""The checkpoint layer: every save (single file streamed through ``durable``; sharded, in the foreground or the
+background, committed atomically with the ranks agreeing on the outcome), the one unpickling rule
+(``load_metadata``), reading a sharded checkpoint in one process, and the cheap completeness check
+(``verify_checkpoint``) that choosing ``--ckpt_path last`` relies on. ``loading.py`` reads models through it;
+``runs.py`` chooses ``last`` and settles unfinished saves through it.
 
 With expert parallelism each rank's FSDP DTensor for an expert stack only covers its ``E / ep``
 experts, so two ``ep`` ranks would write different data under the same name. Before saving (and
@@ -27,7 +31,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint._traverse import set_element
@@ -376,24 +379,6 @@ def metadata_file(path: Path) -> Path:
     return path / METADATA_FILE
 
 
-class FileCheckpointIO(TorchCheckpointIO):
-    """Lightning's single-file checkpoint I/O, except that the file is written through ``save_file`` (streamed,
-    beside, synced, renamed) and a removal never follows a symlink (``save_last="link"``). A URL
-    (``s3://...``) is not a local path: Lightning's own fsspec writer saves and removes it."""
-
-    def save_checkpoint(self, checkpoint: dict[str, Any], path: str | Path, storage_options: Any | None = None) -> None:
-        if "://" in str(path):
-            return super().save_checkpoint(checkpoint, path, storage_options)
-        if storage_options is not None:
-            raise TypeError(f"{type(self).__name__}.save_checkpoint(storage_options=...) is not supported.")
-        save_file(checkpoint, Path(path))
-
-    def remove_checkpoint(self, path: str | Path) -> None:
-        if "://" in str(path):
-            return super().remove_checkpoint(path)
-        remove(Path(path))
-
-
 class _HostCopyWriter(FileSystemWriter):
     """Stages for ``async_save`` by copying every tensor into new host memory. (Older torch staged with
     ``.to("cpu")``, which leaves a tensor already in host memory shared with training while it is written.)"""
@@ -473,7 +458,11 @@ class ShardedCheckpointer:
         torch.save(metadata, buffer)  # small: the tensors are in ``state``
         error = None
         try:  # on every rank (each holds the same metadata): fail now, not at resume days later
-            load_metadata(io.BytesIO(buffer.getvalue()))
+            try:
+                load_metadata(io.BytesIO(buffer.getvalue()))
+            except CheckpointError as unsafe:
+                raise CheckpointError(f"Checkpoint metadata for {path} must be plain data (a callback or the "
+                                      f"LightningModule stored an object in it): {unsafe}") from None
             if partial.exists() and not written_by_us(partial):  # every rank checks, before rank 0 touches it
                 raise CheckpointError(f"Cannot save {path}: {partial} exists and was not written by moe_lightning; "
                                       "move it away (the save would need that name).")
