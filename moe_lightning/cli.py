@@ -224,7 +224,7 @@ class MoECLI(LightningCLI):
         from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
         from lightning.pytorch.callbacks import ModelSummary, ProgressBar
         from .callbacks.console import StepProgressBar, SummaryWithoutFlops
-        from .strategy import FileCheckpointIO
+        from .parallel.checkpoint_io import FileCheckpointIO
 
         config = self._get(self.config_init, "trainer", default={})
         callbacks = kwargs.get("callbacks", config.get("callbacks"))
@@ -299,8 +299,10 @@ class MoECLI(LightningCLI):
     def before_fit(self) -> None:
         self._check_model_fits_data()
         config = self.config_init[self.subcommand]
+        runs.lock_run_folders(self.trainer)  # one run per checkpoint folder, before reading or cleaning it
         if config.get("ckpt_path") == "last":  # any earlier run of this command, not only this version
             config["ckpt_path"] = runs.resolve_last(self.trainer)
+            runs.lock_run_folders(self.trainer, resumed=config["ckpt_path"])  # one continuation of a run
         self._check_resume(self.datamodule)
         self._remove_stale_partial_checkpoints()
 

@@ -9,12 +9,9 @@ whatever kind of source it is.
 """
 
 import dataclasses
-import pickle
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
-
-import torch
 
 from .model import MoEConfig
 from .parallel import checkpoint as ckpt
@@ -41,17 +38,7 @@ def checkpoint_state(ckpt_path: str | Path) -> dict | None:
     path = Path(ckpt_path)
     if not path.exists() and not path.with_name(path.name + ckpt.OLD_SUFFIX).exists():
         return None  # "last", "best", a remote URL...: Lightning resolves those itself
-    path = ckpt.resolve_checkpoint(path)
-    file = ckpt.metadata_file(path)  # refuses a directory that is not a checkpoint
-    if not file.is_file():
-        return None
-    try:
-        with torch.serialization.safe_globals([MoEConfig]):  # older metadata pickled the dataclass itself
-            saved = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
-    except pickle.UnpicklingError as error:  # never unpickle arbitrary code just to compare configs
-        raise ResumeMismatchError(f"ckpt_path={str(ckpt_path)!r}: its hyperparameters cannot be read as plain data "
-                                  f"({str(error).splitlines()[0]}); this version writes plain data only.") from None
-    return saved
+    return ckpt.checkpoint_metadata(path)  # the package's one reader and unpickling rule
 
 
 def config_fields(config: MoEConfig | dict) -> dict[str, Any]:

@@ -11,16 +11,24 @@
 - **Resume by itself.** ``--ckpt_path last`` resumes from the newest complete checkpoint of *any* earlier run of
   the same logger name (``<save_dir>/<name>/version_*/checkpoints``, or the checkpoint callbacks' own
   ``dirpath``), so a requeued job running the identical command continues; with none it starts fresh and says so.
+  A candidate that cannot be read or fails ``checkpoint.verify_checkpoint`` is skipped, saying which and why; the
+  ranks check that they chose the same (``AgreedResume``).
 - **Run folders** (``version_N``) are created with an exclusive ``mkdir``: two jobs starting at once in one
-  folder get different versions.
-- **Clean-up** of unfinished saves removes only ``*.partial`` directories that carry the marker file the sharded
-  checkpointer writes into every directory it creates, never the path the user passed, never anything else.
+  folder get different versions. A fixed checkpoint folder (and the one ``last`` continues from) has one owner at a
+  time: ``lock_folder``'s ``.moe-lightning.lock`` (host, pid).
+- **Clean-up** of unfinished saves touches only ``*.partial`` directories that carry the marker file the sharded
+  checkpointer writes into every directory it creates, never the path the user passed, never anything else: a
+  complete one (killed before its commit) is committed, the others are removed.
 """
 
+import atexit
+import json
 import os
 import signal
+import socket
 import subprocess
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -28,7 +36,7 @@ import torch.distributed as dist
 from lightning.fabric.plugins.environments import LightningEnvironment, SLURMEnvironment
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint, Timer
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 
 from .lightning_internals import cluster_environment, install_signal_handlers, optimizer_step_ends, write_step_metrics
 from .parallel import checkpoint as ckpt
@@ -110,23 +118,29 @@ def checkpoint_folders(trainer) -> list[Path]:
     return list(dict.fromkeys(folders))
 
 
-def _checkpoint_step(path: Path) -> int | None:
-    """The ``global_step`` a complete checkpoint (file, or sharded directory with ``meta.pt``) was saved at."""
-    file = path / ckpt.METADATA_FILE if path.is_dir() else path
-    if not file.is_file():
-        return None  # a directory that is not a checkpoint
-    try:
-        return int(ckpt.load_metadata(file, mmap=True)["global_step"])
-    except Exception as error:  # unreadable, unsafe or not ours: never a resume candidate
-        rank_zero_warn(f"resume: skipping {path}: its step cannot be read ({str(error).splitlines()[0][:200]}).")
-        return None
+def _checkpoint_step(path: Path) -> int:
+    """The ``global_step`` a checkpoint (file, or sharded directory with ``meta.pt``) was saved at; raises if it
+    cannot be read (the caller reports which and why)."""
+    return int(ckpt.checkpoint_metadata(path)["global_step"])
+
+
+def _warn(message: str) -> None:
+    """A warning from whichever rank saw it (``rank_zero_warn`` would hide another rank's skipped candidate)."""
+    warnings.warn(message if rank_zero_only.rank == 0 else f"[rank {rank_zero_only.rank}] {message}", stacklevel=2)
+
+
+def _reason(error: BaseException) -> str:
+    lines = str(error).strip().splitlines() or [""]
+    return f"{type(error).__name__}: {lines[0][:300]}"
 
 
 def newest_checkpoint(folders: list[Path]) -> tuple[Path, int] | None:
     """The complete checkpoint with the highest step in ``folders`` (ties: the most recently written).
 
-    Complete: a ``*.ckpt`` file or directory (saves write ``*.partial`` and rename), or ``*.ckpt.old`` when
-    a crash fell between the two renames of a sharded commit and ``*.ckpt`` is missing.
+    Complete: a ``*.ckpt`` file or directory (saves write ``*.partial`` and rename), or ``*.ckpt.old`` when a crash
+    fell between the two renames of a sharded commit and ``*.ckpt`` is missing, that passes
+    ``checkpoint.verify_checkpoint`` (zip structure and CRCs of a file; every shard file present and as long as the
+    DCP metadata says). Every candidate passed over is reported with the reason, whatever the exception.
     """
     found = []
     for folder in folders:
@@ -135,20 +149,32 @@ def newest_checkpoint(folders: list[Path]) -> tuple[Path, int] | None:
                 and not path.with_name(path.name[:-len(ckpt.OLD_SUFFIX)]).exists()
             if not (path.name.endswith(".ckpt") or old_only):
                 continue
-            step = _checkpoint_step(path)
-            if step is not None:
-                found.append((step, path.stat().st_mtime, path))
-    if not found:
-        return None
-    step, _, path = max(found)
-    return path, step
+            if path.is_dir() and not (path / ckpt.METADATA_FILE).is_file():
+                continue  # a folder that is no checkpoint
+            try:
+                found.append((_checkpoint_step(path), path.stat().st_mtime, path))
+            except Exception as error:  # EIO, a stale handle, a damaged or unsafe file: said, never silent
+                _warn(f"resume: skipping {path}: its step cannot be read ({_reason(error)}).")
+    for step, _, path in sorted(found, key=lambda item: item[:2], reverse=True):
+        try:
+            ckpt.verify_checkpoint(path)
+        except Exception as error:
+            _warn(f"resume: skipping {path} (step {step}): it is incomplete or damaged ({_reason(error)}); "
+                  "trying the next newest.")
+            continue
+        return path, step
+    return None
 
 
 def resolve_last(trainer) -> str | None:
-    """``--ckpt_path last``: the newest complete checkpoint of this command's runs, or ``None`` (a fresh start)."""
+    """``--ckpt_path last``: the newest complete checkpoint of this command's runs, or ``None`` (a fresh start).
+
+    Every rank resolves it from the files (the process group does not exist yet); ``AgreedResume`` then checks,
+    once the ranks can talk, that they chose the same, and stops every rank with one line if not."""
     folders = checkpoint_folders(trainer)
     newest = newest_checkpoint(folders)
     where = ", ".join(map(str, folders)) or "(no checkpoint folder)"
+    trainer.callbacks.append(AgreedResume(str(newest[0]) if newest else None))
     if newest is None:
         rank_zero_info(f"resume: ckpt_path=last found no complete checkpoint in {where}: starting from scratch")
         return None
@@ -157,12 +183,156 @@ def resolve_last(trainer) -> str | None:
     return str(path)
 
 
+def agree_on_resume(path: str | None) -> None:
+    """Raise the same one line on every rank unless all ranks resolved ``--ckpt_path last`` to ``path``."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    chosen = [None] * dist.get_world_size()
+    dist.all_gather_object(chosen, path)
+    if len(set(chosen)) > 1:
+        listed = ", ".join(f"rank {rank} -> {choice or 'nothing (a fresh start)'}" for rank, choice in enumerate(chosen))
+        raise ckpt.CheckpointError(f"--ckpt_path last resolved differently on the ranks ({listed}): they see "
+                                   "different files (see the warnings above for what each skipped and why). Pass "
+                                   "--ckpt_path explicitly, or fix the file system and relaunch.")
+
+
+class AgreedResume(Callback):
+    """Added by ``resolve_last``: at ``setup`` (the process group exists, nothing is loaded yet) the ranks compare
+    what ``--ckpt_path last`` meant to each."""
+
+    def __init__(self, path: str | None):
+        self.path = path
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        agree_on_resume(self.path)
+
+
+# ---- one owner per folder -----------------------------------------------------------------------------------
+
+LOCK_FILE = ".moe-lightning.lock"
+
+
+class FolderInUseError(RuntimeError):
+    """Another live run holds the folder's lock."""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def lock_folder(folder: Path) -> Path:
+    """Make this process the folder's one owner: ``<folder>/.moe-lightning.lock`` holds ``{host, pid}``, created
+    exclusively; released when the process exits. Refused with one line naming the holder while that process
+    lives; a lock left by a dead process of this host is taken over (moved aside and checked to be the one
+    judged stale before it is deleted, so two starts cannot both take it). A lock of another host is never
+    judged from here: the message says how to remove it."""
+    folder.mkdir(parents=True, exist_ok=True)
+    lock = folder / LOCK_FILE
+    me = {"host": socket.gethostname(), "pid": os.getpid()}
+    for _ in range(5):
+        try:
+            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            try:
+                text = lock.read_text()
+            except FileNotFoundError:
+                continue  # released meanwhile
+            try:
+                holder = json.loads(text)
+                host, pid = str(holder["host"]), int(holder["pid"])
+            except (ValueError, KeyError, TypeError):
+                host, pid = "?", -1  # being written this instant, or damaged
+            if (host, pid) == (me["host"], me["pid"]):
+                return lock  # this process holds it already (a second fit in one process)
+            if host == me["host"] and pid > 0 and not _alive(pid):
+                _take_over(lock, text, pid)
+                continue
+            raise FolderInUseError(
+                f"{folder} is in use by another run (host {host}, pid {pid}; lock {lock}): one run per folder. Wait "
+                "for it, or choose another folder; if that process is gone, delete the lock file.") from None
+        with os.fdopen(fd, "w") as file:
+            file.write(json.dumps(me))
+            file.flush()
+            os.fsync(file.fileno())
+        atexit.register(_release, lock, json.dumps(me))
+        return lock
+    raise FolderInUseError(f"{folder}: could not take {lock} (other runs are starting at this instant): retry.")
+
+
+def _take_over(lock: Path, stale_text: str, pid: int) -> None:
+    aside = lock.with_name(f"{LOCK_FILE}.{os.getpid()}.stale")
+    try:
+        os.rename(lock, aside)
+    except FileNotFoundError:
+        return  # another start moved it first
+    if aside.read_text() != stale_text:  # another start took the lock between our read and the rename: give it back
+        try:
+            os.link(aside, lock)
+        except FileExistsError:
+            pass
+    else:
+        rank_zero_info(f"took over {lock}: its holder (pid {pid}) is no longer running")
+    aside.unlink()
+
+
+def _release(lock: Path, text: str) -> None:
+    try:
+        if lock.read_text() == text:
+            lock.unlink()
+    except OSError:
+        pass
+
+
+def lock_run_folders(trainer, resumed: str | None = None) -> list[Path]:
+    """Rank 0 locks the folders this run writes checkpoints into (each ``ModelCheckpoint``'s fixed ``dirpath``,
+    the logger's ``version_N`` when it is fixed by the user and so shared) and, with ``--ckpt_path last``, the folder
+    it continues from (``resumed``): two relaunches of one run cannot both continue it."""
+    if rank_zero_only.rank != 0:
+        return []
+    folders = [Path(cb.dirpath) for cb in trainer.checkpoint_callbacks
+               if isinstance(cb, ModelCheckpoint) and cb.dirpath is not None]
+    logger = trainer.logger
+    if isinstance(logger, (CSVLogger, TensorBoardLogger)) and logger._version is not None and logger.log_dir:
+        folders.append(Path(logger.log_dir))
+    if resumed:
+        folders.append(Path(resumed).parent)
+    locks = [lock_folder(folder) for folder in dict.fromkeys(f.resolve() for f in folders)]
+    trainer.callbacks.append(ReleaseLocks(locks))
+    return locks
+
+
+class ReleaseLocks(Callback):
+    """Gives the folders back when the fit ends, however it ends; a process that dies instead leaves a lock the
+    next run of this host takes over."""
+
+    def __init__(self, locks: list[Path]):
+        self.locks = locks
+
+    def _release(self) -> None:
+        for lock in self.locks:
+            _release(lock, json.dumps({"host": socket.gethostname(), "pid": os.getpid()}))
+
+    def teardown(self, trainer, pl_module, stage: str) -> None:
+        self._release()
+
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        self._release()  # Lightning skips callbacks' teardown after an exception
+
+
 # ---- clean-up of unfinished saves ---------------------------------------------------------------------------
 
 
 def remove_unfinished_saves(folders: set[Path], keep: Path | None = None) -> list[Path]:
-    """Delete ``*.partial`` directories that carry the marker our checkpointer writes (saves of a run killed while
-    writing; never loadable). Files, unmarked directories and ``keep`` (the path the user passed) stay."""
+    """Settle ``*.partial`` directories that carry the marker our checkpointer writes (saves of a run stopped
+    while writing): one whose write completed (a background save killed before its commit, possibly the only copy
+    left after a rotation) is committed under its name; the others, never loadable, are deleted. Files, unmarked
+    directories and ``keep`` (the path the user passed) stay. Returns the deleted ones."""
     removed = []
     for folder in folders:
         for partial in sorted(folder.glob(f"*{ckpt.PARTIAL_SUFFIX}")) if folder.is_dir() else ():
@@ -170,9 +340,16 @@ def remove_unfinished_saves(folders: set[Path], keep: Path | None = None) -> lis
                 continue
             if keep is not None and partial.resolve() == keep.resolve():
                 continue
-            ckpt.remove(partial)
-            removed.append(partial)
-            rank_zero_info(f"removed {partial}: an unfinished checkpoint of a run stopped while saving")
+            try:
+                ckpt.verify_checkpoint(partial)
+            except Exception:
+                ckpt.remove(partial)
+                removed.append(partial)
+                rank_zero_info(f"removed {partial}: an unfinished checkpoint of a run stopped while saving")
+                continue
+            final = partial.with_name(partial.name[:-len(ckpt.PARTIAL_SUFFIX)])
+            ckpt.commit_directory(partial, final)
+            rank_zero_info(f"committed {final}: its save was complete when the run stopped (before its commit)")
     return removed
 
 

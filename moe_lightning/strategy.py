@@ -24,7 +24,6 @@ from typing import Any, Literal, Optional, Union
 
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
@@ -37,22 +36,11 @@ from .dtypes import DTYPES
 from .model import MoETransformer
 from .parallel import MeshError, MeshLayout, apply_expert_parallel, fsdp, reshard
 from .parallel import checkpoint as ckpt
+from .parallel.checkpoint_io import FileCheckpointIO
 from .parallel.clip import clip_grads_
+from .resume import check_resume
 
 DTypeName = Literal["auto", "bf16", "fp16", "fp32", "bfloat16", "float16", "float32"]  # dtypes.DTYPES
-
-
-class FileCheckpointIO(TorchCheckpointIO):
-    """Lightning's single-file checkpoint I/O, except that the file is written beside and renamed
-    (``checkpoint.save_file``): a full disk or a kill never leaves a truncated file under the final name.
-    A URL (``s3://...``) is not a local path: Lightning's own fsspec writer saves it."""
-
-    def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Optional[Any] = None) -> None:
-        if "://" in str(path):
-            return super().save_checkpoint(checkpoint, path, storage_options)
-        if storage_options is not None:
-            raise TypeError(f"{type(self).__name__}.save_checkpoint(storage_options=...) is not supported.")
-        ckpt.save_file(checkpoint, Path(path))
 
 
 class MoEFSDPStrategy(ModelParallelStrategy):
@@ -254,7 +242,10 @@ class MoEFSDPStrategy(ModelParallelStrategy):
         path = ckpt.resolve_checkpoint(Path(self.broadcast(str(checkpoint_path))))
         if not path.is_dir():
             return self._load_single_file(path)
-        metadata = ckpt.load_metadata(ckpt.metadata_file(path))  # refuse an unsafe file before any tensor
+        metadata = ckpt.checkpoint_metadata(path)  # refuses an unsafe file before any tensor is read
+        config = getattr(self.lightning_module, "config", None)
+        if config is not None:  # also for ckpt_path="last"/"best", which the CLI cannot see before the run
+            check_resume(metadata.get("hyper_parameters", {}), {"config": config}, str(path))
         state = {"state_dict": get_model_state_dict(self.model)}
         state.update({f"optimizer_{i}": get_optimizer_state_dict(self.model, optimizer)
                       for i, optimizer in enumerate(self.optimizers)})
@@ -268,14 +259,18 @@ class MoEFSDPStrategy(ModelParallelStrategy):
     def _load_single_file(self, path: Path) -> dict[str, Any]:
         """A single-file checkpoint (full tensors, e.g. of a one-process run), read into the shards (memory-mapped;
         see ``parallel/reshard.py``)."""
-        checkpoint = ckpt.load_metadata(path, mmap=True)
+        checkpoint = ckpt.checkpoint_metadata(path)  # memory-mapped: each rank touches only the parts it holds
+        config = getattr(self.lightning_module, "config", None)
+        if config is not None:  # also for ckpt_path="last"/"best", which the CLI cannot see before the run
+            check_resume(checkpoint.get("hyper_parameters", {}), {"config": config}, str(path))
         return reshard.load_full_checkpoint(checkpoint, path, self.lightning_module, self.model, self.optimizers,
                                             self.expert_mesh)
 
     def remove_checkpoint(self, filepath: _PATH) -> None:
-        if self.checkpointer.pending_path == Path(filepath):
-            self.checkpointer.wait()
-        super().remove_checkpoint(filepath)
+        """Lightning's top-k rotation removes the previous checkpoint as a new save starts: while that save is
+        written in the background, the removal waits for its commit (the previous one is the only complete copy)."""
+        if not self.checkpointer.remove_after_commit(Path(filepath)):
+            super().remove_checkpoint(filepath)
 
     def on_train_start(self) -> None:
         super().on_train_start()
@@ -292,12 +287,12 @@ class MoEFSDPStrategy(ModelParallelStrategy):
         self.barrier()  # the last checkpoint is visible to every rank when fit returns
 
     def on_exception(self, exception: BaseException) -> None:
-        try:  # a save started before the failure holds a consistent state: finish it
-            self.checkpointer.wait()
+        try:  # a save started before the failure holds a consistent state: finish it (the other ranks may be
+            self.checkpointer.wait(agree=False)  # elsewhere: no collective of ours)
         except ckpt.CheckpointError as error:
             rank_zero_warn(str(error))
         super().on_exception(exception)
 
     def teardown(self) -> None:
-        self.checkpointer.wait()
+        self.checkpointer.wait(agree=False)
         super().teardown()

@@ -60,8 +60,18 @@ class FinalCheckpoint(Callback):
             checkpoint._save_topk_checkpoint(trainer, candidates)  # named and rotated as Lightning's own saves
         else:  # ranked by a metric this step may not have: saved beside the ranking, never replacing a ranked one,
             previous = checkpoint._last_global_step_saved  # and a validation after this step still ranks it
-            checkpoint._save_checkpoint(trainer, checkpoint.format_checkpoint_name(candidates))
+            checkpoint._save_checkpoint(trainer, self._unused_name(trainer, checkpoint, candidates))
             checkpoint._last_global_step_saved = previous
         self._saved_step, self._saved_path = trainer.global_step, checkpoint._last_checkpoint_saved
         checkpoint._save_last_checkpoint(trainer, candidates)
         return checkpoint
+
+    @staticmethod
+    def _unused_name(trainer, checkpoint: ModelCheckpoint, candidates: dict) -> str:
+        """The callback's file name for this step, with Lightning's ``-vN`` suffix while that name is taken: a
+        ``filename`` without ``{step}`` names the ranked checkpoint too, which the final save must not replace
+        (even with ``enable_version_counter=False``)."""
+        path, version = checkpoint.format_checkpoint_name(candidates), checkpoint.STARTING_VERSION
+        while checkpoint.file_exists(path, trainer):
+            path, version = checkpoint.format_checkpoint_name(candidates, ver=version), version + 1
+        return path

@@ -6,65 +6,18 @@ so writing a Hugging Face directory never holds more than one shard of it.
 
 import argparse
 import dataclasses
-import os
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from ..dtypes import DTYPES
-from ..loading import export_main as export_file, recorded_tokenizer, single_process_dcp
+from ..loading import export_main as export_file
+from ..loading import open_checkpoint, write_model_file
 from ..model import MoEConfig
-from ..parallel import checkpoint as ckpt
-from .mapping import HFFormatError
 from .pretrained import FAMILIES, from_pretrained, stored_dtype_getter, write_pretrained
 from .tokenizer_files import tokenizer_files
 
-def _config(value) -> MoEConfig:
-    if isinstance(value, MoEConfig):
-        return value
-    if not isinstance(value, dict):
-        raise HFFormatError("the checkpoint holds no model config (hyper_parameters.config): it was not written by "
-                            "MoELanguageModel or `moe-lightning export`.")
-    return MoEConfig(**value)
-
-
-def _load(file: Path) -> dict:
-    """``torch.load`` without arbitrary unpickling: only plain data and our config class are allowed."""
-    with torch.serialization.safe_globals([MoEConfig]):
-        return torch.load(file, map_location="cpu", weights_only=True, mmap=True)
-
-
-def open_checkpoint(path: str | Path) -> tuple[MoEConfig, Callable[[str], torch.Tensor], dict | None]:
-    """Config, a tensor-by-name reader and the recorded tokenizer spec (``loading.recorded_tokenizer``) of a sharded
-    checkpoint directory, a Lightning ``.ckpt`` or a ``.pt``."""
-    path = ckpt.resolve_checkpoint(Path(path))
-    if path.is_dir():
-        if not (path / ckpt.METADATA_FILE).is_file():
-            raise HFFormatError(f"{str(path)!r} is neither a sharded checkpoint ({ckpt.METADATA_FILE}) nor a file.")
-        meta = _load(path / ckpt.METADATA_FILE)
-        config = _config(meta.get("hyper_parameters", {}).get("config"))
-        index = ckpt.sharded_model_index(path)
-
-        def get(name: str) -> torch.Tensor:
-            with single_process_dcp():
-                return ckpt.read_sharded_tensors(path, index, [name])[name]
-        return config, get, recorded_tokenizer(meta)
-    payload = _load(path)
-    if "config" in payload:  # the package's single file: {"config": dict, "state_dict": model state dict}
-        stored = {name: _dtype(value) for name, value in payload.get("stored_dtypes", {}).items()}
-        return (_config(payload["config"]), stored_dtype_getter(payload["state_dict"].__getitem__, stored),
-                recorded_tokenizer(payload))
-    state = payload["state_dict"]  # a Lightning checkpoint of MoELanguageModel
-    return (_config(payload.get("hyper_parameters", {}).get("config")), lambda name: state[f"model.{name}"],
-            recorded_tokenizer(payload))
-
-
-def _dtype(name: str) -> torch.dtype:
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise HFFormatError(f"stored_dtypes names {name!r}, which is not a torch dtype.")
-    return dtype
 
 
 def _cast(get: Callable[[str], torch.Tensor], dtype: torch.dtype | None) -> Callable[[str], torch.Tensor]:
@@ -81,23 +34,18 @@ def export_hf(checkpoint: str | Path, out: str | Path, architecture: str | None 
               dtype: torch.dtype | None = None, max_shard_bytes: int = 5 * 2**30) -> Path:
     """Any of our checkpoints (sharded or single-file) as a Hugging Face directory, tensor by tensor, with the
     ``tokenizer.json`` and ``tokenizer_config.json`` of the tokenizer the run recorded (the byte tokenizer too)."""
-    config, get, spec = open_checkpoint(checkpoint)  # spec None: a file converted from Hugging Face records none
-    files = tokenizer_files(spec, config.max_seq_len) if spec is not None else None
+    opened = open_checkpoint(checkpoint)  # tokenizer None: a file converted from Hugging Face records none
+    config = MoEConfig(**opened.config)
+    files = tokenizer_files(opened.tokenizer, config.max_seq_len) if opened.tokenizer is not None else None
+    get = stored_dtype_getter(opened.get, opened.stored_dtypes)
     return write_pretrained(config, _cast(get, dtype), out, architecture, max_shard_bytes, files)
 
 
 def hf_to_file(src: str | Path, out: str | Path, dtype: torch.dtype | None = None) -> Path:
-    """A Hugging Face directory as the package's single file ``{"config": dict, "state_dict": ...}``, plus the
-    stored dtype of any tensor held wider (``from_pretrained``), so converting back is bit-identical."""
+    """A Hugging Face directory as the package's ``.pt`` (``loading.write_model_file``), with the stored dtype of
+    any tensor held wider (``from_pretrained``), so converting back is bit-identical."""
     model = from_pretrained(src, dtype)
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    partial = out.with_name(out.name + ckpt.PARTIAL_SUFFIX)
-    stored = {name: str(dtype).removeprefix("torch.") for name, dtype in model.stored_dtypes.items()}
-    torch.save({"config": dataclasses.asdict(model.config), "state_dict": model.state_dict(),
-                "stored_dtypes": stored}, partial)
-    os.replace(partial, out)
-    return out
+    return write_model_file(out, dataclasses.asdict(model.config), model.state_dict(), None, model.stored_dtypes)
 
 
 def _common(parser: argparse.ArgumentParser) -> None:

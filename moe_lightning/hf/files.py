@@ -11,8 +11,9 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors.torch import save
 
+from .. import durable
 from ..parallel import checkpoint as ckpt
 from .mapping import HFFormatError
 
@@ -62,27 +63,37 @@ def write_directory(path: str | Path, hf_config: dict, tensors: Iterable[tuple[s
     """``config.json`` plus shards ``model-0000i-of-0000N.safetensors`` and their index, holding one shard in memory,
     and ``files`` (name -> text: the tokenizer's, say).
 
-    Everything is written to a sibling ``*.partial`` directory, and the directory's other files (a tokenizer,
-    say) are copied there; only then does it replace ``path``, so a failure part-way (I/O, a refusal raised
-    by ``tensors``) leaves the previous directory as it was.
+    Everything is written (``durable``: each file synced) to a sibling ``*.partial`` directory carrying the
+    checkpoint marker, and the directory's other files (a tokenizer, say) are copied there; only then does it
+    replace ``path`` (``checkpoint.commit_directory``), so a failure part-way (I/O, a refusal raised by
+    ``tensors``) leaves the previous directory as it was.
     """
     path = Path(path)
     partial = path.with_name(path.name + ckpt.PARTIAL_SUFFIX)
     if partial.exists():
-        shutil.rmtree(partial)  # left by an interrupted save
+        if not ckpt.written_by_us(partial):
+            raise FileExistsError(f"{partial} exists and was not written by moe_lightning: move it away (writing "
+                                  f"{path} needs that name).")
+        shutil.rmtree(partial)  # left by an interrupted save of ours
     partial.mkdir(parents=True)
     try:
+        durable.write_bytes(partial / ckpt.MARKER_FILE, b"")
         _write_shards(partial, hf_config, tensors, max_shard_bytes)
         for name, text in (files or {}).items():
-            (partial / name).write_text(text, encoding="utf-8")
+            durable.write_text(partial / name, text)
         for entry in path.iterdir() if path.is_dir() else []:
             if entry.name in ("config.json", INDEX, *(files or {})) or re.fullmatch(r"model.*\.safetensors", entry.name):
                 continue  # a previous save's weights (or files replaced now) would otherwise mix with these
-            (shutil.copytree if entry.is_dir() else shutil.copy2)(entry, partial / entry.name)
+            if entry.is_dir():
+                shutil.copytree(entry, partial / entry.name)
+            elif entry.name != ckpt.MARKER_FILE:
+                with entry.open("rb") as source:
+                    durable.write_with(partial / entry.name, lambda file: shutil.copyfileobj(source, file))
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         raise
     ckpt.commit_directory(partial, path)
+    (path / ckpt.MARKER_FILE).unlink()  # marks the folder only while unfinished: a model folder to share is clean
     return path
 
 
@@ -92,7 +103,7 @@ def _write_shards(path: Path, hf_config: dict, tensors: Iterable[tuple[str, torc
 
     def flush():
         name = f"part-{len(names):05d}.safetensors"
-        save_file(shard, path / name, metadata={"format": "pt"})
+        durable.write_bytes(path / name, save(shard, metadata={"format": "pt"}))  # held twice while written: safetensors cannot stream
         names.append(name)
         weight_map.update({key: name for key in shard})
 
@@ -113,6 +124,6 @@ def _write_shards(path: Path, hf_config: dict, tensors: Iterable[tuple[str, torc
         os.replace(path / temp, path / name)
     index = {"metadata": {"total_size": total},
              "weight_map": {key: final[name] for key, name in sorted(weight_map.items())}}
-    (path / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+    durable.write_text(path / INDEX, json.dumps(index, indent=2) + "\n")
     hf_config = {**hf_config, "torch_dtype": re.sub("^torch\\.", "", str(dtype or torch.float32))}
-    (path / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+    durable.write_text(path / "config.json", json.dumps(hf_config, indent=2) + "\n")

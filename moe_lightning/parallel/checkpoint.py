@@ -1,4 +1,8 @@
-"""All checkpoint I/O: sharded saves (sync or in the background) committed atomically, safe metadata, reading one in one process.
+"""The checkpoint layer: every save (single file streamed through ``durable``; sharded, in the foreground or the
+background, committed atomically with the ranks agreeing on the outcome), the one unpickling rule
+(``load_metadata``), reading a sharded checkpoint in one process, and the cheap completeness check
+(``verify_checkpoint``) that choosing ``--ckpt_path last`` relies on. ``loading.py`` reads models through it;
+``runs.py`` chooses ``last`` and settles unfinished saves through it.
 
 With expert parallelism each rank's FSDP DTensor for an expert stack only covers its ``E / ep``
 experts, so two ``ep`` ranks would write different data under the same name. Before saving (and
@@ -12,13 +16,13 @@ Loading never runs code from a file: metadata is plain data (the model config as
 default reader and planner unpickle both without limits). Every sharded read goes through ``load_sharded``.
 """
 
-import errno
 import io
 import os
 import pickle
 import re
 import shutil
-import tempfile
+import warnings
+import zipfile
 from concurrent.futures import Future
 from contextlib import contextmanager
 from pathlib import Path
@@ -38,10 +42,11 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch import nn
 
-from ..model import GroupedExperts
+from .. import durable
+from ..model import GroupedExperts, MoEConfig
 
 METADATA_FILE = "meta.pt"  # Lightning's name for the non-tensor part of a sharded checkpoint
-PARTIAL_SUFFIX = ".partial"
+PARTIAL_SUFFIX = durable.PARTIAL_SUFFIX
 OLD_SUFFIX = ".old"
 MARKER_FILE = ".written-by-moe-lightning"  # in every checkpoint directory we create: clean-up removes only these
 
@@ -55,12 +60,30 @@ class CheckpointError(RuntimeError):
 
 
 def load_metadata(path: Path | io.BytesIO, mmap: bool = False) -> dict[str, Any]:
-    """A ``torch.save`` file of plain data (tensors, numbers, strings, containers); never unpickles a class.
-    ``mmap``: tensors are mapped, not read (for a look at a checkpoint's non-tensor parts)."""
+    """The one rule for unpickling any file of ours (a ``.ckpt``, ``meta.pt``, a ``.pt``): plain data only
+    (tensors, numbers, strings, containers), plus ``MoEConfig``, which older checkpoints stored as the dataclass
+    (restored field by field: no code of the file runs). ``mmap``: tensors are mapped, not read, so a look at
+    the step or the config, or reading the model out of a file that also holds optimizer state, costs only
+    what it touches."""
     try:
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+        with torch.serialization.safe_globals([MoEConfig]):
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as error:
         raise unsafe_file_error(path, error) from None
+
+
+def checkpoint_metadata(path: str | Path) -> dict[str, Any]:
+    """The non-tensor state of a single-file or sharded checkpoint (``meta.pt``), tensors mapped, not read."""
+    return load_metadata(metadata_file(resolve_checkpoint(Path(path))), mmap=True)
+
+
+@contextmanager
+def single_process_dcp():
+    """DCP warns "torch.distributed is disabled ... assuming the intent is to load in a single process" even when
+    told so (``no_dist=True``): it is the intent here (export, generate read a sharded checkpoint in one process)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
 
 
 def unsafe_file_error(path: Path | io.BytesIO, error: pickle.UnpicklingError, item: str = "") -> CheckpointError:
@@ -215,7 +238,7 @@ def global_expert_views(state: dict[str, Any], names: set[str], expert_mesh: Dev
             container[key] = value
 
 
-DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+DISK_FULL = durable.DISK_FULL
 
 
 def disk_full_error(path: Path, needed: int | None) -> CheckpointError:
@@ -224,6 +247,13 @@ def disk_full_error(path: Path, needed: int | None) -> CheckpointError:
     size = f"{needed:,} bytes needed, " if needed is not None else ""
     return CheckpointError(f"Checkpoint {path} was not written: the disk is full ({size}{free:,} bytes free on "
                            f"{path.parent}). Earlier checkpoints are intact; free space or save elsewhere.")
+
+
+def _describe(error: BaseException) -> str:
+    """One line for a failed write; DCP's exception lists each rank's error with its frames: keep the errors."""
+    if isinstance(error, dcp.api.CheckpointException):
+        return "; ".join(f"rank {rank}: {failure!r}" for rank, (failure, _) in sorted(error.failures.items()))
+    return repr(error)
 
 
 def is_disk_full(error: BaseException) -> bool:
@@ -241,47 +271,14 @@ def is_disk_full(error: BaseException) -> bool:
 
 
 def save_file(obj: Any, path: Path) -> None:
-    """``torch.save`` into a new, uniquely named ``<path>.*.partial`` file, synced to disk, then renamed over
-    ``path``: a failure (a full disk, a kill) never leaves a truncated file under ``path`` nor replaces the file
-    already there, and only that new file is ever deleted (a ``<path>.partial`` folder of a sharded save, or any
-    other file beside, is never touched)."""
-    buffer = io.BytesIO()
-    torch.save(obj, buffer)
-    data = buffer.getbuffer()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, partial = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=PARTIAL_SUFFIX)
+    """``torch.save`` streamed into ``path`` through ``durable.write_with`` (beside, synced, renamed, folder
+    synced): never a truncated file under ``path``, never a whole-checkpoint buffer in memory."""
     try:
-        try:
-            os.chmod(partial, 0o644)  # mkstemp creates it 0o600; torch.save's files are 0o644 under the usual umask
-            written = 0
-            while written < len(data):  # os.write may write less than asked (a short write)
-                written += os.write(fd, data[written:])
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(partial, path)
-    except OSError as error:
-        Path(partial).unlink(missing_ok=True)
-        if error.errno in DISK_FULL:
-            raise disk_full_error(path, len(data)) from None
+        durable.write_with(path, lambda file: torch.save(obj, file))
+    except Exception as error:  # torch's zip writer reports a full disk as a RuntimeError ("unexpected pos")
+        if is_disk_full(error):
+            raise disk_full_error(path, None) from None
         raise
-    fsync_directory(path.parent)
-
-
-def fsync_directory(path: Path) -> None:
-    """Make a rename in ``path`` durable (a power loss after it could otherwise bring back the old file), where
-    the OS and file system allow syncing a directory."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:  # e.g. Windows cannot open a directory
-        return
-    try:
-        os.fsync(fd)
-    except OSError as error:
-        if error.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF):
-            raise
-    finally:
-        os.close(fd)
 
 
 def local_part(full: torch.Tensor, like: torch.Tensor, name: str) -> torch.Tensor:
@@ -296,20 +293,25 @@ def local_part(full: torch.Tensor, like: torch.Tensor, name: str) -> torch.Tenso
 
 
 def commit_directory(partial: Path, path: Path) -> None:
-    """Replace ``path`` by the fully written ``partial``; a crash at any point leaves a loadable checkpoint."""
+    """Replace ``path`` by the fully written ``partial``; a crash at any point leaves a loadable checkpoint, and
+    once this returns the new directory survives a power loss. Its files were synced by their writers
+    (``durable``, DCP's ``sync_files``); here its entries and the renames are."""
+    durable.fsync_directory(partial)
     old = path.with_name(path.name + OLD_SUFFIX)
     remove(old)
-    if path.exists():
+    if os.path.lexists(path):  # a symlink (``save_last="link"``) is moved aside as a link, never followed
         os.replace(path, old)
     os.replace(partial, path)
+    durable.fsync_directory(path.parent)
     remove(old)
 
 
 def remove(path: Path) -> None:
-    if path.is_dir():
-        shutil.rmtree(path)
-    elif path.exists():
+    """Delete a checkpoint file or directory; a symlink is unlinked, never followed (its target is another save)."""
+    if path.is_symlink() or path.is_file():
         path.unlink()
+    elif path.is_dir():
+        shutil.rmtree(path)
 
 
 def resolve_checkpoint(path: Path) -> Path:
@@ -320,6 +322,36 @@ def resolve_checkpoint(path: Path) -> Path:
     if not path.exists():
         raise FileNotFoundError(f"ckpt_path={str(path)!r} does not exist.")
     return path
+
+
+def verify_checkpoint(path: Path) -> None:
+    """Raise ``CheckpointError`` saying what is wrong unless ``path`` is complete as far as can be checked without
+    loading it. A file: its zip directory and every entry's CRC-32 (reads the file once). A sharded directory:
+    ``meta.pt`` likewise, DCP's ``.metadata`` readable, and every shard file it names present and at least as long
+    as the items it holds there (sizes only: no tensor is read)."""
+    if not path.is_dir():
+        _verify_zip(path)
+        return
+    _verify_zip(path / METADATA_FILE)
+    needed: dict[str, int] = {}
+    for item in SafeReader(path).read_metadata().storage_data.values():
+        needed[item.relative_path] = max(needed.get(item.relative_path, 0), item.offset + item.length)
+    for name, size in sorted(needed.items()):
+        shard = path / name
+        if not shard.is_file():
+            raise CheckpointError(f"{shard} is missing: its DCP metadata lists it.")
+        if (actual := shard.stat().st_size) < size:
+            raise CheckpointError(f"{shard} holds {actual:,} bytes; its DCP metadata needs {size:,}: truncated.")
+
+
+def _verify_zip(path: Path) -> None:
+    try:
+        with zipfile.ZipFile(path) as archive:
+            damaged = archive.testzip()
+    except (zipfile.BadZipFile, OSError, EOFError, ValueError) as error:
+        raise CheckpointError(f"{path} is not a complete checkpoint file ({type(error).__name__}: {error}).") from None
+    if damaged is not None:
+        raise CheckpointError(f"{path}: its entry {damaged} fails its CRC-32 check: the file is damaged.")
 
 
 def _local_bytes(state: dict[str, Any]) -> int:
@@ -364,24 +396,54 @@ class ShardedCheckpointer:
     succeeded: DCP's finish step gathers all ranks' write results on rank 0 before writing ``.metadata``, and
     a failure on any rank fails the save on all. A crash at any point leaves the previous checkpoint.
 
+    The ranks agree on the outcome of every step that only rank 0 performs (clearing the folder, ``meta.pt``, the
+    commit): a failure flag is all-reduced where a barrier stood, so an exception on rank 0 (a full disk, say)
+    is raised on every rank, naming it, instead of leaving the others waiting at a barrier.
+
     With ``background=True`` the state is copied to host memory and ``save`` returns; a thread writes it,
-    coordinating over its own gloo group so that its collectives never interleave with training's. The commit
-    happens at the first ``poll`` (every training batch), ``wait`` or ``save`` after the write ends; a failed
-    write raises there. One save at a time: ``save`` first waits for the previous one.
+    coordinating over its own gloo group so that its collectives never interleave with training's. ``poll``
+    (every training batch) asks all ranks whether their write has ended (one tiny all-reduce on a second gloo
+    group, only while a save is pending): the commit, or the error, comes at the same batch on every rank.
+    Checkpoints removed while a save is pending (Lightning's top-k rotation) are removed only once it is
+    committed: until then the previous one is the only complete copy. One save at a time.
     """
 
     def __init__(self):
         self._pending: tuple[Future, Path, Path] | None = None  # (write, partial directory, final path)
-        self._group: dist.ProcessGroup | None = None
+        self._group: dist.ProcessGroup | None = None  # the background writer's
+        self._agree_group: dist.ProcessGroup | None = None  # outcomes and polls; never used by the writer thread
+        self._after_commit: list[Path] = []  # removals waiting for the pending save's commit
 
     @staticmethod
     def _is_rank_zero() -> bool:
         return not dist.is_initialized() or dist.get_rank() == 0
 
-    @staticmethod
-    def _barrier() -> None:
-        if dist.is_initialized():
-            dist.barrier()
+    def _make_groups(self) -> None:
+        """Every rank calls ``save``/``load`` together, so the groups are created in step."""
+        if dist.is_initialized() and self._agree_group is None:
+            self._agree_group = dist.new_group(backend="gloo")
+            self._group = dist.new_group(backend="gloo")
+
+    def _all(self, value: bool) -> bool:
+        if self._agree_group is None:
+            return value
+        flag = torch.tensor([int(value)])
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self._agree_group)
+        return bool(flag.item())
+
+    def _agree(self, error: BaseException | None, path: Path) -> None:
+        """Raise on every rank if ``error`` is set on any: the failing rank raises its own, the others one line
+        naming the first failing rank and its message."""
+        if self._agree_group is not None and not self._all(error is None):
+            messages = [None] * dist.get_world_size()
+            dist.all_gather_object(messages, None if error is None else str(error).strip().splitlines()[-1][:500],
+                                   group=self._agree_group)
+            if error is not None:
+                raise error
+            rank, message = next((r, m) for r, m in enumerate(messages) if m is not None)
+            raise CheckpointError(f"Checkpoint {path} was not saved: rank {rank} failed: {message}")
+        if error is not None:
+            raise error
 
     def storage_writer(self, partial: Path) -> FileSystemWriter:
         return _HostCopyWriter(partial)
@@ -390,69 +452,95 @@ class ShardedCheckpointer:
              expert_mesh: DeviceMesh | None, background: bool = False) -> None:
         """Write ``state`` (DCP, every rank) and ``metadata`` (rank 0, plain data) as the directory ``path``."""
         self.wait()
+        self._make_groups()
         partial = path.with_name(path.name + PARTIAL_SUFFIX)
         buffer = io.BytesIO()
-        torch.save(metadata, buffer)
+        torch.save(metadata, buffer)  # small: the tensors are in ``state``
+        error = None
         try:  # on every rank (each holds the same metadata): fail now, not at resume days later
-            load_metadata(io.BytesIO(buffer.getvalue()))
-        except CheckpointError as error:
-            raise CheckpointError(f"Checkpoint metadata for {path} must be plain data (a callback or the "
-                                  f"LightningModule stored an object in it): {error}") from None
-        if partial.exists() and not written_by_us(partial):  # every rank checks, before rank 0 touches it
-            raise CheckpointError(f"Cannot save {path}: {partial} exists and was not written by moe_lightning; "
-                                  "move it away (the save would need that name).")
-        self._barrier()
+            try:
+                load_metadata(io.BytesIO(buffer.getvalue()))
+            except CheckpointError as unsafe:
+                raise CheckpointError(f"Checkpoint metadata for {path} must be plain data (a callback or the "
+                                      f"LightningModule stored an object in it): {unsafe}") from None
+            if partial.exists() and not written_by_us(partial):  # every rank checks, before rank 0 touches it
+                raise CheckpointError(f"Cannot save {path}: {partial} exists and was not written by moe_lightning; "
+                                      "move it away (the save would need that name).")
+        except CheckpointError as failure:
+            error = failure
+        self._agree(error, path)
         if self._is_rank_zero():
-            remove(partial)  # left behind by a run killed while writing (it carries our marker)
-            partial.mkdir(parents=True)
-            (partial / MARKER_FILE).write_bytes(b"")
-            (partial / METADATA_FILE).write_bytes(buffer.getvalue())
-        self._barrier()  # nobody writes into the directory while rank 0 clears it
+            try:
+                remove(partial)  # left behind by a run killed while writing (it carries our marker)
+                partial.mkdir(parents=True)
+                durable.write_bytes(partial / MARKER_FILE, b"")
+                durable.write_bytes(partial / METADATA_FILE, buffer.getvalue())
+            except Exception as failure:
+                error = self._failed(failure, partial, path, len(buffer.getvalue()))
+        self._agree(error, path)  # nobody writes into the directory before rank 0 has prepared it
         writer = self.storage_writer(partial)
         with global_expert_views(state, expert_names, expert_mesh):
-            if not background:
-                try:
-                    dcp.save(state, storage_writer=writer)
-                except BaseException as error:  # DCP's CheckpointException is a BaseException
-                    if not is_disk_full(error):
-                        raise
-                    self._discard(partial)  # every rank's write has failed (DCP gathers them): give the space back
-                    raise disk_full_error(path, _local_bytes(state)) from None
-            else:
-                if self._group is None and dist.is_initialized():
-                    self._group = dist.new_group(backend="gloo")
+            if background:
                 # Returns once the writer has staged (copied) every tensor; the write runs in a thread.
                 self._pending = (dcp.async_save(state, storage_writer=writer, process_group=self._group),
                                  partial, path)
-        if not background:
-            self._commit(partial, path)
-            self._barrier()
+                return
+            try:
+                dcp.save(state, storage_writer=writer)
+            except BaseException as failure:  # DCP's CheckpointException is a BaseException
+                if not is_disk_full(failure):
+                    raise  # every rank has it: DCP gathers the ranks' results
+                self._discard(partial)  # every rank's write has failed: give the space back
+                raise disk_full_error(path, _local_bytes(state)) from None
+        self._commit(partial, path)
 
     def poll(self) -> None:
-        """Commit a background save that has finished, or raise its error; never blocks."""
-        if self._pending is not None and self._pending[0].done():
+        """Commit a background save once every rank's write has ended, or raise its error, at the same batch on
+        every rank; never waits for the write."""
+        if self._pending is not None and self._all(self._pending[0].done()):
             self.wait()
 
-    def wait(self) -> None:
-        """Block until the background save (if any) is written, then commit it; raise if it failed."""
+    def wait(self, agree: bool = True) -> None:
+        """Block until the background save (if any) is written, then commit it; raise if it failed.
+        ``agree=False`` after an exception, when the other ranks may not be here: no collective but the writer's."""
         if self._pending is None:
             return
         write, partial, path = self._pending
         self._pending = None
         try:
             write.result()
-        except (Exception, dcp.api.CheckpointException) as error:  # the latter is a BaseException
-            if is_disk_full(error):
+        except (Exception, dcp.api.CheckpointException) as failure:  # the latter is a BaseException
+            self._after_commit.clear()  # the checkpoints they name stay: the save that replaced them failed
+            if is_disk_full(failure):
                 self._discard(partial)  # as for a save in the foreground: the space goes back
-                raise disk_full_error(path, None) from error
-            raise CheckpointError(f"Asynchronous checkpoint {path} failed while writing ({error!r}): it was not "
-                                  f"committed (its files stay in {partial}); earlier checkpoints are intact."
-                                  ) from error
-        self._commit(partial, path)
+                error = disk_full_error(path, None)
+            else:
+                error = CheckpointError(f"Asynchronous checkpoint {path} failed while writing ({_describe(failure)}): "
+                                        f"it was not committed (its files stay in {partial}); earlier checkpoints are "
+                                        "intact.")
+            error.__cause__ = failure
+            if agree:
+                self._agree(error, path)
+            raise error
+        self._commit(partial, path, agree)
+
+    def remove_after_commit(self, path: Path) -> bool:
+        """Remove ``path`` once the pending save is committed (``False``: none pending, remove it now)."""
+        if self._pending is None:
+            return False
+        self._after_commit.append(path)
+        return True
 
     @property
     def pending_path(self) -> Path | None:
         return self._pending[2] if self._pending is not None else None
+
+    def _failed(self, failure: BaseException, partial: Path, path: Path, needed: int | None) -> BaseException:
+        """What rank 0 reports for a failure of its own step: one line for a full disk, after giving the space back."""
+        if not is_disk_full(failure):
+            return failure
+        self._discard(partial)
+        return disk_full_error(path, needed)
 
     def _discard(self, partial: Path) -> None:
         """Delete a failed save's ``partial`` folder on rank 0, only if it carries the marker ``save`` wrote into it
@@ -460,9 +548,20 @@ class ShardedCheckpointer:
         if self._is_rank_zero() and written_by_us(partial):
             shutil.rmtree(partial)
 
-    def _commit(self, partial: Path, path: Path) -> None:
+    def _commit(self, partial: Path, path: Path, agree: bool = True) -> None:
+        error, removals, self._after_commit = None, self._after_commit, []
         if self._is_rank_zero():
-            commit_directory(partial, path)
+            try:
+                commit_directory(partial, path)
+                for old in removals:
+                    if old != path:
+                        remove(old)
+            except Exception as failure:
+                error = self._failed(failure, partial, path, None)
+        if agree:
+            self._agree(error, path)
+        elif error is not None:
+            raise error
 
     def load(self, path: Path, state: dict[str, Any], expert_names: set[str], expert_mesh: DeviceMesh | None) -> None:
         """Fill ``state`` in place from the directory ``path`` (read its metadata with ``load_metadata``)."""
@@ -494,14 +593,3 @@ def read_sharded_tensors(path: Path, index: dict[str, TensorStorageMetadata], na
                             for name in names}}
     load_sharded(state, path, no_dist=True)
     return {name: state["state_dict"][f"model.{name}"] for name in names}
-
-
-def read_sharded_weights(checkpoint: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
-    """A sharded checkpoint's ``MoETransformer`` state dict (global tensors) and its metadata, read in one
-    process without GPUs or a process group (``moe_lightning.loading`` turns them into a model or an export)."""
-    src = resolve_checkpoint(Path(checkpoint))
-    if not (src / METADATA_FILE).is_file():
-        raise ValueError(f"checkpoint={str(src)!r} is not a sharded checkpoint directory (no {METADATA_FILE}).")
-    metadata = load_metadata(src / METADATA_FILE)  # refuses an unsafe file before any tensor is read
-    index = sharded_model_index(src)
-    return read_sharded_tensors(src, index, list(index)), metadata

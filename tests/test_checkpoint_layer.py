@@ -1,0 +1,283 @@
+"""The one checkpoint layer (issue 23, defects 1-7; issue 26, items 2 and 4): nothing saved is lost by a rotation,
+a link, a kill or a corrupt newest file; the ranks agree on every outcome; one run owns a folder at a time."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from moe_lightning import runs
+from moe_lightning.cli import run
+from moe_lightning.parallel import checkpoint as ckpt
+from moe_lightning.parallel.checkpoint import CheckpointError, ShardedCheckpointer
+from moe_lightning.strategy import MoEFSDPStrategy
+from tests.distributed import REPO_ROOT, clean_env, run_ranks
+
+TINY = REPO_ROOT / "configs" / "tiny.yaml"
+
+
+def quick(tmp_path, *extra: str) -> list[str]:
+    return ["fit", "--config", str(TINY), f"--trainer.default_root_dir={tmp_path}", "--trainer.logger=false",
+            "--data.init_args.max_tokens=30000", "--trainer.enable_progress_bar=false", "--trainer.callbacks=[]",
+            "--trainer.enable_model_summary=false", "--trainer.limit_val_batches=0", "--data.init_args.batch_size=2",
+            "--model.init_args.config.n_layers=1", *extra]
+
+
+def python(code: str, *args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", textwrap.dedent(code), *args], env=clean_env(), cwd=REPO_ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def step_of(path: Path) -> int:
+    return ckpt.load_metadata(ckpt.metadata_file(path), mmap=True)["global_step"]
+
+
+# ---- durable writes ------------------------------------------------------------------------------------------
+
+def test_a_sharded_commit_syncs_the_marker_meta_and_the_folder(tmp_path, monkeypatch):
+    """Before: the marker and ``meta.pt`` were written without fsync and the folder was never synced after the
+    rename, so a power loss could leave a committed name over unsynced files (or bring back the old folder)."""
+    real_fsync, real_replace, events = os.fsync, os.replace, []
+
+    def fsync(fd):
+        events.append(("fsync", Path(os.readlink(f"/proc/self/fd/{fd}")).name))
+        return real_fsync(fd)
+
+    def replace(src, dst):
+        events.append(("replace", Path(dst).name))
+        return real_replace(src, dst)
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    ShardedCheckpointer().save({"w": torch.ones(4)}, {"global_step": 1}, tmp_path / "last.ckpt", set(), None)
+    synced = [name for kind, name in events if kind == "fsync"]
+    assert any(name.startswith(ckpt.MARKER_FILE + ".") for name in synced), events
+    assert any(name.startswith(ckpt.METADATA_FILE + ".") for name in synced), events
+    commit = events.index(("replace", "last.ckpt"))
+    assert ("fsync", "last.ckpt.partial") in events[:commit] and ("fsync", tmp_path.name) in events[commit:], events
+
+
+# ---- defect 1: a background save with top-k rotation ----------------------------------------------------------
+
+ROTATE_THEN_DIE = """
+    import os, signal, sys, time, torch
+    from pathlib import Path
+    from moe_lightning.strategy import MoEFSDPStrategy
+    folder = Path(sys.argv[1])
+    strategy = MoEFSDPStrategy(async_checkpoint=True)
+    saver = strategy.checkpointer
+    saver.save({"w": torch.ones(4)}, {"global_step": 1}, folder / "step=1.ckpt", set(), None)
+    saver.save({"w": torch.full((4,), 2.0)}, {"global_step": 2}, folder / "step=2.ckpt", set(), None, background=True)
+    strategy.remove_checkpoint(folder / "step=1.ckpt")  # Lightning's save_top_k=1 rotation, as the new save starts
+    while not (folder / "step=2.ckpt.partial" / ".metadata").exists():  # DCP renames .metadata in last
+        time.sleep(0.01)
+    time.sleep(0.2)
+    os.kill(os.getpid(), signal.SIGKILL)  # before the next batch's poll commits it
+"""
+
+
+def test_a_rotation_during_a_background_save_waits_for_its_commit_and_a_killed_complete_save_is_committed(
+        tmp_path, lightning_log):
+    """Before: step=1.ckpt was deleted as the step-2 save started, the kill left only step=2.ckpt.partial (fully
+    written), and the next start deleted it: no checkpoint at all."""
+    proc = python(ROTATE_THEN_DIE, str(tmp_path))
+    out = proc.communicate(timeout=120)[0]
+    assert proc.returncode == -signal.SIGKILL, out
+    assert step_of(tmp_path / "step=1.ckpt") == 1  # the removal waits for a commit that never came
+    assert runs.remove_unfinished_saves({tmp_path}) == []
+    assert any("committed" in m and "step=2.ckpt" in m for m in lightning_log)
+    assert runs.newest_checkpoint([tmp_path]) == (tmp_path / "step=2.ckpt", 2)
+
+
+def test_the_rotated_checkpoint_is_removed_once_the_background_save_is_committed(tmp_path):
+    strategy = MoEFSDPStrategy(async_checkpoint=True)
+    saver = strategy.checkpointer
+    saver.save({"w": torch.ones(4)}, {"global_step": 1}, tmp_path / "step=1.ckpt", set(), None)
+    saver.save({"w": torch.ones(4)}, {"global_step": 2}, tmp_path / "step=2.ckpt", set(), None, background=True)
+    strategy.remove_checkpoint(tmp_path / "step=1.ckpt")
+    saver.wait()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step=2.ckpt"]
+
+
+# ---- defect 3: save_last="link" -------------------------------------------------------------------------------
+
+def test_a_sharded_save_over_a_last_link_replaces_the_link_and_keeps_its_target(tmp_path):
+    """Before: the commit moved the link aside and called rmtree on it: OSError "Cannot call rmtree on a symbolic
+    link" after the new save was in place (a traceback exit on rank 0, the others hung)."""
+    saver = ShardedCheckpointer()
+    saver.save({"w": torch.ones(4)}, {"global_step": 1}, tmp_path / "step=1.ckpt", set(), None)
+    (tmp_path / "last.ckpt").symlink_to("step=1.ckpt")  # what ModelCheckpoint(save_last="link") makes
+    saver.save({"w": torch.ones(4)}, {"global_step": 2}, tmp_path / "last.ckpt", set(), None)  # a preemption save
+    assert not (tmp_path / "last.ckpt").is_symlink() and step_of(tmp_path / "last.ckpt") == 2
+    assert step_of(tmp_path / "step=1.ckpt") == 1
+    (tmp_path / "link.ckpt").symlink_to("step=1.ckpt")
+    MoEFSDPStrategy().remove_checkpoint(tmp_path / "link.ckpt")
+    assert not os.path.lexists(tmp_path / "link.ckpt") and step_of(tmp_path / "step=1.ckpt") == 1
+
+
+# ---- defects 2, 4, 5: two ranks agree ------------------------------------------------------------------------
+
+def test_two_ranks_agree_on_a_full_disk_in_meta_an_async_failure_and_what_last_means(tmp_path):
+    """Before: (2) rank 0 raised a raw ENOSPC while rank 1 waited at a barrier; (5) rank 0 raised at its first poll,
+    rank 1 a step later; (4) each rank resolved `last` alone, rank 1 silently skipping the unreadable newest."""
+    outputs = run_ranks(REPO_ROOT / "tests" / "checkpoint_ranks_run.py", 2, str(tmp_path), timeout=240)
+    lines = {}
+    for output in outputs:
+        for line in output.splitlines():
+            scenario, rank, step, what = (line.split(" ", 3) + [""] * 4)[:4]
+            if scenario in ("meta", "async", "last") and rank in ("0", "1"):
+                lines[scenario, int(rank)] = (step, what)
+    path = tmp_path / "meta" / "last.ckpt"
+    assert lines["meta", 0][1].startswith(f"CheckpointError: Checkpoint {path} was not written: the disk is full")
+    assert lines["meta", 1][1].startswith(f"CheckpointError: Checkpoint {path} was not saved: rank 0 failed: "
+                                          f"Checkpoint {path} was not written: the disk is full")
+    assert step_of(path) == 1 and sorted(p.name for p in path.parent.iterdir()) == ["last.ckpt"]
+    assert lines["async", 0][0] == lines["async", 1][0] != "never", lines
+    assert "rank 1: OSError(5, 'Input/output error')" in lines["async", 0][1]
+    for rank in (0, 1):
+        assert lines["last", rank][1].startswith("CheckpointError: --ckpt_path last resolved differently on the "
+                                                 f"ranks (rank 0 -> {tmp_path / 'last' / 'step=2.ckpt'}, rank 1 -> "
+                                                 f"{tmp_path / 'last' / 'step=1.ckpt'})")
+    assert f"[rank 1] resume: skipping {tmp_path / 'last' / 'step=2.ckpt'}: its step cannot be read (OSError: " \
+           "[Errno 5] Input/output error)" in outputs[1]
+
+
+# ---- issue 26 item 2: a corrupt newest checkpoint falls back ------------------------------------------------
+
+def test_last_skips_a_corrupt_newest_file_and_a_sharded_one_with_a_shard_missing_or_truncated(tmp_path):
+    """Before: the newest was chosen whatever its state, and the resume died in a long traceback (or, with the
+    zeroed bytes in tensor data, loaded wrong weights without a word)."""
+    ckpt.save_file({"global_step": 1, "w": torch.randn(2**18)}, tmp_path / "step=1.ckpt")
+    ckpt.save_file({"global_step": 2, "w": torch.randn(2**18)}, tmp_path / "step=2.ckpt")
+    data = bytearray((tmp_path / "step=2.ckpt").read_bytes())
+    data[len(data) // 2:len(data) // 2 + 2**16] = bytes(2**16)  # zeroed in the middle
+    (tmp_path / "step=2.ckpt").write_bytes(data)
+    with pytest.warns(UserWarning, match=r"skipping .*step=2.ckpt \(step 2\): it is incomplete or damaged "
+                                         r"\(CheckpointError: .* fails its CRC-32 check"):
+        assert runs.newest_checkpoint([tmp_path]) == (tmp_path / "step=1.ckpt", 1)
+    saver = ShardedCheckpointer()
+    for step in (3, 4):
+        saver.save({"w": torch.randn(2**16)}, {"global_step": step}, tmp_path / f"step={step}.ckpt", set(), None)
+    shard = next((tmp_path / "step=4.ckpt").glob("*.distcp"))
+    os.truncate(shard, shard.stat().st_size // 2)
+    with pytest.warns(UserWarning, match=r"step=4.ckpt \(step 4\): .* holds [\d,]+ bytes; its DCP metadata needs"):
+        assert runs.newest_checkpoint([tmp_path]) == (tmp_path / "step=3.ckpt", 3)
+    shard.unlink()
+    with pytest.warns(UserWarning, match=r"distcp is missing: its DCP metadata lists it"):
+        assert runs.newest_checkpoint([tmp_path]) == (tmp_path / "step=3.ckpt", 3)
+
+
+# ---- defect 6: the final save never replaces a ranked checkpoint ---------------------------------------------
+
+def test_the_final_checkpoint_never_overwrites_the_ranked_one_of_the_same_name(tmp_path):
+    """Before: with ``filename: model`` the final save at step 3 replaced the ranked ``model.ckpt`` of step 2."""
+    folder = tmp_path / "ck"
+    run(quick(tmp_path, "--trainer.max_steps=3", "--trainer.callbacks+=ModelCheckpoint",
+              f"--trainer.callbacks.dirpath={folder}", "--trainer.callbacks.filename=model",
+              "--trainer.callbacks.monitor=train/loss", "--trainer.callbacks.every_n_train_steps=2",
+              "--trainer.callbacks.save_top_k=1", "--trainer.callbacks.enable_version_counter=false"))
+    assert step_of(folder / "model.ckpt") == 2
+    assert step_of(folder / "model-v1.ckpt") == 3
+
+
+# ---- defect 7: reading a model reads only the model ---------------------------------------------------------
+
+READ_RSS = """
+    import re, sys
+    from pathlib import Path
+    from moe_lightning.loading import read_checkpoint
+
+    def peak() -> int:
+        return int(re.search(r"VmHWM:\\s+(\\d+) kB", Path("/proc/self/status").read_text()).group(1)) * 1024
+
+    Path("/proc/self/clear_refs").write_text("5")  # the peak so far (imports) is forgotten
+    before = peak()
+    checkpoint = read_checkpoint(sys.argv[1])
+    sum(t.float().sum().item() for t in checkpoint.state_dict.values())  # the weights are read
+    print(peak() - before)
+"""
+
+
+def test_reading_a_checkpoints_model_does_not_read_its_optimizer_state(tmp_path):
+    """Before: the whole file was read (+ the optimizer state's size in peak RSS)."""
+    path = tmp_path / "big.ckpt"
+    ckpt.save_file({"global_step": 1, "hyper_parameters": {"config": {"dim": 64, "n_layers": 1, "vocab_size": 256}},
+                    "state_dict": {},
+                    "optimizer_states": [{"state": {0: {"exp_avg": torch.ones(2**24)}}}]}, path)  # 64 MiB
+    proc = python(READ_RSS, str(path))
+    out = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 0, out
+    assert int(out.split()[-1]) < 16 * 2**20, out  # the 64 MiB optimizer tensor was never read
+
+
+# ---- issue 26 item 4: one run per folder --------------------------------------------------------------------
+
+TAKE_LOCK = """
+    import os, sys, time
+    from pathlib import Path
+    from moe_lightning.runs import FolderInUseError, lock_folder
+    go = Path(sys.argv[2])
+    (go.parent / f"ready-{os.getpid()}").touch()
+    while not go.exists():
+        time.sleep(0.005)
+    try:
+        lock_folder(Path(sys.argv[1]))
+        print("won", flush=True)
+    except FolderInUseError as error:
+        print("refused", error, flush=True)
+    time.sleep(float(sys.argv[3]))
+"""
+
+
+def wait_ready(folder: Path, procs: list[subprocess.Popen]) -> None:
+    while not all((folder / f"ready-{p.pid}").exists() for p in procs):
+        assert all(p.poll() is None for p in procs), [p.communicate()[0] for p in procs]
+        time.sleep(0.05)
+
+
+@pytest.mark.slow  # two Python processes; the single-process lock test below runs in the main stage
+def test_two_processes_taking_one_folder_at_once_one_wins_the_other_is_told_who(tmp_path):
+    folder, go = tmp_path / "ck", tmp_path / "go"
+    procs = [python(TAKE_LOCK, str(folder), str(go), "2") for _ in range(2)]
+    wait_ready(tmp_path, procs)  # both imported and waiting at the gate
+    go.touch()
+    outs = [p.communicate(timeout=300)[0].strip() for p in procs]
+    winners = [p.pid for p, out in zip(procs, outs) if out.endswith("won")]
+    assert len(winners) == 1, outs
+    refusal = next(out for out in outs if "refused" in out)
+    assert f"{folder} is in use by another run (host {socket.gethostname()}, pid {winners[0]}" in refusal
+    assert not (folder / runs.LOCK_FILE).exists()  # released when the winner exited
+
+
+def test_a_stale_lock_of_a_dead_process_is_taken_over_and_a_live_holder_refuses_fit(tmp_path, lightning_log):
+    folder = tmp_path / "ck"
+    folder.mkdir()
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (folder / runs.LOCK_FILE).write_text(json.dumps({"host": socket.gethostname(), "pid": dead.pid}))
+    assert runs.lock_folder(folder) == folder / runs.LOCK_FILE
+    assert json.loads((folder / runs.LOCK_FILE).read_text())["pid"] == os.getpid()
+    assert any(f"its holder (pid {dead.pid}) is no longer running" in m for m in lightning_log)
+    (folder / runs.LOCK_FILE).unlink()
+
+    holder = python(TAKE_LOCK, str(folder), str(tmp_path / "go"), "600")
+    try:
+        wait_ready(tmp_path, [holder])
+        (tmp_path / "go").touch()
+        while not (folder / runs.LOCK_FILE).exists():
+            time.sleep(0.05)
+        with pytest.raises(runs.FolderInUseError) as refused:
+            run(quick(tmp_path, "--trainer.max_steps=1", "--trainer.callbacks+=ModelCheckpoint",
+                      f"--trainer.callbacks.dirpath={folder}"))
+        assert f"(host {socket.gethostname()}, pid {holder.pid};" in str(refused.value)
+        assert sorted(p.name for p in folder.iterdir()) == [runs.LOCK_FILE]  # nothing read, cleaned or written
+    finally:
+        holder.kill()
+        holder.wait()
