@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from moe_lightning import runs
-from moe_lightning.cli import run
+from moe_lightning.commands import run
 from moe_lightning.parallel import checkpoint as ckpt
 from moe_lightning.parallel.checkpoint import CheckpointError, ShardedCheckpointer
 from moe_lightning.strategy import MoEFSDPStrategy
