@@ -299,11 +299,12 @@ class MoECLI(LightningCLI):
     def before_fit(self) -> None:
         self._check_model_fits_data()
         config = self.config_init[self.subcommand]
-        runs.lock_run_folders(self.trainer)  # one run per checkpoint folder, before reading or cleaning it
-        if config.get("ckpt_path") == "last":  # any earlier run of this command, not only this version
+        last = config.get("ckpt_path") == "last"
+        if last:  # any earlier run of this command, not only this version
             config["ckpt_path"] = runs.resolve_last(self.trainer)
-            runs.lock_run_folders(self.trainer, resumed=config["ckpt_path"])  # one continuation of a run
-        self._check_resume(self.datamodule)
+        self._check_resume(self.datamodule)  # reads only: a refused resume leaves nothing behind
+        # one run per checkpoint folder (and one continuation of a run), before cleaning it
+        runs.lock_run_folders(self.trainer, resumed=config["ckpt_path"] if last else None)
         self._remove_stale_partial_checkpoints()
 
     def before_validate(self) -> None:

@@ -68,8 +68,6 @@ def merge_config(path: str | Path, config: MoEConfig | None = None) -> MoEConfig
     default = MoEConfig()  # an instance, so derived defaults (head_dim) count as unset too
     kept = {name: getattr(config, name) for name in sorted(TRAINING_FIELDS)
             if getattr(config, name) != getattr(default, name)}
-    if loaded.bias_update_rate == 0:  # a format with no slot for the balancing bias: training one could not be saved
-        kept.pop("bias_update_rate", None)
     return dataclasses.replace(loaded, **kept)
 
 
