@@ -108,8 +108,11 @@ def test_gradient_clipping_uses_one_global_norm_across_dense_and_expert_meshes(r
     """Lightning's own clipping (one process) is the reference; the strategy's norm spans both meshes."""
     for name in ("fsdp", "ep_killed", "hsdp"):
         assert_all_close(runs[name]["clipped_norms"], runs["single"]["clipped_norms"], rel=RTOL)
-    first = runs["ep_killed"]["clipped_norms"][0]
-    assert (first["other"] ** 2 + first["experts"] ** 2) ** 0.5 == pytest.approx(1.0, rel=1e-4)
+    total = [(n["other"] ** 2 + n["experts"] ** 2) ** 0.5 for key in ("grad_norms", "clipped_norms")
+             for n in runs["ep_killed"][key]]
+    before, after = total[:len(total) // 2], total[len(total) // 2:]
+    assert any(b > 1.0 for b in before)  # the run clips at least once (max_norm 1.0)
+    assert after == pytest.approx([min(b, 1.0) for b in before], rel=1e-4)
 
 
 def test_accumulation_reduce_scatters_every_micro_batch(runs):
