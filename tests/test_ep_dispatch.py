@@ -20,7 +20,7 @@ import torch.distributed as dist
 from moe_lightning import ep_traffic
 from moe_lightning.model import MoEConfig
 from moe_lightning.model.moe import MoELayer
-from moe_lightning.parallel.expert_parallel import AllToAllTokenDispatcher, node_reach
+from moe_lightning.parallel.expert_parallel import AllToAllTokenDispatcher, node_reach, ranks_layout
 from moe_lightning.plan import main
 from tests.distributed import REPO_ROOT, clean_env, free_port
 
@@ -91,6 +91,15 @@ def test_packed_rows_are_padded_to_the_widest_element():
     assert ep_traffic.packed_row_bytes((7, 2)) == 14
 
 
+def test_node_layout_of_partial_nodes_names_the_field_and_the_requirement():
+    assert ranks_layout([0, 1, 2, 3, 4, 5, 6, 7], 4) == (2, 4)
+    assert ranks_layout([4, 5], 4) == (1, 2)
+    why = ranks_layout([0, 1, 2, 3, 4, 5], 4)  # ep 6 over nodes of 4: 4 + 2
+    assert isinstance(why, str) and "strategy.expert_parallel_size (now 6)" in why
+    assert "multiple of the devices per node (4)" in why and "node-major" in why
+    assert isinstance(ranks_layout([0, 4, 1, 5], 4), str)  # not node-major
+
+
 def test_node_reach_warns_when_groups_straddle_nodes():
     """configs/1t.yaml's former 8 groups of 48 experts over 24 nodes of 16: each group spans 3 nodes."""
     reach, warning = node_reach(8, 4, 384, 8, 24)
@@ -116,6 +125,16 @@ def test_plan_prints_the_exchange_of_1t_per_gpu_and_step(capsys):
     assert float(flat.split()[3]) == pytest.approx(55 * (forward + backward) / 20e9, rel=5e-3)
     hier = next(line for line in out.splitlines() if line.startswith("hierarchical + recompute"))
     assert float(hier.split()[3]) < float(flat.split()[1])  # hierarchical with recompute sends less than flat without
+
+
+def test_plan_says_why_it_cannot_price_an_exchange_of_partial_nodes(capsys):
+    """ep 12 over nodes of 8: the groups are not whole nodes. It used to print nothing."""
+    main(["--config", str(REPO_ROOT / "configs" / "1t.yaml"), "--nodes", "48", "--gpus-per-node", "8",
+          "--expert-parallel-size", "12"])
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("expert exchange")]
+    assert len(lines) == 1
+    assert "expert_parallel_size=12" in lines[0] and "gpus_per_node=8" in lines[0]
+    assert "choose expert_parallel_size <= 8 or a multiple of 8" in lines[0]
 
 
 def fit(tmp, name: str, nodes: int, per_node: int, *args: str) -> list[float]:
