@@ -60,6 +60,11 @@ def test_hierarchical_dispatch_crosses_nodes_once_per_node_and_equals_flat():
     assert result["forward_bitwise_equal"]
     # one node per token: flat sends both copies of a remote token, hierarchical one row (+ 16 B of routing)
     assert result["hierarchical_over_flat_inter"] <= 0.55, result
+    # the step's 4 crossings of each token's row to its one remote node, plus routing metadata and counts
+    assert result["crossings_per_step"] == 4
+    minimum = result["minimum_inter_bytes_per_token_step"]
+    assert minimum == 4 * result["minimum_bytes_per_token_one_way"]
+    assert minimum <= result["hierarchical"]["inter_bytes_per_token"] <= 1.05 * minimum, result
 
 
 @pytest.mark.slow  # multi-process, three routings twice
@@ -68,10 +73,11 @@ def test_every_routing_with_recompute_and_bf16(options):
     results = run_two_nodes("--tokens", "128", *options)
     assert [r["routing"] for r in results] == ["unrestricted", "node-limited", "empty-rank"]
     for result in results:
-        # bf16: the one-process reference rounds its sums differently; hierarchical vs flat stays at fp32 level
+        # bf16: the one-process reference rounds its sums differently; hierarchical vs flat differ by the order
+        # of a bf16 sum (a token's expert outputs per node, then across nodes): about one bf16 eps, 2^-7
         check(result, 1e-5 if "bf16" not in options else 2e-2)
         if "bf16" in options:
-            assert result["relative_max_differences"]["hierarchical_vs_flat"] < 2e-2
+            assert result["relative_max_differences"]["hierarchical_vs_flat"] <= 8e-3, result
 
 
 def test_plan_prices_distinct_nodes_exactly_for_uniform_routing():
