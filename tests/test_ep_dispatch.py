@@ -74,7 +74,8 @@ def test_every_routing_with_recompute_and_bf16(options):
     assert [r["routing"] for r in results] == ["unrestricted", "node-limited", "empty-rank"]
     for result in results:
         # bf16: the one-process reference rounds its sums differently; hierarchical vs flat differ by the order
-        # of a bf16 sum (a token's expert outputs per node, then across nodes): about one bf16 eps, 2^-7
+        # of a bf16 sum (a token's expert outputs per node, then across nodes): within one bf16 eps, 2^-7
+        # (measured 1.4e-3 to 2.5e-3 relative to the largest entry, 256 tokens per rank)
         check(result, 1e-5 if "bf16" not in options else 2e-2)
         if "bf16" in options:
             assert result["relative_max_differences"]["hierarchical_vs_flat"] <= 8e-3, result
