@@ -151,6 +151,17 @@ def test_a_second_tokenize_into_the_folder_is_refused_naming_the_holder_and_sigt
     assert all(out.joinpath(name).stat().st_mtime_ns == t for name, t in finished.items())
 
 
+def test_sigterm_in_the_one_process_path_is_a_stop_not_a_unit_failure(tmp_path):
+    """Was: Stopped caught as the unit's failure: "unit N failed", exit 1."""
+    corpus, out = jsonl(tmp_path / "c.jsonl", 3000), tmp_path / "out"
+    run = start_tokenize(1.0, corpus, "--out", out, "--workers", 1)
+    wait_for(lambda: (out / "tokenize-plan.json").exists())
+    run.send_signal(signal.SIGTERM)
+    _, err = run.communicate(timeout=60)
+    assert run.returncode == 128 + signal.SIGTERM and "stopped by SIGTERM" in err and "failed" not in err, err
+    assert not list(out.glob("*.partial"))
+
+
 def test_two_tasks_run_concurrently_write_the_same_stream_as_one(tmp_path):
     corpus = jsonl(tmp_path / "c.jsonl", 3000)
     one = tokenize_to_folder([str(corpus)], str(tmp_path / "one"), workers=1, num_tasks=1)

@@ -599,6 +599,8 @@ def _run_units(pending: list[dict], plan: dict, folder: Path, tokenizer_path, wo
             for unit in pending:
                 try:
                     tokenize_unit(unit, plan, str(folder))
+                except Stopped:  # a signal, not this unit's failure
+                    raise
                 except Exception as error:
                     failure = (unit, error)
                     break
