@@ -719,6 +719,26 @@ def write_token_file(sources: list[str], out_path: str, tokenizer_path: str | No
     return out
 
 
+def tokenize_in_memory(files: list[Path], tokenizer, text_field: str,
+                       max_tokens: int | None) -> tuple[np.ndarray, int]:
+    """Documents tokenized at start-up (small corpora), read as ``tokenize`` reads them (one reader: raw bytes,
+    so a "\\r\\n" file gives the same ids either way); stops after the file that reaches ``max_tokens``.
+    Returns the tokens and how many files were read."""
+    inputs, dtype = describe_inputs(files), token_dtype(tokenizer.vocab_size)
+    groups = {str(i): table_groups(p) for i, p in enumerate(files) if p.suffix in TABLE_SUFFIXES}
+    plan, chunks, count, nulls = {"inputs": inputs, "groups": groups, "text_field": text_field}, [], 0, [0]
+    for i in range(len(files)):
+        unit = {"index": 0, "start": [i, 0], "end": [i + 1, 0], "bytes": inputs[i][1]}
+        for tokens, _, _ in tokenized_batches(unit_segments(unit, plan, nulls), tokenizer, dtype):
+            chunks.append(tokens)
+            count += len(tokens)
+        if max_tokens is not None and count >= max_tokens:
+            break
+    if nulls[0]:
+        sources.info(f"data: skipped {nulls[0]:,} table row(s) whose {text_field!r} is null")
+    return (np.concatenate(chunks) if chunks else np.zeros(0, dtype=dtype)), i + 1 if files else 0
+
+
 def tokenize_main(argv: list[str] | None = None) -> None:
     """``moe-lightning tokenize SOURCE... --out FOLDER``: tokenize a corpus into .npy shards and a manifest."""
     parser = argparse.ArgumentParser(prog="moe-lightning tokenize", description=tokenize_main.__doc__)
