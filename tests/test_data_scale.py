@@ -182,6 +182,51 @@ def test_two_tasks_run_concurrently_write_the_same_stream_as_one(tmp_path):
     assert manifest["tokens"] == one["tokens"]
 
 
+def slurm(monkeypatch, **variables):
+    for key in [k for k in os.environ if k.startswith(("SLURM_", "RANK", "WORLD_SIZE"))]:
+        monkeypatch.delenv(key)
+    for key, value in variables.items():
+        monkeypatch.setenv(f"SLURM_ARRAY_TASK_{key}", str(value))
+
+
+def test_task_selection_reads_index_and_count_separately_and_names_what_is_wrong(monkeypatch):
+    """Was: a resubmitted index ran as a whole run, an explicit --task-index was overwritten by the environment,
+    --num-tasks alone became task 0, and a stepped array failed naming flags never given."""
+    task = tokenize_module.task_from_environment
+    slurm(monkeypatch, ID=17, MIN=17, MAX=17, COUNT=1)  # sbatch --array=17, resubmitting task 17 of 0-63
+    assert task(None, None, {"tasks": 64, "first_task_id": 0})[:2] == (17, 64)
+    slurm(monkeypatch, ID=5, MIN=0, MAX=63, COUNT=64)
+    assert task(3, None)[:2] == (3, 64) and task(None, 8)[:2] == (5, 8) and task(None, None)[:2] == (5, 64)
+    slurm(monkeypatch, ID=12, MIN=2, MAX=62, COUNT=31, STEP=2)  # --array=2-62:2
+    assert task(None, None)[:2] == (5, 31)
+    slurm(monkeypatch, ID=9, MIN=1, MAX=9, COUNT=3)  # --array=1,5,9: no grid to count on
+    with pytest.raises(TokenizeError, match="SLURM_ARRAY_TASK_ID.*--array=1,5,9"):
+        task(None, None)
+    slurm(monkeypatch)
+    with pytest.raises(TokenizeError, match="--num-tasks=64 needs --task-index"):
+        task(None, 64)
+    with pytest.raises(TokenizeError, match="--task-index=3 needs --num-tasks"):
+        task(3, None)
+    with pytest.raises(TokenizeError, match="--task-index=4 must be in 0..3 .--num-tasks=4"):
+        task(4, 4)
+    assert task(None, None)[:2] == (0, 1)
+
+
+def test_a_task_counting_other_tasks_than_the_plan_is_refused(tmp_path, monkeypatch):
+    corpus = jsonl(tmp_path / "c.jsonl", 300)
+    slurm(monkeypatch)
+    monkeypatch.setattr(tokenize_module, "MIN_UNIT_BYTES", 2000)
+    tokenize_to_folder([str(corpus)], str(tmp_path / "out"), workers=1, num_tasks=4, task_index=0)
+    assert json.loads((tmp_path / "out" / "tokenize-plan.json").read_text())["tasks"] == 4
+    with pytest.raises(TokenizeError, match="array of 4 tasks, this task counts 2; rerun it with --num-tasks 4"):
+        tokenize_to_folder([str(corpus)], str(tmp_path / "out"), workers=1, num_tasks=2, task_index=1)
+    for i in (1, 2):
+        assert tokenize_to_folder([str(corpus)], str(tmp_path / "out"), workers=1, num_tasks=4, task_index=i) is None
+    # the explicit final step: one plain run finishes what is left (task 3's units) and writes the manifest
+    manifest = tokenize_to_folder([str(corpus)], str(tmp_path / "out"), workers=1, resume=True, num_tasks=1)
+    assert manifest["tokens"] == tokenize_to_folder([str(corpus)], str(tmp_path / "ref"), workers=1)["tokens"]
+
+
 def test_resume_checks_arguments_and_inputs_even_when_the_folder_is_complete(tmp_path, capsys):
     """Was: "nothing to do" and exit 0 for a complete folder of another corpus; added files silently left out."""
     (tmp_path / "in").mkdir()

@@ -460,19 +460,42 @@ def _alive(pid: int) -> bool:
 
 # ---- the command ------------------------------------------------------------------------------------------------
 
-def task_from_environment(task_index: int | None, num_tasks: int | None) -> tuple[int, int]:
-    """``(task index, number of tasks)``: as given, else a SLURM array's or torchrun's, else ``(0, 1)``."""
-    for index_key, count_key in (("SLURM_ARRAY_TASK_ID", "SLURM_ARRAY_TASK_COUNT"), ("RANK", "WORLD_SIZE")):
-        if num_tasks is None and index_key in os.environ and count_key in os.environ:
-            task_index = int(os.environ[index_key]) - int(os.environ.get("SLURM_ARRAY_TASK_MIN", 0)) \
-                if index_key.startswith("SLURM") else int(os.environ[index_key])
-            num_tasks = int(os.environ[count_key])
-    num_tasks = 1 if num_tasks is None else num_tasks
-    task_index = 0 if task_index is None else task_index
-    if num_tasks < 1 or not 0 <= task_index < num_tasks:
-        raise TokenizeError(f"tokenize: --task-index={task_index} must be in 0..--num-tasks-1 "
-                            f"(--num-tasks={num_tasks}).")
-    return task_index, num_tasks
+def task_from_environment(task_index: int | None, num_tasks: int | None, planned: dict | None = None) -> tuple:
+    """``(task index, number of tasks, first array id)``: each of index and count as given, else from a SLURM array
+    (the index counted from its first id in steps of its step) or torchrun, else ``(0, 1)``. ``planned``: the
+    folder's plan, whose array a single resubmitted index (``sbatch --array=17``: an array of one) belongs to."""
+    env, names, found, first = os.environ, ("--task-index", "--num-tasks"), None, 0
+    if "SLURM_ARRAY_TASK_ID" in env:
+        ident = int(env["SLURM_ARRAY_TASK_ID"])
+        first, step = int(env.get("SLURM_ARRAY_TASK_MIN", 0)), int(env.get("SLURM_ARRAY_TASK_STEP") or 1)
+        count = int(env["SLURM_ARRAY_TASK_COUNT"]) if "SLURM_ARRAY_TASK_COUNT" in env else \
+            (int(env.get("SLURM_ARRAY_TASK_MAX", ident)) - first) // step + 1
+        if count == 1 and planned and planned.get("tasks", 1) > 1:  # one task of the planned array, rerun
+            first = planned.get("first_task_id", 0)
+            found = (ident - first, planned["tasks"])
+        else:
+            found = ((ident - first) // step if (ident - first) % step == 0 else count, count)
+        env_names = ("SLURM_ARRAY_TASK_ID", "SLURM_ARRAY_TASK_COUNT")
+    elif "RANK" in env and "WORLD_SIZE" in env:
+        found, env_names = (int(env["RANK"]), int(env["WORLD_SIZE"])), ("RANK", "WORLD_SIZE")
+    index, count = task_index, num_tasks
+    if found is not None:
+        if index is None:
+            index, names = found[0], (env_names[0], names[1])
+        if count is None:
+            count, names = found[1], (names[0], env_names[1])
+    if count is not None and count > 1 and index is None:
+        raise TokenizeError(f"tokenize: --num-tasks={count} needs --task-index (this task's index), or run it as a "
+                            "SLURM array task.")
+    if index is not None and index > 0 and count is None:
+        raise TokenizeError(f"tokenize: --task-index={index} needs --num-tasks (how many tasks share the work).")
+    index, count = index or 0, count or 1
+    if count < 1 or not 0 <= index < count:
+        raise TokenizeError(f"tokenize: task index {index} (from {names[0]}) must be in 0..{count - 1} for {count} "
+                            f"tasks (from {names[1]}); a SLURM array given as a list (--array=1,5,9) needs "
+                            "--task-index and --num-tasks." if names[0].startswith("SLURM") else
+                            f"tokenize: {names[0]}={index} must be in 0..{count - 1} ({names[1]}={count}).")
+    return index, count, first
 
 
 def tokenize_to_folder(sources: list[str], out: str, tokenizer_path: str | None = None, text_field: str = "text",
@@ -483,7 +506,11 @@ def tokenize_to_folder(sources: list[str], out: str, tokenizer_path: str | None 
     folder, workers = Path(out), workers or os.cpu_count() or 1
     if workers < 1 or shard_tokens < 1:
         raise TokenizeError(f"tokenize: --workers={workers} and --shard-tokens={shard_tokens} must be positive.")
-    task, tasks = task_from_environment(task_index, num_tasks)
+    try:
+        planned = json.loads((folder / PLAN).read_text())
+    except (OSError, ValueError):
+        planned = None  # none yet (or unreadable: said below)
+    task, tasks, first_id = task_from_environment(task_index, num_tasks, planned)
     tokenizer = load_tokenizer(tokenizer_path)
     identity = {"format": PLAN_FORMAT, "sources": sources, "tokenizer": tokenizer_identity(tokenizer.spec()),
                 "text_field": text_field, "shard_tokens": shard_tokens}
@@ -508,7 +535,11 @@ def tokenize_to_folder(sources: list[str], out: str, tokenizer_path: str | None 
             else:
                 if resume:
                     print(f"tokenize: {folder} holds no run yet; starting from the beginning.", file=sys.stderr)
-                plan = _new_plan(folder, identity, input_files(sources), tokenizer, tasks)
+                plan = _new_plan(folder, identity, input_files(sources), tokenizer, tasks, first_id)
+            if tasks > 1 and plan.get("tasks", tasks) != tasks:  # a plain run (exclusive lock) may finish any plan
+                raise TokenizeError(f"tokenize: {folder} is tokenized by an array of {plan['tasks']} tasks, this task "
+                                    f"counts {tasks}; rerun it with --num-tasks {plan['tasks']}, or finish the folder "
+                                    "with one plain run (--resume --num-tasks 1).")
             mine = [u for u in plan["units"] if u["index"] % tasks == task]
             _remove_partials(folder, mine)
             pending = [u for u in mine if not unit_record(folder, u["index"]).exists()]
@@ -518,7 +549,7 @@ def tokenize_to_folder(sources: list[str], out: str, tokenizer_path: str | None 
         lock.release()
 
 
-def _new_plan(folder: Path, identity: dict, files: list[Path], tokenizer, tasks: int) -> dict:
+def _new_plan(folder: Path, identity: dict, files: list[Path], tokenizer, tasks: int, first_id: int) -> dict:
     inputs = describe_inputs(files)
     groups = {i: table_groups(p) for i, p in enumerate(files) if p.suffix in TABLE_SUFFIXES}
     total = sum(size for _, size, _ in inputs)
@@ -527,7 +558,7 @@ def _new_plan(folder: Path, identity: dict, files: list[Path], tokenizer, tasks:
     target = max(MIN_UNIT_BYTES, min(identity["shard_tokens"] * bytes_per_token,
                                      math.ceil(total / (UNITS_PER_TASK * tasks))))
     plan = {**identity, "inputs": inputs, "groups": {str(i): g for i, g in groups.items()},
-            "units": plan_units(inputs, groups, target)}
+            "units": plan_units(inputs, groups, target), "tasks": tasks, "first_task_id": first_id}
     if (folder / PLAN).exists():  # another task of the array planned first: its plan must be this one
         return _checked_plan(folder, identity, files)
     write_json(folder / PLAN, plan)
