@@ -227,6 +227,19 @@ def test_a_task_counting_other_tasks_than_the_plan_is_refused(tmp_path, monkeypa
     assert manifest["tokens"] == tokenize_to_folder([str(corpus)], str(tmp_path / "ref"), workers=1)["tokens"]
 
 
+@pytest.mark.parametrize("code", ["ENOSYS", "ENOLCK"])
+def test_a_file_system_without_flock_is_one_line_naming_the_folder_and_the_mount_option(tmp_path, monkeypatch, code):
+    """Was: a raw OSError (Lustre without -o flock, NFS without lockd)."""
+    import errno
+    import fcntl
+
+    def no_locks(fd, operation):
+        raise OSError(getattr(errno, code), os.strerror(getattr(errno, code)))
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    with pytest.raises(TokenizeError, match=f"cannot lock .*{tmp_path / 'out'}.*-o flock.*lockd"):
+        tokenize_to_folder([str(jsonl(tmp_path / "c.jsonl", 10))], str(tmp_path / "out"), workers=1)
+
+
 def test_resume_checks_arguments_and_inputs_even_when_the_folder_is_complete(tmp_path, capsys):
     """Was: "nothing to do" and exit 0 for a complete folder of another corpus; added files silently left out."""
     (tmp_path / "in").mkdir()

@@ -419,8 +419,10 @@ class FolderLock:
             fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
         except OSError as error:
             os.close(fd)
-            if error.errno not in (errno.EAGAIN, errno.EACCES):
-                raise
+            if error.errno not in (errno.EAGAIN, errno.EACCES):  # not busy: the file system cannot lock
+                raise TokenizeError(f"tokenize: cannot lock {path} ({os.strerror(error.errno or 0)}): {self.folder}'s "
+                                    "file system has no flock (Lustre: mount with -o flock; NFS: run lockd, no "
+                                    "-o nolock); choose a folder on a file system that locks.") from None
             raise TokenizeError(f"tokenize: another tokenize is writing {self.folder} ({self._holders(path)}); "
                                 "wait for it to finish, or stop it, then rerun with --resume.") from None
         self.files.append(fd)
