@@ -100,6 +100,10 @@ class TextDataModule(L.LightningDataModule):
         if folder is not None and folder.joinpath("manifest.json").is_file():
             parts = open_shard_folder(folder, self.tokenizer)
             return parts, len(self.resolved[i])
+        if folder is not None and self.trainer.global_rank != 0:  # rank 0 wrote it where this node cannot see
+            raise ValueError(f"data.source={self.entries[i]['path']!r}: global rank {self.trainer.global_rank} finds "
+                             f"no tokenized corpus in {folder}, which global rank 0 wrote: put trainer.logger's "
+                             "save_dir on a file system every node shares.")
         return open_tokens(self.resolved[i], self.tokenizer, self.text_field, budget)
 
     def _tokenized_folder(self, i: int) -> Path | None:
@@ -118,12 +122,23 @@ class TextDataModule(L.LightningDataModule):
     def prepare_data(self) -> None:
         """Global rank 0 tokenizes text sources into the run's folder on every core (Lightning holds the other
         ranks at a barrier without a timeout); every rank then memory-maps the shards instead of tokenizing."""
-        from .tokenize import tokenize_to_folder
+        from ..runs import Preempted
+        from .tokenize import Stopped, TokenizeError, tokenize_to_folder
         for i, entry in enumerate(self.entries):
             folder = self._tokenized_folder(i)
-            if folder is not None:
+            if folder is None:
+                continue
+            try:
                 tokenize_to_folder([entry["path"]], str(folder), self.tokenizer_path, self.text_field,
-                                   resume=folder.exists(), num_tasks=1)
+                                   resume=folder.exists(), num_tasks=1, task_index=0)
+            except Stopped as stop:
+                raise Preempted(stop.exit_code, "preempted before the first step: nothing to save (tokenized "
+                                                "units kept)") from None
+            except TokenizeError as error:  # worded for tokenize's command line: keep what applies to fit
+                said = [s for s in str(error).removeprefix("tokenize: ").split(". ") if "--resume" not in s]
+                raise ValueError(f"data.source={entry['path']!r}: tokenizing it into {folder} failed: "
+                                 f"{'. '.join(said).rstrip('.')}; fix that and start the run again (finished "
+                                 "units are reused).") from None
 
     def setup(self, stage: str | None = None) -> None:
         if self.train_set is None:
