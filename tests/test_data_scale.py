@@ -164,8 +164,11 @@ def test_sigterm_in_the_one_process_path_is_a_stop_not_a_unit_failure(tmp_path):
 
 def test_two_tasks_run_concurrently_write_the_same_stream_as_one(tmp_path):
     corpus = jsonl(tmp_path / "c.jsonl", 3000)
-    one = tokenize_to_folder([str(corpus)], str(tmp_path / "one"), workers=1, num_tasks=1)
-    tasks = [subprocess.Popen([sys.executable, "-c", SLOW_UNITS, "0.05", str(corpus), "--out", str(tmp_path / "two"),
+    text = tmp_path / "t.txt"
+    text.write_text("a long text document " * 5000)
+    one = tokenize_to_folder([str(corpus), str(text)], str(tmp_path / "one"), workers=1, num_tasks=1)
+    tasks = [subprocess.Popen([sys.executable, "-c", SLOW_UNITS, "0.05", str(corpus), str(text), "--out",
+                               str(tmp_path / "two"),
                                "--workers", "1"], env={**clean_env(), "SLURM_ARRAY_TASK_ID": str(i),
                                                        "SLURM_ARRAY_TASK_COUNT": "2"},
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
@@ -238,6 +241,19 @@ def test_a_file_system_without_flock_is_one_line_naming_the_folder_and_the_mount
     monkeypatch.setattr(fcntl, "flock", no_locks)
     with pytest.raises(TokenizeError, match=f"cannot lock .*{tmp_path / 'out'}.*-o flock.*lockd"):
         tokenize_to_folder([str(jsonl(tmp_path / "c.jsonl", 10))], str(tmp_path / "out"), workers=1)
+
+
+def test_a_text_file_is_cut_in_the_same_places_for_any_number_of_tasks(tmp_path, monkeypatch):
+    """Was: the unit size divided by the task count, so cuts (and a Metaspace tokenizer's ids) moved with it."""
+    slurm(monkeypatch)
+    monkeypatch.setattr(tokenize_module, "MIN_UNIT_BYTES", 2000)
+    text = tmp_path / "t.txt"
+    text.write_text("a long text document " * 20_000)
+    units = []
+    for tasks in (1, 2, 8):
+        tokenize_to_folder([str(text)], str(tmp_path / f"out{tasks}"), workers=1, num_tasks=tasks, task_index=0)
+        units.append(json.loads((tmp_path / f"out{tasks}" / "tokenize-plan.json").read_text())["units"])
+    assert len(units[0]) > 8 and units[0] == units[1] == units[2]
 
 
 def test_resume_checks_arguments_and_inputs_even_when_the_folder_is_complete(tmp_path, capsys):

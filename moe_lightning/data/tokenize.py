@@ -44,7 +44,8 @@ LOCK = "tokenize.lock"
 SHARD_TOKENS = 1 << 28  # 268M tokens: 512 MiB of uint16 or 1 GiB of uint32 per shard
 BATCH_CHARS = 1 << 19  # text encoded per batch (512 KiB, half the smallest unit): memory flat at any size
 MIN_UNIT_BYTES = 1 << 20  # units smaller than this cost more in start-up than they gain in balance
-UNITS_PER_TASK = 64  # enough units for every worker of a task to stay busy to the end
+UNITS = 4096  # enough units for 64 tasks of 64 workers to stay busy; never a function of the task count, so
+# a text file's cuts (token-neutral only for GPT-2-style pre-tokenizers) fall in the same places however many run
 PROGRESS_EVERY_S = 2.0
 FORMAT = "moe_lightning token shards v1"
 PLAN_FORMAT = "moe_lightning tokenize plan v2"
@@ -556,9 +557,8 @@ def _new_plan(folder: Path, identity: dict, files: list[Path], tokenizer, tasks:
     groups = {i: table_groups(p) for i, p in enumerate(files) if p.suffix in TABLE_SUFFIXES}
     total = sum(size for _, size, _ in inputs)
     bytes_per_token = 1 if tokenizer.spec()["kind"] == "bytes" else 4
-    # at most a shard a unit, and enough units to keep every worker of every task busy
-    target = max(MIN_UNIT_BYTES, min(identity["shard_tokens"] * bytes_per_token,
-                                     math.ceil(total / (UNITS_PER_TASK * tasks))))
+    # at most a shard a unit, and enough units to keep every worker busy: the same cuts for any task count
+    target = max(MIN_UNIT_BYTES, min(identity["shard_tokens"] * bytes_per_token, math.ceil(total / UNITS)))
     plan = {**identity, "inputs": inputs, "groups": {str(i): g for i, g in groups.items()},
             "units": plan_units(inputs, groups, target), "tasks": tasks, "first_task_id": first_id}
     if (folder / PLAN).exists():  # another task of the array planned first: its plan must be this one
