@@ -2,6 +2,7 @@
 shard folders and worker processes, reported to Lightning as resumable."""
 
 import logging
+import os
 import warnings
 from functools import partial
 
@@ -252,6 +253,18 @@ def test_a_rank_that_cannot_see_rank_0s_tokenized_folder_is_told_to_share_the_lo
     with pytest.raises(ValueError, match="global rank 1 finds no tokenized corpus.*every node shares"):
         logged_module(tmp_path, global_rank=1).setup()
     logged_module(tmp_path).setup()  # rank 0 (no prepare_data: as without Lightning) still reads the text
+
+
+def test_a_mid_epoch_position_of_an_earlier_shuffle_order_is_refused(tmp_path):
+    """Was: no order version in the position, so a checkpoint of the earlier shuffle resumed into another order."""
+    dm = TextDataModule(os.path.dirname(os.__file__) + "/json", seq_len=16, batch_size=4)
+    dm.setup()
+    position = {"epoch": 1, "samples": 40, **dm.description()}
+    assert position["order"] == "feistel-v1" and dm._restore(position) == (1, 40)
+    earlier = {k: v for k, v in position.items() if k != "order"}
+    with pytest.raises(ValueError, match="40 sequences into epoch 1 of a shuffle order before feistel-v1"):
+        dm._restore(earlier)
+    assert dm._restore({**earlier, "samples": 0}) == (1, 0)  # at an epoch's start no order is needed
 
 
 def test_a_source_given_twice_is_refused():

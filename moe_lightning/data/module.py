@@ -15,6 +15,8 @@ from .sampling import MixtureSampler, MixtureSequences, PackedSequences, Resumab
 from .sources import info, is_token_source, parse_sources, resolve_source
 from .tokens import TokenStream, open_shard_folder, open_tokens
 
+ORDER = "feistel-v1"  # the shuffle (sampling.Shuffle): a position is a position in this order only
+
 
 class ResumableLoader(DataLoader):
     """The training loader, stateful for Lightning: its ``state_dict`` is the position in the global order
@@ -216,6 +218,7 @@ class TextDataModule(L.LightningDataModule):
         of the first and last training sequence."""
         ends = [self.train_set[i].numpy().tobytes() for i in (0, len(self.train_set) - 1)]
         return {"mixture": self._mixture_signature(), "seq_len": self.seq_len, "shuffle_seed": self.shuffle_seed,
+                "order": ORDER,
                 "train_sequences": len(self.train_set), "fingerprint": hashlib.sha256(b"".join(ends)).hexdigest()[:16]}
 
     def train_dataloader(self) -> DataLoader:
@@ -244,6 +247,10 @@ class TextDataModule(L.LightningDataModule):
                              f"sequences) but this run has {ours}; its position means nothing in another mixture. "
                              "Resume with the same sources, weights and seq_len, or start a new run.")
         check_data(state, self.description(), "the checkpoint")  # as the CLI does before building (Python users)
+        if "order" not in state and state["samples"] > 0:
+            raise ValueError(f"data: the checkpoint stopped {state['samples']:,} sequences into epoch {state['epoch']} "
+                             f"of a shuffle order before {ORDER} (an earlier version); this one would repeat and skip "
+                             "sequences. Finish that run with the version that wrote it, or start a new run.")
         return state["epoch"], state["samples"]
 
     def state_dict(self) -> dict:
