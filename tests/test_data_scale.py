@@ -256,6 +256,21 @@ def test_a_text_file_is_cut_in_the_same_places_for_any_number_of_tasks(tmp_path,
     assert len(units[0]) > 8 and units[0] == units[1] == units[2]
 
 
+def test_a_task_reports_progress_over_its_units_and_removes_its_partial_records(tmp_path, monkeypatch, capsys):
+    """Was: progress over every task's units (never reaching 100%), and a killed unit record's partial left."""
+    slurm(monkeypatch)
+    monkeypatch.setattr(tokenize_module, "MIN_UNIT_BYTES", 20_000)
+    corpus, out = jsonl(tmp_path / "c.jsonl", 3000), tmp_path / "out"
+    tokenize_to_folder([str(corpus)], str(out), workers=1, num_tasks=2, task_index=0)
+    plan = json.loads((out / "tokenize-plan.json").read_text())
+    mine = sum(u["bytes"] for u in plan["units"] if u["index"] % 2 == 0)
+    assert f"of {mine / 1e6:,.3f} MB read" in capsys.readouterr().err
+    stale = out / "part-00002.done.json.x1y2.partial"  # a unit record whose writer was killed
+    stale.write_text("{")
+    tokenize_to_folder([str(corpus)], str(out), workers=1, num_tasks=2, task_index=0)
+    assert not stale.exists()
+
+
 def test_resume_checks_arguments_and_inputs_even_when_the_folder_is_complete(tmp_path, capsys):
     """Was: "nothing to do" and exit 0 for a complete folder of another corpus; added files silently left out."""
     (tmp_path / "in").mkdir()

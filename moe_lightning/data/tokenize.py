@@ -374,8 +374,8 @@ class Progress:
     """Input read, tokens written, tokens/s and ETA on stderr, every few seconds, from the per-unit counters the
     workers keep in shared memory (no queue a killed worker could leave locked)."""
 
-    def __init__(self, plan: dict, slots, already_done: int):
-        self.slots, self.total, self.before = slots, sum(u["bytes"] for u in plan["units"]), already_done
+    def __init__(self, units: list[dict], slots, already_done: int):
+        self.slots, self.total, self.before = slots, sum(u["bytes"] for u in units), already_done
         self.start = self.last = time.monotonic()
 
     def maybe_show(self) -> None:
@@ -463,6 +463,11 @@ def _alive(pid: int) -> bool:
 
 # ---- the command ------------------------------------------------------------------------------------------------
 
+def _cores() -> int:
+    """The cores this process may run on (a SLURM or cgroup CPU set), not the machine's."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def task_from_environment(task_index: int | None, num_tasks: int | None, planned: dict | None = None) -> tuple:
     """``(task index, number of tasks, first array id)``: each of index and count as given, else from a SLURM array
     (the index counted from its first id in steps of its step) or torchrun, else ``(0, 1)``. ``planned``: the
@@ -506,7 +511,7 @@ def tokenize_to_folder(sources: list[str], out: str, tokenizer_path: str | None 
                        task_index: int | None = None, num_tasks: int | None = None) -> dict | None:
     """Tokenize ``sources`` into the shard folder ``out`` (this task's share of it); return the manifest, or
     ``None`` when other tasks of the array still have units to finish."""
-    folder, workers = Path(out), workers or os.cpu_count() or 1
+    folder, workers = Path(out), workers or _cores()
     if workers < 1 or shard_tokens < 1:
         raise TokenizeError(f"tokenize: --workers={workers} and --shard-tokens={shard_tokens} must be positive.")
     try:
@@ -546,7 +551,7 @@ def tokenize_to_folder(sources: list[str], out: str, tokenizer_path: str | None 
             mine = [u for u in plan["units"] if u["index"] % tasks == task]
             _remove_partials(folder, mine)
             pending = [u for u in mine if not unit_record(folder, u["index"]).exists()]
-            _run_units(pending, plan, folder, tokenizer_path, workers)
+            _run_units(pending, mine, plan, folder, tokenizer_path, workers)
             return _finish(folder, plan, tokenizer, tokenizer_path, task, tasks)
     finally:
         lock.release()
@@ -593,9 +598,9 @@ def _checked_plan(folder: Path, identity: dict, files: list[Path]) -> dict:
 
 
 def _remove_partials(folder: Path, units: list[dict]) -> None:
-    """Partial shards of this task's units (a killed worker's): ours by name, never complete."""
+    """Partial shards and records of this task's units (a killed worker's): ours by name, never complete."""
     for unit in units:
-        for partial in folder.glob(f"part-{unit['index']:05d}-*{PARTIAL_SUFFIX}"):
+        for partial in folder.glob(f"part-{unit['index']:05d}[-.]*{PARTIAL_SUFFIX}"):  # shards and its record
             partial.unlink(missing_ok=True)
 
 
@@ -619,12 +624,12 @@ class _stopped_by_signals:
             signal.signal(signum, handler)
 
 
-def _run_units(pending: list[dict], plan: dict, folder: Path, tokenizer_path, workers: int) -> None:
+def _run_units(pending: list[dict], mine: list[dict], plan: dict, folder: Path, tokenizer_path, workers: int) -> None:
     """Tokenize ``pending`` on ``workers`` processes; at the first failure (an error, a worker killed, a signal)
     stop every worker and say which unit failed and why; finished units stay for ``--resume``."""
     slots = multiprocessing.RawArray("q", 2 * len(plan["units"]))
-    already = sum(u["bytes"] for u in plan["units"] if unit_record(folder, u["index"]).exists())
-    progress = Progress(plan, slots, already)
+    already = sum(u["bytes"] for u in mine if unit_record(folder, u["index"]).exists())
+    progress = Progress(mine, slots, already)  # this task's share
     failure = None
     try:
         if workers == 1 or len(pending) <= 1:
