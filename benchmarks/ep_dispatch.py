@@ -11,8 +11,10 @@ is counted by destination: another node, another rank of this node (the rank its
 ``unrestricted`` top-k, ``node-limited`` (one group per node, 1 group per token) and ``empty-rank`` (the bias
 keeps every token away from the last rank's experts: a rank that receives nothing). Rank 0 prints one JSON line
 per routing: bytes per rank per MoE layer per step, per token, the analytic minimum (distinct remote nodes per
-token x dim x element size, per direction), ``ep_traffic``'s count for the same routing (must be equal), the
-largest difference of outputs and gradients hierarchical vs flat vs one process, and host reads per forward.
+token x dim x element size, one crossing; and that times the step's crossings, 4 or 6 with recompute, beside
+the measured ``inter_bytes_per_token`` of the whole step), ``ep_traffic``'s count for the same routing (must be
+equal), the largest difference of outputs and gradients hierarchical vs flat vs one process, and host reads per
+forward.
 """
 
 import argparse
@@ -133,12 +135,11 @@ def main(argv=None) -> None:
             READS.clear()
             dist.barrier()
             outputs[kind] = step(moe, x_TD, g_TD, args.recompute)
-            sent = torch.tensor([SENT["inter"], SENT["intra"], READS["tolist"], sum(READS.values())],
-                                dtype=torch.float64)
+            sent = torch.tensor([SENT["inter"], SENT["intra"], sum(READS.values())], dtype=torch.float64)
             dist.all_reduce(sent)
             result[kind] = {"inter_bytes_per_rank": sent[0].item() / ep, "intra_bytes_per_rank": sent[1].item() / ep,
                             "inter_bytes_per_token": sent[0].item() / ep / args.tokens,
-                            "host_reads_per_forward": sent[3].item() / ep / (2 if args.recompute else 1)}
+                            "host_reads_per_forward": sent[2].item() / ep / (2 if args.recompute else 1)}
         # Routing statistics from the tokens' chosen experts, summed over ranks: what ep_traffic prices.
         el, per_node_experts = args.experts // ep, args.experts // nodes
         node_TK, rank_TK = experts_TK // per_node_experts, experts_TK // el
@@ -157,8 +158,14 @@ def main(argv=None) -> None:
                                                          + priced[kind]["inter"]["backward"]) / ep
             result[kind]["plan_intra_bytes_per_rank"] = (priced[kind]["intra"]["forward"] * passes
                                                          + priced[kind]["intra"]["backward"]) / ep
-        # One direction's minimum: each token once to each remote node it needs, dim x element size.
-        result["minimum_bytes_per_token_one_way"] = stats[2].item() / ep / args.tokens * args.dim * size
+        # One crossing's minimum: each token once to each remote node it needs, dim x element size. The step
+        # crosses 4 times (dispatch and combine, forward and backward; 6 with recompute's second forward), so
+        # inter_bytes_per_token (the whole step, routing metadata and counts included) compares with the step's.
+        one_way = stats[2].item() / ep / args.tokens * args.dim * size
+        crossings = 2 * passes + 2
+        result["minimum_bytes_per_token_one_way"] = one_way
+        result["minimum_inter_bytes_per_token_step"] = one_way * crossings
+        result["crossings_per_step"] = crossings
         result["hierarchical_over_flat_inter"] = result["hierarchical"]["inter_bytes_per_rank"] / \
             result["flat"]["inter_bytes_per_rank"]
         diffs = {}

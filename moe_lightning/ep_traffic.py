@@ -112,13 +112,18 @@ def add_arguments(parser) -> None:
 
 
 def traffic(config: MoEConfig, plan: dict, ib_gbps: float | None = None, nvlink_gbps: float | None = None
-            ) -> dict | None:
+            ) -> dict | str | None:
     """Expert-exchange bytes per GPU per step of a ``plan`` result (bf16 rows, every MoE layer, with and without
-    recompute) and their time at the links' bandwidth beside the step's compute time; None without ``ep``."""
+    recompute) and their time at the links' bandwidth beside the step's compute time; None without ``ep``, and
+    why not when the layout has no whole nodes."""
     c, w = plan["cluster"], plan["workload"]
     ep, per_node = c["expert_parallel_size"], c["gpus_per_node"]
-    if ep == 1 or not config.n_moe_layers or (ep > per_node and ep % per_node):
+    if ep == 1 or not config.n_moe_layers:
         return None
+    if ep > per_node and ep % per_node:
+        return (f"expert exchange   not priced: expert_parallel_size={ep} spans nodes but is not a multiple of "
+                f"gpus_per_node={per_node}, so its groups are not whole nodes (the dispatch falls back to flat "
+                f"all-to-all); choose expert_parallel_size <= {per_node} or a multiple of {per_node}.")
     local = min(ep, per_node)
     nodes, tokens = ep // local, w["micro_batch"] * w["seq_len"]
     ib, nvlink = BANDWIDTH_GBPS.get(c["gpu"], (None, None))
@@ -140,9 +145,11 @@ def traffic(config: MoEConfig, plan: dict, ib_gbps: float | None = None, nvlink_
             "compute_seconds": tokens / plan["tokens_per_s_per_gpu"], "rows": rows}
 
 
-def format_traffic(t: dict | None) -> list[str]:
+def format_traffic(t: dict | str | None) -> list[str]:
     if t is None:
         return []
+    if isinstance(t, str):
+        return ["", t]
     bw = (f"at {t['ib_gbps']:g} GB/s InfiniBand and {t['nvlink_gbps']:g} GB/s NVLink per GPU (--ib-gbps, "
           f"--nvlink-gbps)" if t["ib_gbps"] and t["nvlink_gbps"]
           else "(no bandwidth known for this GPU: pass --ib-gbps, --nvlink-gbps)")

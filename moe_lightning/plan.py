@@ -32,6 +32,9 @@ d model dim, L layers, V vocabulary, K top-k; bytes are per GPU unless stated.
 - Unsharded gradient accumulation (the strategy's opt-in ``accumulate_unsharded_grads``): every unit's fp32
   gradient held across micro-batches, ``4 · (dense + routed / ep)`` parameters of the whole model.
 - Runtime reserve: CUDA context, communicator buffers and allocator slack (``--reserve``).
+- Muon host staging (``cpu_offload`` with Muon): Newton–Schulz of host matrices runs on the GPU through a ring
+  of two pinned fp32 inputs and two bf16 outputs per distinct local matrix shape (``optim.host_staging``), each
+  rounded up to a power of two.
 - Async checkpoint staging (``async_checkpoint``): each background save first copies the sharded parameters
   and optimizer state into new host memory (``4·P/S`` + the optimizer state), held while it is written.
 
@@ -63,6 +66,7 @@ from . import ep_traffic
 from .flops import PEAK_BF16_FLOPS, parameter_counts, peak_bf16_flops, training_flops_per_token
 from .model import MoEConfig, MoETransformer
 from .optim.grouping import parameter_roles
+from .optim.host_staging import staging_bytes
 from .optim.muon_groups import MUON_ROLES
 from .parallel import MeshLayout
 
@@ -231,6 +235,24 @@ def sharded_parameter_numels(config: MoEConfig, shard: int) -> list[int]:
     return [math.ceil(p.shape[0] / shard) * (p.numel() // p.shape[0]) for p in model.parameters()]
 
 
+def staged_muon_shapes(config: MoEConfig, mesh: MeshLayout) -> list[tuple[int, ...]]:
+    """Local shapes of the Muon matrices one rank orthogonalizes whole (``optim.host_staging`` stages these under
+    ``cpu_offload``): expert stacks sharded by whole experts (``Shard(0)``), and hidden matrices when they are not
+    row-sharded (shard size 1); row-sharded ones go through FlexShard's row exchange instead."""
+    with torch.device("meta"):
+        model = MoETransformer(config)
+    params = dict(model.named_parameters())
+    whole_experts = (config.num_experts // mesh.ep) % mesh.expert_shard == 0
+    shapes = []
+    for name, role in parameter_roles(model).items():
+        shape = tuple(params[name].shape)
+        if role == "expert_stack" and whole_experts:
+            shapes.append((shape[0] // mesh.ep // mesh.expert_shard, *shape[1:]))
+        elif role == "hidden_matrix" and mesh.shard == 1:
+            shapes.append(shape)
+    return shapes
+
+
 def mtp_activation_bytes(config: MoEConfig, tokens: int, checkpointed: bool = False) -> int:
     """What the multi-token prediction modules keep from forward to backward, bf16.
 
@@ -323,6 +345,8 @@ def plan(config: MoEConfig, cluster: Cluster, work: Workload) -> dict:
     # ActivationOffload's default keeps the last block's input; each offloaded one is a pinned block
     pinned_boundaries = (config.n_layers - 1) * pinned_bytes(boundary_one)
     pinned_shards = sum(pinned_bytes(4 * n) for n in sharded_parameter_numels(config, S)) if work.cpu_offload else 0
+    muon_staging = staging_bytes(staged_muon_shapes(config, mesh), 2, pinned_bytes) if (
+        work.cpu_offload and work.optimizer == "muon") else 0
     variants = {}
     for offload in (False, True):
         boundary = min(1 + work.offload_prefetch if offload else config.n_layers, config.n_layers) * boundary_one
@@ -341,6 +365,8 @@ def plan(config: MoEConfig, cluster: Cluster, work: Workload) -> dict:
             optimizer_row = f"optimizer state ({work.optimizer})"
             host_rows = {"sharded params (fp32, pinned)": pinned_shards, "gradients (fp32, pinned)": pinned_shards,
                          optimizer_row: state[optimizer_row]}
+            if work.optimizer == "muon":  # Newton–Schulz on the GPU: a pinned ring per shape, bf16 results
+                host_rows["Muon host staging (pinned)"] = muon_staging
         host_rows["boundary activations (pinned)"] = pinned_boundaries if offload else 0
         if work.async_checkpoint:  # a fresh pageable host copy of the sharded state per save (DCP async_save)
             host_rows["async checkpoint staging"] = state["sharded parameters (fp32)"] + state[

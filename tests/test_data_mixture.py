@@ -2,6 +2,7 @@
 shard folders and worker processes, reported to Lightning as resumable."""
 
 import logging
+import os
 import warnings
 from functools import partial
 
@@ -210,6 +211,60 @@ def test_text_given_to_fit_is_tokenized_once_into_the_run_folder_and_reused_on_r
     assert {p: p.stat().st_mtime_ns for p in folder.glob("part-*.npy")} == shards
     in_memory, _, _, _ = fit(TextDataModule(text, seq_len=16, batch_size=4), 2)  # no logger: tokenized in memory
     assert [r["first"] for r in in_memory] == [r["first"] for r in first]
+
+
+def logged_module(tmp_path, global_rank=0):
+    """A data module over one small text file, attached to a trainer-like object that logs under tmp_path."""
+    from types import SimpleNamespace
+    from lightning.pytorch.loggers import CSVLogger
+    (tmp_path / "a.txt").write_text("some text to tokenize " * 200)
+    dm = TextDataModule(str(tmp_path / "a.txt"), seq_len=8, batch_size=2)
+    dm.trainer = SimpleNamespace(logger=CSVLogger(tmp_path / "logs"), global_rank=global_rank,
+                                 default_root_dir=str(tmp_path))
+    return dm
+
+
+def test_a_signal_or_failure_while_fit_tokenizes_is_a_preemption_or_one_line_for_fit(tmp_path, monkeypatch):
+    """Was: SIGTERM in prepare_data gave a traceback and exit 1; a failure advised tokenize's --resume."""
+    import os
+    import signal
+    from moe_lightning.data import tokenize as tokenize_module
+    from moe_lightning.runs import Preempted
+    original = tokenize_module.tokenize_unit
+
+    def signalled(unit, plan, out):
+        os.kill(os.getpid(), signal.SIGTERM)  # delivered here, in the main thread, as in a preempted job
+        return original(unit, plan, out)
+    monkeypatch.setattr(tokenize_module, "tokenize_unit", signalled)
+    with pytest.raises(Preempted) as raised:
+        logged_module(tmp_path).prepare_data()
+    assert raised.value.code == 128 + signal.SIGTERM and "nothing to save" in str(raised.value)
+
+    def failing(unit, plan, out):
+        raise ValueError("the disk said no")
+    monkeypatch.setattr(tokenize_module, "tokenize_unit", failing)
+    with pytest.raises(ValueError, match="a.txt.*failed: unit 0.*the disk said no; fix that and start the run") as e:
+        logged_module(tmp_path).prepare_data()
+    assert "--resume" not in str(e.value)
+
+
+def test_a_rank_that_cannot_see_rank_0s_tokenized_folder_is_told_to_share_the_log_folder(tmp_path):
+    """Was: a rank on another node silently tokenized the text in memory."""
+    with pytest.raises(ValueError, match="global rank 1 finds no tokenized corpus.*every node shares"):
+        logged_module(tmp_path, global_rank=1).setup()
+    logged_module(tmp_path).setup()  # rank 0 (no prepare_data: as without Lightning) still reads the text
+
+
+def test_a_mid_epoch_position_of_an_earlier_shuffle_order_is_refused(tmp_path):
+    """Was: no order version in the position, so a checkpoint of the earlier shuffle resumed into another order."""
+    dm = TextDataModule(os.path.dirname(os.__file__) + "/json", seq_len=16, batch_size=4)
+    dm.setup()
+    position = {"epoch": 1, "samples": 40, **dm.description()}
+    assert position["order"] == "feistel-v1" and dm._restore(position) == (1, 40)
+    earlier = {k: v for k, v in position.items() if k != "order"}
+    with pytest.raises(ValueError, match="40 sequences into epoch 1 of a shuffle order before feistel-v1"):
+        dm._restore(earlier)
+    assert dm._restore({**earlier, "samples": 0}) == (1, 0)  # at an epoch's start no order is needed
 
 
 def test_a_source_given_twice_is_refused():

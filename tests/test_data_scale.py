@@ -151,10 +151,24 @@ def test_a_second_tokenize_into_the_folder_is_refused_naming_the_holder_and_sigt
     assert all(out.joinpath(name).stat().st_mtime_ns == t for name, t in finished.items())
 
 
+def test_sigterm_in_the_one_process_path_is_a_stop_not_a_unit_failure(tmp_path):
+    """Was: Stopped caught as the unit's failure: "unit N failed", exit 1."""
+    corpus, out = jsonl(tmp_path / "c.jsonl", 3000), tmp_path / "out"
+    run = start_tokenize(1.0, corpus, "--out", out, "--workers", 1)
+    wait_for(lambda: (out / "tokenize-plan.json").exists())
+    run.send_signal(signal.SIGTERM)
+    _, err = run.communicate(timeout=60)
+    assert run.returncode == 128 + signal.SIGTERM and "stopped by SIGTERM" in err and "failed" not in err, err
+    assert not list(out.glob("*.partial"))
+
+
 def test_two_tasks_run_concurrently_write_the_same_stream_as_one(tmp_path):
     corpus = jsonl(tmp_path / "c.jsonl", 3000)
-    one = tokenize_to_folder([str(corpus)], str(tmp_path / "one"), workers=1, num_tasks=1)
-    tasks = [subprocess.Popen([sys.executable, "-c", SLOW_UNITS, "0.05", str(corpus), "--out", str(tmp_path / "two"),
+    text = tmp_path / "t.txt"
+    text.write_text("a long text document " * 5000)
+    one = tokenize_to_folder([str(corpus), str(text)], str(tmp_path / "one"), workers=1, num_tasks=1)
+    tasks = [subprocess.Popen([sys.executable, "-c", SLOW_UNITS, "0.05", str(corpus), str(text), "--out",
+                               str(tmp_path / "two"),
                                "--workers", "1"], env={**clean_env(), "SLURM_ARRAY_TASK_ID": str(i),
                                                        "SLURM_ARRAY_TASK_COUNT": "2"},
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
@@ -169,6 +183,92 @@ def test_two_tasks_run_concurrently_write_the_same_stream_as_one(tmp_path):
         dm.setup()
     np.testing.assert_array_equal(streams[0].train_set.tokens[:], streams[1].train_set.tokens[:])
     assert manifest["tokens"] == one["tokens"]
+
+
+def slurm(monkeypatch, **variables):
+    for key in [k for k in os.environ if k.startswith(("SLURM_", "RANK", "WORLD_SIZE"))]:
+        monkeypatch.delenv(key)
+    for key, value in variables.items():
+        monkeypatch.setenv(f"SLURM_ARRAY_TASK_{key}", str(value))
+
+
+def test_task_selection_reads_index_and_count_separately_and_names_what_is_wrong(monkeypatch):
+    """Was: a resubmitted index ran as a whole run, an explicit --task-index was overwritten by the environment,
+    --num-tasks alone became task 0, and a stepped array failed naming flags never given."""
+    task = tokenize_module.task_from_environment
+    slurm(monkeypatch, ID=17, MIN=17, MAX=17, COUNT=1)  # sbatch --array=17, resubmitting task 17 of 0-63
+    assert task(None, None, {"tasks": 64, "first_task_id": 0})[:2] == (17, 64)
+    slurm(monkeypatch, ID=5, MIN=0, MAX=63, COUNT=64)
+    assert task(3, None)[:2] == (3, 64) and task(None, 8)[:2] == (5, 8) and task(None, None)[:2] == (5, 64)
+    slurm(monkeypatch, ID=12, MIN=2, MAX=62, COUNT=31, STEP=2)  # --array=2-62:2
+    assert task(None, None)[:2] == (5, 31)
+    slurm(monkeypatch, ID=9, MIN=1, MAX=9, COUNT=3)  # --array=1,5,9: no grid to count on
+    with pytest.raises(TokenizeError, match="SLURM_ARRAY_TASK_ID.*--array=1,5,9"):
+        task(None, None)
+    slurm(monkeypatch)
+    with pytest.raises(TokenizeError, match="--num-tasks=64 needs --task-index"):
+        task(None, 64)
+    with pytest.raises(TokenizeError, match="--task-index=3 needs --num-tasks"):
+        task(3, None)
+    with pytest.raises(TokenizeError, match="--task-index=4 must be in 0..3 .--num-tasks=4"):
+        task(4, 4)
+    assert task(None, None)[:2] == (0, 1)
+
+
+def test_a_task_counting_other_tasks_than_the_plan_is_refused(tmp_path, monkeypatch):
+    corpus = jsonl(tmp_path / "c.jsonl", 300)
+    slurm(monkeypatch)
+    monkeypatch.setattr(tokenize_module, "MIN_UNIT_BYTES", 2000)
+    tokenize_to_folder([str(corpus)], str(tmp_path / "out"), workers=1, num_tasks=4, task_index=0)
+    assert json.loads((tmp_path / "out" / "tokenize-plan.json").read_text())["tasks"] == 4
+    with pytest.raises(TokenizeError, match="array of 4 tasks, this task counts 2; rerun it with --num-tasks 4"):
+        tokenize_to_folder([str(corpus)], str(tmp_path / "out"), workers=1, num_tasks=2, task_index=1)
+    for i in (1, 2):
+        assert tokenize_to_folder([str(corpus)], str(tmp_path / "out"), workers=1, num_tasks=4, task_index=i) is None
+    # the explicit final step: one plain run finishes what is left (task 3's units) and writes the manifest
+    manifest = tokenize_to_folder([str(corpus)], str(tmp_path / "out"), workers=1, resume=True, num_tasks=1)
+    assert manifest["tokens"] == tokenize_to_folder([str(corpus)], str(tmp_path / "ref"), workers=1)["tokens"]
+
+
+@pytest.mark.parametrize("code", ["ENOSYS", "ENOLCK"])
+def test_a_file_system_without_flock_is_one_line_naming_the_folder_and_the_mount_option(tmp_path, monkeypatch, code):
+    """Was: a raw OSError (Lustre without -o flock, NFS without lockd)."""
+    import errno
+    import fcntl
+
+    def no_locks(fd, operation):
+        raise OSError(getattr(errno, code), os.strerror(getattr(errno, code)))
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    with pytest.raises(TokenizeError, match=f"cannot lock .*{tmp_path / 'out'}.*-o flock.*lockd"):
+        tokenize_to_folder([str(jsonl(tmp_path / "c.jsonl", 10))], str(tmp_path / "out"), workers=1)
+
+
+def test_a_text_file_is_cut_in_the_same_places_for_any_number_of_tasks(tmp_path, monkeypatch):
+    """Was: the unit size divided by the task count, so cuts (and a Metaspace tokenizer's ids) moved with it."""
+    slurm(monkeypatch)
+    monkeypatch.setattr(tokenize_module, "MIN_UNIT_BYTES", 2000)
+    text = tmp_path / "t.txt"
+    text.write_text("a long text document " * 20_000)
+    units = []
+    for tasks in (1, 2, 8):
+        tokenize_to_folder([str(text)], str(tmp_path / f"out{tasks}"), workers=1, num_tasks=tasks, task_index=0)
+        units.append(json.loads((tmp_path / f"out{tasks}" / "tokenize-plan.json").read_text())["units"])
+    assert len(units[0]) > 8 and units[0] == units[1] == units[2]
+
+
+def test_a_task_reports_progress_over_its_units_and_removes_its_partial_records(tmp_path, monkeypatch, capsys):
+    """Was: progress over every task's units (never reaching 100%), and a killed unit record's partial left."""
+    slurm(monkeypatch)
+    monkeypatch.setattr(tokenize_module, "MIN_UNIT_BYTES", 20_000)
+    corpus, out = jsonl(tmp_path / "c.jsonl", 3000), tmp_path / "out"
+    tokenize_to_folder([str(corpus)], str(out), workers=1, num_tasks=2, task_index=0)
+    plan = json.loads((out / "tokenize-plan.json").read_text())
+    mine = sum(u["bytes"] for u in plan["units"] if u["index"] % 2 == 0)
+    assert f"of {mine / 1e6:,.3f} MB read" in capsys.readouterr().err
+    stale = out / "part-00002.done.json.x1y2.partial"  # a unit record whose writer was killed
+    stale.write_text("{")
+    tokenize_to_folder([str(corpus)], str(out), workers=1, num_tasks=2, task_index=0)
+    assert not stale.exists()
 
 
 def test_resume_checks_arguments_and_inputs_even_when_the_folder_is_complete(tmp_path, capsys):

@@ -75,6 +75,16 @@ def test_shards_hold_exactly_the_tokens_of_tokenizing_at_start_up_for_every_inpu
     assert manifest["input_files"] == len(plan["inputs"]) and "inputs" not in manifest
 
 
+def test_a_crlf_text_file_gives_the_same_ids_in_memory_and_in_a_folder(tmp_path):
+    """Was: the start-up reader translated "\\r\\n" to "\\n" (Path.read_text), tokenize did not: other tokens."""
+    path = tmp_path / "dos.txt"
+    path.write_bytes(b"a line of text\r\n" * 1000 + b"an old mac line\r" * 100)
+    tokenize_to_folder([str(path)], str(tmp_path / "shards"), workers=1)
+    in_memory = stream(TextDataModule(str(path), seq_len=8))
+    np.testing.assert_array_equal(stream(TextDataModule(str(tmp_path / "shards"), seq_len=8)), in_memory)
+    assert len(in_memory) == path.stat().st_size + 1  # every byte, then the end-of-document token
+
+
 def test_one_worker_and_many_write_the_same_stream_and_a_large_jsonl_is_split_by_lines(tmp_path, monkeypatch):
     path = tmp_path / "big.jsonl"
     path.write_text("".join(json.dumps({"text": f"line {i} " * (i % 13 + 1)}) + "\n" for i in range(4000)))

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from moe_lightning import ep_traffic
 from moe_lightning.model import MoEConfig
 from moe_lightning.model.moe import MoELayer
-from moe_lightning.parallel.expert_parallel import AllToAllTokenDispatcher, node_reach
+from moe_lightning.parallel.expert_parallel import AllToAllTokenDispatcher, node_reach, ranks_layout
 from moe_lightning.plan import main
 from tests.distributed import REPO_ROOT, clean_env, free_port
 
@@ -60,6 +60,11 @@ def test_hierarchical_dispatch_crosses_nodes_once_per_node_and_equals_flat():
     assert result["forward_bitwise_equal"]
     # one node per token: flat sends both copies of a remote token, hierarchical one row (+ 16 B of routing)
     assert result["hierarchical_over_flat_inter"] <= 0.55, result
+    # the step's 4 crossings of each token's row to its one remote node, plus routing metadata and counts
+    assert result["crossings_per_step"] == 4
+    minimum = result["minimum_inter_bytes_per_token_step"]
+    assert minimum == 4 * result["minimum_bytes_per_token_one_way"]
+    assert minimum <= result["hierarchical"]["inter_bytes_per_token"] <= 1.05 * minimum, result
 
 
 @pytest.mark.slow  # multi-process, three routings twice
@@ -68,10 +73,12 @@ def test_every_routing_with_recompute_and_bf16(options):
     results = run_two_nodes("--tokens", "128", *options)
     assert [r["routing"] for r in results] == ["unrestricted", "node-limited", "empty-rank"]
     for result in results:
-        # bf16: the one-process reference rounds its sums differently; hierarchical vs flat stays at fp32 level
+        # bf16: the one-process reference rounds its sums differently; hierarchical vs flat differ by the order
+        # of a bf16 sum (a token's expert outputs per node, then across nodes): within one bf16 eps, 2^-7
+        # (measured 1.4e-3 to 2.5e-3 relative to the largest entry, 256 tokens per rank)
         check(result, 1e-5 if "bf16" not in options else 2e-2)
         if "bf16" in options:
-            assert result["relative_max_differences"]["hierarchical_vs_flat"] < 2e-2
+            assert result["relative_max_differences"]["hierarchical_vs_flat"] <= 8e-3, result
 
 
 def test_plan_prices_distinct_nodes_exactly_for_uniform_routing():
@@ -89,6 +96,15 @@ def test_packed_rows_are_padded_to_the_widest_element():
     assert ep_traffic.packed_row_bytes((7168, 2), (1, 4)) == 14340
     assert ep_traffic.packed_row_bytes((7, 2), (1, 4)) == 20  # 18 bytes padded to a multiple of 4
     assert ep_traffic.packed_row_bytes((7, 2)) == 14
+
+
+def test_node_layout_of_partial_nodes_names_the_field_and_the_requirement():
+    assert ranks_layout([0, 1, 2, 3, 4, 5, 6, 7], 4) == (2, 4)
+    assert ranks_layout([4, 5], 4) == (1, 2)
+    why = ranks_layout([0, 1, 2, 3, 4, 5], 4)  # ep 6 over nodes of 4: 4 + 2
+    assert isinstance(why, str) and "strategy.expert_parallel_size (now 6)" in why
+    assert "multiple of the devices per node (4)" in why and "node-major" in why
+    assert isinstance(ranks_layout([0, 4, 1, 5], 4), str)  # not node-major
 
 
 def test_node_reach_warns_when_groups_straddle_nodes():
@@ -116,6 +132,16 @@ def test_plan_prints_the_exchange_of_1t_per_gpu_and_step(capsys):
     assert float(flat.split()[3]) == pytest.approx(55 * (forward + backward) / 20e9, rel=5e-3)
     hier = next(line for line in out.splitlines() if line.startswith("hierarchical + recompute"))
     assert float(hier.split()[3]) < float(flat.split()[1])  # hierarchical with recompute sends less than flat without
+
+
+def test_plan_says_why_it_cannot_price_an_exchange_of_partial_nodes(capsys):
+    """ep 12 over nodes of 8: the groups are not whole nodes. It used to print nothing."""
+    main(["--config", str(REPO_ROOT / "configs" / "1t.yaml"), "--nodes", "48", "--gpus-per-node", "8",
+          "--expert-parallel-size", "12"])
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("expert exchange")]
+    assert len(lines) == 1
+    assert "expert_parallel_size=12" in lines[0] and "gpus_per_node=8" in lines[0]
+    assert "choose expert_parallel_size <= 8 or a multiple of 8" in lines[0]
 
 
 def fit(tmp, name: str, nodes: int, per_node: int, *args: str) -> list[float]:

@@ -74,7 +74,18 @@ def test_gpu_all_checks_the_triton_launcher_first_and_skips_only_the_compiled_pa
 
 def test_preflight_names_what_triton_lacks_in_one_line(monkeypatch, tmp_path, capsys):
     preflight = load_benchmark("gpu_preflight")
+    # a stand-in libcuda.so (exports cuInit) where TRITON_LIBCUDA_PATH points: the launcher links
+    (tmp_path / "cuda.c").write_text("int cuInit(unsigned int flags) { return flags; }\n")
+    subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(tmp_path / "libcuda.so"), str(tmp_path / "cuda.c")],
+                   check=True)
+    monkeypatch.setenv("TRITON_LIBCUDA_PATH", str(tmp_path))
     assert preflight.main() == 0 and capsys.readouterr().out.count("\n") == 1  # this machine has gcc and Python.h
+    # no libcuda (this CPU machine; a GPU machine has the driver's): the link fails, said in one line
+    monkeypatch.setenv("TRITON_LIBCUDA_PATH", str(tmp_path / "empty"))
+    assert preflight.main() == 2
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1 and "linking with -lcuda failed" in out and "cannot find -lcuda" in out
+    assert f"searched ['{tmp_path / 'empty'}']" in out and "set TRITON_LIBCUDA_PATH" in out
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     monkeypatch.setattr(preflight.sysconfig, "get_paths", lambda scheme=None: {"include": str(tmp_path)})
     assert preflight.main() == 2

@@ -149,6 +149,23 @@ def write_config(tmp_path, **sections) -> str:
     return str(path)
 
 
+def test_cpu_offload_with_muon_prices_the_pinned_staging_ring():
+    """Newton–Schulz of host matrices stages them through pinned buffers: two fp32 inputs and two bf16 outputs per
+    distinct shape the rank orthogonalizes whole, each a power-of-two block; row-sharded matrices are not staged."""
+    host = tiny_plan(cpu_offload=True, optimizer="muon")["memory"]["without_offload"]["host_bytes_by_row"]
+    # shard 4, ep 2: one whole local expert per rank, [1, 16, 32] and [1, 32, 16]: 2048 B fp32, 1024 B bf16
+    assert host["Muon host staging (pinned)"] == 2 * 2 * (2048 + 1024)
+    assert "Muon host staging (pinned)" not in tiny_plan(cpu_offload=True)["memory"]["without_offload"][
+        "host_bytes_by_row"]  # AdamW: nothing staged
+    unsharded = plan(TINY, Cluster(nodes=1, gpus_per_node=2, gpu_memory_gib=1.0, replicate_size=2, shard_size=1),
+                     Workload(micro_batch=2, seq_len=8, cpu_offload=True, optimizer="muon"))
+    # shard 1: the hidden matrices are whole too. (elements, fp32 block, bf16 block) per distinct shape:
+    # wq/wo (32, 32), wk/wv and the shared expert (16, 32) (32, 16), dense FFN (48, 32) (32, 48), experts
+    blocks = [(4096, 2048), (2048, 1024), (2048, 1024), (8192, 4096), (8192, 4096), (8192, 4096), (8192, 4096)]
+    assert unsharded["memory"]["without_offload"]["host_bytes_by_row"]["Muon host staging (pinned)"] == \
+        sum(2 * (a + b) for a, b in blocks)
+
+
 def plan_json(capsys, *argv: str) -> dict:
     run(["plan", *argv, "--json"])
     return json.loads(capsys.readouterr().out)
@@ -181,8 +198,9 @@ def test_plan_of_a_yaml_uses_the_configs_mesh_offload_batch_chunk_and_optimizer(
     assert gpu["loss working set"] == 8 * 64 * 5 + 6 * 64 * 32
     assert gpu["boundary activations"] == 36 * 32 * 2
     muon = ROLES["hidden_matrix"] + ROLES["expert_stack"]
-    # pinned parameter and gradient shards, Muon's state / 2, block 0's input (2304 B) in a 4096 B pinned block
-    assert host == 2 * pinned_shards(2) + (4 * muon + 8 * (TOTAL - muon)) // 2 + 4096
+    # pinned parameter and gradient shards, Muon's state / 2, block 0's input (2304 B) in a 4096 B pinned block,
+    # Muon's staging ring: 2 whole local experts [2, 16, 32] and [2, 32, 16], 2 fp32 (4 KiB) + 2 bf16 (2 KiB) each
+    assert host == 2 * pinned_shards(2) + (4 * muon + 8 * (TOTAL - muon)) // 2 + 4096 + 2 * 2 * (4096 + 2048)
     largest_unit = 64 + ATTENTION + 128 + 1536 + 6144 // 2
     assert gpu["all-gather buffers (bf16)"] == 3 * 2 * largest_unit  # prefetch_depth 2
     assert result["configured"] == "with_offload" and result["fits"] == result["memory"]["with_offload"]["fits"]

@@ -15,6 +15,8 @@ from .sampling import MixtureSampler, MixtureSequences, PackedSequences, Resumab
 from .sources import info, is_token_source, parse_sources, resolve_source
 from .tokens import TokenStream, open_shard_folder, open_tokens
 
+ORDER = "feistel-v1"  # the shuffle (sampling.Shuffle): a position is a position in this order only
+
 
 class ResumableLoader(DataLoader):
     """The training loader, stateful for Lightning: its ``state_dict`` is the position in the global order
@@ -100,6 +102,10 @@ class TextDataModule(L.LightningDataModule):
         if folder is not None and folder.joinpath("manifest.json").is_file():
             parts = open_shard_folder(folder, self.tokenizer)
             return parts, len(self.resolved[i])
+        if folder is not None and self.trainer.global_rank != 0:  # rank 0 wrote it where this node cannot see
+            raise ValueError(f"data.source={self.entries[i]['path']!r}: global rank {self.trainer.global_rank} finds "
+                             f"no tokenized corpus in {folder}, which global rank 0 wrote: put trainer.logger's "
+                             "save_dir on a file system every node shares.")
         return open_tokens(self.resolved[i], self.tokenizer, self.text_field, budget)
 
     def _tokenized_folder(self, i: int) -> Path | None:
@@ -118,12 +124,23 @@ class TextDataModule(L.LightningDataModule):
     def prepare_data(self) -> None:
         """Global rank 0 tokenizes text sources into the run's folder on every core (Lightning holds the other
         ranks at a barrier without a timeout); every rank then memory-maps the shards instead of tokenizing."""
-        from .tokenize import tokenize_to_folder
+        from ..runs import Preempted
+        from .tokenize import Stopped, TokenizeError, tokenize_to_folder
         for i, entry in enumerate(self.entries):
             folder = self._tokenized_folder(i)
-            if folder is not None:
+            if folder is None:
+                continue
+            try:
                 tokenize_to_folder([entry["path"]], str(folder), self.tokenizer_path, self.text_field,
-                                   resume=folder.exists(), num_tasks=1)
+                                   resume=folder.exists(), num_tasks=1, task_index=0)
+            except Stopped as stop:
+                raise Preempted(stop.exit_code, "preempted before the first step: nothing to save (tokenized "
+                                                "units kept)") from None
+            except TokenizeError as error:  # worded for tokenize's command line: keep what applies to fit
+                said = [s for s in str(error).removeprefix("tokenize: ").split(". ") if "--resume" not in s]
+                raise ValueError(f"data.source={entry['path']!r}: tokenizing it into {folder} failed: "
+                                 f"{'. '.join(said).rstrip('.')}; fix that and start the run again (finished "
+                                 "units are reused).") from None
 
     def setup(self, stage: str | None = None) -> None:
         if self.train_set is None:
@@ -201,6 +218,7 @@ class TextDataModule(L.LightningDataModule):
         of the first and last training sequence."""
         ends = [self.train_set[i].numpy().tobytes() for i in (0, len(self.train_set) - 1)]
         return {"mixture": self._mixture_signature(), "seq_len": self.seq_len, "shuffle_seed": self.shuffle_seed,
+                "order": ORDER,
                 "train_sequences": len(self.train_set), "fingerprint": hashlib.sha256(b"".join(ends)).hexdigest()[:16]}
 
     def train_dataloader(self) -> DataLoader:
@@ -229,6 +247,10 @@ class TextDataModule(L.LightningDataModule):
                              f"sequences) but this run has {ours}; its position means nothing in another mixture. "
                              "Resume with the same sources, weights and seq_len, or start a new run.")
         check_data(state, self.description(), "the checkpoint")  # as the CLI does before building (Python users)
+        if "order" not in state and state["samples"] > 0:
+            raise ValueError(f"data: the checkpoint stopped {state['samples']:,} sequences into epoch {state['epoch']} "
+                             f"of a shuffle order before {ORDER} (an earlier version); this one would repeat and skip "
+                             "sequences. Finish that run with the version that wrote it, or start a new run.")
         return state["epoch"], state["samples"]
 
     def state_dict(self) -> dict:

@@ -1,7 +1,7 @@
 """What a ``data.source`` names: documents to tokenize (text, JSONL, Parquet, Arrow) or token files.
 
 Nothing here imports Lightning: ``moe-lightning tokenize`` reads the same sources without the trainer.
-A remote reader (object storage) would add one more branch to ``resolve_source`` and ``iter_documents``.
+A remote reader (object storage) would add one more branch to ``resolve_source`` and the readers of ``tokenize.unit_segments``.
 """
 
 import glob
@@ -138,21 +138,6 @@ def last_word_end(text, start: int, end: int) -> int:
                 return at
             at = text.rfind(space, start + 1, at)
     return -1
-
-
-def iter_documents(files: list[Path], text_field: str, nulls: list[int] | None = None):
-    """Every document's text, in file order (a text file is one document; a JSONL line or table row is one);
-    table rows whose text is null are counted into ``nulls[0]``."""
-    for path in files:
-        if path.suffix == ".jsonl":
-            yield from iter_jsonl(path, text_field)
-        elif path.suffix in TABLE_SUFFIXES:
-            for texts, null_rows in iter_table_batches(path, text_field):
-                if nulls is not None:
-                    nulls[0] += null_rows
-                yield from texts
-        else:
-            yield path.read_text(encoding="utf-8", errors="replace")
 
 
 def iter_jsonl(path: Path, text_field: str, start: int = 0, end: int | None = None):

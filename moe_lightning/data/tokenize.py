@@ -44,7 +44,8 @@ LOCK = "tokenize.lock"
 SHARD_TOKENS = 1 << 28  # 268M tokens: 512 MiB of uint16 or 1 GiB of uint32 per shard
 BATCH_CHARS = 1 << 19  # text encoded per batch (512 KiB, half the smallest unit): memory flat at any size
 MIN_UNIT_BYTES = 1 << 20  # units smaller than this cost more in start-up than they gain in balance
-UNITS_PER_TASK = 64  # enough units for every worker of a task to stay busy to the end
+UNITS = 4096  # enough units for 64 tasks of 64 workers to stay busy; never a function of the task count, so
+# a text file's cuts (token-neutral only for GPT-2-style pre-tokenizers) fall in the same places however many run
 PROGRESS_EVERY_S = 2.0
 FORMAT = "moe_lightning token shards v1"
 PLAN_FORMAT = "moe_lightning tokenize plan v2"
@@ -373,8 +374,8 @@ class Progress:
     """Input read, tokens written, tokens/s and ETA on stderr, every few seconds, from the per-unit counters the
     workers keep in shared memory (no queue a killed worker could leave locked)."""
 
-    def __init__(self, plan: dict, slots, already_done: int):
-        self.slots, self.total, self.before = slots, sum(u["bytes"] for u in plan["units"]), already_done
+    def __init__(self, units: list[dict], slots, already_done: int):
+        self.slots, self.total, self.before = slots, sum(u["bytes"] for u in units), already_done
         self.start = self.last = time.monotonic()
 
     def maybe_show(self) -> None:
@@ -419,8 +420,10 @@ class FolderLock:
             fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
         except OSError as error:
             os.close(fd)
-            if error.errno not in (errno.EAGAIN, errno.EACCES):
-                raise
+            if error.errno not in (errno.EAGAIN, errno.EACCES):  # not busy: the file system cannot lock
+                raise TokenizeError(f"tokenize: cannot lock {path} ({os.strerror(error.errno or 0)}): {self.folder}'s "
+                                    "file system has no flock (Lustre: mount with -o flock; NFS: run lockd, no "
+                                    "-o nolock); choose a folder on a file system that locks.") from None
             raise TokenizeError(f"tokenize: another tokenize is writing {self.folder} ({self._holders(path)}); "
                                 "wait for it to finish, or stop it, then rerun with --resume.") from None
         self.files.append(fd)
@@ -460,19 +463,47 @@ def _alive(pid: int) -> bool:
 
 # ---- the command ------------------------------------------------------------------------------------------------
 
-def task_from_environment(task_index: int | None, num_tasks: int | None) -> tuple[int, int]:
-    """``(task index, number of tasks)``: as given, else a SLURM array's or torchrun's, else ``(0, 1)``."""
-    for index_key, count_key in (("SLURM_ARRAY_TASK_ID", "SLURM_ARRAY_TASK_COUNT"), ("RANK", "WORLD_SIZE")):
-        if num_tasks is None and index_key in os.environ and count_key in os.environ:
-            task_index = int(os.environ[index_key]) - int(os.environ.get("SLURM_ARRAY_TASK_MIN", 0)) \
-                if index_key.startswith("SLURM") else int(os.environ[index_key])
-            num_tasks = int(os.environ[count_key])
-    num_tasks = 1 if num_tasks is None else num_tasks
-    task_index = 0 if task_index is None else task_index
-    if num_tasks < 1 or not 0 <= task_index < num_tasks:
-        raise TokenizeError(f"tokenize: --task-index={task_index} must be in 0..--num-tasks-1 "
-                            f"(--num-tasks={num_tasks}).")
-    return task_index, num_tasks
+def _cores() -> int:
+    """The cores this process may run on (a SLURM or cgroup CPU set), not the machine's."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def task_from_environment(task_index: int | None, num_tasks: int | None, planned: dict | None = None) -> tuple:
+    """``(task index, number of tasks, first array id)``: each of index and count as given, else from a SLURM array
+    (the index counted from its first id in steps of its step) or torchrun, else ``(0, 1)``. ``planned``: the
+    folder's plan, whose array a single resubmitted index (``sbatch --array=17``: an array of one) belongs to."""
+    env, names, found, first = os.environ, ("--task-index", "--num-tasks"), None, 0
+    if "SLURM_ARRAY_TASK_ID" in env:
+        ident = int(env["SLURM_ARRAY_TASK_ID"])
+        first, step = int(env.get("SLURM_ARRAY_TASK_MIN", 0)), int(env.get("SLURM_ARRAY_TASK_STEP") or 1)
+        count = int(env["SLURM_ARRAY_TASK_COUNT"]) if "SLURM_ARRAY_TASK_COUNT" in env else \
+            (int(env.get("SLURM_ARRAY_TASK_MAX", ident)) - first) // step + 1
+        if count == 1 and planned and planned.get("tasks", 1) > 1:  # one task of the planned array, rerun
+            first = planned.get("first_task_id", 0)
+            found = (ident - first, planned["tasks"])
+        else:
+            found = ((ident - first) // step if (ident - first) % step == 0 else count, count)
+        env_names = ("SLURM_ARRAY_TASK_ID", "SLURM_ARRAY_TASK_COUNT")
+    elif "RANK" in env and "WORLD_SIZE" in env:
+        found, env_names = (int(env["RANK"]), int(env["WORLD_SIZE"])), ("RANK", "WORLD_SIZE")
+    index, count = task_index, num_tasks
+    if found is not None:
+        if index is None:
+            index, names = found[0], (env_names[0], names[1])
+        if count is None:
+            count, names = found[1], (names[0], env_names[1])
+    if count is not None and count > 1 and index is None:
+        raise TokenizeError(f"tokenize: --num-tasks={count} needs --task-index (this task's index), or run it as a "
+                            "SLURM array task.")
+    if index is not None and index > 0 and count is None:
+        raise TokenizeError(f"tokenize: --task-index={index} needs --num-tasks (how many tasks share the work).")
+    index, count = index or 0, count or 1
+    if count < 1 or not 0 <= index < count:
+        raise TokenizeError(f"tokenize: task index {index} (from {names[0]}) must be in 0..{count - 1} for {count} "
+                            f"tasks (from {names[1]}); a SLURM array given as a list (--array=1,5,9) needs "
+                            "--task-index and --num-tasks." if names[0].startswith("SLURM") else
+                            f"tokenize: {names[0]}={index} must be in 0..{count - 1} ({names[1]}={count}).")
+    return index, count, first
 
 
 def tokenize_to_folder(sources: list[str], out: str, tokenizer_path: str | None = None, text_field: str = "text",
@@ -480,10 +511,14 @@ def tokenize_to_folder(sources: list[str], out: str, tokenizer_path: str | None 
                        task_index: int | None = None, num_tasks: int | None = None) -> dict | None:
     """Tokenize ``sources`` into the shard folder ``out`` (this task's share of it); return the manifest, or
     ``None`` when other tasks of the array still have units to finish."""
-    folder, workers = Path(out), workers or os.cpu_count() or 1
+    folder, workers = Path(out), workers or _cores()
     if workers < 1 or shard_tokens < 1:
         raise TokenizeError(f"tokenize: --workers={workers} and --shard-tokens={shard_tokens} must be positive.")
-    task, tasks = task_from_environment(task_index, num_tasks)
+    try:
+        planned = json.loads((folder / PLAN).read_text())
+    except (OSError, ValueError):
+        planned = None  # none yet (or unreadable: said below)
+    task, tasks, first_id = task_from_environment(task_index, num_tasks, planned)
     tokenizer = load_tokenizer(tokenizer_path)
     identity = {"format": PLAN_FORMAT, "sources": sources, "tokenizer": tokenizer_identity(tokenizer.spec()),
                 "text_field": text_field, "shard_tokens": shard_tokens}
@@ -508,26 +543,29 @@ def tokenize_to_folder(sources: list[str], out: str, tokenizer_path: str | None 
             else:
                 if resume:
                     print(f"tokenize: {folder} holds no run yet; starting from the beginning.", file=sys.stderr)
-                plan = _new_plan(folder, identity, input_files(sources), tokenizer, tasks)
+                plan = _new_plan(folder, identity, input_files(sources), tokenizer, tasks, first_id)
+            if tasks > 1 and plan.get("tasks", tasks) != tasks:  # a plain run (exclusive lock) may finish any plan
+                raise TokenizeError(f"tokenize: {folder} is tokenized by an array of {plan['tasks']} tasks, this task "
+                                    f"counts {tasks}; rerun it with --num-tasks {plan['tasks']}, or finish the folder "
+                                    "with one plain run (--resume --num-tasks 1).")
             mine = [u for u in plan["units"] if u["index"] % tasks == task]
             _remove_partials(folder, mine)
             pending = [u for u in mine if not unit_record(folder, u["index"]).exists()]
-            _run_units(pending, plan, folder, tokenizer_path, workers)
+            _run_units(pending, mine, plan, folder, tokenizer_path, workers)
             return _finish(folder, plan, tokenizer, tokenizer_path, task, tasks)
     finally:
         lock.release()
 
 
-def _new_plan(folder: Path, identity: dict, files: list[Path], tokenizer, tasks: int) -> dict:
+def _new_plan(folder: Path, identity: dict, files: list[Path], tokenizer, tasks: int, first_id: int) -> dict:
     inputs = describe_inputs(files)
     groups = {i: table_groups(p) for i, p in enumerate(files) if p.suffix in TABLE_SUFFIXES}
     total = sum(size for _, size, _ in inputs)
     bytes_per_token = 1 if tokenizer.spec()["kind"] == "bytes" else 4
-    # at most a shard a unit, and enough units to keep every worker of every task busy
-    target = max(MIN_UNIT_BYTES, min(identity["shard_tokens"] * bytes_per_token,
-                                     math.ceil(total / (UNITS_PER_TASK * tasks))))
+    # at most a shard a unit, and enough units to keep every worker busy: the same cuts for any task count
+    target = max(MIN_UNIT_BYTES, min(identity["shard_tokens"] * bytes_per_token, math.ceil(total / UNITS)))
     plan = {**identity, "inputs": inputs, "groups": {str(i): g for i, g in groups.items()},
-            "units": plan_units(inputs, groups, target)}
+            "units": plan_units(inputs, groups, target), "tasks": tasks, "first_task_id": first_id}
     if (folder / PLAN).exists():  # another task of the array planned first: its plan must be this one
         return _checked_plan(folder, identity, files)
     write_json(folder / PLAN, plan)
@@ -560,9 +598,9 @@ def _checked_plan(folder: Path, identity: dict, files: list[Path]) -> dict:
 
 
 def _remove_partials(folder: Path, units: list[dict]) -> None:
-    """Partial shards of this task's units (a killed worker's): ours by name, never complete."""
+    """Partial shards and records of this task's units (a killed worker's): ours by name, never complete."""
     for unit in units:
-        for partial in folder.glob(f"part-{unit['index']:05d}-*{PARTIAL_SUFFIX}"):
+        for partial in folder.glob(f"part-{unit['index']:05d}[-.]*{PARTIAL_SUFFIX}"):  # shards and its record
             partial.unlink(missing_ok=True)
 
 
@@ -586,12 +624,12 @@ class _stopped_by_signals:
             signal.signal(signum, handler)
 
 
-def _run_units(pending: list[dict], plan: dict, folder: Path, tokenizer_path, workers: int) -> None:
+def _run_units(pending: list[dict], mine: list[dict], plan: dict, folder: Path, tokenizer_path, workers: int) -> None:
     """Tokenize ``pending`` on ``workers`` processes; at the first failure (an error, a worker killed, a signal)
     stop every worker and say which unit failed and why; finished units stay for ``--resume``."""
     slots = multiprocessing.RawArray("q", 2 * len(plan["units"]))
-    already = sum(u["bytes"] for u in plan["units"] if unit_record(folder, u["index"]).exists())
-    progress = Progress(plan, slots, already)
+    already = sum(u["bytes"] for u in mine if unit_record(folder, u["index"]).exists())
+    progress = Progress(mine, slots, already)  # this task's share
     failure = None
     try:
         if workers == 1 or len(pending) <= 1:
@@ -599,6 +637,8 @@ def _run_units(pending: list[dict], plan: dict, folder: Path, tokenizer_path, wo
             for unit in pending:
                 try:
                     tokenize_unit(unit, plan, str(folder))
+                except Stopped:  # a signal, not this unit's failure
+                    raise
                 except Exception as error:
                     failure = (unit, error)
                     break
@@ -715,6 +755,26 @@ def write_token_file(sources: list[str], out_path: str, tokenizer_path: str | No
     write_json(sidecar, {"vocab_size": tokenizer.vocab_size, "tokenizer": tokenizer_path, "max_id": writer.max_id,
                          "tokenizer_identity": tokenizer_identity(tokenizer.spec())})
     return out
+
+
+def tokenize_in_memory(files: list[Path], tokenizer, text_field: str,
+                       max_tokens: int | None) -> tuple[np.ndarray, int]:
+    """Documents tokenized at start-up (small corpora), read as ``tokenize`` reads them (one reader: raw bytes,
+    so a "\\r\\n" file gives the same ids either way); stops after the file that reaches ``max_tokens``.
+    Returns the tokens and how many files were read."""
+    inputs, dtype = describe_inputs(files), token_dtype(tokenizer.vocab_size)
+    groups = {str(i): table_groups(p) for i, p in enumerate(files) if p.suffix in TABLE_SUFFIXES}
+    plan, chunks, count, nulls = {"inputs": inputs, "groups": groups, "text_field": text_field}, [], 0, [0]
+    for i in range(len(files)):
+        unit = {"index": 0, "start": [i, 0], "end": [i + 1, 0], "bytes": inputs[i][1]}
+        for tokens, _, _ in tokenized_batches(unit_segments(unit, plan, nulls), tokenizer, dtype):
+            chunks.append(tokens)
+            count += len(tokens)
+        if max_tokens is not None and count >= max_tokens:
+            break
+    if nulls[0]:
+        sources.info(f"data: skipped {nulls[0]:,} table row(s) whose {text_field!r} is null")
+    return (np.concatenate(chunks) if chunks else np.zeros(0, dtype=dtype)), i + 1 if files else 0
 
 
 def tokenize_main(argv: list[str] | None = None) -> None:

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from ..tokenizer import tokenizer_identity
-from .sources import MANIFEST, info, iter_documents, segments
+from .sources import MANIFEST, info
 
 SCAN_TOKENS = 1 << 22  # a bare .npy without a sidecar: ids checked in its first 4M tokens at start-up
 
@@ -176,27 +176,6 @@ def _header_bytes(path: Path) -> int:
         return f.tell()
 
 
-def tokenize_in_memory(files: list[Path], tokenizer, text_field: str,
-                       max_tokens: int | None) -> tuple[np.ndarray, int]:
-    """Documents tokenized at start-up (small corpora; large ones go through ``moe-lightning tokenize``):
-    every document's tokens followed by the end-of-document token; and how many files were read."""
-    dtype = np.uint16 if tokenizer.vocab_size <= 2**16 else np.uint32
-    chunks, count, files_read, nulls = [], 0, 0, [0]
-    for path in files:
-        files_read += 1
-        for text in iter_documents([path], text_field, nulls):
-            pieces = segments(text)  # a long document in pieces that encode to the same ids
-            ids = tokenizer.encode(text) if len(pieces) == 1 else np.concatenate([tokenizer.encode(p) for p in pieces])
-            if len(ids):
-                chunks.append(np.append(ids, tokenizer.eos_id).astype(dtype))
-                count += len(chunks[-1])
-        if max_tokens is not None and count >= max_tokens:
-            break
-    if nulls[0]:
-        info(f"data: skipped {nulls[0]:,} table row(s) whose {text_field!r} is null")
-    return (np.concatenate(chunks) if chunks else np.zeros(0, dtype=dtype)), files_read
-
-
 def open_tokens(resolved, tokenizer, text_field: str, max_tokens: int | None) -> tuple[list[TokenPart], int]:
     """The token parts of one resolved source (see ``sources.resolve_source``) and the files they come from;
     ``max_tokens`` stops tokenizing text early (token files are cut by ``TokenStream``'s limit instead)."""
@@ -205,5 +184,7 @@ def open_tokens(resolved, tokenizer, text_field: str, max_tokens: int | None) ->
         return parts, len(parts)
     if isinstance(resolved, Path):
         return [open_token_file(resolved, tokenizer)], 1
+    from .tokenize import tokenize_in_memory  # tokenize imports this module
+
     array, files_read = tokenize_in_memory(resolved, tokenizer, text_field, max_tokens)
     return [TokenPart(len(array), array=array)], files_read

@@ -143,7 +143,8 @@ class RowExchange:
 
     Host-resident shards (FSDP ``cpu_offload``) exchanged over a device backend (NCCL) are staged: the send buffer
     is assembled in pinned host memory and crosses the bus in one copy, and the received rows come back in one
-    copy and one host wait per group and step, not a blocking copy each way per matrix. ``stage`` (default: when
+    copy per group and one host wait per step for all groups (``local_rows``), not a blocking copy each way per
+    matrix. ``stage`` (default: when
     the shards are on the host and ``device`` is not) forces it either way; ``trace`` receives ``(operation,
     elements)`` for each copy and wait (tests count them).
     """
@@ -216,19 +217,19 @@ class RowExchange:
         self.work = dist.all_to_all_single(self.recv, send, self.to_owner, self.from_rank, group=self.sg.group,
                                            async_op=True)
 
-    def local_rows(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Wait for the scatter; this rank's rows of every matrix of the group and whether any rank had a
-        gradient for it (a 0-d tensor, 1 or 0), in group order."""
+    def copy_back(self) -> None:
+        """Wait (device-side) for the scatter; staged, issue its one copy back into pinned memory, not waited for."""
         self.work.wait()
-        recv = self.recv
-        if self.staged:  # one copy back into pinned memory and one host wait for the whole group
-            recv = torch.empty(recv.shape, dtype=recv.dtype, pin_memory=self._pin).copy_(recv, non_blocking=True)
-            self._log("to_host", recv.numel())
-            if self.device.type == "cuda":
-                torch.cuda.current_stream(self.device).synchronize()
-            self._log("synchronize", 0)
+        if self.staged:
+            self.recv = torch.empty(self.recv.shape, dtype=self.dtype, pin_memory=self._pin).copy_(
+                self.recv, non_blocking=True)
+            self._log("to_host", self.recv.numel())
+
+    def received_rows(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """After ``copy_back`` (and, staged, the host wait): this rank's rows of every matrix of the group and
+        whether any rank had a gradient for it (a 0-d tensor, 1 or 0), in group order."""
         me, out = self.sg.rank, [None] * len(self.sg.shapes)
-        for ks, chunk in zip(self.by_owner, recv.split(self.to_owner)):
+        for ks, chunk in zip(self.by_owner, self.recv.split(self.to_owner)):
             offset = sum(self.rows[k][me] * self.sg.shapes[k][1] for k in ks)
             flags = chunk[offset:]
             offset = 0
@@ -237,3 +238,16 @@ class RowExchange:
                 out[k] = (chunk[offset:offset + r * n].view(r, n), flags[j])
                 offset += r * n
         return out
+
+
+def local_rows(exchanges: list[RowExchange]) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+    """``received_rows`` of every exchange: every staged group's copy back is issued before one host wait per step,
+    so the copies queue back to back instead of each waiting for the one before."""
+    for ex in exchanges:
+        ex.copy_back()
+    staged = [ex for ex in exchanges if ex.staged]
+    for device in {ex.device for ex in staged if ex.device.type == "cuda"}:
+        torch.cuda.current_stream(device).synchronize()
+    if staged:
+        staged[0]._log("synchronize", 0)
+    return [ex.received_rows() for ex in exchanges]

@@ -7,14 +7,18 @@ the state is, with no copies. Serial blocking copies leave the GPU idle while ea
   Newton–Schulz is enqueued, so the host work and the pageable-to-pinned traffic overlap device work;
 - copies it in on a host-to-device stream; Newton–Schulz waits for it on the compute stream;
 - copies the result back into a pinned buffer on a device-to-host stream once Newton–Schulz is done.
-Each direction has its own stream, so a copy in never queues behind a copy back. The host waits once, at the
-end. Buffers are kept across steps, keyed by shape, dtype and occurrence within a step (two matrices in flight
-never share one).
+Each direction has its own stream, so a copy in never queues behind a copy back. Pinned memory is a ring of
+two slots per (shape, dtype) and direction, kept across steps: before the host refills a slot it waits for the
+copy that last used it, and each result is applied (``apply``) once its own copy back is done, after the next
+matrix's copy in is issued, rather than held to the end. So the pinned memory is four buffers per distinct
+shape, not two per matrix (at configs/1t.yaml, cpu_offload, that was ~15 GiB pinned per GPU); ``plan`` prices
+the ring (``staging_bytes``).
 
 The streams are an object with a small interface (``CudaStreams``), so the schedule's order, its waits and its
 host synchronizations are tested on CPU with a stand-in that records them.
 """
 
+import math
 from collections.abc import Callable, Sequence
 
 import torch
@@ -56,7 +60,7 @@ class CudaStreams:
 
 
 class HostStagedNS:
-    """Runs ``ns`` on ``device`` for host matrices written by ``fill``; results come back in reused host buffers.
+    """Runs ``ns`` on ``device`` for host matrices written by ``fill``; results come back in a ring of host buffers.
 
     ``streams``: ``CudaStreams(device)`` by default. ``trace``: a list that receives ``(operation, index)`` in the
     order operations are issued (tests read it).
@@ -67,40 +71,50 @@ class HostStagedNS:
         self.streams = CudaStreams(device) if streams is None else streams
         self.trace = trace
         self._buffers: dict[tuple, torch.Tensor] = {}
+        self._last_use: dict[tuple, object] = {}  # slot -> event of the copy that last used it (this run)
 
-    def _buffer(self, role: str, shape: torch.Size, dtype: torch.dtype, nth: int) -> torch.Tensor:
-        key = (role, tuple(shape), dtype, nth)
+    def _slot(self, role: str, shape: torch.Size, dtype: torch.dtype, nth: int) -> tuple[tuple, torch.Tensor]:
+        """Ring slot ``nth % 2`` of (role, shape, dtype), once the copy that last used it is done."""
+        key = (role, tuple(shape), dtype, nth % SLOTS)
         if key not in self._buffers:
             self._buffers[key] = torch.empty(shape, dtype=dtype, pin_memory=self.streams.pin)
-        return self._buffers[key]
+        if key in self._last_use:
+            self.streams.synchronize(self._last_use.pop(key))
+        return key, self._buffers[key]
 
     def _log(self, operation: str, i: int) -> None:
         if self.trace is not None:
             self.trace.append((operation, i))
 
     def run(self, inputs: Sequence[tuple[torch.Size, torch.dtype]], fill: Callable[[int, torch.Tensor], None],
-            ns: Sequence[Callable[[torch.Tensor], torch.Tensor]]) -> list[torch.Tensor]:
-        """``ns[i](matrix i on device)`` for each ``(shape, dtype)`` of ``inputs``; ``fill(i, buffer)`` writes matrix
-        i into a host buffer of that shape, just before its copy in. The returned host tensors are this object's
-        buffers: use them before the next ``run``."""
+            ns: Sequence[Callable[[torch.Tensor], torch.Tensor]], apply: Callable[[int, torch.Tensor], None]) -> None:
+        """``apply(i, ns[i](matrix i on device))`` for each ``(shape, dtype)`` of ``inputs``, the result in a host
+        buffer that is reused once ``apply`` returns; ``fill(i, buffer)`` writes matrix i into a host buffer of that
+        shape, just before its copy in."""
         streams, seen, nth = self.streams, {}, []
         for shape, dtype in inputs:
             key = (tuple(shape), dtype)
             nth.append(seen.get(key, 0))
             seen[key] = nth[-1] + 1
+        self._last_use.clear()  # the previous run ended with every copy done
 
         def copy_in(i: int) -> tuple[torch.Tensor, object]:
-            staged = self._buffer("in", inputs[i][0], inputs[i][1], nth[i])
+            key, staged = self._slot("in", inputs[i][0], inputs[i][1], nth[i])
             fill(i, staged)
             self._log("fill", i)
             with streams.on("to_device"):
                 on_device = staged.to(self.device, non_blocking=True)
-                arrived = streams.record()
+                arrived = self._last_use[key] = streams.record()
             streams.keep_for(on_device, "compute")
             self._log("copy_in", i)
             return on_device, arrived
 
-        results, done = [], None
+        def finish(i: int, out: torch.Tensor, done) -> None:
+            streams.synchronize(done)
+            apply(i, out)
+            self._log("apply", i)
+
+        back = None  # (index, host buffer, its copy-back event) of the result not yet applied
         incoming = copy_in(0) if inputs else None
         for i in range(len(inputs)):
             G_device, arrived = incoming
@@ -110,16 +124,26 @@ class HostStagedNS:
             self._log("ns", i)
             ns_done = streams.record()
             streams.keep_for(O, "to_host")
+            _, out = self._slot("out", O.shape, O.dtype, nth[i])  # its last user was applied already
             with streams.on("to_host"):
                 streams.wait(ns_done)
-                out = self._buffer("out", O.shape, O.dtype, nth[i])
                 out.copy_(O, non_blocking=True)
                 done = streams.record()
             self._log("copy_out", i)
-            results.append(out)
             if i + 1 < len(inputs):
                 incoming = copy_in(i + 1)  # the host fills the next while the device runs this Newton–Schulz
-        if done is not None:
-            streams.synchronize(done)  # each stream runs in order and each waited for the one before
-            self._log("synchronize", len(inputs))
-        return results
+            if back is not None:
+                finish(*back)
+            back = (i, out, done)
+        if back is not None:
+            finish(*back)  # each stream runs in order and each waited for the one before: every copy is done
+
+
+SLOTS = 2  # pinned buffers per (shape, dtype) and direction
+
+
+def staging_bytes(shapes: Sequence[tuple[int, ...]], ns_element_size: int, pinned_bytes: Callable[[int], int]) -> int:
+    """Pinned host bytes ``HostStagedNS`` keeps for matrices of these shapes: a ring of ``SLOTS`` fp32 inputs and
+    ``SLOTS`` Newton–Schulz-dtype outputs per distinct shape, each an allocation of ``pinned_bytes``."""
+    return sum(SLOTS * (pinned_bytes(4 * math.prod(s)) + pinned_bytes(ns_element_size * math.prod(s)))
+               for s in set(map(tuple, shapes)))

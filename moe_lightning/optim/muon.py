@@ -10,7 +10,8 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from .host_staging import HostStagedNS
-from .flexshard import RowExchange, check_trainable_agree, classify, comm_device, plan_shard_groups
+from .flexshard import (RowExchange, check_trainable_agree, classify, comm_device, local_rows,
+                        plan_shard_groups)
 from .muon_groups import split_by_algorithm
 from .newton_schulz import coefficient_schedule, newton_schulz, ns_dtype_for
 
@@ -151,6 +152,13 @@ class Muon(torch.optim.Optimizer):
         from all of them, identically on every rank. A parameter without a gradient here is skipped if it is
         orthogonalized locally; if it is row-sharded its gradient counts as zero, and the step is applied only
         if some rank had one (``RowExchange``'s flags)."""
+        if self.stage_host_copies:  # before any state changes
+            where = sorted({str(_local(p).device) for _, p in muon} - {"cpu"})
+            if where:
+                raise ValueError(f"Muon.stage_host_copies=True stages host-resident parameters (FSDP cpu_offload) "
+                                 f"through pinned buffers, but some live on {where}: leave stage_host_copies at None "
+                                 f"(stages exactly when the parameters are on the host and Newton–Schulz is not) or "
+                                 f"set it to False.")
         device = self._compute_device(_local(muon[0][1]))
         dtype = self._ns_dtype(device)
         exchanges = self._exchanges(muon, device, dtype)
@@ -170,18 +178,17 @@ class Muon(torch.optim.Optimizer):
         schedules = {id(g): self._schedule(g) for g, _ in muon}  # once per group, not per matrix
         local = [muon[i] for i in range(len(muon)) if i not in sharded and present[i]]
         ns = [partial(newton_schulz, schedule=schedules[id(g)], eps=g["eps"], dtype=dtype) for g, _ in local]
-        for (group, p), O in zip(local, self._local_newton_schulz(local, ns, device)):
-            self._apply(group, p, O)
+        self._local_newton_schulz(local, ns, device)
         for ex in exchanges:  # NS of every owned matrix first, so all scatters are in flight together
             groups = [muon[ex.sg.indices[k][0]][0] for k in ex.mine]
             ex.start_scatter([newton_schulz(G_MN.to(device), schedules[id(group)], group["eps"], dtype)
                               for G_MN, group in zip(ex.owned_matrices(), groups)])
 
         def finish():
-            for ex in exchanges:
+            for ex, received in zip(exchanges, local_rows(exchanges)):
                 rows: dict[int, list[torch.Tensor]] = {}
                 anyone: dict[int, torch.Tensor] = {}  # some rank had a gradient (0-d, 1 or 0)
-                for (i, _), (O_rN, flag) in zip(ex.sg.indices, ex.local_rows()):
+                for (i, _), (O_rN, flag) in zip(ex.sg.indices, received):
                     rows.setdefault(i, []).append(O_rN)
                     anyone[i] = flag
                 for i, O in rows.items():  # an expert stack's experts come back in order: restack them
@@ -192,21 +199,24 @@ class Muon(torch.optim.Optimizer):
                     self._apply(group, p, torch.stack(O) if p.ndim == 3 else O[0], anyone[i] if i in pending else None)
         return finish
 
-    def _local_newton_schulz(self, local: list[tuple[dict, torch.Tensor]], ns: list,
-                             device: torch.device) -> list[torch.Tensor]:
-        """Momentum update and ``ns[i]`` on ``device`` for each ``(group, parameter)``, in order. Host-resident
-        matrices orthogonalized on another device go through ``HostStagedNS`` (momentum written into pinned
-        buffers while the previous matrix is orthogonalized, a stream per copy direction, one wait), unless
-        ``stage_host_copies`` says otherwise; everything else runs where it is, without copies."""
+    def _local_newton_schulz(self, local: list[tuple[dict, torch.Tensor]], ns: list, device: torch.device) -> None:
+        """Momentum update, ``ns[i]`` on ``device`` and the step, for each ``(group, parameter)``, in order.
+        Host-resident matrices orthogonalized on another device go through ``HostStagedNS`` (momentum written into
+        pinned buffers while the previous matrix is orthogonalized, a stream per copy direction, each result
+        applied once its copy back is done), unless ``stage_host_copies`` says otherwise; everything else runs where
+        it is, without copies."""
         on_host = all(_local(p).device.type == "cpu" for _, p in local)
         stage = on_host and device.type != "cpu" if self.stage_host_copies is None else self.stage_host_copies
         if not stage:
-            return [fn(self._momentum_update(g, p).to(device)) for (g, p), fn in zip(local, ns)]
+            for (g, p), fn in zip(local, ns):
+                self._apply(g, p, fn(self._momentum_update(g, p).to(device)))
+            return
         if self._staging is None or self._staging.device != device:
             self._staging = HostStagedNS(device)
         grads = [_local(p.grad) for _, p in local]
-        return self._staging.run([(G.shape, G.dtype) for G in grads],
-                                 lambda k, out: self._momentum_update(*local[k], out=out), ns)
+        self._staging.run([(G.shape, G.dtype) for G in grads],
+                          lambda k, out: self._momentum_update(*local[k], out=out), ns,
+                          lambda k, O: self._apply(*local[k], O))
 
     def _shard_groups(self, muon):
         """FlexShard plan for this parameter set; placements never change, so plan once."""

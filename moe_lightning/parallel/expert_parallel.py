@@ -131,7 +131,7 @@ def _through_experts(group, grad_scale, x_RD, weights_RK, experts_RK, send_split
     expert's rank, through the experts (weighted), back, and summed into the rows.
 
     The dispatch exchange's backward multiplies by ``grad_scale`` and the return's by its inverse (see
-    :class:`AllToAllTokenDispatcher` for why). Returns ``(y_RD, overlap's result)``."""
+    :class:`AllToAllTokenDispatcher` for why). Returns ``y_RD``, plus overlap's result when given."""
     P, local, K = len(recv_splits), experts.num_experts, experts_RK.shape[1]
     choice = torch.where(experts_RK >= 0, experts_RK, P * local).flatten()  # "none" sorts last and is cut
     order = choice.argsort(stable=True)[:sum(send_splits)]
@@ -151,7 +151,7 @@ def _through_experts(group, grad_scale, x_RD, weights_RK, experts_RK, send_split
     del y_by_expert
     (y_copies,), _ = _exchange(group, recv_splits, send_splits, 1.0 / grad_scale, [y_recv])
     del y_recv
-    return sum_into_tokens(y_copies, row_of_copy, x_RD), extra
+    return _with(sum_into_tokens(y_copies, row_of_copy, x_RD), extra)
 
 
 def _with(y_TD: torch.Tensor, extra: torch.Tensor | None) -> torch.Tensor:
@@ -184,8 +184,8 @@ class AllToAllTokenDispatcher:
         send_counts_PE = tokens_per_expert_E.view(self.ep, experts.num_experts)
         recv_counts_PE = _exchange_counts(send_counts_PE, self.group)
         send_splits, recv_splits = torch.stack([send_counts_PE.sum(1), recv_counts_PE.sum(1)]).tolist()  # one sync
-        return _with(*_through_experts(self.group, float(self.ep), x_TD, weights_TK, experts_TK, send_splits,
-                                       recv_splits, recv_counts_PE, experts, overlap))
+        return _through_experts(self.group, float(self.ep), x_TD, weights_TK, experts_TK, send_splits, recv_splits,
+                                recv_counts_PE, experts, overlap)
 
 
 class HierarchicalTokenDispatcher:
@@ -232,8 +232,8 @@ class HierarchicalTokenDispatcher:
         (x_RD, weights_RK, node_experts_RK), extra = _exchange(
             self.inter, inter_send, inter_recv, float(self.ep),
             [x_TD[token_of_row], weights_TK[token_of_row], node_experts_RK.to(torch.int32)], overlap)
-        y_RD, _ = _through_experts(self.intra, 1.0, x_RD, weights_RK, node_experts_RK, intra_send, intra_recv,
-                                   recv_counts_PE, experts)
+        y_RD = _through_experts(self.intra, 1.0, x_RD, weights_RK, node_experts_RK, intra_send, intra_recv,
+                                recv_counts_PE, experts)
         del x_RD, weights_RK
         (y_rows,), _ = _exchange(self.inter, inter_recv, inter_send, 1.0 / self.ep, [y_RD])
         return _with(sum_into_tokens(y_rows, token_of_row, x_TD), extra)
@@ -241,13 +241,18 @@ class HierarchicalTokenDispatcher:
 
 def node_layout(group: dist.ProcessGroup, ranks_per_node: int) -> tuple[int, int] | str:
     """``(nodes, ranks per node)`` of a group laid out node-major with equal ranks per node, else why not."""
-    ranks = dist.get_process_group_ranks(group)
+    return ranks_layout(dist.get_process_group_ranks(group), ranks_per_node)
+
+
+def ranks_layout(ranks: list[int], ranks_per_node: int) -> tuple[int, int] | str:
+    """``node_layout`` of the global ``ranks`` of a group."""
     nodes = [r // ranks_per_node for r in ranks]
     distinct = sorted(set(nodes), key=nodes.index)
     local = len(ranks) // len(distinct)
     if len(ranks) % len(distinct) or nodes != [n for n in distinct for _ in range(local)]:
         return (f"its ranks {ranks} are not whole node-major blocks of equal size on nodes of {ranks_per_node} "
-                f"ranks")
+                f"ranks; hierarchical dispatch needs strategy.expert_parallel_size (now {len(ranks)}) to be a "
+                f"multiple of the devices per node ({ranks_per_node}), each group's ranks node-major")
     return len(distinct), local
 
 
@@ -299,7 +304,7 @@ def apply_expert_parallel(moe_layers: list[MoELayer], group: dist.ProcessGroup, 
     when the group spans several nodes, flat within one node (or when not given)."""
     ep, ep_rank = dist.get_world_size(group), dist.get_rank(group)
     layout = node_layout(group, ranks_per_node) if ranks_per_node else (1, ep)
-    hierarchical = isinstance(layout, tuple) and layout[0] > 1 and layout[1] >= 1
+    hierarchical = isinstance(layout, tuple) and layout[0] > 1
     if hierarchical:
         inter, intra = _subgroups(group, *layout)
         dispatcher = HierarchicalTokenDispatcher(group, inter, intra, *layout)
