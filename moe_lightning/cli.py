@@ -187,6 +187,9 @@ class MoECLI(LightningCLI):
         a pretrained directory's ``tokenizer.json`` as the data's tokenizer unless one is set."""
         config = self.config[self.subcommand] if self.subcommand else self.config
         check_weight_decay(config.model)
+        if self.subcommand != "fit" and config.get("ckpt_path") == "last":  # Lightning would only warn, then run
+            raise ValueError(f"--ckpt_path last is for fit (continuing a run); {self.subcommand} would use untrained "
+                             f"weights: pass --ckpt_path=<checkpoint file> (e.g. <run>/checkpoints/last.ckpt).")
         # Each run has its own folder, so every resume restores a ModelCheckpoint whose dirpath was another run's,
         # and Lightning warns "The dirpath has changed" each time (the log already says what was resumed).
         warnings.filterwarnings("ignore", message="The dirpath has changed from")
@@ -303,8 +306,21 @@ class MoECLI(LightningCLI):
         if config.get("ckpt_path") == "last":  # any earlier run of this command, not only this version
             config["ckpt_path"] = runs.resolve_last(self.trainer)
             runs.lock_run_folders(self.trainer, resumed=config["ckpt_path"])  # one continuation of a run
-        self._check_resume(self.datamodule)
+        self._check_resume(self._data_to_check())
         self._remove_stale_partial_checkpoints()
+
+    def _data_to_check(self) -> TextDataModule | None:
+        """The datamodule, attached to the trainer as ``trainer.fit`` will (so ``setup`` maps the run's tokenized
+        folders), unless describing it would mean tokenizing text this run has not tokenized yet (no manifest in
+        its folder: ``prepare_data`` writes it later). Setting up now would tokenize the whole corpus in memory on
+        every rank; the restore checks that data instead (``TextDataModule._restore``)."""
+        data = self.datamodule
+        data.trainer = self.trainer
+        if isinstance(data, TextDataModule) and any(
+                (folder := data._tokenized_folder(i)) is not None and not (folder / "manifest.json").is_file()
+                for i in range(len(data.entries))):
+            return None
+        return data
 
     def before_validate(self) -> None:
         self._check_model_fits_data()

@@ -193,6 +193,34 @@ def test_sharded_checkpoint_of_another_shape_is_refused_before_loading(tmp_path,
         run(quick(tmp_path, f"--ckpt_path={folder}"))
 
 
+def test_cli_resume_checks_text_data_from_the_runs_tokenized_folder(tmp_path, monkeypatch):
+    """Was: the data check set the data up before the trainer was attached, so every rank tokenized the whole
+    text corpus in memory at every resume (and the run kept that copy)."""
+    import os
+    import moe_lightning.data.module as data_module
+    text = os.path.dirname(os.__file__) + "/json"
+    args = [a for a in quick(tmp_path, f"--data.init_args.source={text}") if "max_tokens" not in a]
+    first = run([*args, "--trainer.max_steps=1"])
+    first.trainer.save_checkpoint(tmp_path / "one.ckpt")
+    [folder] = (tmp_path / "tiny" / "tokenized").iterdir()
+    assert (folder / "manifest.json").is_file()
+
+    def in_memory(*args, **kwargs):
+        raise AssertionError("tokenized in memory")
+    monkeypatch.setattr(data_module, "open_tokens", in_memory)
+    assert run([*args, "--trainer.max_steps=2", f"--ckpt_path={tmp_path / 'one.ckpt'}"]).trainer.global_step == 2
+    with pytest.raises(ResumeMismatchError, match="data shuffle_seed: checkpoint 0, requested 1"):
+        run([*args, "--trainer.max_steps=2", f"--ckpt_path={tmp_path / 'one.ckpt'}", "--data.init_args.shuffle_seed=1"])
+
+
+@pytest.mark.parametrize("subcommand", ["validate", "test", "predict"])
+def test_evaluating_ckpt_path_last_is_refused_in_one_line(tmp_path, subcommand):
+    """Lightning only warns that "last" found nothing and evaluates untrained weights."""
+    args = [subcommand, "--config", str(TINY), f"--trainer.logger.init_args.save_dir={tmp_path}", "--ckpt_path=last"]
+    with pytest.raises(ValueError, match=r"^--ckpt_path last is for fit .*pass --ckpt_path=<checkpoint file>"):
+        run(args + ([f"--prompts={tmp_path / 'p.jsonl'}"] if subcommand == "predict" else []))
+
+
 def test_resume_check_without_a_config_compares_with_the_default_model():
     """``config=None`` builds ``MoEConfig()``; a checkpoint saved before a field existed takes its default."""
     from moe_lightning.resume import check_resume
