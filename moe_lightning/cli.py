@@ -7,6 +7,7 @@ import importlib
 import inspect
 import json
 import logging
+import os
 import re
 import warnings
 from functools import partial
@@ -160,6 +161,16 @@ def check_tokenizer(config: Namespace, subcommand: str, ckpt_path: str | None) -
                      f"trained with ({saved}): its token ids would stand for other text. {fix}.")
 
 
+def check_writable_folder(folder: Path, flag: str) -> None:
+    """Refuse, before the work that fills it, a file whose folder cannot be made or written (its nearest existing
+    ancestor must be a writable folder)."""
+    existing = next(p for p in (folder, *folder.parents) if p.exists())
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        why = "is not a folder" if not existing.is_dir() else "is not writable"
+        raise PermissionError(f"{flag}: cannot write into {folder} ({existing} {why}); pass a path in a writable "
+                              "folder.")
+
+
 class MoECLI(LightningCLI):
     """LightningCLI with the MoE model and text data as defaults (subclasses allowed by ``class_path``)."""
 
@@ -285,6 +296,8 @@ class MoECLI(LightningCLI):
             raise ValueError(f"predict runs in one process (trainer.world_size={self.trainer.world_size}): pass "
                              "--trainer.devices=1 --trainer.num_nodes=1, or use `moe-lightning generate`.")
         records = read_prompts(prompts)
+        target = Path(out) if out else Path(self.trainer.log_dir or ".") / "predictions.jsonl"
+        check_writable_folder(target.parent, "--out" if out else "trainer.logger.init_args.save_dir")
         ckpt_path = trainer_kwargs.get("ckpt_path")  # the checkpoint's own tokenizer beats the config's
         recorded = ckpt_path and Path(ckpt_path).exists()  # not "last"/"best", which Lightning resolves
         tokenizer = checkpoint_tokenizer(ckpt_path) if recorded else datamodule.tokenizer
@@ -294,7 +307,6 @@ class MoECLI(LightningCLI):
         warn_long_prompts([b["tokens_1S"].shape[1] for b in batches], model.config.max_seq_len, prompts)
         loader = torch.utils.data.DataLoader(batches, batch_size=None)
         predictions = self.trainer.predict(model, dataloaders=loader, **trainer_kwargs)
-        target = Path(out) if out else Path(self.trainer.log_dir or ".") / "predictions.jsonl"
         write_text(target, "".join(json.dumps({**record, "completion": tokenizer.decode(ids)}, ensure_ascii=False)
                                    + "\n" for record, ids in zip(records, predictions, strict=True)))
         print(f"wrote {len(records)} continuations to {target}")
