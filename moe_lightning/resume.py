@@ -5,7 +5,9 @@ another shape would silently win. Instead the command line always wins, and ``ch
 anything is built (``moe-lightning`` runs it once, for every subcommand and every ``ckpt_path``, ``last``
 resolved): a model that differs in its shape or function (one line per differing field; training knobs may
 change), and a training position saved on other data (another source, mixture, seq_len, shuffle or split),
-whatever kind of source it is.
+whatever kind of source it is. Paths Lightning resolves itself (``best``, remote files, ``Trainer.fit`` from
+Python) are checked when it hands the checkpoint over: the model in ``MoELanguageModel.on_load_checkpoint``, the data
+when the loader's position is restored.
 """
 
 import dataclasses
