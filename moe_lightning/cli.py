@@ -7,6 +7,7 @@ import importlib
 import inspect
 import json
 import logging
+import os
 import re
 import warnings
 from functools import partial
@@ -160,6 +161,16 @@ def check_tokenizer(config: Namespace, subcommand: str, ckpt_path: str | None) -
                      f"trained with ({saved}): its token ids would stand for other text. {fix}.")
 
 
+def check_writable_folder(folder: Path, flag: str) -> None:
+    """Refuse, before the work that fills it, a file whose folder cannot be made or written (its nearest existing
+    ancestor must be a writable folder)."""
+    existing = next(p for p in (folder, *folder.parents) if p.exists())
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        why = "is not a folder" if not existing.is_dir() else "is not writable"
+        raise PermissionError(f"{flag}: cannot write into {folder} ({existing} {why}); pass a path in a writable "
+                              "folder.")
+
+
 class MoECLI(LightningCLI):
     """LightningCLI with the MoE model and text data as defaults (subclasses allowed by ``class_path``)."""
 
@@ -187,6 +198,9 @@ class MoECLI(LightningCLI):
         a pretrained directory's ``tokenizer.json`` as the data's tokenizer unless one is set."""
         config = self.config[self.subcommand] if self.subcommand else self.config
         check_weight_decay(config.model)
+        if self.subcommand != "fit" and config.get("ckpt_path") == "last":  # Lightning would only warn, then run
+            raise ValueError(f"--ckpt_path last is for fit (continuing a run); {self.subcommand} would use untrained "
+                             f"weights: pass --ckpt_path=<checkpoint file> (e.g. <run>/checkpoints/last.ckpt).")
         # Each run has its own folder, so every resume restores a ModelCheckpoint whose dirpath was another run's,
         # and Lightning warns "The dirpath has changed" each time (the log already says what was resumed).
         warnings.filterwarnings("ignore", message="The dirpath has changed from")
@@ -282,6 +296,8 @@ class MoECLI(LightningCLI):
             raise ValueError(f"predict runs in one process (trainer.world_size={self.trainer.world_size}): pass "
                              "--trainer.devices=1 --trainer.num_nodes=1, or use `moe-lightning generate`.")
         records = read_prompts(prompts)
+        target = Path(out) if out else Path(self.trainer.log_dir or ".") / "predictions.jsonl"
+        check_writable_folder(target.parent, "--out" if out else "trainer.logger.init_args.save_dir")
         ckpt_path = trainer_kwargs.get("ckpt_path")  # the checkpoint's own tokenizer beats the config's
         recorded = ckpt_path and Path(ckpt_path).exists()  # not "last"/"best", which Lightning resolves
         tokenizer = checkpoint_tokenizer(ckpt_path) if recorded else datamodule.tokenizer
@@ -291,7 +307,6 @@ class MoECLI(LightningCLI):
         warn_long_prompts([b["tokens_1S"].shape[1] for b in batches], model.config.max_seq_len, prompts)
         loader = torch.utils.data.DataLoader(batches, batch_size=None)
         predictions = self.trainer.predict(model, dataloaders=loader, **trainer_kwargs)
-        target = Path(out) if out else Path(self.trainer.log_dir or ".") / "predictions.jsonl"
         write_text(target, "".join(json.dumps({**record, "completion": tokenizer.decode(ids)}, ensure_ascii=False)
                                    + "\n" for record, ids in zip(records, predictions, strict=True)))
         print(f"wrote {len(records)} continuations to {target}")
@@ -302,10 +317,23 @@ class MoECLI(LightningCLI):
         last = config.get("ckpt_path") == "last"
         if last:  # any earlier run of this command, not only this version
             config["ckpt_path"] = runs.resolve_last(self.trainer)
-        self._check_resume(self.datamodule)  # reads only: a refused resume leaves nothing behind
+        self._check_resume(self._data_to_check())  # reads only: a refused resume leaves nothing behind
         # one run per checkpoint folder (and one continuation of a run), before cleaning it
         runs.lock_run_folders(self.trainer, resumed=config["ckpt_path"] if last else None)
         self._remove_stale_partial_checkpoints()
+
+    def _data_to_check(self) -> TextDataModule | None:
+        """The datamodule, attached to the trainer as ``trainer.fit`` will (so ``setup`` maps the run's tokenized
+        folders), unless describing it would mean tokenizing text this run has not tokenized yet (no manifest in
+        its folder: ``prepare_data`` writes it later). Setting up now would tokenize the whole corpus in memory on
+        every rank; the restore checks that data instead (``TextDataModule._restore``)."""
+        data = self.datamodule
+        data.trainer = self.trainer
+        if isinstance(data, TextDataModule) and any(
+                (folder := data._tokenized_folder(i)) is not None and not (folder / "manifest.json").is_file()
+                for i in range(len(data.entries))):
+            return None
+        return data
 
     def before_validate(self) -> None:
         self._check_model_fits_data()
@@ -345,7 +373,10 @@ class MoECLI(LightningCLI):
         log_dir = None if self.trainer.fast_dev_run else self._allocate_run_folder()
         try:
             super()._run_subcommand(subcommand)
-        except BaseException:
+        except BaseException as error:
+            for callback in self.trainer.callbacks:  # a refusal before trainer.fit: Lightning never ran their hooks
+                if isinstance(callback, runs.ReleaseLocks):
+                    callback.on_exception(self.trainer, self.model, error)
             saved = any(getattr(cb, "best_model_path", "") or getattr(cb, "last_model_path", "")
                         for cb in self.trainer.checkpoint_callbacks)  # its config.yaml is what resumes them
             if log_dir is not None and not saved and runs.remove_empty_run_folder(log_dir):

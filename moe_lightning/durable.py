@@ -9,6 +9,7 @@ deleted.
 
 import errno
 import os
+import stat
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator
@@ -50,12 +51,18 @@ def disk_full_message(path: Path) -> str:
 
 
 @contextmanager
-def atomic_write(path: str | Path, mode: int = 0o644) -> Iterator[BinaryIO]:
+def atomic_write(path: str | Path, mode: int | None = None) -> Iterator[BinaryIO]:
     """Open a new partial file beside ``path`` for binary writing; on a clean exit sync it, rename it over
     ``path`` and sync the folder. On any exception the partial file is removed and ``path`` is untouched; a
-    full disk is raised as :class:`DiskFullError` naming the file."""
+    full disk is raised as :class:`DiskFullError` naming the file. The file keeps the mode of the one it replaces
+    (the user's choice), a new one gets ``mode`` (default 0644)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    if mode is None:
+        try:
+            mode = stat.S_IMODE(path.stat().st_mode)
+        except FileNotFoundError:
+            mode = 0o644
     fd, partial = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=PARTIAL_SUFFIX)
     try:
         os.chmod(partial, mode)  # mkstemp creates 0o600

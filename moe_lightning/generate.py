@@ -112,7 +112,7 @@ def read_prompts(path: str) -> list[dict]:
     if not Path(path).is_file():
         raise FileNotFoundError(f"--prompts={path!r}: no such file; pass a JSONL file with a 'prompt' field per line.")
     records = []
-    for line_no, line in enumerate(read_prompt_file(path, "--prompts").splitlines(), 1):
+    for line_no, line in enumerate(read_prompt_file(path, "--prompts").split("\n"), 1):  # not splitlines: JSON strings may hold U+2028
         if not line.strip():
             continue
         try:

@@ -34,9 +34,17 @@ Private names of classes the package subclasses or drives, used where named:
 - ``cli.py``: ``LightningCLI._parse_ckpt_path`` (overridden: the checkpoint's hyperparameters silently beat the
   command line), ``_prepare_subcommand_parser`` and ``_subcommand_method_arguments`` (``predict``'s own
   arguments: no public per-subcommand hook), ``_run_subcommand`` (wrapped: the run folder is removed when the
-  run fails before writing anything).
+  run fails before writing anything), ``_get`` and ``_parser`` (the trainer's config and ``fit``'s parser, which
+  ``plan`` composes configs with exactly as ``fit`` does).
+- ``callbacks/console.py``: ``tqdm_progress._update_n`` (how Lightning's own bar sets its count and refreshes;
+  the step bar counts ``global_step`` with it) and ``model_summary._format_summary_table`` (Lightning's table, so
+  the summary without FLOPs looks like Lightning's; no public formatter).
 - ``strategy.py``: ``ModelParallelStrategy._setup_distributed``, ``_device_mesh`` and
-  ``_save_distributed_checkpoint`` (the strategy builds its own mesh and checkpoint layout on Lightning's).
+  ``_save_distributed_checkpoint`` (the strategy builds its own mesh and checkpoint layout on Lightning's);
+  ``_PATH`` (Lightning's path type, in the signatures it overrides); the evaluation loops' ``inference_mode``
+  set to False in ``setup`` (a public attribute of private loop classes: Lightning decides no_grad vs
+  inference_mode from the strategy's class, and FSDP2's all-gather buffers made under inference_mode break the
+  next training step; no setting chooses it).
 """
 
 import signal

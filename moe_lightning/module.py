@@ -18,6 +18,7 @@ from .generate import stream
 from .lightning_internals import logs_written, optimizer_step_ends
 from .model import LocalTokenDispatcher, MoEConfig, MoETransformer, mtp
 from .optim import WarmupCosineLR, param_groups
+from .resume import check_resume
 from .runs import Preemption
 
 
@@ -302,7 +303,9 @@ class MoELanguageModel(L.LightningModule):
             checkpoint["hyper_parameters"]["config"] = dataclasses.asdict(self.config)
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
-        """(A checkpoint of another model or data is refused before anything is built: ``resume.check_checkpoint``,
-        which ``moe-lightning`` runs for every ``ckpt_path``; call it yourself before ``Trainer.fit`` from Python.)"""
+        """Refuse a checkpoint of another model before its weights are loaded: every path Lightning resolves itself
+        (``Trainer.fit(ckpt_path=...)`` from Python, ``last``/``best``, remote files) passes here. (``moe-lightning``
+        also runs ``resume.check_checkpoint`` before anything is built; the data is checked at restore.)"""
+        check_resume(checkpoint.get("hyper_parameters") or {}, {"config": self.config}, None)
         self.tokens_seen = checkpoint.get("tokens_seen", 0)
         self._pending_expert_counts = None

@@ -5,7 +5,9 @@ another shape would silently win. Instead the command line always wins, and ``ch
 anything is built (``moe-lightning`` runs it once, for every subcommand and every ``ckpt_path``, ``last``
 resolved): a model that differs in its shape or function (one line per differing field; training knobs may
 change), and a training position saved on other data (another source, mixture, seq_len, shuffle or split),
-whatever kind of source it is.
+whatever kind of source it is. Paths Lightning resolves itself (``best``, remote files, ``Trainer.fit`` from
+Python) are checked when it hands the checkpoint over: the model in ``MoELanguageModel.on_load_checkpoint``, the data
+when the loader's position is restored.
 """
 
 import dataclasses
@@ -24,12 +26,6 @@ _LIGHTNING_KEYS = ("_class_path", "_instantiator")
 
 class ResumeMismatchError(ValueError):
     """The checkpoint holds a different model than the one requested."""
-
-
-def checkpoint_hyperparameters(ckpt_path: str | Path) -> dict | None:
-    """The ``hyper_parameters`` of a single-file or sharded checkpoint, read without tensors or code."""
-    state = checkpoint_state(ckpt_path)
-    return None if state is None else state.get("hyper_parameters")
 
 
 def checkpoint_state(ckpt_path: str | Path) -> dict | None:
@@ -51,10 +47,16 @@ def config_fields(config: MoEConfig | dict) -> dict[str, Any]:
     return dataclasses.asdict(MoEConfig(**{k: v for k, v in raw.items() if k in known}))
 
 
-def check_resume(saved_hparams: dict, requested: dict[str, Any], ckpt_path: str) -> list[str]:
+def _named(ckpt_path: str | None) -> str:
+    """The checkpoint as messages name it: its ``ckpt_path`` where the caller knows it."""
+    return "the checkpoint being restored" if ckpt_path is None else f"ckpt_path={str(ckpt_path)!r}"
+
+
+def check_resume(saved_hparams: dict, requested: dict[str, Any], ckpt_path: str | None) -> list[str]:
     """Raise if the model config differs in a field outside ``MAY_CHANGE``; return what else changed.
 
-    ``requested`` is the model's init arguments from the command line (``config`` a dict or ``MoEConfig``).
+    ``requested`` is the model's init arguments from the command line (``config`` a dict or ``MoEConfig``);
+    ``ckpt_path`` ``None`` where the caller only has the loaded checkpoint.
     """
     changed, refused = [], []
     if saved_hparams.get("config") is not None:  # the module builds MoEConfig() from config=None
@@ -65,7 +67,7 @@ def check_resume(saved_hparams: dict, requested: dict[str, Any], ckpt_path: str)
                 (changed if name in MAY_CHANGE else refused).append(line)
     if refused:
         raise ResumeMismatchError(
-            f"ckpt_path={ckpt_path!r} holds a different model than the one requested:\n  " + "\n  ".join(refused)
+            f"{_named(ckpt_path)} holds a different model than the one requested:\n  " + "\n  ".join(refused)
             + "\nResume with the config the checkpoint was trained with (pass its config.yaml with --config), "
               "or start a new run without --ckpt_path.")
     for name, value in requested.items():
@@ -81,14 +83,14 @@ def saved_position(state: dict) -> dict | None:
     return loaders[0] if isinstance(loaders, list) and loaders and isinstance(loaders[0], dict) else None
 
 
-def check_data(saved: dict, current: dict, ckpt_path: str) -> None:
+def check_data(saved: dict, current: dict, ckpt_path: str | None) -> None:
     """Refuse a position saved on other data: every description field both sides have must agree (a field only
     one side has, from an older or newer version, is not compared)."""
     differ = [f"data {name}: checkpoint {saved[name]!r}, requested {current[name]!r}"
               for name in current if name in saved and saved[name] != current[name]]
     if differ:
         raise ResumeMismatchError(
-            f"ckpt_path={ckpt_path!r} was trained on other data, so its position in the training order means nothing "
+            f"{_named(ckpt_path)} was trained on other data, so its position in the training order means nothing "
             "here:\n  " + "\n  ".join(differ) + "\nResume with the data.source, weights, seq_len, val_fraction, "
             "max_tokens and shuffle_seed it was trained with, or start a new run without --ckpt_path.")
 
@@ -97,8 +99,9 @@ def check_checkpoint(ckpt_path: str | Path, model_args: dict[str, Any], data=Non
                      check_tokenizer: Callable[[], None] = lambda: None) -> list[str]:
     """The one resume check, before anything is built: the model (``check_resume``), then the tokenizer (the
     caller's ``check_tokenizer``: other ids would also make other data, and that says it better), then, when
-    ``data`` describes itself (``TextDataModule.description``; it is set up for that) and the checkpoint saved a
-    training position, the data. Returns the lines saying which training settings the run changes."""
+    ``data`` describes itself (``TextDataModule.description``; it is set up for that, so the caller passes ``None``
+    when that would mean tokenizing text the run has not tokenized yet: the restore checks it then) and the checkpoint
+    saved a training position, the data. Returns the lines saying which training settings the run changes."""
     state = checkpoint_state(ckpt_path)
     if state is None:
         return []

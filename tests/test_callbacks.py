@@ -279,3 +279,17 @@ def test_callbacks_come_from_yaml(tmp_path, capsys):
     for expected in ("moe_lightning.callbacks.MoEThroughputMonitor", "peak_flops: null", "image_every_n_steps: 100",
                      "moe_lightning.callbacks.AllocatorMonitor", "prefetch: 2", "min_offload_bytes: 1048576"):
         assert expected in printed
+
+
+def test_the_step_bar_counts_to_the_step_the_run_ends_at(tmp_path):
+    """Was: ``max_steps`` whenever set, although ``max_epochs`` may end the run first."""
+    from moe_lightning import TextDataModule
+    from moe_lightning.callbacks.console import StepProgressBar
+    config = MoEConfig(vocab_size=260, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=32, ffn_hidden=64,
+                       num_experts=4, top_k=2, expert_hidden=32)
+    trainer = L.Trainer(max_steps=100, max_epochs=1, limit_train_batches=3, accelerator="cpu", devices=1,
+                        logger=False, enable_checkpointing=False, limit_val_batches=0, enable_model_summary=False,
+                        callbacks=[StepProgressBar()], default_root_dir=tmp_path)
+    trainer.fit(MoELanguageModel(config), TextDataModule("stdlib", seq_len=32, batch_size=2, max_tokens=5_000))
+    bar = trainer.progress_bar_callback.train_progress_bar
+    assert trainer.global_step == bar.n == bar.total == 3

@@ -53,3 +53,14 @@ def test_a_partial_file_of_another_writer_is_never_touched(tmp_path):
     other.write_bytes(b"someone else's")
     durable.write_bytes(tmp_path / "out.bin", b"mine")
     assert other.read_bytes() == b"someone else's"
+
+
+def test_a_replaced_file_keeps_its_mode_and_a_new_one_gets_0644(tmp_path):
+    """Before: every write chmodded the result to 0644, so a file the user had made private became readable."""
+    private = tmp_path / "private.yaml"
+    private.write_text("old")
+    os.chmod(private, 0o600)
+    durable.write_text(private, "new")
+    assert private.read_text() == "new" and private.stat().st_mode & 0o777 == 0o600
+    durable.write_text(tmp_path / "new.yaml", "x")
+    assert (tmp_path / "new.yaml").stat().st_mode & 0o777 == 0o644

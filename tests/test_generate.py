@@ -315,3 +315,21 @@ def test_predict_output_is_replaced_whole_and_a_long_prompt_is_named(run_dir, tm
         run(predict_argv(run_dir["root"], tmp_path / "prompts.jsonl", tmp_path / "out.jsonl"))
     records = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
     assert [r["prompt"] for r in records] == ["def", long_prompt] and all("completion" in r for r in records)
+
+
+def test_prompts_may_hold_characters_python_counts_as_line_breaks(tmp_path):
+    """JSON strings may hold U+2028/U+2029/U+0085 unescaped; ``str.splitlines`` broke such a record in two."""
+    from moe_lightning.generate import read_prompts
+    prompts = [{"prompt": "a\u2028b\u2029c\x85d"}, {"prompt": "e"}]
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps(p, ensure_ascii=False) + "\r\n" for p in prompts),
+                                      encoding="utf-8")
+    assert read_prompts(str(tmp_path / "p.jsonl")) == prompts
+
+
+def test_predict_into_a_folder_that_cannot_be_written_is_refused_before_generating(run_dir, tmp_path, monkeypatch):
+    """Before: the prompts were generated, then the write failed (NotADirectoryError)."""
+    (tmp_path / "prompts.jsonl").write_text(json.dumps({"prompt": "def"}) + "\n")
+    (tmp_path / "a_file").write_text("")
+    monkeypatch.setattr(MoELanguageModel, "predict_step", lambda *a, **k: pytest.fail("generated before the check"))
+    with pytest.raises(PermissionError, match=r"^--out: cannot write into .*a_file/sub \(.*a_file is not a folder\)"):
+        run(predict_argv(run_dir["root"], tmp_path / "prompts.jsonl", tmp_path / "a_file" / "sub" / "out.jsonl"))

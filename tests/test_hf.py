@@ -56,6 +56,7 @@ FAMILIES = {
                       routed_scaling_factor=2.5, partial_rotary_factor=1.0)),
 }
 BIAS_SLOT = ("deepseek_v3", "ernie4_5_moe", "glm4_moe")  # families that store the balancing bias
+BIAS_ARCHITECTURES = ("DeepseekV3ForCausalLM", "Ernie4_5_MoeForCausalLM", "Glm4MoeForCausalLM")
 
 
 def build_reference(name: str, dtype=torch.float32, **overrides):
@@ -341,9 +342,14 @@ def test_saving_what_the_format_cannot_hold_is_refused(family, tmp_path):
         ours.moe_layers()[0].router.expert_bias[0] = 0.5
         bias = f"layers.{next(i for i, b in enumerate(ours.layers) if b.is_moe)}.ffn.router.expert_bias"
         with pytest.raises(HFFormatError, match=f"{bias} is non-zero") as err:
-            hf.save_pretrained(ours, tmp_path / "out")
+            hf.save_pretrained(ours, tmp_path / "out", architecture=ref.config.architectures[0])
         assert "DeepseekV3" not in str(err.value)  # V3 routes with sigmoid scores: no help to a softmax model
         assert not (tmp_path / "out").exists()  # refused before writing
+        try:  # the automatic choice passes over the families that cannot hold the bias
+            assert json.loads((hf.save_pretrained(ours, tmp_path / "auto") / "config.json").read_text())[
+                "architectures"][0] in BIAS_ARCHITECTURES
+        except HFFormatError as error:
+            assert str(error).startswith("no Hugging Face family can hold this model") and "non-zero" in str(error)
     other = "MixtralForCausalLM" if name != "mixtral" else "DeepseekV3ForCausalLM"
     with pytest.raises(HFFormatError, match=f"cannot be written as {other}"):
         hf.save_pretrained(ours, tmp_path / "other", architecture=other)
@@ -638,3 +644,14 @@ def test_every_shipped_config_exports_to_a_family_transformers_computes_alike(pa
     logits = ours(tokens())
     assert logits.abs().mean() > 0.5
     torch.testing.assert_close(reloaded.eval()(tokens()).logits, logits, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("rate, bias", [(1e-3, 0.0), (0.0, 0.5)], ids=["bias-trained", "bias-non-zero"])
+def test_automatic_family_has_a_slot_for_a_balancing_bias_that_is_or_will_be_non_zero(rate, bias):
+    """Was: Mixtral (first that fits the shapes), whose save then refused "expert_bias is non-zero"; ERNIE 4.5
+    holds softmax routing with a bias."""
+    config = MoEConfig(vocab_size=64, dim=32, n_layers=2, n_heads=2, n_kv_heads=1, n_dense_layers=0, num_experts=4,
+                       top_k=2, expert_hidden=32, n_shared_experts=0, score_func="softmax", bias_update_rate=rate)
+    get = lambda name: torch.full((4,), bias) if name.endswith("expert_bias") else None  # noqa: E731
+    assert hf.choose_family(config, **({"get": get} if bias else {})).ARCHITECTURE == "Ernie4_5_MoeForCausalLM"
+    assert hf.choose_family(dataclasses.replace(config, bias_update_rate=0.0)).ARCHITECTURE == "MixtralForCausalLM"

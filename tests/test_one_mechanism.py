@@ -2,6 +2,7 @@
 
 import ast
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -110,3 +111,23 @@ def test_every_dtype_field_takes_both_spellings(spelling, dtype, tmp_path):
                     ["convert", "missing.ckpt", "--out", str(tmp_path / "hf")]):
         with pytest.raises(FileNotFoundError, match="missing.ckpt"):  # past the parser: the file is what is missing
             run([*command, "--dtype", spelling])
+
+
+def test_every_private_lightning_name_outside_lightning_internals_is_listed_there():
+    """A Lightning upgrade that renames a private name must break in a place the table in
+    ``lightning_internals.py`` names: imported ``_names`` and ``trainer._x``-style reads elsewhere must be listed."""
+    from moe_lightning import lightning_internals
+    listed = set(re.findall(r"``(?:[\w.]+\.)?(_\w+)", lightning_internals.__doc__))
+    used = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path.name == "lightning_internals.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "lightning":
+                used += [(path.name, a.name) for a in node.names if a.name.startswith("_")]
+            elif isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+                owner = node.value.id if isinstance(node.value, ast.Name) else getattr(node.value, "attr", None)
+                if owner in ("trainer", "strategy", "fit_loop", "epoch_loop", "validate_loop", "_logger_connector"):
+                    used.append((path.name, node.attr))
+    assert used  # the scan sees something (console.py's _update_n, at least)
+    assert [(name, attr) for name, attr in used if attr not in listed] == []

@@ -153,6 +153,33 @@ def test_resume_takes_the_command_lines_coefficients_and_says_so(tiny_checkpoint
     assert any("model.init_args.weight_decay: checkpoint 0.1, requested 0.05" in m for m in lightning_log)
 
 
+def test_every_resume_path_checks_the_model_before_loading_weights():
+    """``--ckpt_path best``, remote files and ``Trainer.fit(ckpt_path=...)`` from Python never reach the CLI's
+    early check: the module checks the checkpoint's config when Lightning hands it over, before any weight is
+    loaded; a default-config run records its config too."""
+    saved = MoELanguageModel()  # config=None: the default MoEConfig
+    checkpoint = {"hyper_parameters": dict(saved.hparams)}
+    saved.on_save_checkpoint(checkpoint)
+    assert checkpoint["hyper_parameters"]["config"]["dim"] == MoEConfig().dim
+    wider = MoELanguageModel(MoEConfig(dim=2 * MoEConfig().dim))
+    with pytest.raises(ResumeMismatchError, match=r"the checkpoint being restored holds a different model(.|\n)*"
+                                                  r"config.dim: checkpoint 256, requested 512"):
+        wider.on_load_checkpoint(checkpoint)
+    MoELanguageModel().on_load_checkpoint(checkpoint)  # the same model resumes
+
+
+def test_python_fit_from_a_checkpoint_of_another_function_is_refused_before_weights_load(tiny_checkpoint, tmp_path):
+    """Same shapes, other rope_theta: the weights would load and mean something else."""
+    tiny = yaml.safe_load(TINY.read_text())
+    other = MoELanguageModel(MoEConfig(**{**tiny["model"]["init_args"]["config"], "rope_theta": 1234.0}))
+    data = TextDataModule(**{**tiny["data"]["init_args"], "max_tokens": 30000, "batch_size": 4})
+    trainer = L.Trainer(accelerator="cpu", max_steps=2, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0)
+    with pytest.raises(ResumeMismatchError, match="config.rope_theta: checkpoint 10000.0, requested 1234.0"):
+        trainer.fit(other, data, ckpt_path=tiny_checkpoint)
+    assert trainer.global_step == 0
+
+
 @pytest.mark.parametrize("as_dict", [True, False], ids=["dict-config", "dataclass-config"])
 def test_sharded_checkpoint_of_another_shape_is_refused_before_loading(tmp_path, as_dict):
     """A sharded checkpoint is a folder with meta.pt; its tensors are never touched (a shape mismatch used to
@@ -164,6 +191,34 @@ def test_sharded_checkpoint_of_another_shape_is_refused_before_loading(tmp_path,
                                      "weight_decay": 0.1}}, folder / "meta.pt")
     with pytest.raises(ResumeMismatchError, match="config.n_layers: checkpoint 6, requested 4"):
         run(quick(tmp_path, f"--ckpt_path={folder}"))
+
+
+def test_cli_resume_checks_text_data_from_the_runs_tokenized_folder(tmp_path, monkeypatch):
+    """Was: the data check set the data up before the trainer was attached, so every rank tokenized the whole
+    text corpus in memory at every resume (and the run kept that copy)."""
+    import os
+    import moe_lightning.data.module as data_module
+    text = os.path.dirname(os.__file__) + "/json"
+    args = [a for a in quick(tmp_path, f"--data.init_args.source={text}") if "max_tokens" not in a]
+    first = run([*args, "--trainer.max_steps=1"])
+    first.trainer.save_checkpoint(tmp_path / "one.ckpt")
+    [folder] = (tmp_path / "tiny" / "tokenized").iterdir()
+    assert (folder / "manifest.json").is_file()
+
+    def in_memory(*args, **kwargs):
+        raise AssertionError("tokenized in memory")
+    monkeypatch.setattr(data_module, "open_tokens", in_memory)
+    assert run([*args, "--trainer.max_steps=2", f"--ckpt_path={tmp_path / 'one.ckpt'}"]).trainer.global_step == 2
+    with pytest.raises(ResumeMismatchError, match="data shuffle_seed: checkpoint 0, requested 1"):
+        run([*args, "--trainer.max_steps=2", f"--ckpt_path={tmp_path / 'one.ckpt'}", "--data.init_args.shuffle_seed=1"])
+
+
+@pytest.mark.parametrize("subcommand", ["validate", "test", "predict"])
+def test_evaluating_ckpt_path_last_is_refused_in_one_line(tmp_path, subcommand):
+    """Lightning only warns that "last" found nothing and evaluates untrained weights."""
+    args = [subcommand, "--config", str(TINY), f"--trainer.logger.init_args.save_dir={tmp_path}", "--ckpt_path=last"]
+    with pytest.raises(ValueError, match=r"^--ckpt_path last is for fit .*pass --ckpt_path=<checkpoint file>"):
+        run(args + ([f"--prompts={tmp_path / 'p.jsonl'}"] if subcommand == "predict" else []))
 
 
 def test_resume_check_without_a_config_compares_with_the_default_model():

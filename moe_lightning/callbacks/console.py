@@ -41,7 +41,7 @@ class StepProgressBar(TQDMProgressBar):
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         super().on_train_start(trainer, pl_module)
         self._start = (time.monotonic(), getattr(pl_module, "tokens_seen", 0))
-        total = trainer.max_steps if trainer.max_steps > 0 else trainer.estimated_stepping_batches
+        total = trainer.estimated_stepping_batches  # the smaller of max_steps and max_epochs' steps
         bar = self.train_progress_bar
         bar.reset(total=None if total == float("inf") else int(total))
         bar.initial = trainer.global_step  # the rate (and the time left) counts this process's steps only

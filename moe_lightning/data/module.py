@@ -246,7 +246,7 @@ class TextDataModule(L.LightningDataModule):
             raise ValueError(f"data.source: the checkpoint was trained on the mixture {saved} (name, weight, training "
                              f"sequences) but this run has {ours}; its position means nothing in another mixture. "
                              "Resume with the same sources, weights and seq_len, or start a new run.")
-        check_data(state, self.description(), "the checkpoint")  # as the CLI does before building (Python users)
+        check_data(state, self.description(), None)  # as the CLI does before building (Python users)
         if "order" not in state and state["samples"] > 0:
             raise ValueError(f"data: the checkpoint stopped {state['samples']:,} sequences into epoch {state['epoch']} "
                              f"of a shuffle order before {ORDER} (an earlier version); this one would repeat and skip "

@@ -173,8 +173,10 @@ def stored_dtype_getter(get: Callable[[str], torch.Tensor],
     return lambda name: get(name).to(stored[name]) if name in stored else get(name)
 
 
-def choose_family(config: MoEConfig, architecture: str | None = None):
-    """The named family, or the only kind of checkpoint that can hold ``config``."""
+def choose_family(config: MoEConfig, architecture: str | None = None,
+                  get: Callable[[str], torch.Tensor] | None = None):
+    """The named family, or the first kind of checkpoint that can hold ``config`` and, when ``get`` gives the
+    tensors, their values: one without a balancing-bias slot only if the bias stays zero (``bias_update_rate`` 0)."""
     if architecture is not None:
         if architecture not in FAMILIES:
             raise HFFormatError(f"architecture={architecture!r} is not supported: choose one of {sorted(FAMILIES)}.")
@@ -184,6 +186,12 @@ def choose_family(config: MoEConfig, architecture: str | None = None):
     for family in FAMILIES.values():
         try:
             family.config_to_hf(config)
+            for name, source in family.sources(config).items():
+                if isinstance(source, Absent) and name.endswith("expert_bias") and config.bias_update_rate > 0:
+                    raise HFFormatError(f"{family.ARCHITECTURE} has no slot for the balancing bias {name}, which "
+                                        f"bias_update_rate={config.bias_update_rate} trains")
+                if isinstance(source, Absent) and get is not None:
+                    source.write(get(name), name)  # refuses a non-zero tensor
             return family
         except HFFormatError as err:
             reasons.append(str(err))
@@ -195,7 +203,7 @@ def write_pretrained(config: MoEConfig, get: Callable[[str], torch.Tensor], path
                      files: dict[str, str] | None = None) -> Path:
     """Write a Hugging Face directory, asking ``get(name)`` for one of our tensors at a time (streaming); ``files``
     (name -> text, e.g. the tokenizer's) go in with it."""
-    family = choose_family(config, architecture)
+    family = choose_family(config, architecture, get)
     hf_config = family.config_to_hf(config)
     sources = family.sources(config)
     for name, source in sources.items():  # cheap refusals first: a non-zero bias the format cannot hold
