@@ -10,7 +10,6 @@ the call. Bytes, not time: the figure does not depend on the machine's load. Lin
 """
 
 import argparse
-import re
 import subprocess
 import sys
 import tempfile

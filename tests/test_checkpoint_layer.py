@@ -17,7 +17,7 @@ import torch
 from moe_lightning import runs
 from moe_lightning.commands import run
 from moe_lightning.parallel import checkpoint as ckpt
-from moe_lightning.parallel.checkpoint import CheckpointError, ShardedCheckpointer
+from moe_lightning.parallel.checkpoint import ShardedCheckpointer
 from moe_lightning.strategy import MoEFSDPStrategy
 from tests.distributed import REPO_ROOT, clean_env, run_ranks
 

@@ -194,7 +194,7 @@ def test_the_progress_bar_reads_values_back_only_on_steps_whose_logs_are_written
 
     from moe_lightning.callbacks.console import StepProgressBar
 
-    reads, steps = [], []
+    reads = []
     for name in ("item", "tolist", "cpu", "__bool__", "__float__", "__int__"):
         def counted(tensor, *args, _original=getattr(torch.Tensor, name), **kwargs):
             if any(frame.filename.endswith("console.py") for frame in traceback.extract_stack()[:-1]):

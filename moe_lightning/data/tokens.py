@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from ..tokenizer import tokenizer_identity
-from .sources import MANIFEST, info
+from .sources import MANIFEST
 
 SCAN_TOKENS = 1 << 22  # a bare .npy without a sidecar: ids checked in its first 4M tokens at start-up
 
