@@ -124,6 +124,7 @@ def test_a_sharded_save_over_a_last_link_replaces_the_link_and_keeps_its_target(
 
 # ---- defects 2, 4, 5: two ranks agree ------------------------------------------------------------------------
 
+@pytest.mark.slow  # multi-process or long: .ci/run's slow stage (keeps the main suite under 10 minutes)
 def test_two_ranks_agree_on_a_full_disk_in_meta_an_async_failure_and_what_last_means(tmp_path):
     """Before: (2) rank 0 raised a raw ENOSPC while rank 1 waited at a barrier; (5) rank 0 raised at its first poll,
     rank 1 a step later; (4) each rank resolved `last` alone, rank 1 silently skipping the unreadable newest."""
@@ -256,6 +257,7 @@ def test_two_processes_taking_one_folder_at_once_one_wins_the_other_is_told_who(
     assert not (folder / runs.LOCK_FILE).exists()  # released when the winner exited
 
 
+@pytest.mark.slow  # multi-process or long: .ci/run's slow stage (keeps the main suite under 10 minutes)
 def test_a_stale_lock_of_a_dead_process_is_taken_over_and_a_live_holder_refuses_fit(tmp_path, lightning_log):
     folder = tmp_path / "ck"
     folder.mkdir()

@@ -98,6 +98,7 @@ def test_example_user_callback_runs_from_yaml(tmp_path):
     assert all(s.split("\n", 1)[1].startswith("import ") for s in sections)
 
 
+@pytest.mark.slow  # multi-process or long: .ci/run's slow stage (keeps the main suite under 10 minutes)
 def test_fast_dev_run_of_the_two_process_config(tmp_path):
     """configs/tiny-fsdp.yaml launches its own 2 CPU processes; run it as a subprocess (never inside pytest)."""
     import subprocess

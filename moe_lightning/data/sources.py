@@ -289,3 +289,8 @@ def parse_sources(source) -> tuple[list[dict], bool]:
         if names.count(e["name"]) > 1:
             e["name"] = f"{e['name']}_{parsed.index(e)}"
     return parsed, mixture
+
+
+def sidecar_path(path: Path) -> Path:
+    """Where a ``.npy`` token file's metadata (tokenizer, vocabulary, max id) lives."""
+    return path.with_name(path.name + ".json")

@@ -36,8 +36,7 @@ from ..durable import PARTIAL_SUFFIX, atomic_write, write_text
 from ..tokenizer import load_tokenizer, tokenizer_identity
 from . import sources
 from .sources import MANIFEST, TABLE_SUFFIXES, WORD_END, is_token_source, iter_jsonl, iter_table_batches, \
-    last_word_end, resolve_source, segments, table_groups
-from .tokens import sidecar_path
+    last_word_end, resolve_source, segments, sidecar_path, table_groups
 
 PLAN = "tokenize-plan.json"
 LOCK = "tokenize.lock"

@@ -11,7 +11,8 @@ from pathlib import Path
 import numpy as np
 
 from ..tokenizer import tokenizer_identity
-from .sources import MANIFEST
+from .sources import MANIFEST, sidecar_path
+from .tokenize import tokenize_in_memory
 
 SCAN_TOKENS = 1 << 22  # a bare .npy without a sidecar: ids checked in its first 4M tokens at start-up
 
@@ -85,10 +86,6 @@ class TokenStream:
         if len(pieces) == 1:
             return pieces[0]
         return np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.uint16)
-
-
-def sidecar_path(path: Path) -> Path:
-    return path.with_name(path.name + ".json")
 
 
 def open_token_file(path: Path, tokenizer) -> TokenPart:
@@ -184,7 +181,6 @@ def open_tokens(resolved, tokenizer, text_field: str, max_tokens: int | None) ->
         return parts, len(parts)
     if isinstance(resolved, Path):
         return [open_token_file(resolved, tokenizer)], 1
-    from .tokenize import tokenize_in_memory  # tokenize imports this module
 
     array, files_read = tokenize_in_memory(resolved, tokenizer, text_field, max_tokens)
     return [TokenPart(len(array), array=array)], files_read
