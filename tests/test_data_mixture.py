@@ -232,15 +232,15 @@ def test_a_signal_or_failure_while_fit_tokenizes_is_a_preemption_or_one_line_for
     from moe_lightning.runs import Preempted
     original = tokenize_module.tokenize_unit
 
-    def signalled(unit, plan, out):
+    def signalled(index):
         os.kill(os.getpid(), signal.SIGTERM)  # delivered here, in the main thread, as in a preempted job
-        return original(unit, plan, out)
+        return original(index)
     monkeypatch.setattr(tokenize_module, "tokenize_unit", signalled)
     with pytest.raises(Preempted) as raised:
         logged_module(tmp_path).prepare_data()
     assert raised.value.code == 128 + signal.SIGTERM and "nothing to save" in str(raised.value)
 
-    def failing(unit, plan, out):
+    def failing(index):
         raise ValueError("the disk said no")
     monkeypatch.setattr(tokenize_module, "tokenize_unit", failing)
     with pytest.raises(ValueError, match="a.txt.*failed: unit 0.*the disk said no; fix that and start the run") as e:

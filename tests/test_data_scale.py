@@ -77,9 +77,9 @@ import sys, time
 from moe_lightning.data import tokenize as t
 t.MIN_UNIT_BYTES = 20_000
 original = t.tokenize_unit
-def slow(unit, plan, out):  # every unit takes a while: time to kill a worker or signal the run
+def slow(index):  # every unit takes a while: time to kill a worker or signal the run
     time.sleep(float(sys.argv[1]))
-    return original(unit, plan, out)
+    return original(index)
 t.tokenize_unit = slow
 t.tokenize_main(sys.argv[2:])
 """
