@@ -30,7 +30,7 @@ from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader
 
 from moe_lightning import MoEConfig, MoELanguageModel
-from moe_lightning.callbacks.throughput import peak_bf16_flops
+from moe_lightning.flops import peak_bf16_flops
 from moe_lightning.flops import training_flops_per_token
 from moe_lightning.strategy import MoEFSDPStrategy
 

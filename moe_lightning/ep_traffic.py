@@ -116,6 +116,9 @@ def traffic(config: MoEConfig, plan: dict, ib_gbps: float | None = None, nvlink_
     """Expert-exchange bytes per GPU per step of a ``plan`` result (bf16 rows, every MoE layer, with and without
     recompute) and their time at the links' bandwidth beside the step's compute time; None without ``ep``, and
     why not when the layout has no whole nodes."""
+    for flag, given in (("--ib-gbps", ib_gbps), ("--nvlink-gbps", nvlink_gbps)):
+        if given is not None and not given > 0:
+            raise ValueError(f"{flag}={given:g} must be > 0 (GB/s per GPU per direction).")
     c, w = plan["cluster"], plan["workload"]
     ep, per_node = c["expert_parallel_size"], c["gpus_per_node"]
     if ep == 1 or not config.n_moe_layers:

@@ -538,6 +538,8 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     ep_traffic.add_arguments(parser)
     args = parser.parse_args(argv)
+    if args.peak_tflops is not None and not args.peak_tflops > 0:
+        parser.error(f"--peak-tflops={args.peak_tflops:g} must be > 0 (dense bf16 TFLOP/s per GPU).")
     gpu = args.gpu or Cluster.gpu
     peak = args.peak_tflops or (peak_bf16_flops(gpu) or 0) / 1e12
     if not peak:

@@ -14,9 +14,10 @@ from PIL import Image
 
 from moe_lightning import MoEConfig, MoELanguageModel
 from moe_lightning.callbacks import (ActivationOffload, AllocatorMonitor, ExpertLoad, ExpertLoadMonitor,
-                                     MoEThroughputMonitor, NonFiniteGuard, TrainingCurves, peak_bf16_flops)
+                                     MoEThroughputMonitor, NonFiniteGuard, TrainingCurves)
 from moe_lightning.callbacks import allocator_monitor
 from moe_lightning.callbacks.expert_load import load_figure
+from moe_lightning.flops import peak_bf16_flops
 from moe_lightning.callbacks.training_curves import token_count
 from moe_lightning.strategy import MoEFSDPStrategy
 from moe_lightning.flops import training_flops_per_token

@@ -206,9 +206,8 @@ def test_newton_schulz_dtype_follows_what_the_cpu_runs_fast(monkeypatch):
     a CPU with bf16 units (or a GPU) keeps bf16, and ``ns_dtype`` forces either."""
     import logging
 
-    import moe_lightning.optim.newton_schulz
-
-    ns_module = sys.modules["moe_lightning.optim.newton_schulz"]  # the module, not the function optim exports
+    import importlib
+    ns_module = importlib.import_module("moe_lightning.optim.newton_schulz")  # not the function optim exports
 
     avx2 = frozenset({"fpu", "sse2", "avx", "avx2", "fma"})
     monkeypatch.setattr(ns_module, "_cpu_flags", lambda: avx2)

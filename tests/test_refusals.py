@@ -50,6 +50,9 @@ def test_negative_gradient_clip_val_is_refused_before_the_run(tmp_path):
 @pytest.mark.parametrize("flags, message", [
     (["--gpu-memory", "0"], "--gpu-memory=0 must be > 0 (GiB per GPU)."),
     (["--gpu-memory", "-80"], "--gpu-memory=-80 must be > 0 (GiB per GPU)."),
+    (["--ib-gbps", "0"], "--ib-gbps=0 must be > 0 (GB/s per GPU per direction)."),  # was: silently the default
+    (["--nvlink-gbps", "-450"], "--nvlink-gbps=-450 must be > 0 (GB/s per GPU per direction)."),  # was: negative s
+    (["--peak-tflops", "-989"], "--peak-tflops=-989 must be > 0 (dense bf16 TFLOP/s per GPU)."),  # was: negative MFU
     (["--seq-len", "4096"], "--seq-len=4096 exceeds model.init_args.config.max_seq_len=128: the model cannot "
                             "train on longer sequences; lower it or raise max_seq_len."),
 ])

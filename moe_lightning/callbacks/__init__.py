@@ -7,9 +7,8 @@ from .expert_load import ExpertLoad, ExpertLoadMonitor
 from .final_checkpoint import FinalCheckpoint
 from .nonfinite import NonFiniteGuard, NonFiniteLossError
 from .qk_clip import QKClip
-from .throughput import PEAK_BF16_FLOPS, MoEThroughputMonitor, peak_bf16_flops
+from .throughput import MoEThroughputMonitor
 from .training_curves import TrainingCurves
 
 __all__ = ["ActivationOffload", "AllocatorMonitor", "ExpertLoad", "ExpertLoadMonitor", "FinalCheckpoint",
-           "MoEThroughputMonitor", "NonFiniteGuard", "NonFiniteLossError", "PEAK_BF16_FLOPS", "QKClip", "TrainingCurves",
-           "peak_bf16_flops"]
+           "MoEThroughputMonitor", "NonFiniteGuard", "NonFiniteLossError", "QKClip", "TrainingCurves"]

@@ -7,8 +7,7 @@ import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
 
-from ..flops import (PEAK_BF16_FLOPS, attended_pairs_BS, attention_flops_per_pair,  # noqa: F401 (re-exported)
-                     dense_flops_per_token, peak_bf16_flops)
+from ..flops import attended_pairs_BS, attention_flops_per_pair, dense_flops_per_token, peak_bf16_flops
 from ..model import MoEConfig
 from ._logging import StepInterval, check_interval, log_to_loggers
 
@@ -25,7 +24,7 @@ class MoEThroughputMonitor(L.Callback):
 
     Args:
         log_every_n_steps: Optimizer steps per measurement interval.
-        peak_flops: Peak FLOP/s of one device; ``None`` looks the GPU up in ``PEAK_BF16_FLOPS`` (dense
+        peak_flops: Peak FLOP/s of one device; ``None`` looks the GPU up in ``flops.PEAK_BF16_FLOPS`` (dense
             bf16). Set it for other precisions or devices; without it no MFU is logged.
     """
 
