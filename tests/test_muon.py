@@ -5,7 +5,6 @@ the ops of ``torch.optim.Muon``), so any difference would be a real deviation, n
 """
 
 import copy
-import sys
 from pathlib import Path
 
 import numpy as np
