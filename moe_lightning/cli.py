@@ -324,16 +324,11 @@ class MoECLI(LightningCLI):
 
     def _data_to_check(self) -> TextDataModule | None:
         """The datamodule, attached to the trainer as ``trainer.fit`` will (so ``setup`` maps the run's tokenized
-        folders), unless describing it would mean tokenizing text this run has not tokenized yet (no manifest in
-        its folder: ``prepare_data`` writes it later). Setting up now would tokenize the whole corpus in memory on
-        every rank; the restore checks that data instead (``TextDataModule._restore``)."""
+        folders), unless describing it would tokenize text first (``awaits_tokenizing``): the restore checks that
+        data instead (``TextDataModule._restore``)."""
         data = self.datamodule
         data.trainer = self.trainer
-        if isinstance(data, TextDataModule) and any(
-                (folder := data._tokenized_folder(i)) is not None and not (folder / "manifest.json").is_file()
-                for i in range(len(data.entries))):
-            return None
-        return data
+        return None if isinstance(data, TextDataModule) and data.awaits_tokenizing() else data
 
     def before_validate(self) -> None:
         self._check_model_fits_data()

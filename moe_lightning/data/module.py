@@ -121,6 +121,12 @@ class TextDataModule(L.LightningDataModule):
         root = Path(getattr(logger, "root_dir", None) or logger.save_dir or self.trainer.default_root_dir)
         return root / "tokenized" / f"{self.entries[i]['name']}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
 
+    def awaits_tokenizing(self) -> bool:
+        """Whether a text source has a run folder still without its manifest (``prepare_data`` writes it): set up
+        now, every rank would tokenize that whole corpus in memory just to describe it."""
+        return any((folder := self._tokenized_folder(i)) is not None and not (folder / "manifest.json").is_file()
+                   for i in range(len(self.entries)))
+
     def prepare_data(self) -> None:
         """Global rank 0 tokenizes text sources into the run's folder on every core (Lightning holds the other
         ranks at a barrier without a timeout); every rank then memory-maps the shards instead of tokenizing."""
