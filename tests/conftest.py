@@ -2,6 +2,8 @@
 test that checks "nothing was set up" or sets up its own group would then see the leftover. Tear it down."""
 
 import logging
+import os
+from pathlib import Path
 
 import pytest
 import torch.distributed as dist
@@ -24,3 +26,20 @@ def lightning_log():
     logger.addHandler(handler)
     yield messages
     logger.removeHandler(handler)
+
+
+@pytest.fixture
+def durability_log(monkeypatch):
+    """What a save makes durable, in order: ``("fsync", path synced)`` and ``("replace", name renamed to)``."""
+    real_fsync, real_replace, events = os.fsync, os.replace, []
+
+    def fsync(fd):
+        events.append(("fsync", Path(os.readlink(f"/proc/self/fd/{fd}"))))
+        return real_fsync(fd)
+
+    def replace(src, dst):
+        events.append(("replace", Path(dst).name))
+        return real_replace(src, dst)
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    return events

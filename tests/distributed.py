@@ -36,6 +36,12 @@ def run_ranks(script: str | Path, world_size: int, *args: str, timeout: float = 
                         WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size))
         procs.append(subprocess.Popen([sys.executable, str(script), *args], env=env, cwd=REPO_ROOT,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    return outputs_of(procs, timeout, "rank", f"distributed run of {script}")
+
+
+def outputs_of(procs: list[subprocess.Popen], timeout: float, each: str, what: str) -> list[str]:
+    """Every process's output; none outlives this call. Raises with all outputs if any process failed, so the real
+    error shows in the test report."""
     outputs = []
     try:
         for p in procs:
@@ -44,7 +50,19 @@ def run_ranks(script: str | Path, world_size: int, *args: str, timeout: float = 
         for p in procs:
             p.kill()
     if any(p.returncode != 0 for p in procs):
-        report = "\n".join(f"--- rank {r} (exit {p.returncode}) ---\n{out[-4000:]}"
+        report = "\n".join(f"--- {each} {r} (exit {p.returncode}) ---\n{out[-4000:]}"
                            for r, (p, out) in enumerate(zip(procs, outputs)))
-        raise RuntimeError(f"distributed run of {script} failed:\n{report}")
+        raise RuntimeError(f"{what} failed:\n{report}")
     return outputs
+
+
+def run_nodes(command: list[str], nodes: int, per_node: int, cwd: Path, timeout: float = 600) -> list[str]:
+    """Run ``python <command>`` under ``torch.distributed.run`` as ``nodes`` agents of ``per_node`` ranks on this
+    machine (a multi-node job in miniature: each agent a node, with its own local ranks); return each agent's
+    output, raising with all of them if any failed."""
+    port = str(free_port())
+    agents = [subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nodes}", f"--nproc-per-node={per_node}",
+         f"--node-rank={rank}", "--master-addr=127.0.0.1", f"--master-port={port}", *command],
+        cwd=cwd, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in range(nodes)]
+    return outputs_of(agents, timeout, "node", f"{nodes}-node run of {' '.join(command)}")

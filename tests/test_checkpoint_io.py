@@ -93,22 +93,12 @@ def test_a_single_file_save_never_touches_a_sharded_partial_folder_or_a_file_of_
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.ckpt", folder.name, "b.ckpt", user_file.name]
 
 
-def test_a_single_file_save_syncs_the_folder_after_the_rename(tmp_path, monkeypatch):
+def test_a_single_file_save_syncs_the_folder_after_the_rename(tmp_path, durability_log):
     """The rename is durable: the parent folder is fsync'ed after ``os.replace`` (before: never)."""
-    real_fsync, real_replace, events = os.fsync, os.replace, []
-
-    def fsync(fd):
-        stat = os.fstat(fd)
-        events.append(("fsync", stat.st_ino if os.path.stat.S_ISDIR(stat.st_mode) else "file"))
-        return real_fsync(fd)
-
-    def replace(src, dst):
-        events.append(("replace", Path(dst).name))
-        return real_replace(src, dst)
-    monkeypatch.setattr(os, "fsync", fsync)
-    monkeypatch.setattr(os, "replace", replace)
     ckpt.save_file({"step": 1}, tmp_path / "last.ckpt")
-    assert events == [("fsync", "file"), ("replace", "last.ckpt"), ("fsync", tmp_path.stat().st_ino)]
+    described = [(kind, what if kind == "replace" else "folder" if what == tmp_path else "file")
+                 for kind, what in durability_log]
+    assert described == [("fsync", "file"), ("replace", "last.ckpt"), ("fsync", "folder")]
 
 
 class FillingWriter(ckpt._HostCopyWriter):

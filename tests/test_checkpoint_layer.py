@@ -42,21 +42,11 @@ def step_of(path: Path) -> int:
 
 # ---- durable writes ------------------------------------------------------------------------------------------
 
-def test_a_sharded_commit_syncs_the_marker_meta_and_the_folder(tmp_path, monkeypatch):
+def test_a_sharded_commit_syncs_the_marker_meta_and_the_folder(tmp_path, durability_log):
     """Before: the marker and ``meta.pt`` were written without fsync and the folder was never synced after the
     rename, so a power loss could leave a committed name over unsynced files (or bring back the old folder)."""
-    real_fsync, real_replace, events = os.fsync, os.replace, []
-
-    def fsync(fd):
-        events.append(("fsync", Path(os.readlink(f"/proc/self/fd/{fd}")).name))
-        return real_fsync(fd)
-
-    def replace(src, dst):
-        events.append(("replace", Path(dst).name))
-        return real_replace(src, dst)
-    monkeypatch.setattr(os, "fsync", fsync)
-    monkeypatch.setattr(os, "replace", replace)
     ShardedCheckpointer().save({"w": torch.ones(4)}, {"global_step": 1}, tmp_path / "last.ckpt", set(), None)
+    events = [(kind, what if kind == "replace" else what.name) for kind, what in durability_log]
     synced = [name for kind, name in events if kind == "fsync"]
     assert any(name.startswith(ckpt.MARKER_FILE + ".") for name in synced), events
     assert any(name.startswith(ckpt.METADATA_FILE + ".") for name in synced), events

@@ -10,8 +10,6 @@ expert's weight gradient over its rows in another order), so 1e-5 relative to th
 
 import csv
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -22,23 +20,12 @@ from moe_lightning.model import MoEConfig
 from moe_lightning.model.moe import MoELayer
 from moe_lightning.parallel.expert_parallel import AllToAllTokenDispatcher, node_reach, ranks_layout
 from moe_lightning.plan import main
-from tests.distributed import REPO_ROOT, clean_env, free_port
+from tests.distributed import REPO_ROOT, run_nodes
 
 
 def run_two_nodes(*args: str, timeout: float = 300) -> list[dict]:
-    port = str(free_port())
-    nodes = [subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=2", f"--node-rank={rank}",
-         "--master-addr=127.0.0.1", f"--master-port={port}", str(REPO_ROOT / "benchmarks" / "ep_dispatch.py"),
-         *args], cwd=REPO_ROOT, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for rank in range(2)]
-    try:
-        logs = [node.communicate(timeout=timeout)[0] for node in nodes]
-    finally:
-        for node in nodes:
-            node.kill()
-    for rank, (node, log) in enumerate(zip(nodes, logs)):
-        assert node.returncode == 0, f"node {rank} failed:\n{log[-4000:]}"
+    logs = run_nodes([str(REPO_ROOT / "benchmarks" / "ep_dispatch.py"), *args], nodes=2, per_node=2, cwd=REPO_ROOT,
+                     timeout=timeout)
     return [json.loads(line) for line in logs[0].splitlines() if line.startswith("{")]
 
 
@@ -146,24 +133,13 @@ def test_plan_says_why_it_cannot_price_an_exchange_of_partial_nodes(capsys):
 
 def fit(tmp, name: str, nodes: int, per_node: int, *args: str) -> list[float]:
     """configs/tiny-fsdp.yaml as ``nodes`` torchrun agents of ``per_node`` processes; returns the logged losses."""
-    port = str(free_port())
     command = ["-m", "moe_lightning", "fit", "--config", str(REPO_ROOT / "configs" / "tiny-fsdp.yaml"),
                f"--trainer.num_nodes={nodes}", f"--trainer.devices={per_node}", "--trainer.max_steps=3",
                "--trainer.log_every_n_steps=1", "--trainer.limit_val_batches=0", "--trainer.enable_progress_bar=false",
                f"--trainer.logger.init_args.save_dir={tmp / name}", "--data.init_args.max_tokens=40000",
                "--data.init_args.batch_size=2", "--trainer.strategy.init_args.expert_parallel_size=4",
                "--model.init_args.config.n_expert_groups=2", "--model.init_args.config.n_limited_groups=1", *args]
-    agents = [subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nodes}", f"--nproc-per-node={per_node}",
-         f"--node-rank={rank}", "--master-addr=127.0.0.1", f"--master-port={port}", *command],
-        cwd=tmp, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in range(nodes)]
-    try:
-        logs = [a.communicate(timeout=600)[0] for a in agents]
-    finally:
-        for a in agents:
-            a.kill()
-    for a, log in zip(agents, logs):
-        assert a.returncode == 0, log[-4000:]
+    logs = run_nodes(command, nodes, per_node, cwd=tmp)
     with open(next((tmp / name).rglob("metrics.csv"))) as f:
         return logs[0], [float(row["train/loss"]) for row in csv.DictReader(f) if row.get("train/loss")]
 
@@ -242,19 +218,7 @@ def test_host_reads_with_hierarchical_dispatch_are_one_split_size_read_per_moe_f
     """tests/test_host_syncs.py's harness at ep = 2 over 2 nodes of 1 rank (the intra-node hop is the rank itself):
     per step, one read per MoE layer per forward (forward and ActivationOffload's recompute) and no other read
     from the MoE layer or the dispatcher."""
-    port = str(free_port())
-    script = str(REPO_ROOT / "tests" / "ep_host_syncs_run.py")
-    agents = [subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1", f"--node-rank={rank}",
-         "--master-addr=127.0.0.1", f"--master-port={port}", script], cwd=REPO_ROOT, env=clean_env(),
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in range(2)]
-    try:
-        logs = [a.communicate(timeout=300)[0] for a in agents]
-    finally:
-        for a in agents:
-            a.kill()
-    for a, log in zip(agents, logs):
-        assert a.returncode == 0, log[-4000:]
+    logs = run_nodes([str(REPO_ROOT / "tests" / "ep_host_syncs_run.py")], nodes=2, per_node=1, cwd=REPO_ROOT)
     assert "hierarchical dispatch over 2 nodes x 1 ranks" in logs[0]
     result = json.loads(next(line for line in logs[0].splitlines() if line.startswith("{")))
     assert len(result["steps"]) == 3
