@@ -37,18 +37,30 @@ def test_shuffle_is_a_permutation_of_every_size(n):
 
 def test_samplers_start_at_a_trillion_sequences_in_constant_memory_and_resume_exactly():
     """Was: a randperm per epoch (8 TB here) and a permutation per mixture pass, on every rank."""
+    n, ranks = 10**12, 8
     tracemalloc.start()
     try:
-        single = ResumableSampler(range(10**12), num_replicas=8, rank=3, seed=1)
-        single.resume_epoch, single.resume_samples = 0, 10**11  # resumed deep into the epoch
-        first = list(itertools.islice(iter(single), 5))
-        mixture = MixtureSampler(MixtureSequences([range(10**12), range(10**9)]), [3.0, 1.0], ["a", "b"],
-                                 num_replicas=8, rank=3, seed=1)
-        mixed = list(itertools.islice(iter(mixture), 5))
+        samplers = [ResumableSampler(range(n), num_replicas=ranks, rank=r, seed=1) for r in range(ranks)]
+        for sampler in samplers:
+            sampler.resume_epoch, sampler.resume_samples = 0, 10**11  # resumed deep into the epoch
+        per_rank = [list(itertools.islice(iter(sampler), 5)) for sampler in samplers]
+        mixture = MixtureSampler(MixtureSequences([range(n), range(10**9)]), [3.0, 1.0], ["a", "b"],
+                                 num_replicas=ranks, rank=3, seed=1)
+        mixed = list(itertools.islice(iter(mixture), 4000))
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
     assert peak < 64 << 20, peak
+    # the ranks draw different sequences, all of the corpus, none twice (a bijection, not a formula restated)
+    drawn = [i for indices in per_rank for i in indices]
+    assert len(set(drawn)) == len(drawn) and all(0 <= i < n for i in drawn)
+    assert max(drawn) > n // 2  # spread over the whole corpus, not near the resume position
+    first = per_rank[3]
+    # the 3:1 mixture over 4,000 draws of one rank: source "a" (flat indices below n) about three in four
+    share = np.mean(np.array(mixed) < n)
+    assert abs(share - 0.75) < 0.03, share
+    assert len(set(mixed)) == len(mixed) and all(0 <= i < n + 10**9 for i in mixed)
+    mixed = mixed[:5]
     expected = Shuffle(10**12, 1, 0)(10**11 + 3 + 8 * np.arange(5))
     assert first == expected.tolist()
     k, c = mixture.draws(3 + 8 * np.arange(5))
