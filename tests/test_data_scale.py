@@ -130,6 +130,35 @@ def test_a_killed_worker_stops_the_run_with_one_line_and_resume_finishes_it(tmp_
     assert json.loads((out / "manifest.json").read_text())["tokens"] == reference["tokens"]
 
 
+BREAK_BETWEEN_WAITS = """
+import os, signal, sys, time
+from moe_lightning.data import tokenize as t
+t.MIN_UNIT_BYTES = 20_000
+original, real_wait = t.tokenize_unit, t.wait
+def unit(index):  # unit 1 kills its worker a second after the others finished
+    if index == 1:
+        time.sleep(1)
+        os.kill(os.getpid(), signal.SIGKILL)
+    return original(index)
+def wait(*args, **kwargs):  # the pool breaks after a wait returned and before the next submit
+    done, pending = real_wait(*args, **kwargs)
+    time.sleep(2)
+    return done, pending
+t.tokenize_unit, t.wait = unit, wait
+t.tokenize_main(sys.argv[1:])
+"""
+
+
+def test_a_pool_that_breaks_between_two_submissions_is_one_line_too(tmp_path):
+    """Was: ``executor.submit`` on a broken pool raised BrokenProcessPool as a traceback."""
+    corpus, out = jsonl(tmp_path / "c.jsonl", 3000), tmp_path / "out"
+    run = subprocess.run([sys.executable, "-c", BREAK_BETWEEN_WAITS, str(corpus), "--out", str(out), "--workers", "2"],
+                         env=clean_env(), capture_output=True, text=True, timeout=300)
+    assert run.returncode == 1 and "Traceback" not in run.stderr, run.stderr
+    assert run.stderr.strip().splitlines()[-1].startswith("moe-lightning tokenize: error: tokenize: unit ")
+    assert "failed: a worker process died" in run.stderr and not list(out.glob("*.partial"))
+
+
 def test_a_bad_record_stops_at_its_unit_keeping_what_finished(tmp_path, monkeypatch):
     """Was: reported only after every other unit had been tokenized."""
     monkeypatch.setattr(tokenize_module, "MIN_UNIT_BYTES", 20_000)

@@ -669,8 +669,12 @@ def _run_units(pending: list[dict], mine: list[dict], plan: dict, folder: Path, 
                 queued, futures = iter(pending), {}  # a few units in flight: memory flat over thousands of units
                 while failure is None:
                     for unit in itertools.islice(queued, 2 * processes - len(futures)):
-                        futures[executor.submit(tokenize_unit, unit["index"])] = unit
-                    if not futures:
+                        try:
+                            futures[executor.submit(tokenize_unit, unit["index"])] = unit
+                        except BrokenProcessPool as error:  # a worker died since the last wait
+                            failure = (_failed_unit(unit, error, futures, slots, folder), error)
+                            break
+                    if failure is not None or not futures:
                         break
                     done, _ = wait(futures, timeout=0.5, return_when=FIRST_COMPLETED)
                     for future in sorted(done, key=lambda f: futures[f]["index"]):
