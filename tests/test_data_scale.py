@@ -88,11 +88,11 @@ SLOW_UNITS = """
 import sys, time
 from moe_lightning.data import tokenize as t
 t.MIN_UNIT_BYTES = 20_000
-original = t.tokenize_unit
-def slow(index):  # every unit takes a while: time to kill a worker or signal the run
+original = t.unit_segments
+def slow(*args):  # every unit takes a while once its worker has it: time to kill a worker or signal the run
     time.sleep(float(sys.argv[1]))
-    return original(index)
-t.tokenize_unit = slow
+    yield from original(*args)
+t.unit_segments = slow
 t.tokenize_main(sys.argv[2:])
 """
 
@@ -119,44 +119,63 @@ def test_a_killed_worker_stops_the_run_with_one_line_and_resume_finishes_it(tmp_
     corpus, out = jsonl(tmp_path / "c.jsonl", 3000), tmp_path / "out"
     run = start_tokenize(1.0, corpus, "--out", out, "--workers", 2)
     wait_for(lambda: len(children(run.pid)) >= 2)
-    os.kill(children(run.pid)[0], signal.SIGKILL)
+    killed = children(run.pid)[0]
+    os.kill(killed, signal.SIGKILL)
     _, err = run.communicate(timeout=120)
     lines = [line for line in err.splitlines() if line.startswith("moe-lightning tokenize")]
     assert run.returncode == 1 and len(lines) == 1, err
-    assert "failed: a worker process died" in lines[0] and "--resume" in lines[0] and "unit " in lines[0]
+    assert "--resume" in lines[0] and "tokenize: unit " in lines[0]
+    assert f"failed: its worker process (pid {killed}) was killed by SIGKILL" in lines[0]
     assert not list(out.glob("*.partial")) and not (out / "manifest.json").exists()
     tokenize_main([str(corpus), "--out", str(out), "--workers", "2", "--resume"])
     reference = tokenize_to_folder([str(corpus)], str(tmp_path / "ref"), workers=1)
     assert json.loads((out / "manifest.json").read_text())["tokens"] == reference["tokens"]
 
 
-BREAK_BETWEEN_WAITS = """
+SIGNAL_UNIT_1 = """
 import os, signal, sys, time
 from moe_lightning.data import tokenize as t
 t.MIN_UNIT_BYTES = 20_000
-original, real_wait = t.tokenize_unit, t.wait
-def unit(index):  # unit 1 kills its worker a second after the others finished
-    if index == 1:
+original, real_wait = t.unit_segments, t.wait
+def segments(unit, *args):  # unit 1's worker gets the signal a second after the others finished
+    if unit["index"] == 1:
         time.sleep(1)
-        os.kill(os.getpid(), signal.SIGKILL)
-    return original(index)
-def wait(*args, **kwargs):  # the pool breaks after a wait returned and before the next submit
+        os.kill(os.getpid(), getattr(signal, sys.argv[1]))
+    yield from original(unit, *args)
+def wait(*args, **kwargs):  # so the pool breaks after a wait returned and before the next submit
     done, pending = real_wait(*args, **kwargs)
     time.sleep(2)
     return done, pending
-t.tokenize_unit, t.wait = unit, wait
-t.tokenize_main(sys.argv[1:])
+t.unit_segments, t.wait = segments, wait
+t.tokenize_main(sys.argv[2:])
 """
 
 
-def test_a_pool_that_breaks_between_two_submissions_is_one_line_too(tmp_path):
-    """Was: ``executor.submit`` on a broken pool raised BrokenProcessPool as a traceback."""
+def signal_unit_1(signal_name: str, corpus: Path, out: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", SIGNAL_UNIT_1, signal_name, str(corpus), "--out", str(out),
+                           "--workers", "2"], env=clean_env(), capture_output=True, text=True, timeout=300)
+
+
+def test_a_worker_killed_between_two_submissions_is_one_line_naming_its_unit(tmp_path):
+    """Was: ``executor.submit`` on the broken pool raised a traceback; and the line named the lowest unit in
+    flight, or the one being submitted, not the dead worker's."""
     corpus, out = jsonl(tmp_path / "c.jsonl", 3000), tmp_path / "out"
-    run = subprocess.run([sys.executable, "-c", BREAK_BETWEEN_WAITS, str(corpus), "--out", str(out), "--workers", "2"],
-                         env=clean_env(), capture_output=True, text=True, timeout=300)
+    run = signal_unit_1("SIGKILL", corpus, out)
     assert run.returncode == 1 and "Traceback" not in run.stderr, run.stderr
-    assert run.stderr.strip().splitlines()[-1].startswith("moe-lightning tokenize: error: tokenize: unit ")
-    assert "failed: a worker process died" in run.stderr and not list(out.glob("*.partial"))
+    last = run.stderr.strip().splitlines()[-1]
+    assert last.startswith("moe-lightning tokenize: error: tokenize: unit 1 (") and "bytes 20,000-" in last, last
+    assert "its worker process (pid " in last and ") was killed by SIGKILL" in last
+    assert not list(out.glob("*.partial")) and (out / "part-00000.done.json").exists()
+
+
+def test_sigterm_that_reaches_a_worker_first_is_a_stop_not_a_worker_failure(tmp_path):
+    """SLURM signals every process of a step: a worker may end by SIGTERM before the main process hears it.
+    Was: "unit 0 failed: a worker process died", exit 1 (and fit then did not requeue)."""
+    corpus, out = jsonl(tmp_path / "c.jsonl", 3000), tmp_path / "out"
+    run = signal_unit_1("SIGTERM", corpus, out)
+    assert run.returncode == 128 + signal.SIGTERM, run.stderr
+    assert "stopped by SIGTERM" in run.stderr.strip().splitlines()[-1] and "failed" not in run.stderr
+    assert (out / "part-00000.done.json").exists() and not list(out.glob("*.partial"))
 
 
 def test_a_bad_record_stops_at_its_unit_keeping_what_finished(tmp_path, monkeypatch):

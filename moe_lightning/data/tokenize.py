@@ -47,6 +47,8 @@ MIN_UNIT_BYTES = 1 << 20  # units smaller than this cost more in start-up than t
 UNITS = 4096  # enough units for 64 tasks of 64 workers to stay busy; never a function of the task count, so
 # a text file's cuts (token-neutral only for GPT-2-style pre-tokenizers) fall in the same places however many run
 PROGRESS_EVERY_S = 2.0
+STOP_WAIT_S = 10.0  # a stopped worker's grace before SIGKILL
+SLOTS = 3  # shared counters per unit: bytes read, tokens written, the pid of the worker tokenizing it
 FORMAT = "moe_lightning token shards v1"
 PLAN_FORMAT = "moe_lightning tokenize plan v2"
 
@@ -356,13 +358,14 @@ def tokenize_unit(index: int) -> dict:
     """Tokenize unit ``index`` of the plan into ``part-<unit>-<n>.npy`` shards, then record it as done."""
     plan, out, tokenizer, slots = _WORKER["plan"], _WORKER["out"], _WORKER["tokenizer"], _WORKER["slots"]
     unit = plan["units"][index]
+    slots[SLOTS * index + 2] = os.getpid()  # whose unit this is, should this process die
     dtype, shards, nulls = token_dtype(tokenizer.vocab_size), [], [0]
     batches = tokenized_batches(unit_segments(unit, plan, nulls), tokenizer, dtype)
 
     def reported(stream):
         for tokens, documents, chars in stream:
-            slots[2 * index] = min(slots[2 * index] + chars, unit["bytes"])
-            slots[2 * index + 1] += len(tokens)
+            slots[SLOTS * index] = min(slots[SLOTS * index] + chars, unit["bytes"])
+            slots[SLOTS * index + 1] += len(tokens)
             _WORKER["tick"]()
             _WORKER["heap"].check()
             if len(tokens):
@@ -384,7 +387,7 @@ def tokenize_unit(index: int) -> dict:
             shards.append(shard.finish(name))
     record = {"index": index, "bytes": unit["bytes"], "shards": shards, "null_rows": nulls[0]}
     write_json(unit_record(out, index), record)
-    slots[2 * index] = unit["bytes"]
+    slots[SLOTS * index] = unit["bytes"]
     return record
 
 
@@ -402,7 +405,7 @@ class Progress:
 
     def show(self, final: bool = False) -> None:
         self.last = now = time.monotonic()
-        counts = np.frombuffer(self.slots, dtype=np.int64).reshape(-1, 2).sum(0)
+        counts = np.frombuffer(self.slots, dtype=np.int64).reshape(-1, SLOTS)[:, :2].sum(0)
         done, tokens = self.before + int(counts[0]), int(counts[1])
         elapsed = max(now - self.start, 1e-9)
         rate = (done - self.before) / elapsed
@@ -645,10 +648,10 @@ class _stopped_by_signals:
 def _run_units(pending: list[dict], mine: list[dict], plan: dict, folder: Path, tokenizer_path, workers: int) -> None:
     """Tokenize ``pending`` on ``workers`` processes; at the first failure (an error, a worker killed, a signal)
     stop every worker and say which unit failed and why; finished units stay for ``--resume``."""
-    slots = multiprocessing.RawArray("q", 2 * len(plan["units"]))
+    slots = multiprocessing.RawArray("q", SLOTS * len(plan["units"]))
     already = sum(u["bytes"] for u in mine if unit_record(folder, u["index"]).exists())
     progress = Progress(mine, slots, already)  # this task's share
-    failure = None
+    failure = None  # (unit or None, cause)
     try:
         if workers == 1 or len(pending) <= 1:
             _init_worker(plan, str(folder), tokenizer_path, slots, tick=progress.maybe_show)
@@ -658,33 +661,38 @@ def _run_units(pending: list[dict], mine: list[dict], plan: dict, folder: Path, 
                 except Stopped:  # a signal, not this unit's failure
                     raise
                 except Exception as error:
-                    failure = (unit, error)
+                    failure = (unit, _one_line(error).rstrip("."))
                     break
         else:
             context = multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn")
             processes = min(workers, len(pending))
             executor = ProcessPoolExecutor(processes, mp_context=context, initializer=_init_worker,
                                            initargs=(plan, str(folder), tokenizer_path, slots))
+            broken = False
             try:
                 queued, futures = iter(pending), {}  # a few units in flight: memory flat over thousands of units
-                while failure is None:
-                    for unit in itertools.islice(queued, 2 * processes - len(futures)):
-                        try:
+                while failure is None and not broken:
+                    try:
+                        for unit in itertools.islice(queued, 2 * processes - len(futures)):
                             futures[executor.submit(tokenize_unit, unit["index"])] = unit
-                        except BrokenProcessPool as error:  # a worker died since the last wait
-                            failure = (_failed_unit(unit, error, futures, slots, folder), error)
-                            break
-                    if failure is not None or not futures:
+                    except BrokenProcessPool:  # a worker died since the last wait
+                        broken = True
+                        break
+                    if not futures:
                         break
                     done, _ = wait(futures, timeout=0.5, return_when=FIRST_COMPLETED)
                     for future in sorted(done, key=lambda f: futures[f]["index"]):
-                        if future.exception() is not None and failure is None:
-                            failure = (_failed_unit(futures[future], future.exception(), futures, slots, folder),
-                                       future.exception())
+                        error = future.exception()
+                        if isinstance(error, BrokenProcessPool):
+                            broken = True
+                        elif error is not None and failure is None:
+                            failure = (futures[future], _one_line(error).rstrip("."))
                         del futures[future]
                     progress.maybe_show()
             finally:
-                _stop(executor)
+                exits = _stop(executor)
+            if broken:
+                failure = _lost_unit(exits, pending, slots, folder)
     except Stopped as stop:
         _remove_partials(folder, pending)
         kept = sum(unit_record(folder, u["index"]).exists() for u in plan["units"])
@@ -693,35 +701,47 @@ def _run_units(pending: list[dict], mine: list[dict], plan: dict, folder: Path, 
                       "rerun the same command with --resume to finish.", stop.exit_code - 128) from None
     if failure is not None:
         _remove_partials(folder, pending)
-        unit, error = failure
+        unit, cause = failure
         kept = sum(unit_record(folder, u["index"]).exists() for u in plan["units"])
-        cause = "a worker process died (killed, e.g. by the out-of-memory killer or a signal)" \
-            if isinstance(error, BrokenProcessPool) else _one_line(error).rstrip(".")
-        raise TokenizeError(f"tokenize: {describe_unit(unit, plan)} failed: {cause}. {kept} of {len(plan['units'])} "
-                            "units are finished and kept: fix the cause and rerun the same command with --resume.")
+        where = describe_unit(unit, plan) if unit is not None else "a worker between units"
+        raise TokenizeError(f"tokenize: {where} failed: {cause}. {kept} of {len(plan['units'])} units are finished "
+                            "and kept: fix the cause and rerun the same command with --resume.")
     progress.show(final=True)
 
 
-def _failed_unit(unit: dict, error, futures, slots, folder: Path) -> dict:
-    """A broken pool fails every unfinished unit at once: name the first that was being tokenized."""
-    if isinstance(error, BrokenProcessPool):
-        started = [u for u in futures.values() if (slots[2 * u["index"]] or slots[2 * u["index"] + 1])
-                   and not unit_record(folder, u["index"]).exists()]
-        if started:
-            return min(started, key=lambda u: u["index"])
-    return unit
+def _lost_unit(exits: dict[int, int | None], pending: list[dict], slots, folder: Path) -> tuple[dict | None, str]:
+    """Which unit a broken pool lost, and why, from its workers' exit codes. The pool ends the survivors with
+    SIGTERM, so the worker that died is the one with another code; when every worker ended by SIGTERM, a
+    scheduler's stop (SLURM signals every process of a step) reached them before this process: a stop, not a
+    failure."""
+    died = {pid: code for pid, code in exits.items() if code not in (0, None, -signal.SIGTERM)}
+    if not died:
+        raise Stopped("tokenize: stopped by SIGTERM.", signal.SIGTERM)
+    pid, code = min(died.items())
+    try:
+        how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with status {code}"
+    except ValueError:
+        how = f"was killed by signal {-code}"
+    unit = next((u for u in pending if slots[SLOTS * u["index"] + 2] == pid
+                 and not unit_record(folder, u["index"]).exists()), None)
+    return unit, f"its worker process (pid {pid}) {how} (the out-of-memory killer sends SIGKILL)"
 
 
-def _stop(executor: ProcessPoolExecutor) -> None:
+def _stop(executor: ProcessPoolExecutor) -> dict[int, int | None]:
     """Stop the pool now: queued units cancelled, running workers terminated (their partial shards are removed
-    by the caller), so nothing goes on writing after we return."""
+    by the caller), so nothing goes on writing after we return. Returns each worker's exit code; a worker that
+    ignores SIGTERM (stuck in the kernel, e.g. on a hung NFS mount) gets SIGKILL, and none is waited for forever."""
     processes = list((getattr(executor, "_processes", None) or {}).values())  # 3.14 has terminate_workers()
     executor.shutdown(wait=False, cancel_futures=True)
     for process in processes:
         if process.is_alive():
             process.terminate()
     for process in processes:
-        process.join()
+        process.join(STOP_WAIT_S)
+        if process.is_alive():
+            process.kill()
+            process.join(STOP_WAIT_S)
+    return {process.pid: process.exitcode for process in processes}
 
 
 def _one_line(error: BaseException) -> str:
