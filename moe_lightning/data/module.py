@@ -143,9 +143,11 @@ class TextDataModule(L.LightningDataModule):
                 raise Preempted(stop.exit_code, "preempted before the first step: nothing to save (tokenized "
                                                 "units kept)") from None
             except TokenizeError as error:  # worded for tokenize's command line: keep what applies to fit
-                said = [s for s in str(error).removeprefix("tokenize: ").split(". ") if "--resume" not in s]
+                said = str(error).removeprefix("tokenize --resume: ").removeprefix("tokenize: ").rstrip(".")
+                kept = ("; ".join(c for c in sentence.split("; ") if "--resume" not in c) for sentence in
+                        said.split(". "))  # the advice to rerun tokenize goes, the cause stays
                 raise ValueError(f"data.source={entry['path']!r}: tokenizing it into {folder} failed: "
-                                 f"{'. '.join(said).rstrip('.')}; fix that and start the run again (finished "
+                                 f"{'. '.join(k for k in kept if k)}; fix that and start the run again (finished "
                                  "units are reused).") from None
 
     def setup(self, stage: str | None = None) -> None:
