@@ -265,6 +265,12 @@ def test_a_mid_epoch_position_of_an_earlier_shuffle_order_is_refused(tmp_path):
     with pytest.raises(ValueError, match="40 sequences into epoch 1 of a shuffle order before feistel-v1"):
         dm._restore(earlier)
     assert dm._restore({**earlier, "samples": 0}) == (1, 0)  # at an epoch's start no order is needed
+    # a checkpoint older still kept the position in the datamodule's own state (was: resumed without a check)
+    with pytest.raises(ValueError, match="40 sequences into epoch 1 of a shuffle order before feistel-v1"):
+        dm.load_state_dict({"epoch": 1, "samples": 40})
+    dm.load_state_dict({"epoch": 2, "samples": 0})
+    sampler = dm.train_dataloader().sampler
+    assert (sampler.resume_epoch, sampler.resume_samples) == (2, 0)
 
 
 def test_a_source_given_twice_is_refused():

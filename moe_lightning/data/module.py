@@ -11,7 +11,8 @@ from torch.utils.data import ConcatDataset, DataLoader
 
 from ..resume import check_data
 from ..tokenizer import load_tokenizer, tokenizer_identity
-from .sampling import MixtureSampler, MixtureSequences, PackedSequences, ResumableSampler, split_indices
+from .sampling import (InOrderSampler, MixtureSampler, MixtureSequences, PackedSequences, ResumableSampler,
+                       split_indices)
 from .sources import info, is_token_source, parse_sources, resolve_source
 from .tokens import TokenStream, open_shard_folder, open_tokens
 
@@ -33,6 +34,15 @@ class ResumableLoader(DataLoader):
 
     def load_state_dict(self, state_dict: dict) -> None:
         self.sampler.resume_epoch, self.sampler.resume_samples = self.restore(state_dict)
+
+
+def _refuse_mid_epoch_in_an_earlier_order(state: dict) -> None:
+    """A position saved part-way through an epoch of another shuffle order would repeat and skip sequences here;
+    one at an epoch's start resumes exactly."""
+    if "order" not in state and state["samples"] > 0:
+        raise ValueError(f"data: the checkpoint stopped {state['samples']:,} sequences into epoch {state['epoch']} "
+                         f"of a shuffle order before {ORDER} (an earlier version); this one would repeat and skip "
+                         "sequences. Finish that run with the version that wrote it, or start a new run.")
 
 
 class SourceLoader(DataLoader):
@@ -255,10 +265,7 @@ class TextDataModule(L.LightningDataModule):
                              f"sequences) but this run has {ours}; its position means nothing in another mixture. "
                              "Resume with the same sources, weights and seq_len, or start a new run.")
         check_data(state, self.description(), None)  # as the CLI does before building (Python users)
-        if "order" not in state and state["samples"] > 0:
-            raise ValueError(f"data: the checkpoint stopped {state['samples']:,} sequences into epoch {state['epoch']} "
-                             f"of a shuffle order before {ORDER} (an earlier version); this one would repeat and skip "
-                             "sequences. Finish that run with the version that wrote it, or start a new run.")
+        _refuse_mid_epoch_in_an_earlier_order(state)
         return state["epoch"], state["samples"]
 
     def state_dict(self) -> dict:
@@ -267,15 +274,20 @@ class TextDataModule(L.LightningDataModule):
         return {"tokenizer": self.tokenizer.spec()}
 
     def load_state_dict(self, state_dict: dict) -> None:
-        if "epoch" in state_dict:  # written before the loader carried the position
+        if "epoch" in state_dict:  # written before the loader carried the position (and before ORDER)
+            _refuse_mid_epoch_in_an_earlier_order(state_dict)
             self._resume_position = (state_dict["epoch"], state_dict["samples"])
+
+    def _in_order(self, held_out: PackedSequences, loader: type[DataLoader] = DataLoader, **named) -> DataLoader:
+        return loader(held_out, batch_size=self.batch_size, num_workers=self.num_workers,
+                      sampler=InOrderSampler(held_out, **self._sampler_kwargs()), **named)
 
     def val_dataloader(self) -> DataLoader | list[DataLoader]:
         if not self.is_mixture:
-            return DataLoader(self.val_set, batch_size=self.batch_size, shuffle=False, num_workers=self.num_workers)
-        return [SourceLoader(val_set, name=entry["name"], batch_size=self.batch_size, shuffle=False,
-                             num_workers=self.num_workers) for entry, val_set in zip(self.entries, self.val_sets)]
+            return self._in_order(self.val_set)
+        return [self._in_order(val_set, SourceLoader, name=entry["name"])
+                for entry, val_set in zip(self.entries, self.val_sets)]
 
     def test_dataloader(self) -> DataLoader:
         """The held-out split (of ``source``: point it at other text to score that text's held-out share)."""
-        return DataLoader(self.val_set, batch_size=self.batch_size, shuffle=False, num_workers=self.num_workers)
+        return self._in_order(self.val_set)

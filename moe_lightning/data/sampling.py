@@ -118,6 +118,20 @@ class ResumableSampler(DistributedSampler):
             yield from shuffle(positions).tolist()
 
 
+class InOrderSampler(DistributedSampler):
+    """Validation and test across ranks: ``DistributedSampler``'s order without shuffling (each rank every
+    ``num_replicas``-th sequence, the tail padded from the start so every rank runs as many batches, which FSDP's
+    gathers in each forward need), computed per index. Lightning would otherwise put a ``DistributedSampler`` in,
+    whose list of every index costs each rank 8 bytes a sequence at every validation; being one, this stays."""
+
+    def __init__(self, dataset: Dataset, num_replicas: int = 1, rank: int = 0):
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=False, drop_last=False)
+
+    def __iter__(self):
+        size = len(self.dataset)
+        return ((self.rank + self.num_replicas * k) % size for k in range(self.num_samples))
+
+
 class MixtureSequences(Dataset):
     """Several sources' sequences under one index: ``offsets[k] + i`` is sequence ``i`` of source ``k``."""
 
