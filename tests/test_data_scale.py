@@ -430,3 +430,58 @@ def test_validation_order_is_torchs_distributed_one_computed_per_index():
         tracemalloc.stop()
     assert first == [5, 13, 21] and peak < 1 << 20, peak
     assert isinstance(InOrderSampler(range(4)), DistributedSampler)  # so Lightning leaves it in place
+
+
+def test_max_tokens_stops_tokenizing_at_the_batch_that_reaches_it(tmp_path):
+    """Was: the whole file was tokenized (and held twice) before ``max_tokens`` was looked at."""
+    from moe_lightning.data.tokenize import BATCH_CHARS, tokenize_in_memory
+    text = tmp_path / "big.txt"
+    text.write_text("word " * (2 * BATCH_CHARS))  # 10 batches of bytes
+    tokens, files = tokenize_in_memory([text], ByteTokenizer(), "text", max_tokens=1000)
+    assert files == 1 and 1000 <= len(tokens) <= BATCH_CHARS + 1
+    whole, _ = tokenize_in_memory([text], ByteTokenizer(), "text", max_tokens=None)
+    np.testing.assert_array_equal(tokens, whole[:len(tokens)])  # the same prefix
+
+
+def test_a_stream_arrow_file_is_read_no_further_than_the_wanted_batches(tmp_path):
+    """Was: every unit of a stream-format file (what ``datasets`` writes) read it to its end."""
+    import pyarrow as pa
+
+    from moe_lightning.data.sources import _arrow_batches
+    path = tmp_path / "stream.arrow"
+    schema = pa.schema([("text", pa.string())])
+    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, schema) as writer:
+        for i in range(6):
+            writer.write_batch(pa.record_batch([pa.array([f"batch {i}"])], schema=schema))
+    read = []
+
+    def counted():
+        for batch in pa.ipc.open_stream(pa.OSFile(str(path))):
+            read.append(batch)
+            yield batch
+    got = [b.column(0)[0].as_py() for b in _arrow_batches(counted(), [1, 2])]
+    assert got == ["batch 1", "batch 2"] and len(read) == 3
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="glibc's malloc_trim")
+def test_heap_ceiling_returns_freed_heap_pages_once_memory_grows_past_it():
+    """The mechanism that keeps a tokenize worker's memory flat: freed heap memory, pinned by small blocks between
+    (the fragmentation batches leave), goes back to the system when the resident size passes the ceiling."""
+    script = """
+import sys
+from moe_lightning.data.tokenize import HeapCeiling
+heap = HeapCeiling()
+big, pins = [], []
+for i in range(1500):  # 150 MB of 100 KB blocks (below the mmap threshold: from the heap), each pinned in place
+    big.append(bytes(100_000) + bytes([i % 256]))
+    pins.append(bytes(2000) + bytes([i % 256]))
+before = heap._resident()
+del big
+freed = heap._resident()
+heap.check()
+print(before >> 20, freed >> 20, heap._resident() >> 20, heap.ceiling >> 20)
+"""
+    out = subprocess.run([sys.executable, "-c", script], env=clean_env(), capture_output=True, text=True, timeout=120)
+    before, freed, after, ceiling = map(int, out.stdout.split())
+    assert before - freed < 20, (before, freed)  # free() alone keeps the pages: the creep the ceiling is for
+    assert freed - after > 100 and ceiling <= after + 5, (freed, after, ceiling)

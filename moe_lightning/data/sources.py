@@ -208,14 +208,20 @@ def table_groups(path: Path) -> list[int]:
 
 def _arrow_batches(reader, wanted: list[int] | None = None):
     """Record batches of an Arrow reader (those numbered in ``wanted`` only), one in memory at a time; the
-    stream format has no index, so its other batches are read past."""
+    stream format has no index, so the batches before the wanted ones are read past (each unit of a stream file
+    reads it from its start up to its own batches: the file format, which has an index, reads only those)."""
     if hasattr(reader, "num_record_batches"):
         yield from (reader.get_batch(i) for i in (range(reader.num_record_batches) if wanted is None else wanted))
         return
+    if wanted is not None and not wanted:
+        return
+    last = None if wanted is None else max(wanted)
     wanted = None if wanted is None else set(wanted)
     for i, batch in enumerate(reader):
         if wanted is None or i in wanted:
             yield batch
+        if i == last:
+            return
 
 
 def iter_table_batches(path: Path, text_field: str, groups: list[int] | None = None, batch_rows: int = 1024):
@@ -223,7 +229,7 @@ def iter_table_batches(path: Path, text_field: str, groups: list[int] | None = N
     groups or record batches numbered in ``groups`` (all by default): memory stays bounded at any file size."""
     pa, pq = pyarrow_modules()
     if path.suffix == ".parquet":
-        file = pq.ParquetFile(str(path))
+        file = pq.ParquetFile(str(path), buffer_size=1 << 20)  # column chunks read in pieces, not whole
         schema, batches = file.schema_arrow, None
     else:
         reader = _open_arrow(path)

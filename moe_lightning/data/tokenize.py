@@ -330,10 +330,9 @@ class HeapCeiling:
     SLACK = 4 << 20
 
     def __init__(self):
-        self.trim = ctypes.CDLL(None).malloc_trim if sys.platform == "linux" else None
+        self.trim = getattr(ctypes.CDLL(None), "malloc_trim", None) if sys.platform == "linux" else None  # glibc
         self.page = os.sysconf("SC_PAGE_SIZE") if self.trim else 0
         self.ceiling = self._resident() + self.SLACK if self.trim else 0
-        self.trims = 0
 
     def _resident(self) -> int:
         with open("/proc/self/statm", "rb") as statm:
@@ -342,7 +341,6 @@ class HeapCeiling:
     def check(self) -> None:
         if self.trim is not None and self._resident() > self.ceiling:
             self.trim(0)
-            self.trims += 1
             self.ceiling = self._resident() + self.SLACK
 
 
@@ -578,15 +576,22 @@ def tokenize_to_folder(sources: list[str], out: str, tokenizer_path: str | None 
         lock.release()
 
 
+def reading_plan(files: list[Path], text_field: str) -> dict:
+    """What reading ``files`` needs (their sizes and times, each table's row groups or batches, the text field):
+    the part of a plan that ``unit_segments`` reads, shared by the folder, single-file and in-memory paths."""
+    return {"inputs": describe_inputs(files), "text_field": text_field,
+            "groups": {str(i): table_groups(p) for i, p in enumerate(files) if p.suffix in TABLE_SUFFIXES}}
+
+
 def _new_plan(folder: Path, identity: dict, files: list[Path], tokenizer, tasks: int, first_id: int) -> dict:
-    inputs = describe_inputs(files)
-    groups = {i: table_groups(p) for i, p in enumerate(files) if p.suffix in TABLE_SUFFIXES}
+    reading = reading_plan(files, identity["text_field"])
+    inputs, groups = reading["inputs"], {int(i): g for i, g in reading["groups"].items()}
     total = sum(size for _, size, _ in inputs)
     bytes_per_token = 1 if tokenizer.spec()["kind"] == "bytes" else 4
     # at most a shard a unit, and enough units to keep every worker busy: the same cuts for any task count
     target = max(MIN_UNIT_BYTES, min(identity["shard_tokens"] * bytes_per_token, math.ceil(total / UNITS)))
-    plan = {**identity, "inputs": inputs, "groups": {str(i): g for i, g in groups.items()},
-            "units": plan_units(inputs, groups, target), "tasks": tasks, "first_task_id": first_id}
+    plan = {**identity, **reading, "units": plan_units(inputs, groups, target), "tasks": tasks,
+            "first_task_id": first_id}
     if (folder / PLAN).exists():  # another task of the array planned first: its plan must be this one
         return _checked_plan(folder, identity, files)
     write_json(folder / PLAN, plan)
@@ -619,10 +624,16 @@ def _checked_plan(folder: Path, identity: dict, files: list[Path]) -> dict:
 
 
 def _remove_partials(folder: Path, units: list[dict]) -> None:
-    """Partial shards and records of this task's units (a killed worker's): ours by name, never complete."""
-    for unit in units:
-        for partial in folder.glob(f"part-{unit['index']:05d}[-.]*{PARTIAL_SUFFIX}"):  # shards and its record
-            partial.unlink(missing_ok=True)
+    """Partial shards and records of this task's units (a killed worker's): ours by name, never complete. One
+    listing of the folder, whatever the number of units."""
+    indexes = {unit["index"] for unit in units}
+    for entry in os.scandir(folder):
+        ours = _PARTIAL_NAME.fullmatch(entry.name)
+        if ours and int(ours.group(1)) in indexes:
+            Path(entry.path).unlink(missing_ok=True)
+
+
+_PARTIAL_NAME = re.compile(r"part-(\d{5,})[-.].*" + re.escape(PARTIAL_SUFFIX))  # a unit's shard or record
 
 
 class _stopped_by_signals:
@@ -786,10 +797,8 @@ def write_token_file(sources: list[str], out_path: str, tokenizer_path: str | No
     if out.exists() and not overwrite:
         raise FileExistsError(f"out={out_path!r} exists; choose another path or pass --overwrite.")
     tokenizer = load_tokenizer(tokenizer_path)
-    files = input_files(sources)
-    inputs = describe_inputs(files)
-    groups = {str(i): table_groups(p) for i, p in enumerate(files) if p.suffix in TABLE_SUFFIXES}
-    plan = {"inputs": inputs, "groups": groups, "text_field": text_field}
+    plan = reading_plan(input_files(sources), text_field)
+    inputs = plan["inputs"]
     whole = {"index": 0, "start": [0, 0], "end": [len(inputs), 0], "bytes": sum(s for _, s, _ in inputs)}
     sidecar, dtype = sidecar_path(out), token_dtype(tokenizer.vocab_size)
     with atomic_write(out) as file:
@@ -810,16 +819,17 @@ def write_token_file(sources: list[str], out_path: str, tokenizer_path: str | No
 def tokenize_in_memory(files: list[Path], tokenizer, text_field: str,
                        max_tokens: int | None) -> tuple[np.ndarray, int]:
     """Documents tokenized at start-up (small corpora), read as ``tokenize`` reads them (one reader: raw bytes,
-    so a "\\r\\n" file gives the same ids either way); stops after the file that reaches ``max_tokens``.
+    so a "\\r\\n" file gives the same ids either way); stops at the batch that reaches ``max_tokens``.
     Returns the tokens and how many files were read."""
-    inputs, dtype = describe_inputs(files), token_dtype(tokenizer.vocab_size)
-    groups = {str(i): table_groups(p) for i, p in enumerate(files) if p.suffix in TABLE_SUFFIXES}
-    plan, chunks, count, nulls = {"inputs": inputs, "groups": groups, "text_field": text_field}, [], 0, [0]
+    plan, dtype = reading_plan(files, text_field), token_dtype(tokenizer.vocab_size)
+    chunks, count, nulls = [], 0, [0]
     for i in range(len(files)):
-        unit = {"index": 0, "start": [i, 0], "end": [i + 1, 0], "bytes": inputs[i][1]}
+        unit = {"index": 0, "start": [i, 0], "end": [i + 1, 0], "bytes": plan["inputs"][i][1]}
         for tokens, _, _ in tokenized_batches(unit_segments(unit, plan, nulls), tokenizer, dtype):
             chunks.append(tokens)
             count += len(tokens)
+            if max_tokens is not None and count >= max_tokens:
+                break
         if max_tokens is not None and count >= max_tokens:
             break
     if nulls[0]:
