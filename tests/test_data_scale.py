@@ -178,6 +178,19 @@ def test_sigterm_that_reaches_a_worker_first_is_a_stop_not_a_worker_failure(tmp_
     assert (out / "part-00000.done.json").exists() and not list(out.glob("*.partial"))
 
 
+def test_a_bad_record_on_a_worker_stops_the_pool_at_its_unit_in_one_line(tmp_path, monkeypatch):
+    """The pool path of the next test: the worker's error comes back pickled and every other worker stops."""
+    monkeypatch.setattr(tokenize_module, "MIN_UNIT_BYTES", 20_000)
+    corpus = jsonl(tmp_path / "c.jsonl", 4000, bad_at=900)
+    with pytest.raises(TokenizeError) as raised:
+        tokenize_to_folder([str(corpus)], str(tmp_path / "out"), workers=2, num_tasks=1, task_index=0)
+    message = str(raised.value)
+    assert message.startswith("tokenize: unit ") and "failed:" in message and "not valid JSON" in message
+    unit = int(message.removeprefix("tokenize: unit ").split()[0])
+    records = sorted(int(p.name[5:10]) for p in (tmp_path / "out").glob("part-*.done.json"))
+    assert unit not in records and len(records) < 20 and not list((tmp_path / "out").glob("*.partial"))
+
+
 def test_a_bad_record_stops_at_its_unit_keeping_what_finished(tmp_path, monkeypatch):
     """Was: reported only after every other unit had been tokenized."""
     monkeypatch.setattr(tokenize_module, "MIN_UNIT_BYTES", 20_000)
@@ -226,7 +239,7 @@ def test_two_tasks_run_concurrently_write_the_same_stream_as_one(tmp_path):
     corpus = jsonl(tmp_path / "c.jsonl", 3000)
     text = tmp_path / "t.txt"
     text.write_text("a long text document " * 5000)
-    one = tokenize_to_folder([str(corpus), str(text)], str(tmp_path / "one"), workers=1, num_tasks=1)
+    one = tokenize_to_folder([str(corpus), str(text)], str(tmp_path / "one"), workers=1, num_tasks=1, task_index=0)
     tasks = [subprocess.Popen([sys.executable, "-c", SLOW_UNITS, "0.05", str(corpus), str(text), "--out",
                                str(tmp_path / "two"),
                                "--workers", "1"], env={**clean_env(), "SLURM_ARRAY_TASK_ID": str(i),

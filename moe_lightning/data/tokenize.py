@@ -648,8 +648,8 @@ class _stopped_by_signals:
 
     @staticmethod
     def _raise(signum, frame):
-        raise Stopped(f"tokenize: stopped by {signal.Signals(signum).name} before any unit was tokenized; rerun the "
-                      "same command with --resume.", signum)
+        raise Stopped(f"tokenize: stopped by {signal.Signals(signum).name}; finished units are kept: rerun the same "
+                      "command with --resume to finish.", signum)
 
     def __exit__(self, *exc):
         for signum, handler in self.saved.items():
