@@ -101,15 +101,23 @@ def dealt(start: int, end: int, step: int):
         yield np.arange(first, min(first + CHUNK * step, end), step, dtype=np.int64)
 
 
-class ResumableSampler(DistributedSampler):
-    """Shuffles by ``(seed, epoch)`` and deals the order out to ranks; can start an epoch part-way through."""
+class _StartsPartWay(DistributedSampler):
+    """A training order that can start epoch ``resume_epoch`` after ``resume_samples`` samples (all ranks'
+    together), where a checkpoint stopped."""
 
-    def __init__(self, dataset: Dataset, num_replicas: int = 1, rank: int = 0, seed: int = 0):
+    def __init__(self, dataset: Dataset, num_replicas: int, rank: int, seed: int):
         super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed, drop_last=True)
         self.resume_epoch, self.resume_samples = -1, 0
 
     def _start(self) -> int:
         return self.resume_samples if self.epoch == self.resume_epoch else 0
+
+
+class ResumableSampler(_StartsPartWay):
+    """Shuffles by ``(seed, epoch)`` and deals the order out to ranks; can start an epoch part-way through."""
+
+    def __init__(self, dataset: Dataset, num_replicas: int = 1, rank: int = 0, seed: int = 0):
+        super().__init__(dataset, num_replicas, rank, seed)
 
     def __iter__(self):
         size = len(self.dataset)
@@ -163,7 +171,7 @@ def interleave_pattern(weights: list[float], length: int = PATTERN_LENGTH) -> np
     return np.random.default_rng(PATTERN_SEED).permutation(pattern)
 
 
-class MixtureSampler(DistributedSampler):
+class MixtureSampler(_StartsPartWay):
     """Weighted interleave of several sources, dealt out to ranks; resumable at any world size.
 
     Draw ``n`` of the endless mixture (epoch ``e``, position ``i``: ``n = e * len(dataset) + i``) comes from
@@ -174,16 +182,13 @@ class MixtureSampler(DistributedSampler):
 
     def __init__(self, dataset: MixtureSequences, weights: list[float], names: list[str], num_replicas: int = 1,
                  rank: int = 0, seed: int = 0):
-        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed, drop_last=True)
-        self.names, self.resume_epoch, self.resume_samples = names, -1, 0
+        super().__init__(dataset, num_replicas, rank, seed)
+        self.names = names
         self.pattern = interleave_pattern(weights)
         self.per_pattern = np.bincount(self.pattern, minlength=len(weights))
         onehot = np.eye(len(weights), dtype=np.int64)[self.pattern]
         self.before = np.cumsum(onehot, axis=0) - onehot  # [P, K]: draws of each source before each position
         self.lengths = np.array([len(s) for s in dataset.sources])
-
-    def _start(self) -> int:
-        return self.resume_samples if self.epoch == self.resume_epoch else 0
 
     def count(self, n, k):
         """How many of the global draws before draw ``n`` came from source ``k`` (both may be arrays)."""
