@@ -55,7 +55,7 @@ def test_disk_full_during_a_single_file_save_leaves_the_previous_checkpoint_and_
         tmp_path, disk_full_after):
     """Before: a truncated ``epoch=0-step=2.ckpt`` under its final name, and resume failed in the zip reader."""
     folder = tmp_path / "ckpt"
-    disk_full_after(1)
+    disk_full_after(2)  # the folder lock's holder record and step 1 are written; step 2 fills the disk
     with pytest.raises(CheckpointError) as error:
         run(quick(tmp_path, "--trainer.max_steps=3", "--trainer.callbacks+=ModelCheckpoint",
                   f"--trainer.callbacks.dirpath={folder}", "--trainer.callbacks.every_n_train_steps=1",
