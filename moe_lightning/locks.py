@@ -7,11 +7,14 @@ across hosts where the file system implements flock (Lustre mounted ``-o flock``
 lockd). A file system without flock is one line naming those mount options, never a lock that protects nothing.
 
 - Who holds a lock exclusively is recorded beside it, ``<lock>.holder`` (host, pid, and a tokenize task's index
-  and count), so that a refusal names the holder. It is a file of its own because records are written through
-  ``durable`` (a new file renamed over the old), which would replace the locked file itself.
+  and count), so that a refusal names the holder. It is a file of its own: records are written through ``durable``
+  (a new file renamed over the old), which would replace the locked file itself, and on NFS, where flock is a
+  POSIX lock of the whole process, closing any other descriptor of the locked file drops the lock.
 - A lock belongs to the open file, so a second ``open`` + ``flock`` in the holding process would refuse that
   process itself. The locks this process holds are kept in ``_HELD``: asking again for one (a second ``fit`` in
   one Python process) adds a user of the same open file, and the file is unlocked when its last user releases.
+- A child forked while a lock is held (a DataLoader or tokenize worker) shares its open file, so the lock lasts
+  until that child exits too.
 - Lock files stay after release: a process that opened one just before its removal would lock a file nobody else
   can open any more, and two processes would own the folder. Release removes only this process's own record.
 """
@@ -61,19 +64,18 @@ def record_path(lock: Path) -> Path:
 class HeldLock:
     """One ``acquire`` of ``path``; ``release`` gives it back, once however often it is called."""
 
-    def __init__(self, path: Path):
-        self.path, self.released = path, False
+    def __init__(self, path: Path, key: str):
+        self.path, self.key, self.released = path, key, False
 
     def release(self) -> None:
         if self.released:
             return
         self.released = True
-        key = os.path.realpath(self.path)
-        held = _HELD[key]
+        held = _HELD[self.key]
         held.users -= 1
         if held.users:
             return
-        del _HELD[key]
+        del _HELD[self.key]
         try:
             if held.record is not None and record_path(self.path).read_text() == held.record:
                 record_path(self.path).unlink()  # still ours: no one else writes it while we hold the lock
@@ -106,7 +108,7 @@ def acquire(path: Path, shared: bool = False, about: dict | None = None) -> Held
             raise
         held = _HELD[key] = _Open(fd, shared, record=record)
     held.users += 1
-    return HeldLock(path)
+    return HeldLock(path, key)
 
 
 def _flock(fd: int, path: Path, shared: bool) -> None:
