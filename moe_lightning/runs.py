@@ -15,17 +15,15 @@
   ranks check that they chose the same (``AgreedResume``).
 - **Run folders** (``version_N``) are created with an exclusive ``mkdir``: two jobs starting at once in one
   folder get different versions. A fixed checkpoint folder (and the one ``last`` continues from) has one owner at a
-  time: ``lock_folder``'s ``.moe-lightning.lock`` (host, pid).
+  time: ``lock_folder`` takes the package's one lock (``locks``: flock on ``.moe-lightning.lock``, which the kernel
+  releases when the owner dies; a second run is told the owner's host and pid).
 - **Clean-up** of unfinished saves touches only ``*.partial`` directories that carry the marker file the sharded
   checkpointer writes into every directory it creates, never the path the user passed, never anything else: a
   complete one (killed before its commit) is committed, the others are removed.
 """
 
-import atexit
-import json
 import os
 import signal
-import socket
 import subprocess
 import time
 import warnings
@@ -38,6 +36,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint, Timer
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 
+from . import locks
 from .lightning_internals import cluster_environment, install_signal_handlers, optimizer_step_ends, write_step_metrics
 from .parallel import checkpoint as ckpt
 
@@ -74,15 +73,16 @@ def allocate_run_folder(logger) -> Path | None:
 
 
 def remove_empty_run_folder(log_dir: Path) -> bool:
-    """Delete a failed run's logger folder if it holds nothing but the config it was started with (call it only
-    for a folder this run created: ``allocate_run_folder``'s)."""
+    """Delete a failed run's logger folder if it holds nothing but the config it was started with and the lock
+    file of its folders, which stays after release (call it only for a folder this run created:
+    ``allocate_run_folder``'s)."""
     if not log_dir.is_dir():
         return False
     entries = list(log_dir.rglob("*"))
     for path in entries:
         if path.is_dir():
             continue
-        if path.name in ("config.yaml", "hparams.yaml"):
+        if path.name in ("config.yaml", "hparams.yaml", LOCK_FILE):
             continue
         if path.name == "metrics.csv" and len(path.read_text().splitlines()) <= 1:
             continue
@@ -216,80 +216,19 @@ class FolderInUseError(RuntimeError):
     """Another live run holds the folder's lock."""
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
-
-
-def lock_folder(folder: Path) -> Path:
-    """Make this process the folder's one owner: ``<folder>/.moe-lightning.lock`` holds ``{host, pid}``, created
-    exclusively; released when the process exits. Refused with one line naming the holder while that process
-    lives; a lock left by a dead process of this host is taken over (moved aside and checked to be the one
-    judged stale before it is deleted, so two starts cannot both take it). A lock of another host is never
-    judged from here: the message says how to remove it."""
+def lock_folder(folder: Path) -> locks.HeldLock:
+    """Make this process the folder's one owner until the lock is released or the process ends, however it ends
+    (``locks``: flock on ``<folder>/.moe-lightning.lock``, the holder's host and pid recorded beside it). Refused
+    with one line naming the holder; taken again by the process that holds it (a second fit in one process)."""
     folder.mkdir(parents=True, exist_ok=True)
-    lock = folder / LOCK_FILE
-    me = {"host": socket.gethostname(), "pid": os.getpid()}
-    for _ in range(5):
-        try:
-            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-        except FileExistsError:
-            try:
-                text = lock.read_text()
-            except FileNotFoundError:
-                continue  # released meanwhile
-            try:
-                holder = json.loads(text)
-                host, pid = str(holder["host"]), int(holder["pid"])
-            except (ValueError, KeyError, TypeError):
-                host, pid = "?", -1  # being written this instant, or damaged
-            if (host, pid) == (me["host"], me["pid"]):
-                return lock  # this process holds it already (a second fit in one process)
-            if host == me["host"] and pid > 0 and not _alive(pid):
-                _take_over(lock, text, pid)
-                continue
-            raise FolderInUseError(
-                f"{folder} is in use by another run (host {host}, pid {pid}; lock {lock}): one run per folder. Wait "
-                "for it, or choose another folder; if that process is gone, delete the lock file.") from None
-        with os.fdopen(fd, "w") as file:
-            file.write(json.dumps(me))
-            file.flush()
-            os.fsync(file.fileno())
-        atexit.register(_release, lock, json.dumps(me))
-        return lock
-    raise FolderInUseError(f"{folder}: could not take {lock} (other runs are starting at this instant): retry.")
-
-
-def _take_over(lock: Path, stale_text: str, pid: int) -> None:
-    aside = lock.with_name(f"{LOCK_FILE}.{os.getpid()}.stale")
     try:
-        os.rename(lock, aside)
-    except FileNotFoundError:
-        return  # another start moved it first
-    if aside.read_text() != stale_text:  # another start took the lock between our read and the rename: give it back
-        try:
-            os.link(aside, lock)
-        except FileExistsError:
-            pass
-    else:
-        rank_zero_info(f"took over {lock}: its holder (pid {pid}) is no longer running")
-    aside.unlink()
+        return locks.acquire(folder / LOCK_FILE)
+    except locks.FolderLockedError as error:
+        raise FolderInUseError(f"{folder} is in use by another run ({error.holders}; lock {error.path}): one run per "
+                               "folder. Wait for it to end, or choose another folder.") from None
 
 
-def _release(lock: Path, text: str) -> None:
-    try:
-        if lock.read_text() == text:
-            lock.unlink()
-    except OSError:
-        pass
-
-
-def lock_run_folders(trainer, resumed: str | None = None) -> list[Path]:
+def lock_run_folders(trainer, resumed: str | None = None) -> list[locks.HeldLock]:
     """Rank 0 locks the folders this run writes checkpoints into (each ``ModelCheckpoint``'s fixed ``dirpath``,
     the logger's ``version_N`` when it is fixed by the user and so shared) and, with ``--ckpt_path last``, the folder
     it continues from (``resumed``): two relaunches of one run cannot both continue it."""
@@ -302,21 +241,20 @@ def lock_run_folders(trainer, resumed: str | None = None) -> list[Path]:
         folders.append(Path(logger.log_dir))
     if resumed:
         folders.append(Path(resumed).parent)
-    locks = [lock_folder(folder) for folder in dict.fromkeys(f.resolve() for f in folders)]
-    trainer.callbacks.append(ReleaseLocks(locks))
-    return locks
+    held = [lock_folder(folder) for folder in dict.fromkeys(f.resolve() for f in folders)]
+    trainer.callbacks.append(ReleaseLocks(held))
+    return held
 
 
 class ReleaseLocks(Callback):
-    """Gives the folders back when the fit ends, however it ends; a process that dies instead leaves a lock the
-    next run of this host takes over."""
+    """Gives the folders back when the fit ends, however it ends (a process that dies loses its locks with it)."""
 
-    def __init__(self, locks: list[Path]):
-        self.locks = locks
+    def __init__(self, held: list[locks.HeldLock]):
+        self.held = held
 
     def _release(self) -> None:
-        for lock in self.locks:
-            _release(lock, json.dumps({"host": socket.gethostname(), "pid": os.getpid()}))
+        for lock in self.held:
+            lock.release()  # once, though both hooks below may run
 
     def teardown(self, trainer, pl_module, stage: str) -> None:
         self._release()

@@ -15,6 +15,7 @@ import torch
 from moe_lightning.commands import run
 from moe_lightning.parallel import checkpoint as ckpt
 from moe_lightning.parallel.checkpoint import CheckpointError, ShardedCheckpointer
+from moe_lightning.runs import LOCK_FILE
 
 TINY = Path(__file__).resolve().parent.parent / "configs" / "tiny.yaml"
 
@@ -54,7 +55,7 @@ def test_disk_full_during_a_single_file_save_leaves_the_previous_checkpoint_and_
         tmp_path, disk_full_after):
     """Before: a truncated ``epoch=0-step=2.ckpt`` under its final name, and resume failed in the zip reader."""
     folder = tmp_path / "ckpt"
-    disk_full_after(1)
+    disk_full_after(2)  # the folder lock's holder record and step 1 are written; step 2 fills the disk
     with pytest.raises(CheckpointError) as error:
         run(quick(tmp_path, "--trainer.max_steps=3", "--trainer.callbacks+=ModelCheckpoint",
                   f"--trainer.callbacks.dirpath={folder}", "--trainer.callbacks.every_n_train_steps=1",
@@ -62,7 +63,7 @@ def test_disk_full_during_a_single_file_save_leaves_the_previous_checkpoint_and_
     line = last_line(error.value)
     assert f"Checkpoint {folder / 'epoch=0-step=2.ckpt'} was not written: the disk is full (" in line
     assert "Earlier checkpoints are intact" in line
-    assert sorted(p.name for p in folder.iterdir()) == ["epoch=0-step=1.ckpt"]
+    assert sorted(p.name for p in folder.iterdir()) == [LOCK_FILE, "epoch=0-step=1.ckpt"]  # the lock file stays
     assert torch.load(folder / "epoch=0-step=1.ckpt", weights_only=True)["global_step"] == 1
 
 

@@ -4,7 +4,9 @@ record, a second run, SIGTERM), with large and many small files, and spread over
 import itertools
 import json
 import os
+import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -220,8 +222,40 @@ def test_a_second_tokenize_into_the_folder_is_refused_naming_the_holder_and_sigt
     assert not any(Path(f"/proc/{w}").exists() for w in workers)  # no worker goes on writing
     assert not list(out.glob("*.partial"))
     finished = {p.name: p.stat().st_mtime_ns for p in out.glob("part-*.npy")}
-    tokenize_main([str(corpus), "--out", str(out), "--workers", "1", "--resume"])  # the stale lock is taken over
+    tokenize_main([str(corpus), "--out", str(out), "--workers", "1", "--resume"])  # the stopped run's lock is gone
     assert all(out.joinpath(name).stat().st_mtime_ns == t for name, t in finished.items())
+
+
+HOLD_TASK = """
+import sys
+from pathlib import Path
+from moe_lightning.data.tokenize import lock_folder
+lock_folder(Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]))
+print("holding", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_the_tasks_of_an_array_share_the_folder_and_a_plain_run_or_a_task_run_twice_is_refused_naming_it(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    task = subprocess.Popen([sys.executable, "-c", HOLD_TASK, str(out), "1", "2"], env=clean_env(),
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert task.stdout.readline().strip() == "holding"
+        held = tokenize_module.lock_folder(out, 0, 2)  # another task of the array: admitted
+        named = f"(task 1 of 2, host {socket.gethostname()}, pid {task.pid}); wait for it to finish"
+        with pytest.raises(TokenizeError, match=re.escape(f"another tokenize is writing {out} {named}")):
+            tokenize_module.lock_folder(out, 1, 2)  # the same task index again
+        for lock in held:
+            lock.release()
+        with pytest.raises(TokenizeError, match=re.escape(named)):
+            tokenize_module.lock_folder(out, 0, 1)  # a plain run while a task writes
+    finally:
+        task.kill()  # SIGKILL: its locks go with it, its record stays
+        task.communicate()
+    for lock in tokenize_module.lock_folder(out, 0, 1):  # the killed task's lock is no one's now
+        lock.release()
 
 
 def test_sigterm_in_the_one_process_path_is_a_stop_not_a_unit_failure(tmp_path):

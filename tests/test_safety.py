@@ -18,7 +18,7 @@ from lightning.pytorch.loggers import CSVLogger
 
 from moe_lightning import MoEConfig, MoELanguageModel, TextDataModule
 from moe_lightning.callbacks import FinalCheckpoint, NonFiniteGuard, NonFiniteLossError
-from moe_lightning.runs import Preemption
+from moe_lightning.runs import LOCK_FILE, Preemption
 from moe_lightning.cli import default_precision
 from moe_lightning.commands import run
 from moe_lightning.model.config import ConfigError
@@ -363,7 +363,7 @@ def test_partial_checkpoints_of_a_crashed_run_are_removed_by_the_next_run(tmp_pa
     (folder / "notes.partial").write_text("the user's")  # not ours: stays (tests/test_runs.py has more)
     run(quick(tmp_path, "--trainer.callbacks+=ModelCheckpoint", f"--trainer.callbacks.dirpath={folder}",
               "--trainer.fast_dev_run=true"))
-    assert sorted(p.name for p in folder.iterdir()) == ["notes.partial", "step=25.ckpt"]
+    assert sorted(p.name for p in folder.iterdir()) == [LOCK_FILE, "notes.partial", "step=25.ckpt"]  # lock: stays
     assert any("step=50.ckpt.partial: an unfinished checkpoint" in m for m in lightning_log)
 
 

@@ -13,8 +13,6 @@ Nothing here imports torch or Lightning.
 
 import argparse
 import ctypes
-import errno
-import fcntl
 import io
 import itertools
 import json
@@ -23,7 +21,6 @@ import multiprocessing
 import os
 import re
 import signal
-import socket
 import sys
 import threading
 import time
@@ -33,6 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .. import locks
 from ..durable import PARTIAL_SUFFIX, atomic_write, write_text
 from ..tokenizer import load_tokenizer, tokenizer_identity
 from . import sources
@@ -420,64 +418,31 @@ def _duration(seconds: float) -> str:
 
 # ---- one run per folder -----------------------------------------------------------------------------------------
 
-class FolderLock:
-    """One ``tokenize`` per folder, or the tasks of one array: a plain run holds ``tokenize.lock`` exclusively,
-    each task holds it shared and its own task lock exclusively. The kernel's ``flock`` releases a lock when its
-    process dies, so a stale lock (a killed run) is taken over by the next run; who holds one is named from the
-    record beside it."""
-
-    def __init__(self, folder: Path, task: int, tasks: int):
-        self.folder, self.files = folder, []
-        me = {"host": socket.gethostname(), "pid": os.getpid(), "task": task, "tasks": tasks}
-        self._take(folder / LOCK, shared=tasks > 1, me=me)
-        if tasks > 1:
-            self._take(folder / f"tokenize-task-{task:05d}-of-{tasks:05d}.lock", shared=False, me=me)
-
-    def _take(self, path: Path, shared: bool, me: dict) -> None:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
-        except OSError as error:
-            os.close(fd)
-            if error.errno not in (errno.EAGAIN, errno.EACCES):  # not busy: the file system cannot lock
-                raise TokenizeError(f"tokenize: cannot lock {path} ({os.strerror(error.errno or 0)}): {self.folder}'s "
-                                    "file system has no flock (Lustre: mount with -o flock; NFS: run lockd, no "
-                                    "-o nolock); choose a folder on a file system that locks.") from None
-            raise TokenizeError(f"tokenize: another tokenize is writing {self.folder} ({self._holders(path)}); "
-                                "wait for it to finish, or stop it, then rerun with --resume.") from None
-        self.files.append(fd)
-        if not shared:
-            write_json(path.with_name(path.name + ".holder"), me)
-
-    def _holders(self, path: Path) -> str:
-        names = [path.name + ".holder"] if path.name != LOCK else \
-            [LOCK + ".holder"] + sorted(p.name for p in self.folder.glob("tokenize-task-*.lock.holder"))
-        held = []
-        for name in names:
-            try:
-                h = json.loads((self.folder / name).read_text())
-            except (OSError, ValueError):
-                continue
-            if h["host"] == socket.gethostname() and not _alive(h["pid"]):
-                continue  # the record of an earlier holder
-            task = f"task {h['task']} of {h['tasks']}, " if h.get("tasks", 1) > 1 else ""
-            held.append(f"{task}host {h['host']}, pid {h['pid']}")
-        return "; ".join(held) or "holder unknown"
-
-    def release(self) -> None:
-        for fd in self.files:
-            os.close(fd)
-        self.files = []
-
-
-def _alive(pid: int) -> bool:
+def lock_folder(folder: Path, task: int, tasks: int) -> list[locks.HeldLock]:
+    """One ``tokenize`` per folder, or the tasks of one array (the package's one lock, ``locks``): a plain run holds
+    ``tokenize.lock`` exclusively, each task holds it shared and its own task lock exclusively."""
+    about, held = {"task": task, "tasks": tasks}, []
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+        held.append(_lock(folder, folder / LOCK, tasks > 1, about))
+        if tasks > 1:
+            held.append(_lock(folder, folder / f"tokenize-task-{task:05d}-of-{tasks:05d}.lock", False, about))
+    except BaseException:
+        for lock in held:
+            lock.release()
+        raise
+    return held
+
+
+def _lock(folder: Path, path: Path, shared: bool, about: dict) -> locks.HeldLock:
+    try:
+        return locks.acquire(path, shared=shared, about=about)
+    except locks.NoFlockError as error:
+        raise TokenizeError(f"tokenize: {error}") from None
+    except locks.FolderLockedError as error:
+        holders = error.holders if path.name != LOCK else locks.describe(locks.holders(  # a run, or an array's tasks
+            [locks.record_path(path), *sorted(folder.glob("tokenize-task-*.lock" + locks.HOLDER_SUFFIX))]))
+        raise TokenizeError(f"tokenize: another tokenize is writing {folder} ({holders}); wait for it to finish, or "
+                            "stop it, then rerun with --resume.") from None
 
 
 # ---- the command ------------------------------------------------------------------------------------------------
@@ -546,7 +511,7 @@ def tokenize_to_folder(sources: list[str], out: str, tokenizer_path: str | None 
         raise FileExistsError(f"tokenize: --out {folder} exists and is not a tokenize folder (no {PLAN}); choose "
                               "another folder.")
     folder.mkdir(parents=True, exist_ok=True)
-    lock = FolderLock(folder, task, tasks)
+    held = lock_folder(folder, task, tasks)
     try:
         with _stopped_by_signals():
             if (folder / PLAN).exists():
@@ -573,7 +538,8 @@ def tokenize_to_folder(sources: list[str], out: str, tokenizer_path: str | None 
             _run_units(pending, mine, plan, folder, tokenizer_path, workers)
             return _finish(folder, plan, tokenizer, tokenizer_path, task, tasks)
     finally:
-        lock.release()
+        for lock in held:
+            lock.release()
 
 
 def reading_plan(files: list[Path], text_field: str) -> dict:

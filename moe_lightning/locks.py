@@ -1,0 +1,153 @@
+"""One owner per folder: the package's one lock, taken by ``fit`` (checkpoint and run folders) and ``tokenize``
+(its output folder, or one task's share of it).
+
+A lock is ``flock`` on a file in the folder, never waiting. The kernel releases it when its holder dies, however
+it dies (SIGKILL, the out-of-memory killer), so a lock is never stale and nothing is ever taken over; it holds
+across hosts where the file system implements flock (Lustre mounted ``-o flock``, not ``localflock``; NFS with
+lockd). A file system without flock is one line naming those mount options, never a lock that protects nothing.
+
+- Who holds a lock exclusively is recorded beside it, ``<lock>.holder`` (host, pid, and a tokenize task's index
+  and count), so that a refusal names the holder. It is a file of its own: records are written through ``durable``
+  (a new file renamed over the old), which would replace the locked file itself, and on NFS, where flock is a
+  POSIX lock of the whole process, closing any other descriptor of the locked file drops the lock.
+- A lock belongs to the open file, so a second ``open`` + ``flock`` in the holding process would refuse that
+  process itself. The locks this process holds are kept in ``_HELD``: asking again for one (a second ``fit`` in
+  one Python process) adds a user of the same open file, and the file is unlocked when its last user releases.
+- A child forked while a lock is held (a DataLoader or tokenize worker) shares its open file, so the lock lasts
+  until that child exits too.
+- Lock files stay after release: a process that opened one just before its removal would lock a file nobody else
+  can open any more, and two processes would own the folder. Release removes only this process's own record.
+"""
+
+import errno
+import fcntl
+import json
+import os
+import socket
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from .durable import write_text
+
+HOLDER_SUFFIX = ".holder"
+
+
+class FolderLockedError(RuntimeError):
+    """Another process holds the lock in a conflicting mode; ``holders`` names it (``describe``'s words)."""
+
+    def __init__(self, path: Path, holders: str):
+        super().__init__(f"{path} is locked by {holders}")
+        self.path, self.holders = path, holders
+
+
+class NoFlockError(RuntimeError):
+    """The file system of the lock file cannot lock; the message is one line naming the mount options."""
+
+
+@dataclass
+class _Open:
+    """This process's open lock file: its users (``acquire`` calls not yet released) and the record it wrote."""
+    fd: int
+    shared: bool
+    users: int = 0
+    record: str | None = None
+
+
+_HELD: dict[str, _Open] = {}  # by the lock file's real path
+
+
+def record_path(lock: Path) -> Path:
+    return lock.with_name(lock.name + HOLDER_SUFFIX)
+
+
+class HeldLock:
+    """One ``acquire`` of ``path``; ``release`` gives it back, once however often it is called."""
+
+    def __init__(self, path: Path, key: str):
+        self.path, self.key, self.released = path, key, False
+
+    def release(self) -> None:
+        if self.released:
+            return
+        self.released = True
+        held = _HELD[self.key]
+        held.users -= 1
+        if held.users:
+            return
+        del _HELD[self.key]
+        try:
+            if held.record is not None and record_path(self.path).read_text() == held.record:
+                record_path(self.path).unlink()  # still ours: no one else writes it while we hold the lock
+        except OSError:
+            pass  # removed or replaced by hand: nothing of ours to remove
+        finally:
+            os.close(held.fd)
+
+
+def acquire(path: Path, shared: bool = False, about: dict | None = None) -> HeldLock:
+    """Lock ``path`` (created if missing) shared or exclusively, now or never. An exclusive holder records itself
+    (host, pid and ``about``) in ``<path>.holder``. Raises ``FolderLockedError`` naming the holder while another
+    process holds it in a conflicting mode (or this one holds it shared and asks for it exclusively: flock's
+    conversion drops the shared lock first), ``NoFlockError`` where the file system cannot lock."""
+    key = os.path.realpath(path)
+    held = _HELD.get(key)
+    if held is not None and held.shared and not shared:
+        raise FolderLockedError(path, f"this process itself (host {socket.gethostname()}, pid {os.getpid()}), "
+                                      "which holds it shared")
+    if held is None:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            _flock(fd, path, shared)
+            record = None
+            if not shared:
+                record = json.dumps({"host": socket.gethostname(), "pid": os.getpid(), **(about or {})})
+                write_text(record_path(path), record)
+        except BaseException:
+            os.close(fd)
+            raise
+        held = _HELD[key] = _Open(fd, shared, record=record)
+    held.users += 1
+    return HeldLock(path, key)
+
+
+def _flock(fd: int, path: Path, shared: bool) -> None:
+    try:
+        fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
+    except OSError as error:
+        if error.errno in (errno.EWOULDBLOCK, errno.EACCES):  # held by another
+            raise FolderLockedError(path, describe(holders([record_path(path)]))) from None
+        raise NoFlockError(f"cannot lock {path} ({os.strerror(error.errno or 0)}): the file system of {path.parent} "
+                           "has no flock (Lustre: mount with -o flock; NFS: run lockd, no -o nolock); choose a "
+                           "folder on a file system that locks.") from None
+
+
+def holders(records: Iterable[Path]) -> list[dict]:
+    """The holder records among ``records`` that may be current. A record of this host whose process is gone is an
+    earlier holder's (a killed one leaves its record); another host's cannot be judged from here and is kept."""
+    found, host = [], socket.gethostname()
+    for path in records:
+        try:
+            record = json.loads(path.read_text())
+            if record["host"] != host or _running(int(record["pid"])):
+                found.append(record)
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # removed meanwhile, or not a record
+    return found
+
+
+def describe(found: list[dict]) -> str:
+    """``task 3 of 8, host h, pid p; ...``, or that no holder has recorded itself yet (it is starting)."""
+    said = [(f"task {r['task']} of {r['tasks']}, " if r.get("tasks", 1) > 1 else "")
+            + f"host {r['host']}, pid {r['pid']}" for r in found]
+    return "; ".join(said) or "a holder that has not recorded itself yet"
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
