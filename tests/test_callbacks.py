@@ -147,6 +147,21 @@ def test_dead_fraction_and_entropy_match_hand_computation():
     assert result["max_over_mean"].item() == 6 / 2
 
 
+def test_logged_expert_load_of_one_moe_layer_is_that_layer_and_their_mean():
+    """Was: torchmetrics squeezed a one-layer result to scalars and the monitor raised TypeError at its first log
+    (any model with one MoE layer, e.g. two layers with one dense)."""
+    from moe_lightning.callbacks.expert_load import load_metrics
+    metric = ExpertLoad(num_layers=1, num_experts=4)
+    metric.update(torch.tensor([[6, 2, 0, 0]]))
+    one = load_metrics(metric.compute(), layers=[1])
+    assert one["expert_load/layer1/max_over_mean"] == one["expert_load/max_over_mean"] == 3.0
+    assert one["expert_load/layer1/dead_fraction"] == 0.5 and len(one) == 8
+    metric = ExpertLoad(num_layers=2, num_experts=4)
+    metric.update(torch.tensor([[2, 2, 2, 2], [8, 0, 0, 0]]))
+    two = load_metrics(metric.compute(), layers=[1, 3])
+    assert two["expert_load/layer3/max_over_mean"] == 4.0 and two["expert_load/max_over_mean"] == 2.5
+
+
 def test_load_entropy_of_a_single_expert_is_one_not_nan():
     metric = ExpertLoad(num_layers=2, num_experts=1)  # log E = 0: the normalisation would divide 0 by 0
     metric.update(torch.tensor([[5], [0]]))

@@ -75,6 +75,20 @@ def load_figure(counts_LE: torch.Tensor, layer_ids: list[int], step: int):
     return fig
 
 
+def load_metrics(result: dict[str, torch.Tensor], layers: list[int]) -> dict[str, float]:
+    """``expert_load/layer<i>/<statistic>`` per MoE layer and ``expert_load/<statistic>`` over them, read from the
+    device in one sync. torchmetrics squeezes a one-element result, so one MoE layer's statistics arrive as
+    scalars: each is flattened back to one value per layer."""
+    names = ("max_over_mean", "cv", "dead_fraction", "load_entropy")
+    values_NL = torch.stack([result[name].reshape(-1) for name in names])
+    values_NL = torch.cat([values_NL, values_NL.mean(-1, keepdim=True)], dim=-1).tolist()
+    metrics = {}
+    for name, values in zip(names, values_NL):
+        metrics.update({f"expert_load/layer{index}/{name}": v for index, v in zip(layers, values)})
+        metrics[f"expert_load/{name}"] = values[-1]
+    return metrics
+
+
 class ExpertLoadMonitor(L.Callback):
     """Logs how evenly each MoE layer spreads its tokens, and pictures it.
 
@@ -115,13 +129,7 @@ class ExpertLoadMonitor(L.Callback):
             return
         result = self.metric.compute()
         self.metric.reset()
-        names = ("max_over_mean", "cv", "dead_fraction", "load_entropy")
-        values_NL = torch.stack([result[name] for name in names])
-        values_NL = torch.cat([values_NL, values_NL.mean(-1, keepdim=True)], dim=-1).tolist()  # one device sync
-        metrics = {}
-        for name, values in zip(names, values_NL):
-            metrics.update({f"expert_load/layer{index}/{name}": v for (index, _), v in zip(self._moe_layers, values)})
-            metrics[f"expert_load/{name}"] = values[-1]
+        metrics = load_metrics(result, [index for index, _ in self._moe_layers])
         log_to_loggers(trainer, metrics)
         self.last_metrics = metrics
         self.last_tokens_seen = float(getattr(pl_module, "tokens_seen", trainer.global_step))
