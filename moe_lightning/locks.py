@@ -1,7 +1,8 @@
 """One owner per folder: the package's one lock, taken by ``fit`` (checkpoint and run folders) and ``tokenize``
 (its output folder, or one task's share of it).
 
-A lock is ``flock`` on a file in the folder, never waiting. The kernel releases it when its holder dies, however
+A lock is ``flock`` on a file in the folder, taken now or refused (``wait=True``: waited for, where one process
+must finish a step the others then use). The kernel releases it when its holder dies, however
 it dies (SIGKILL, the out-of-memory killer), so a lock is never stale and nothing is ever taken over; it holds
 across hosts where the file system implements flock (Lustre mounted ``-o flock``, not ``localflock``; NFS with
 lockd). A file system without flock is one line naming those mount options, never a lock that protects nothing.
@@ -85,8 +86,8 @@ class HeldLock:
             os.close(held.fd)
 
 
-def acquire(path: Path, shared: bool = False, about: dict | None = None) -> HeldLock:
-    """Lock ``path`` (created if missing) shared or exclusively, now or never. An exclusive holder records itself
+def acquire(path: Path, shared: bool = False, about: dict | None = None, wait: bool = False) -> HeldLock:
+    """Lock ``path`` (created if missing) shared or exclusively, now or never (or once free, with ``wait``). An exclusive holder records itself
     (host, pid and ``about``) in ``<path>.holder``. Raises ``FolderLockedError`` naming the holder while another
     process holds it in a conflicting mode (or this one holds it shared and asks for it exclusively: flock's
     conversion drops the shared lock first), ``NoFlockError`` where the file system cannot lock."""
@@ -98,7 +99,7 @@ def acquire(path: Path, shared: bool = False, about: dict | None = None) -> Held
     if held is None:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            _flock(fd, path, shared)
+            _flock(fd, path, shared, wait)
             record = None
             if not shared:
                 record = json.dumps({"host": socket.gethostname(), "pid": os.getpid(), **(about or {})})
@@ -111,9 +112,9 @@ def acquire(path: Path, shared: bool = False, about: dict | None = None) -> Held
     return HeldLock(path, key)
 
 
-def _flock(fd: int, path: Path, shared: bool) -> None:
+def _flock(fd: int, path: Path, shared: bool, wait: bool) -> None:
     try:
-        fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
+        fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | (0 if wait else fcntl.LOCK_NB))
     except OSError as error:
         if error.errno in (errno.EWOULDBLOCK, errno.EACCES):  # held by another
             raise FolderLockedError(path, describe(holders([record_path(path)]))) from None

@@ -292,6 +292,47 @@ def test_two_tasks_run_concurrently_write_the_same_stream_as_one(tmp_path):
     assert manifest["tokens"] == one["tokens"]
 
 
+PLAN_SLOWLY = """
+import sys, time
+from moe_lightning.data import tokenize as t
+original = t._new_plan
+def slow(*args):  # planning a large corpus takes a while: time for the other task to arrive
+    print("planned", flush=True)
+    time.sleep(1)
+    return original(*args)
+t._new_plan = slow
+t.tokenize_main(sys.argv[1:])
+"""
+
+
+def test_the_tasks_of_an_array_plan_once_and_check_only_their_own_files(tmp_path):
+    """Was: every task that started before the plan existed listed, read and planned the whole corpus, and every
+    task listed and stat'ed every input file again to check the plan."""
+    folder = tmp_path / "in"
+    folder.mkdir()
+    for i in range(4):
+        jsonl(folder / f"f{i}.jsonl", 5000)  # about 1.2 MB each: units of about 1 MiB, both tasks have some
+    out = tmp_path / "out"
+    tasks = [subprocess.Popen([sys.executable, "-c", PLAN_SLOWLY, str(folder), "--out", str(out), "--workers", "1",
+                               "--task-index", str(i), "--num-tasks", "2", "--resume"], env=clean_env(),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+    outputs = [t.communicate(timeout=300) for t in tasks]
+    assert [t.returncode for t in tasks] == [0, 0], outputs
+    assert sum(o.count("planned") for o, _ in outputs) == 1, outputs
+    assert (out / "manifest.json").exists()
+    # a file added to the folder: a task of the array is not the one to notice; the plain run that finishes is
+    jsonl(folder / "f9.jsonl", 10)
+    assert tokenize_to_folder([str(folder)], str(out), workers=1, resume=True, task_index=1, num_tasks=2) is not None
+    with pytest.raises(TokenizeError, match="added 1 file"):
+        tokenize_to_folder([str(folder)], str(out), workers=1, resume=True, task_index=0, num_tasks=1)
+    # a file of a task's own units changed: that task refuses
+    plan = json.loads((out / "tokenize-plan.json").read_text())
+    own = plan["inputs"][plan["units"][3]["start"][0]][0]  # unit 3 is task 1's
+    Path(own).write_text(Path(own).read_text() + "\n")
+    with pytest.raises(TokenizeError, match="changed 1 file"):
+        tokenize_to_folder([str(folder)], str(out), workers=1, resume=True, task_index=1, num_tasks=2)
+
+
 def slurm(monkeypatch, **variables):
     for key in [k for k in os.environ if k.startswith(("SLURM_", "RANK", "WORLD_SIZE"))]:
         monkeypatch.delenv(key)

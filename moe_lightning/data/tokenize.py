@@ -39,6 +39,7 @@ from .sources import MANIFEST, TABLE_SUFFIXES, WORD_END, is_token_source, iter_j
 
 PLAN = "tokenize-plan.json"
 LOCK = "tokenize.lock"
+PLAN_LOCK = "tokenize-plan.lock"  # held while the first task of an array plans
 SHARD_TOKENS = 1 << 28  # 268M tokens: 512 MiB of uint16 or 1 GiB of uint32 per shard
 BATCH_CHARS = 1 << 19  # text encoded per batch (512 KiB, half the smallest unit): memory flat at any size
 MIN_UNIT_BYTES = 1 << 20  # units smaller than this cost more in start-up than they gain in balance
@@ -514,20 +515,27 @@ def tokenize_to_folder(sources: list[str], out: str, tokenizer_path: str | None 
     held = lock_folder(folder, task, tasks)
     try:
         with _stopped_by_signals():
-            if (folder / PLAN).exists():
+            plan = None
+            if not (folder / PLAN).exists():
+                if resume:
+                    print(f"tokenize: {folder} holds no run yet; starting from the beginning.", file=sys.stderr)
+                planning = locks.acquire(folder / PLAN_LOCK, wait=True)  # one task of an array plans, the rest wait
+                try:
+                    if not (folder / PLAN).exists():
+                        plan = _new_plan(folder, identity, input_files(sources), tokenizer, tasks, first_id)
+                finally:
+                    planning.release()
+            if plan is None:
                 if not resume and tasks == 1:
                     done = "holds a tokenized corpus" if (folder / MANIFEST).exists() else "holds an unfinished run"
                     raise FileExistsError(f"tokenize: --out {folder} already {done}; pass --resume to continue "
                                           "the run that wrote it, or choose another folder.")
-                plan = _checked_plan(folder, identity, input_files(sources))
+                # a task of an array checks its own units' files; a plain run (the array's last step) the listing
+                plan = _checked_plan(folder, identity, input_files(sources) if tasks == 1 else None, task, tasks)
                 if (folder / MANIFEST).exists():
                     print(f"tokenize: {folder} is already complete ({MANIFEST} written, same arguments and inputs); "
                           "nothing to do.", file=sys.stderr)
                     return json.loads((folder / MANIFEST).read_text())
-            else:
-                if resume:
-                    print(f"tokenize: {folder} holds no run yet; starting from the beginning.", file=sys.stderr)
-                plan = _new_plan(folder, identity, input_files(sources), tokenizer, tasks, first_id)
             if tasks > 1 and plan.get("tasks", tasks) != tasks:  # a plain run (exclusive lock) may finish any plan
                 raise TokenizeError(f"tokenize: {folder} is tokenized by an array of {plan['tasks']} tasks, this task "
                                     f"counts {tasks}; rerun it with --num-tasks {plan['tasks']}, or finish the folder "
@@ -558,14 +566,14 @@ def _new_plan(folder: Path, identity: dict, files: list[Path], tokenizer, tasks:
     target = max(MIN_UNIT_BYTES, min(identity["shard_tokens"] * bytes_per_token, math.ceil(total / UNITS)))
     plan = {**identity, **reading, "units": plan_units(inputs, groups, target), "tasks": tasks,
             "first_task_id": first_id}
-    if (folder / PLAN).exists():  # another task of the array planned first: its plan must be this one
-        return _checked_plan(folder, identity, files)
     write_json(folder / PLAN, plan)
     return plan
 
 
-def _checked_plan(folder: Path, identity: dict, files: list[Path]) -> dict:
-    """The plan in ``folder``, if it is this job (same arguments) over the same, unchanged inputs."""
+def _checked_plan(folder: Path, identity: dict, files: list[Path] | None, task: int = 0, tasks: int = 1) -> dict:
+    """The plan in ``folder``, if it is this job (same arguments) over the same, unchanged inputs: all of them
+    listed anew (``files``), or (``None``: a task of an array, so that a thousand tasks do not each list and stat
+    millions of files) the files of this task's units, each unchanged."""
     try:
         plan = json.loads((folder / PLAN).read_text())
     except (OSError, json.JSONDecodeError):
@@ -575,9 +583,16 @@ def _checked_plan(folder: Path, identity: dict, files: list[Path]) -> dict:
         raise TokenizeError(f"tokenize --resume: {folder} was written with other {', '.join(differs)} "
                             f"({', '.join(f'{k}={plan.get(k)!r}' for k in differs)}); rerun with the same "
                             "arguments, or tokenize into a new folder.")
-    now = describe_inputs(files)
-    if now != plan["inputs"]:
-        planned = {p: (b, m) for p, b, m in plan["inputs"]}
+    if files is None:
+        used = sorted({i for u in plan["units"] if u["index"] % tasks == task
+                       for i in range(u["start"][0], min(u["end"][0] + 1, len(plan["inputs"])))})
+        expected = [plan["inputs"][i] for i in used]
+        now = [[p, *_size_and_time(Path(p))] for p, _, _ in expected]
+        now = [entry for entry in now if entry[1] is not None]
+    else:
+        expected, now = plan["inputs"], describe_inputs(files)
+    if now != expected:
+        planned = {p: (b, m) for p, b, m in expected}
         current = {p: (b, m) for p, b, m in now}
         added = [p for p in current if p not in planned]
         gone = [p for p in planned if p not in current]
@@ -587,6 +602,14 @@ def _checked_plan(folder: Path, identity: dict, files: list[Path]) -> dict:
         raise TokenizeError(f"tokenize --resume: the inputs differ from those {folder} was tokenized from ({what}); "
                             "shards already written would not match them. Tokenize into a new folder.")
     return plan
+
+
+def _size_and_time(path: Path) -> tuple:
+    try:
+        stat = path.stat()
+    except FileNotFoundError:
+        return None, None
+    return stat.st_size, stat.st_mtime_ns
 
 
 def _remove_partials(folder: Path, units: list[dict]) -> None:
