@@ -3,6 +3,8 @@ shard folders and worker processes, reported to Lightning as resumable."""
 
 import logging
 import os
+import subprocess
+import sys
 import warnings
 from functools import partial
 
@@ -14,6 +16,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from moe_lightning import MoEConfig, MoELanguageModel
 from moe_lightning.data import MixtureSampler, MixtureSequences, TextDataModule, tokenize_to_folder, write_token_file
+from tests.distributed import clean_env
 
 WEIGHTS, LENGTHS = [3.0, 1.0, 0.5], [5000, 300, 40]
 
@@ -222,6 +225,25 @@ def logged_module(tmp_path, global_rank=0):
     dm.trainer = SimpleNamespace(logger=CSVLogger(tmp_path / "logs"), global_rank=global_rank,
                                  default_root_dir=str(tmp_path))
     return dm
+
+
+def test_fit_waits_for_another_run_tokenizing_the_same_text_then_reuses_it(tmp_path, capfd):
+    """Two runs of a sweep sharing a logger root and a corpus. Was: the second failed, and its one line had lost
+    the cause ("tokenizing it into X failed: ; fix that")."""
+    from moe_lightning import locks
+    module = logged_module(tmp_path)
+    folder = module._tokenized_folder(0)
+    folder.mkdir(parents=True)
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from pathlib import Path; "
+                               "from moe_lightning import locks; locks.acquire(Path(sys.argv[1])); "
+                               "print('held', flush=True); time.sleep(3)", str(folder / "tokenize.lock")],
+                              env=clean_env(), stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "held"
+    module.prepare_data()  # waits for the holder to exit, then tokenizes (the holder wrote nothing)
+    assert holder.poll() is not None and (folder / "manifest.json").is_file()
+    said = capfd.readouterr().err
+    assert f"another run is tokenizing into {folder} (host " in said and "waiting for it to finish" in said
+    assert not locks._HELD  # given back
 
 
 def test_a_signal_or_failure_while_fit_tokenizes_is_a_preemption_or_one_line_for_fit(tmp_path, monkeypatch):

@@ -148,7 +148,7 @@ class TextDataModule(L.LightningDataModule):
                 continue
             try:
                 tokenize_to_folder([entry["path"]], str(folder), self.tokenizer_path, self.text_field,
-                                   resume=folder.exists(), num_tasks=1, task_index=0)
+                                   resume=True, num_tasks=1, task_index=0, wait=True)
             except Stopped as stop:
                 raise Preempted(stop.exit_code, "preempted before the first step: nothing to save (tokenized "
                                                 "units kept)") from None

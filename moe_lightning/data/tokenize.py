@@ -419,14 +419,15 @@ def _duration(seconds: float) -> str:
 
 # ---- one run per folder -----------------------------------------------------------------------------------------
 
-def lock_folder(folder: Path, task: int, tasks: int) -> list[locks.HeldLock]:
+def lock_folder(folder: Path, task: int, tasks: int, wait: bool = False) -> list[locks.HeldLock]:
     """One ``tokenize`` per folder, or the tasks of one array (the package's one lock, ``locks``): a plain run holds
-    ``tokenize.lock`` exclusively, each task holds it shared and its own task lock exclusively."""
+    ``tokenize.lock`` exclusively, each task holds it shared and its own task lock exclusively. ``wait``: a folder
+    held by another run is waited for (saying so) instead of refused."""
     about, held = {"task": task, "tasks": tasks}, []
     try:
-        held.append(_lock(folder, folder / LOCK, tasks > 1, about))
+        held.append(_lock(folder, folder / LOCK, tasks > 1, about, wait))
         if tasks > 1:
-            held.append(_lock(folder, folder / f"tokenize-task-{task:05d}-of-{tasks:05d}.lock", False, about))
+            held.append(_lock(folder, folder / f"tokenize-task-{task:05d}-of-{tasks:05d}.lock", False, about, wait))
     except BaseException:
         for lock in held:
             lock.release()
@@ -434,7 +435,7 @@ def lock_folder(folder: Path, task: int, tasks: int) -> list[locks.HeldLock]:
     return held
 
 
-def _lock(folder: Path, path: Path, shared: bool, about: dict) -> locks.HeldLock:
+def _lock(folder: Path, path: Path, shared: bool, about: dict, wait: bool) -> locks.HeldLock:
     try:
         return locks.acquire(path, shared=shared, about=about)
     except locks.NoFlockError as error:
@@ -442,8 +443,12 @@ def _lock(folder: Path, path: Path, shared: bool, about: dict) -> locks.HeldLock
     except locks.FolderLockedError as error:
         holders = error.holders if path.name != LOCK else locks.describe(locks.holders(  # a run, or an array's tasks
             [locks.record_path(path), *sorted(folder.glob("tokenize-task-*.lock" + locks.HOLDER_SUFFIX))]))
-        raise TokenizeError(f"tokenize: another tokenize is writing {folder} ({holders}); wait for it to finish, or "
-                            "stop it, then rerun with --resume.") from None
+        if not wait:
+            raise TokenizeError(f"tokenize: another tokenize is writing {folder} ({holders}); wait for it to finish, "
+                                "or stop it, then rerun with --resume.") from None
+    print(f"tokenize: another run is tokenizing into {folder} ({holders}); waiting for it to finish.",
+          file=sys.stderr, flush=True)
+    return locks.acquire(path, shared=shared, about=about, wait=True)
 
 
 # ---- the command ------------------------------------------------------------------------------------------------
@@ -493,9 +498,10 @@ def task_from_environment(task_index: int | None, num_tasks: int | None, planned
 
 def tokenize_to_folder(sources: list[str], out: str, tokenizer_path: str | None = None, text_field: str = "text",
                        workers: int | None = None, shard_tokens: int = SHARD_TOKENS, resume: bool = False,
-                       task_index: int | None = None, num_tasks: int | None = None) -> dict | None:
+                       task_index: int | None = None, num_tasks: int | None = None, wait: bool = False) -> dict | None:
     """Tokenize ``sources`` into the shard folder ``out`` (this task's share of it); return the manifest, or
-    ``None`` when other tasks of the array still have units to finish."""
+    ``None`` when other tasks of the array still have units to finish. ``wait``: a folder another run is writing
+    is waited for, then continued or found complete (``fit``: two runs of a sweep sharing a corpus)."""
     folder, workers = Path(out), workers or _cores()
     if workers < 1 or shard_tokens < 1:
         raise TokenizeError(f"tokenize: --workers={workers} and --shard-tokens={shard_tokens} must be positive.")
@@ -512,12 +518,13 @@ def tokenize_to_folder(sources: list[str], out: str, tokenizer_path: str | None 
         raise FileExistsError(f"tokenize: --out {folder} exists and is not a tokenize folder (no {PLAN}); choose "
                               "another folder.")
     folder.mkdir(parents=True, exist_ok=True)
-    held = lock_folder(folder, task, tasks)
+    with _stopped_by_signals():  # a signal while waiting for the lock stops the wait too
+        held = lock_folder(folder, task, tasks, wait)
     try:
         with _stopped_by_signals():
             plan = None
             if not (folder / PLAN).exists():
-                if resume:
+                if resume and not wait:  # said to a user who asked to resume (fit always continues a folder)
                     print(f"tokenize: {folder} holds no run yet; starting from the beginning.", file=sys.stderr)
                 planning = locks.acquire(folder / PLAN_LOCK, wait=True)  # one task of an array plans, the rest wait
                 try:
