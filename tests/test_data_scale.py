@@ -87,11 +87,13 @@ def clean_env() -> dict:
 
 
 SLOW_UNITS = """
-import sys, time
+import os, sys, time
 from moe_lightning.data import tokenize as t
 t.MIN_UNIT_BYTES = 20_000
 original = t.unit_segments
 def slow(*args):  # every unit takes a while once its worker has it: time to kill a worker or signal the run
+    if os.environ.get("STARTED_DIR"):  # says which processes are inside a unit
+        open(os.path.join(os.environ["STARTED_DIR"], str(os.getpid())), "w").close()
     time.sleep(float(sys.argv[1]))
     yield from original(*args)
 t.unit_segments = slow
@@ -99,8 +101,9 @@ t.tokenize_main(sys.argv[2:])
 """
 
 
-def start_tokenize(delay: float, *args) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", SLOW_UNITS, str(delay), *map(str, args)], env=clean_env(),
+def start_tokenize(delay: float, *args, started: Path | None = None) -> subprocess.Popen:
+    env = {**clean_env(), **({"STARTED_DIR": str(started)} if started else {})}
+    return subprocess.Popen([sys.executable, "-c", SLOW_UNITS, str(delay), *map(str, args)], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -119,9 +122,11 @@ def wait_for(condition, timeout: float = 60.0):
 def test_a_killed_worker_stops_the_run_with_one_line_and_resume_finishes_it(tmp_path):
     """Was: multiprocessing.Pool waits forever for the killed worker's unit."""
     corpus, out = jsonl(tmp_path / "c.jsonl", 3000), tmp_path / "out"
-    run = start_tokenize(1.0, corpus, "--out", out, "--workers", 2)
-    wait_for(lambda: len(children(run.pid)) >= 2)
-    killed = children(run.pid)[0]
+    started = tmp_path / "started"
+    started.mkdir()
+    run = start_tokenize(1.0, corpus, "--out", out, "--workers", 2, started=started)
+    wait_for(lambda: any(started.iterdir()))  # a worker inside a unit
+    killed = int(next(started.iterdir()).name)
     os.kill(killed, signal.SIGKILL)
     _, err = run.communicate(timeout=120)
     lines = [line for line in err.splitlines() if line.startswith("moe-lightning tokenize")]
