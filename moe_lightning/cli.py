@@ -368,14 +368,14 @@ class MoECLI(LightningCLI):
         log_dir = None if self.trainer.fast_dev_run else self._allocate_run_folder()
         try:
             super()._run_subcommand(subcommand)
-        except BaseException as error:
-            for callback in self.trainer.callbacks:  # a refusal before trainer.fit: Lightning never ran their hooks
-                if isinstance(callback, runs.ReleaseLocks):
-                    callback.on_exception(self.trainer, self.model, error)
+        except BaseException:
             saved = any(getattr(cb, "best_model_path", "") or getattr(cb, "last_model_path", "")
                         for cb in self.trainer.checkpoint_callbacks)  # its config.yaml is what resumes them
-            if log_dir is not None and not saved and runs.remove_empty_run_folder(log_dir):
+            if log_dir is not None and not saved and runs.remove_empty_run_folder(log_dir):  # still locked
                 rank_zero_info(f"removed {log_dir}: the run stopped before writing anything but its config")
+            for callback in self.trainer.callbacks:  # the run has unwound (Lightning's teardown included)
+                if isinstance(callback, runs.ReleaseLocks):
+                    callback.release()
             raise
 
 

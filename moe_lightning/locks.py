@@ -2,22 +2,25 @@
 (its output folder, or one task's share of it).
 
 A lock is ``flock`` on a file in the folder, taken now or refused (``wait=True``: waited for, where one process
-must finish a step the others then use). The kernel releases it when its holder dies, however
-it dies (SIGKILL, the out-of-memory killer), so a lock is never stale and nothing is ever taken over; it holds
-across hosts where the file system implements flock (Lustre mounted ``-o flock``, not ``localflock``; NFS with
-lockd). A file system without flock is one line naming those mount options, never a lock that protects nothing.
+must finish a step the others then use). The kernel releases it when its holder dies, however it dies (SIGKILL, the
+out-of-memory killer), so a lock is never stale and nothing is ever taken over; it holds across hosts where the
+file system implements flock (Lustre mounted ``-o flock``; NFS with lockd). A file system without flock is one
+line naming those mount options; one whose flock is local to each node (Lustre ``-o localflock``, NFS ``-o nolock``
+or ``local_lock=flock``) is warned about once: the lock then keeps apart the runs of one node only.
 
 - Who holds a lock exclusively is recorded beside it, ``<lock>.holder`` (host, pid, and a tokenize task's index
   and count), so that a refusal names the holder. It is a file of its own: records are written through ``durable``
-  (a new file renamed over the old), which would replace the locked file itself, and on NFS, where flock is a
-  POSIX lock of the whole process, closing any other descriptor of the locked file drops the lock.
+  (a new file renamed over the old), which would replace the locked file itself.
 - A lock belongs to the open file, so a second ``open`` + ``flock`` in the holding process would refuse that
   process itself. The locks this process holds are kept in ``_HELD``: asking again for one (a second ``fit`` in
   one Python process) adds a user of the same open file, and the file is unlocked when its last user releases.
 - A child forked while a lock is held (a DataLoader or tokenize worker) shares its open file, so the lock lasts
   until that child exits too.
-- Lock files stay after release: a process that opened one just before its removal would lock a file nobody else
-  can open any more, and two processes would own the folder. Release removes only this process's own record.
+- Lock files stay after release; a run folder removed by the run that created it goes while still locked. A
+  process that opened a lock file just before its removal finds, once it holds the lock, that the name points
+  elsewhere (or nowhere), and locks the file that is there now. Release removes only this process's own record.
+- The lock file is created readable and writable by whoever the umask allows, and opened read-only where it is
+  not writable (flock needs no write access): a group's shared folder stays lockable by each of its users.
 """
 
 import errno
@@ -25,6 +28,7 @@ import fcntl
 import json
 import os
 import socket
+import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -87,8 +91,8 @@ class HeldLock:
 
 
 def acquire(path: Path, shared: bool = False, about: dict | None = None, wait: bool = False) -> HeldLock:
-    """Lock ``path`` (created if missing) shared or exclusively, now or never (or once free, with ``wait``). An exclusive holder records itself
-    (host, pid and ``about``) in ``<path>.holder``. Raises ``FolderLockedError`` naming the holder while another
+    """Lock ``path`` (created if missing) shared or exclusively, now or never (or once free, with ``wait``). An
+    exclusive holder records itself (host, pid and ``about``) in ``<path>.holder``. Raises ``FolderLockedError`` naming the holder while another
     process holds it in a conflicting mode (or this one holds it shared and asks for it exclusively: flock's
     conversion drops the shared lock first), ``NoFlockError`` where the file system cannot lock."""
     key = os.path.realpath(path)
@@ -97,9 +101,18 @@ def acquire(path: Path, shared: bool = False, about: dict | None = None, wait: b
         raise FolderLockedError(path, f"this process itself (host {socket.gethostname()}, pid {os.getpid()}), "
                                       "which holds it shared")
     if held is None:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        _warn_if_local_only(path)
+        while True:
+            fd = _open(path)
+            try:
+                _flock(fd, path, shared, wait)
+            except BaseException:
+                os.close(fd)
+                raise
+            if _names(path, fd):
+                break
+            os.close(fd)  # removed or replaced while we locked it: lock the file that is there now
         try:
-            _flock(fd, path, shared, wait)
             record = None
             if not shared:
                 record = json.dumps({"host": socket.gethostname(), "pid": os.getpid(), **(about or {})})
@@ -110,6 +123,67 @@ def acquire(path: Path, shared: bool = False, about: dict | None = None, wait: b
         held = _HELD[key] = _Open(fd, shared, record=record)
     held.users += 1
     return HeldLock(path, key)
+
+
+def _open(path: Path) -> int:
+    try:
+        return os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    except PermissionError:  # another user's lock file in a shared folder
+        return os.open(path, os.O_RDONLY)
+    except FileNotFoundError:  # the folder itself was removed (a failed run's, by that run) since we were asked
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+
+
+def _names(path: Path, fd: int) -> bool:
+    """Whether ``path`` still names the open file ``fd``."""
+    try:
+        now, ours = os.stat(path), os.fstat(fd)
+    except FileNotFoundError:
+        return False
+    return (now.st_dev, now.st_ino) == (ours.st_dev, ours.st_ino)
+
+
+_WARNED: set[str] = set()
+
+
+def _warn_if_local_only(path: Path) -> None:
+    """Once per mount: flock there excludes the processes of this node only."""
+    mount = local_only_flock(Path(os.path.realpath(path)).parent)
+    if mount is not None and mount not in _WARNED:
+        _WARNED.add(mount)
+        warnings.warn(f"{path.parent}: {mount}, so its lock keeps apart the runs of this node only; two jobs on "
+                      "different nodes are not kept apart (Lustre: mount with -o flock; NFS: run lockd, without "
+                      "-o nolock or local_lock).", stacklevel=3)
+
+
+def local_only_flock(folder: Path, mountinfo: str | None = None) -> str | None:
+    """Why flock in ``folder`` is local to each node (``"lustre mounted localflock"``), from the mount that holds it
+    (``/proc/self/mountinfo``, or the text given), or ``None``."""
+    if mountinfo is None:
+        try:
+            mountinfo = Path("/proc/self/mountinfo").read_text()
+        except OSError:
+            return None
+    best = None
+    for line in mountinfo.splitlines():
+        fields, _, after = line.partition(" - ")
+        fields, after = fields.split(), after.split()
+        if len(fields) < 6 or len(after) < 3:
+            continue
+        point = fields[4].replace("\\040", " ")
+        if (str(folder) + "/").startswith(point.rstrip("/") + "/") and (best is None or len(point) > len(best[0])):
+            best = (point, after[0], set(fields[5].split(",")) | set(after[2].split(",")))
+    if best is None:
+        return None
+    _, kind, options = best
+    if kind == "lustre" and "localflock" in options:
+        return "lustre mounted localflock"
+    if kind.startswith("nfs"):
+        local = {"nolock", "local_lock=flock", "local_lock=all"} & options
+        if local:
+            return f"{kind} mounted {sorted(local)[0]}"
+    return None
 
 
 def _flock(fd: int, path: Path, shared: bool, wait: bool) -> None:

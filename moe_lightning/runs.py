@@ -73,16 +73,16 @@ def allocate_run_folder(logger) -> Path | None:
 
 
 def remove_empty_run_folder(log_dir: Path) -> bool:
-    """Delete a failed run's logger folder if it holds nothing but the config it was started with and the lock
-    file of its folders, which stays after release (call it only for a folder this run created:
-    ``allocate_run_folder``'s)."""
+    """Delete a failed run's logger folder if it holds nothing but the config it was started with and the lock of
+    its folders with this run's own holder record (call it only for a folder this run created,
+    ``allocate_run_folder``'s, while still holding its lock)."""
     if not log_dir.is_dir():
         return False
     entries = list(log_dir.rglob("*"))
     for path in entries:
         if path.is_dir():
             continue
-        if path.name in ("config.yaml", "hparams.yaml", LOCK_FILE):
+        if path.name in ("config.yaml", "hparams.yaml", LOCK_FILE, LOCK_FILE + locks.HOLDER_SUFFIX):
             continue
         if path.name == "metrics.csv" and len(path.read_text().splitlines()) <= 1:
             continue
@@ -229,38 +229,46 @@ def lock_folder(folder: Path) -> locks.HeldLock:
 
 
 def lock_run_folders(trainer, resumed: str | None = None) -> list[locks.HeldLock]:
-    """Rank 0 locks the folders this run writes checkpoints into (each ``ModelCheckpoint``'s fixed ``dirpath``,
-    the logger's ``version_N`` when it is fixed by the user and so shared) and, with ``--ckpt_path last``, the folder
-    it continues from (``resumed``): two relaunches of one run cannot both continue it."""
+    """Rank 0 locks the folders this run writes checkpoints into (each ``ModelCheckpoint``'s ``dirpath``, and where
+    Lightning puts those without one: ``<version_N>/checkpoints``), its ``version_N`` when that is pinned (by the
+    user, or by ``allocate_run_folder``) and, with ``--ckpt_path last``, the folder it continues from
+    (``resumed``): a relaunch that continues a run still writing takes the lock that run holds, and is refused."""
     if rank_zero_only.rank != 0:
         return []
-    folders = [Path(cb.dirpath) for cb in trainer.checkpoint_callbacks
-               if isinstance(cb, ModelCheckpoint) and cb.dirpath is not None]
     logger = trainer.logger
-    if isinstance(logger, (CSVLogger, TensorBoardLogger)) and logger._version is not None and logger.log_dir:
-        folders.append(Path(logger.log_dir))
-    if resumed:
-        folders.append(Path(resumed).parent)
-    held = [lock_folder(folder) for folder in dict.fromkeys(f.resolve() for f in folders)]
+    run_dir = Path(logger.log_dir) if isinstance(logger, (CSVLogger, TensorBoardLogger)) and \
+        logger._version is not None and logger.log_dir else None
+    folders = [Path(cb.dirpath) if cb.dirpath is not None else run_dir / "checkpoints"
+               for cb in trainer.checkpoint_callbacks
+               if isinstance(cb, ModelCheckpoint) and (cb.dirpath is not None or run_dir is not None)]
+    folders += [run_dir] if run_dir is not None else []
+    folders += [Path(resumed).parent] if resumed else []
+    held = []
+    try:
+        for folder in dict.fromkeys(f.resolve() for f in folders):
+            held.append(lock_folder(folder))
+    except BaseException:
+        for lock in held:  # refused on a later folder: the earlier ones go back now
+            lock.release()
+        raise
     trainer.callbacks.append(ReleaseLocks(held))
     return held
 
 
 class ReleaseLocks(Callback):
-    """Gives the folders back when the fit ends, however it ends (a process that dies loses its locks with it)."""
+    """Gives the folders back when the fit has ended. After an exception Lightning runs callbacks'
+    ``on_exception`` before the strategy commits a background save and before its teardown, so the lock is kept
+    then: the CLI releases it once the run has unwound (``release``), and a process that dies loses it anyway."""
 
     def __init__(self, held: list[locks.HeldLock]):
         self.held = held
 
-    def _release(self) -> None:
+    def release(self) -> None:
         for lock in self.held:
-            lock.release()  # once, though both hooks below may run
+            lock.release()  # once, however often it is called
 
     def teardown(self, trainer, pl_module, stage: str) -> None:
-        self._release()
-
-    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
-        self._release()  # Lightning skips callbacks' teardown after an exception
+        self.release()
 
 
 # ---- clean-up of unfinished saves ---------------------------------------------------------------------------

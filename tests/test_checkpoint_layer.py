@@ -250,13 +250,14 @@ def wait_ready(folder: Path, procs: list[subprocess.Popen]) -> None:
 
 
 def takes(tmp_path: Path, folder: Path) -> bool:
-    """Whether a new process can take ``folder``'s lock now (it lets it go at once)."""
+    """Whether a new process can take ``folder``'s lock now (it lets it go at once); a crash is neither."""
     proc = holder(tmp_path, folder, start=False)
     wait_ready(tmp_path, [proc])
     (tmp_path / "go").touch()
     line = proc.stdout.readline().strip()
     proc.kill()
     proc.communicate()
+    assert line == "won" or line.startswith("refused "), line
     return line == "won"
 
 
@@ -377,3 +378,92 @@ def test_a_live_holder_refuses_fit_before_it_reads_cleans_or_writes_the_folder(t
     finally:
         proc.kill()
         proc.communicate()
+
+
+RUN_HOLDS_ITS_FOLDERS = """
+import sys
+from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
+from moe_lightning import runs
+trainer = Trainer(logger=CSVLogger(sys.argv[1], name="tiny", version=0), callbacks=[ModelCheckpoint()],
+                  enable_progress_bar=False, enable_model_summary=False)
+runs.lock_run_folders(trainer)
+print("held", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_relaunch_continuing_a_run_that_still_writes_takes_the_lock_that_run_holds(tmp_path):
+    """The default layout (a ModelCheckpoint without dirpath, as configs/1t.yaml): the running job locked only
+    version_0, the relaunch with --ckpt_path last locked version_0/checkpoints; both trained and the relaunch
+    cleaned the running job's partial save."""
+    run_ = subprocess.Popen([sys.executable, "-c", RUN_HOLDS_ITS_FOLDERS, str(tmp_path)], env=clean_env(),
+                            cwd=REPO_ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert run_.stdout.readline().strip() == "held"
+        checkpoints = tmp_path / "tiny" / "version_0" / "checkpoints"
+        with pytest.raises(runs.FolderInUseError, match=f"pid {run_.pid}"):
+            runs.lock_folder(checkpoints)  # what the relaunch locks: the folder of the last.ckpt it continues
+    finally:
+        run_.kill()
+        run_.communicate()
+
+
+def test_locks_taken_before_a_refusal_are_given_back(tmp_path):
+    """Was: refused on the second folder, the first stayed locked (and its version_N could not be removed)."""
+    from types import SimpleNamespace
+
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    busy = tmp_path / "busy"
+    proc = holder(tmp_path, busy)
+    try:
+        trainer = SimpleNamespace(checkpoint_callbacks=[ModelCheckpoint(dirpath=tmp_path / "mine")], logger=None,
+                                  callbacks=[])
+        with pytest.raises(runs.FolderInUseError):
+            runs.lock_run_folders(trainer, resumed=str(busy / "last.ckpt"))
+        assert not locks._HELD and trainer.callbacks == []
+    finally:
+        proc.kill()
+        proc.communicate()
+
+
+REMOVE_WHILE_HELD = """
+import sys, time
+from pathlib import Path
+from moe_lightning import locks
+lock = locks.acquire(Path(sys.argv[1]))
+print("held", flush=True)
+time.sleep(1)
+Path(sys.argv[1]).unlink()  # a failed run removing the folder it created, while it holds the lock
+"""
+
+
+def test_a_lock_file_removed_while_waited_for_is_not_a_lock_on_nothing(tmp_path):
+    """Was: the waiter locked the removed file's inode, which no later process can open: two owners."""
+    path = tmp_path / "f" / runs.LOCK_FILE
+    path.parent.mkdir()
+    proc = subprocess.Popen([sys.executable, "-c", REMOVE_WHILE_HELD, str(path)], env=clean_env(), cwd=REPO_ROOT,
+                            stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "held"
+    lock = locks.acquire(path, wait=True)  # free once the holder removed the file and exited
+    try:
+        proc.communicate(timeout=60)
+        assert locks._names(path, locks._HELD[lock.key].fd)  # the file that is there now
+    finally:
+        lock.release()
+
+
+def test_a_mount_whose_flock_is_local_to_each_node_is_named():
+    mountinfo = "\n".join([
+        "22 1 0:21 / / rw,relatime - ext4 /dev/vda rw",
+        "40 22 0:35 / /lustre rw,relatime - lustre 10.0.0.1@o2ib:/fs rw,localflock,lazystatfs",
+        "41 22 0:36 / /lustre/ok rw,relatime - lustre 10.0.0.1@o2ib:/fs2 rw,flock",
+        "42 22 0:37 / /home rw,relatime - nfs4 srv:/home rw,vers=4.2,local_lock=flock",
+        "43 22 0:38 / /scratch rw - nfs srv:/scratch rw,vers=3,nolock",
+        "44 22 0:39 / /shared rw - nfs4 srv:/shared rw,vers=4.2,local_lock=none"])
+    said = {folder: locks.local_only_flock(Path(folder), mountinfo) for folder in
+            ["/lustre/run", "/lustre/ok/run", "/home/u/run", "/scratch/x", "/shared/x", "/tmp/x", "/lustreX/y"]}
+    assert said == {"/lustre/run": "lustre mounted localflock", "/lustre/ok/run": None,
+                    "/home/u/run": "nfs4 mounted local_lock=flock", "/scratch/x": "nfs mounted nolock",
+                    "/shared/x": None, "/tmp/x": None, "/lustreX/y": None}

@@ -175,6 +175,32 @@ def test_a_worker_killed_between_two_submissions_is_one_line_naming_its_unit(tmp
     assert not list(out.glob("*.partial")) and (out / "part-00000.done.json").exists()
 
 
+WORKERS_CANNOT_START = """
+import os, sys
+from moe_lightning.data import tokenize as t
+t.MIN_UNIT_BYTES = 20_000
+main, original = os.getpid(), t.load_tokenizer
+def load(path):  # fine in the main process, fails in every worker's initializer
+    if os.getpid() != main:
+        raise OSError("the tokenizer file went away")
+    return original(path)
+t.load_tokenizer = load
+t.tokenize_main(sys.argv[1:])
+"""
+
+
+def test_workers_that_cannot_start_are_a_failure_not_a_stop(tmp_path):
+    """A failing initializer ends its worker with status 0, the pool then ends the others with SIGTERM. Was:
+    "stopped by SIGTERM", exit 143 (and in fit a preemption, rerun forever)."""
+    corpus, out = jsonl(tmp_path / "c.jsonl", 3000), tmp_path / "out"
+    run = subprocess.run([sys.executable, "-c", WORKERS_CANNOT_START, str(corpus), "--out", str(out), "--workers",
+                          "2"], env=clean_env(), capture_output=True, text=True, timeout=300)
+    assert run.returncode == 1, run.stderr
+    last = run.stderr.strip().splitlines()[-1]
+    assert "could not start (the error is printed above)" in last and "stopped" not in last
+    assert "the tokenizer file went away" in run.stderr
+
+
 def test_sigterm_that_reaches_a_worker_first_is_a_stop_not_a_worker_failure(tmp_path):
     """SLURM signals every process of a step: a worker may end by SIGTERM before the main process hears it.
     Was: "unit 0 failed: a worker process died", exit 1 (and fit then did not requeue)."""

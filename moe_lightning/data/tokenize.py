@@ -710,7 +710,7 @@ def _run_units(pending: list[dict], mine: list[dict], plan: dict, folder: Path, 
         _remove_partials(folder, pending)
         unit, cause = failure
         kept = sum(unit_record(folder, u["index"]).exists() for u in plan["units"])
-        where = describe_unit(unit, plan) if unit is not None else "a worker between units"
+        where = describe_unit(unit, plan) if unit is not None else "a worker outside any unit"
         raise TokenizeError(f"tokenize: {where} failed: {cause}. {kept} of {len(plan['units'])} units are finished "
                             "and kept: fix the cause and rerun the same command with --resume.")
     progress.show(final=True)
@@ -718,13 +718,16 @@ def _run_units(pending: list[dict], mine: list[dict], plan: dict, folder: Path, 
 
 def _lost_unit(exits: dict[int, int | None], pending: list[dict], slots, folder: Path) -> tuple[dict | None, str]:
     """Which unit a broken pool lost, and why, from its workers' exit codes. The pool ends the survivors with
-    SIGTERM, so the worker that died is the one with another code; when every worker ended by SIGTERM, a
+    SIGTERM, so the worker that broke it is one with another code: killed by a signal, or exited (status 0 when
+    it could not start: its initializer failed, the error printed above). When every worker ended by SIGTERM, a
     scheduler's stop (SLURM signals every process of a step) reached them before this process: a stop, not a
     failure."""
-    died = {pid: code for pid, code in exits.items() if code not in (0, None, -signal.SIGTERM)}
+    died = {pid: code for pid, code in exits.items() if code is not None and code != -signal.SIGTERM}
     if not died:
         raise Stopped("tokenize: stopped by SIGTERM.", signal.SIGTERM)
-    pid, code = min(died.items())
+    pid, code = min(died.items(), key=lambda item: item[1] == 0)  # a killed worker before one that could not start
+    if code == 0:
+        return None, f"a worker process (pid {pid}) could not start (the error is printed above)"
     try:
         how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with status {code}"
     except ValueError:
