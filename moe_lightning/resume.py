@@ -78,9 +78,23 @@ def check_resume(saved_hparams: dict, requested: dict[str, Any], ckpt_path: str 
 
 
 def saved_position(state: dict) -> dict | None:
-    """The training loader's saved position (``TextDataModule``'s: epoch, samples, and what the data was)."""
+    """The training loader's saved position (``TextDataModule``'s: epoch, samples, and what the data was), or
+    that of a checkpoint older still, which kept it in the datamodule's own state."""
     loaders = (((state.get("loops") or {}).get("fit_loop") or {}).get("state_dict") or {}).get("combined_loader")
-    return loaders[0] if isinstance(loaders, list) and loaders and isinstance(loaders[0], dict) else None
+    if isinstance(loaders, list) and loaders and isinstance(loaders[0], dict):
+        return loaders[0]
+    datamodule = state.get("TextDataModule")
+    return datamodule if isinstance(datamodule, dict) and "epoch" in datamodule else None
+
+
+def check_order(saved: dict, ckpt_path: str | None) -> None:
+    """Refuse a position saved part-way through an epoch of an earlier version's shuffle (its position names no
+    ``order``): here it would repeat and skip sequences. One saved at an epoch's start resumes exactly."""
+    if "order" not in saved and saved.get("samples", 0) > 0:
+        raise ResumeMismatchError(
+            f"{_named(ckpt_path)} stopped {saved['samples']:,} sequences into epoch {saved.get('epoch', 0)} of the "
+            "shuffle order of an earlier version (its position names no order); this version would repeat and skip "
+            "sequences. Finish that run with the version that wrote it, or start a new run.")
 
 
 def check_data(saved: dict, current: dict, ckpt_path: str | None) -> None:
@@ -108,6 +122,8 @@ def check_checkpoint(ckpt_path: str | Path, model_args: dict[str, Any], data=Non
     lines = check_resume(state.get("hyper_parameters") or {}, model_args, str(ckpt_path))
     check_tokenizer()
     position = saved_position(state)
+    if position is not None:
+        check_order(position, str(ckpt_path))
     if position is not None and callable(getattr(data, "description", None)):
         data.setup("fit")
         check_data(position, data.description(), str(ckpt_path))

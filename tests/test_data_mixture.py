@@ -284,11 +284,11 @@ def test_a_mid_epoch_position_of_an_earlier_shuffle_order_is_refused(tmp_path):
     position = {"epoch": 1, "samples": 40, **dm.description()}
     assert position["order"] == "feistel-v1" and dm._restore(position) == (1, 40)
     earlier = {k: v for k, v in position.items() if k != "order"}
-    with pytest.raises(ValueError, match="40 sequences into epoch 1 of a shuffle order before feistel-v1"):
+    with pytest.raises(ValueError, match="40 sequences into epoch 1 of the shuffle order of an earlier version"):
         dm._restore(earlier)
     assert dm._restore({**earlier, "samples": 0}) == (1, 0)  # at an epoch's start no order is needed
     # a checkpoint older still kept the position in the datamodule's own state (was: resumed without a check)
-    with pytest.raises(ValueError, match="40 sequences into epoch 1 of a shuffle order before feistel-v1"):
+    with pytest.raises(ValueError, match="40 sequences into epoch 1 of the shuffle order of an earlier version"):
         dm.load_state_dict({"epoch": 1, "samples": 40})
     dm.load_state_dict({"epoch": 2, "samples": 0})
     sampler = dm.train_dataloader().sampler
@@ -369,3 +369,16 @@ def test_samplers_hand_out_an_epoch_in_chunks_without_changing_the_order(monkeyp
     whole = [list(sampler(2, 1)), list(ResumableSampler(list(range(1000)), 2, 1, seed=3))]
     monkeypatch.setattr(sampling, "CHUNK", 7)  # many chunks, many crossing a source's pass
     assert [list(sampler(2, 1)), list(ResumableSampler(list(range(1000)), 2, 1, seed=3))] == whole
+
+
+def test_the_one_resume_check_refuses_an_earlier_order_before_anything_is_built(tmp_path):
+    """Was: found only at restore, after the folders were locked and cleaned and the model built and loaded."""
+    from moe_lightning.resume import ResumeMismatchError, check_checkpoint
+    for name, state in [("loader.ckpt", {"loops": {"fit_loop": {"state_dict": {"combined_loader": [
+                            {"epoch": 1, "samples": 40}]}}}}),
+                        ("datamodule.ckpt", {"TextDataModule": {"epoch": 1, "samples": 40}})]:
+        torch.save({"hyper_parameters": {}, **state}, tmp_path / name)
+        with pytest.raises(ResumeMismatchError, match="40 sequences into epoch 1 of the shuffle order of an earlier"):
+            check_checkpoint(tmp_path / name, {})
+    torch.save({"hyper_parameters": {}, "TextDataModule": {"epoch": 2, "samples": 0}}, tmp_path / "start.ckpt")
+    assert check_checkpoint(tmp_path / "start.ckpt", {}) == []  # at an epoch's start: resumes

@@ -7,9 +7,9 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
-from torch.utils.data import ConcatDataset, DataLoader
+from torch.utils.data import ConcatDataset, DataLoader, SequentialSampler
 
-from ..resume import check_data
+from ..resume import check_data, check_order
 from ..tokenizer import load_tokenizer, tokenizer_identity
 from .sampling import (InOrderSampler, MixtureSampler, MixtureSequences, PackedSequences, ResumableSampler,
                        split_indices)
@@ -34,15 +34,6 @@ class ResumableLoader(DataLoader):
 
     def load_state_dict(self, state_dict: dict) -> None:
         self.sampler.resume_epoch, self.sampler.resume_samples = self.restore(state_dict)
-
-
-def _refuse_mid_epoch_in_an_earlier_order(state: dict) -> None:
-    """A position saved part-way through an epoch of another shuffle order would repeat and skip sequences here;
-    one at an epoch's start resumes exactly."""
-    if "order" not in state and state["samples"] > 0:
-        raise ValueError(f"data: the checkpoint stopped {state['samples']:,} sequences into epoch {state['epoch']} "
-                         f"of a shuffle order before {ORDER} (an earlier version); this one would repeat and skip "
-                         "sequences. Finish that run with the version that wrote it, or start a new run.")
 
 
 class SourceLoader(DataLoader):
@@ -265,7 +256,7 @@ class TextDataModule(L.LightningDataModule):
                              f"sequences) but this run has {ours}; its position means nothing in another mixture. "
                              "Resume with the same sources, weights and seq_len, or start a new run.")
         check_data(state, self.description(), None)  # as the CLI does before building (Python users)
-        _refuse_mid_epoch_in_an_earlier_order(state)
+        check_order(state, None)
         return state["epoch"], state["samples"]
 
     def state_dict(self) -> dict:
@@ -275,12 +266,15 @@ class TextDataModule(L.LightningDataModule):
 
     def load_state_dict(self, state_dict: dict) -> None:
         if "epoch" in state_dict:  # written before the loader carried the position (and before ORDER)
-            _refuse_mid_epoch_in_an_earlier_order(state_dict)
+            check_order(state_dict, None)
             self._resume_position = (state_dict["epoch"], state_dict["samples"])
 
     def _in_order(self, held_out: PackedSequences, loader: type[DataLoader] = DataLoader, **named) -> DataLoader:
-        return loader(held_out, batch_size=self.batch_size, num_workers=self.num_workers,
-                      sampler=InOrderSampler(held_out, **self._sampler_kwargs()), **named)
+        """One process reads in order (a ``SequentialSampler``, which ``overfit_batches`` expects); several split it
+        by rank as torch's ``DistributedSampler`` would, per index."""
+        ranks = self._sampler_kwargs()
+        sampler = InOrderSampler(held_out, **ranks) if ranks["num_replicas"] > 1 else SequentialSampler(held_out)
+        return loader(held_out, batch_size=self.batch_size, num_workers=self.num_workers, sampler=sampler, **named)
 
     def val_dataloader(self) -> DataLoader | list[DataLoader]:
         if not self.is_mixture:
