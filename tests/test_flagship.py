@@ -69,12 +69,14 @@ def flagship_runs(tmp_path_factory):
     return full, killed, resumed
 
 
+@pytest.mark.slow  # three 2-process fits (about 70 s): .ci/run's slow stage
 def test_1t_mini_trains_on_two_processes_with_every_optimization(flagship_runs):
     full, _, _ = flagship_runs
     assert [row["step"] for row in full] == [1, 2, 3, 4, 5, 6]
     assert all(row["loss"] == row["loss"] and row["loss"] < 10 for row in full)  # finite, sane for 257 tokens
 
 
+@pytest.mark.slow
 def test_1t_mini_killed_mid_run_resumes_exactly(flagship_runs):
     full, killed, resumed = flagship_runs
     assert [row["step"] for row in killed] == [1, 2, 3, 4, 5]  # step 5 ran; SIGKILL at the start of the next
