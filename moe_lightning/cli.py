@@ -190,7 +190,7 @@ class MoECLI(LightningCLI):
         model = self.config[self.subcommand].model
         init_args = model.init_args if isinstance(model.get("init_args"), Namespace) else model
         tokenizer = partial(check_tokenizer, self.config[self.subcommand], self.subcommand, ckpt_path)
-        for line in check_checkpoint(ckpt_path, init_args.as_dict(), data, tokenizer):
+        for line in check_checkpoint(ckpt_path, init_args.as_dict(), data, tokenizer, self.subcommand == "fit"):
             rank_zero_info(line)
 
     def before_instantiate_classes(self) -> None:
@@ -371,10 +371,15 @@ class MoECLI(LightningCLI):
         except BaseException:
             saved = any(getattr(cb, "best_model_path", "") or getattr(cb, "last_model_path", "")
                         for cb in self.trainer.checkpoint_callbacks)  # its config.yaml is what resumes them
-            if log_dir is not None and not saved and runs.remove_empty_run_folder(log_dir):  # still locked
-                rank_zero_info(f"removed {log_dir}: the run stopped before writing anything but its config")
-            for callback in self.trainer.callbacks:  # the run has unwound (Lightning's teardown included)
-                if isinstance(callback, runs.ReleaseLocks):
+            release = [cb for cb in self.trainer.callbacks if isinstance(cb, runs.ReleaseLocks)]
+            try:  # the run has unwound (Lightning's teardown included): its folder goes, then its locks
+                if log_dir is not None and not saved and runs.remove_empty_run_folder(
+                        log_dir, release=lambda: [cb.release() for cb in release]):
+                    rank_zero_info(f"removed {log_dir}: the run stopped before writing anything but its config")
+            except OSError:
+                pass  # what could not be removed stays: the error that stopped the run is the one to report
+            finally:
+                for callback in release:
                     callback.release()
             raise
 

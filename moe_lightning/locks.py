@@ -20,13 +20,15 @@ or ``local_lock=flock``) is warned about once: the lock then keeps apart the run
   process that opened a lock file just before its removal finds, once it holds the lock, that the name points
   elsewhere (or nowhere), and locks the file that is there now. Release removes only this process's own record.
 - The lock file is created readable and writable by whoever the umask allows, and opened read-only where it is
-  not writable (flock needs no write access): a group's shared folder stays lockable by each of its users.
+  not writable, enough for a local file system; on NFS an exclusive lock needs write access, and a lock file of
+  another user that is not group-writable is one line saying so.
 """
 
 import errno
 import fcntl
 import json
 import os
+import re
 import socket
 import warnings
 from collections.abc import Iterable
@@ -102,16 +104,18 @@ def acquire(path: Path, shared: bool = False, about: dict | None = None, wait: b
                                       "which holds it shared")
     if held is None:
         _warn_if_local_only(path)
-        while True:
+        for _ in range(100):
             fd = _open(path)
             try:
                 _flock(fd, path, shared, wait)
+                if _names(path, fd):
+                    break
             except BaseException:
                 os.close(fd)
                 raise
-            if _names(path, fd):
-                break
             os.close(fd)  # removed or replaced while we locked it: lock the file that is there now
+        else:
+            raise FolderLockedError(path, "processes that keep removing or replacing the lock file")
         try:
             record = None
             if not shared:
@@ -128,19 +132,25 @@ def acquire(path: Path, shared: bool = False, about: dict | None = None, wait: b
 def _open(path: Path) -> int:
     try:
         return os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
-    except PermissionError:  # another user's lock file in a shared folder
-        return os.open(path, os.O_RDONLY)
+    except PermissionError:  # another user's lock file in a shared folder, or a folder we cannot write
+        try:
+            return os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            raise PermissionError(f"cannot create the lock file {path}: {path.parent} is not writable by this user; "
+                                  "choose a folder you can write.") from None
     except FileNotFoundError:  # the folder itself was removed (a failed run's, by that run) since we were asked
         path.parent.mkdir(parents=True, exist_ok=True)
         return os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
 
 
 def _names(path: Path, fd: int) -> bool:
-    """Whether ``path`` still names the open file ``fd``."""
+    """Whether ``path`` still names the open file ``fd`` (not when it is gone, or stale on NFS)."""
     try:
         now, ours = os.stat(path), os.fstat(fd)
-    except FileNotFoundError:
-        return False
+    except (FileNotFoundError, OSError) as error:
+        if isinstance(error, FileNotFoundError) or error.errno == errno.ESTALE:
+            return False
+        raise
     return (now.st_dev, now.st_ino) == (ours.st_dev, ours.st_ino)
 
 
@@ -150,7 +160,7 @@ _WARNED: set[str] = set()
 def _warn_if_local_only(path: Path) -> None:
     """Once per mount: flock there excludes the processes of this node only."""
     mount = local_only_flock(Path(os.path.realpath(path)).parent)
-    if mount is not None and mount not in _WARNED:
+    if mount is not None and mount not in _WARNED:  # names its mount point: once per mount
         _WARNED.add(mount)
         warnings.warn(f"{path.parent}: {mount}, so its lock keeps apart the runs of this node only; two jobs on "
                       "different nodes are not kept apart (Lustre: mount with -o flock; NFS: run lockd, without "
@@ -171,18 +181,19 @@ def local_only_flock(folder: Path, mountinfo: str | None = None) -> str | None:
         fields, after = fields.split(), after.split()
         if len(fields) < 6 or len(after) < 3:
             continue
-        point = fields[4].replace("\\040", " ")
-        if (str(folder) + "/").startswith(point.rstrip("/") + "/") and (best is None or len(point) > len(best[0])):
+        point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), fields[4])  # mountinfo escapes (\040)
+        # the deepest mount holding the folder; of two at one point the later, which hides the earlier
+        if (str(folder) + "/").startswith(point.rstrip("/") + "/") and (best is None or len(point) >= len(best[0])):
             best = (point, after[0], set(fields[5].split(",")) | set(after[2].split(",")))
     if best is None:
         return None
-    _, kind, options = best
+    point, kind, options = best
     if kind == "lustre" and "localflock" in options:
-        return "lustre mounted localflock"
+        return f"lustre at {point} is mounted localflock"
     if kind.startswith("nfs"):
         local = {"nolock", "local_lock=flock", "local_lock=all"} & options
         if local:
-            return f"{kind} mounted {sorted(local)[0]}"
+            return f"{kind} at {point} is mounted {sorted(local)[0]}"
     return None
 
 
@@ -192,6 +203,11 @@ def _flock(fd: int, path: Path, shared: bool, wait: bool) -> None:
     except OSError as error:
         if error.errno in (errno.EWOULDBLOCK, errno.EACCES):  # held by another
             raise FolderLockedError(path, describe(holders([record_path(path)]))) from None
+        if error.errno == errno.EBADF and fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDONLY:
+            # NFS: an exclusive lock needs the file open for writing
+            raise PermissionError(f"cannot lock {path}: another user's lock file, not writable by this one (NFS needs "
+                                  "write access to lock); make it group-writable (chmod g+w, and umask 002 for the "
+                                  "group's runs).") from None
         raise NoFlockError(f"cannot lock {path} ({os.strerror(error.errno or 0)}): the file system of {path.parent} "
                            "has no flock (Lustre: mount with -o flock; NFS: run lockd, no -o nolock); choose a "
                            "folder on a file system that locks.") from None

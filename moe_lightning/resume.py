@@ -110,19 +110,20 @@ def check_data(saved: dict, current: dict, ckpt_path: str | None) -> None:
 
 
 def check_checkpoint(ckpt_path: str | Path, model_args: dict[str, Any], data=None,
-                     check_tokenizer: Callable[[], None] = lambda: None) -> list[str]:
+                     check_tokenizer: Callable[[], None] = lambda: None, training: bool = True) -> list[str]:
     """The one resume check, before anything is built: the model (``check_resume``), then the tokenizer (the
     caller's ``check_tokenizer``: other ids would also make other data, and that says it better), then, when
     ``data`` describes itself (``TextDataModule.description``; it is set up for that, so the caller passes ``None``
     when that would mean tokenizing text the run has not tokenized yet: the restore checks it then) and the checkpoint
-    saved a training position, the data. Returns the lines saying which training settings the run changes."""
+    saved a training position, the data, and (``training``: ``fit`` continues from that position) its order.
+    Returns the lines saying which training settings the run changes."""
     state = checkpoint_state(ckpt_path)
     if state is None:
         return []
     lines = check_resume(state.get("hyper_parameters") or {}, model_args, str(ckpt_path))
     check_tokenizer()
     position = saved_position(state)
-    if position is not None:
+    if position is not None and training:
         check_order(position, str(ckpt_path))
     if position is not None and callable(getattr(data, "description", None)):
         data.setup("fit")

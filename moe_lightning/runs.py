@@ -23,10 +23,12 @@
 """
 
 import os
+import re
 import signal
 import subprocess
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -72,10 +74,12 @@ def allocate_run_folder(logger) -> Path | None:
         return root / f"version_{version}"
 
 
-def remove_empty_run_folder(log_dir: Path) -> bool:
+def remove_empty_run_folder(log_dir: Path, release: Callable[[], object] = lambda: None) -> bool:
     """Delete a failed run's logger folder if it holds nothing but the config it was started with and the lock of
     its folders with this run's own holder record (call it only for a folder this run created,
-    ``allocate_run_folder``'s, while still holding its lock)."""
+    ``allocate_run_folder``'s, while still holding its lock: a process waiting for the lock then finds its file gone
+    and locks a new one, ``locks.acquire``). ``release`` gives the lock back after the files are gone; the folders
+    follow (on NFS a removed file still open stays as ``.nfs*`` until closed, so they can only go after it)."""
     if not log_dir.is_dir():
         return False
     entries = list(log_dir.rglob("*"))
@@ -88,8 +92,16 @@ def remove_empty_run_folder(log_dir: Path) -> bool:
             continue
         return False
     try:  # only what was checked: a file that appeared since stops the removal (rmdir of a non-empty folder)
-        for path in sorted(entries, reverse=True):
-            path.rmdir() if path.is_dir() else path.unlink()
+        for path in entries:
+            if not path.is_dir():
+                path.unlink()
+    except OSError:
+        return False
+    finally:
+        release()
+    try:
+        for path in sorted((p for p in entries if p.is_dir()), reverse=True):
+            path.rmdir()
         log_dir.rmdir()
     except OSError:
         return False
@@ -236,23 +248,39 @@ def lock_run_folders(trainer, resumed: str | None = None) -> list[locks.HeldLock
     if rank_zero_only.rank != 0:
         return []
     logger = trainer.logger
-    run_dir = Path(logger.log_dir) if isinstance(logger, (CSVLogger, TensorBoardLogger)) and \
-        logger._version is not None and logger.log_dir else None
-    folders = [Path(cb.dirpath) if cb.dirpath is not None else run_dir / "checkpoints"
-               for cb in trainer.checkpoint_callbacks
-               if isinstance(cb, ModelCheckpoint) and (cb.dirpath is not None or run_dir is not None)]
-    folders += [run_dir] if run_dir is not None else []
+    pinned = isinstance(logger, (CSVLogger, TensorBoardLogger)) and logger._version is not None
+    default = default_checkpoint_folder(trainer)
+    checkpoints = [Path(cb.dirpath) if cb.dirpath is not None else default for cb in trainer.checkpoint_callbacks
+                   if isinstance(cb, ModelCheckpoint) and (cb.dirpath is not None or default is not None)]
+    folders = checkpoints + ([Path(logger.log_dir)] if pinned and logger.log_dir else [])
     folders += [Path(resumed).parent] if resumed else []
     held = []
     try:
         for folder in dict.fromkeys(f.resolve() for f in folders):
             held.append(lock_folder(folder))
+            if folder in {c.resolve() for c in checkpoints} and {p.name for p in folder.iterdir()} <= {
+                    LOCK_FILE, LOCK_FILE + locks.HOLDER_SUFFIX}:  # Lightning counts our lock as a checkpoint
+                warnings.filterwarnings("ignore", message=rf"Checkpoint directory (.*{os.sep})?"
+                                        rf"{re.escape(os.sep.join(folder.parts[-2:]))} exists and is not empty")
     except BaseException:
         for lock in held:  # refused on a later folder: the earlier ones go back now
             lock.release()
         raise
     trainer.callbacks.append(ReleaseLocks(held))
     return held
+
+
+def default_checkpoint_folder(trainer) -> Path | None:
+    """Where a ``ModelCheckpoint`` without ``dirpath`` writes, as Lightning resolves it: the first logger's
+    ``<save_dir>/<name>/<version>/checkpoints`` (``None`` while its version is not pinned, or for a logger whose
+    version means starting it), ``<default_root_dir>/checkpoints`` without a logger."""
+    if not trainer.loggers:
+        return Path(trainer.default_root_dir) / "checkpoints"
+    logger = trainer.loggers[0]
+    if not isinstance(logger, (CSVLogger, TensorBoardLogger)) or logger._version is None:
+        return None
+    version = logger.version if isinstance(logger.version, str) else f"version_{logger.version}"
+    return Path(logger.save_dir or trainer.default_root_dir) / str(logger.name) / version / "checkpoints"
 
 
 class ReleaseLocks(Callback):

@@ -419,7 +419,7 @@ def test_locks_taken_before_a_refusal_are_given_back(tmp_path):
     proc = holder(tmp_path, busy)
     try:
         trainer = SimpleNamespace(checkpoint_callbacks=[ModelCheckpoint(dirpath=tmp_path / "mine")], logger=None,
-                                  callbacks=[])
+                                  loggers=[], default_root_dir=str(tmp_path), callbacks=[])
         with pytest.raises(runs.FolderInUseError):
             runs.lock_run_folders(trainer, resumed=str(busy / "last.ckpt"))
         assert not locks._HELD and trainer.callbacks == []
@@ -464,6 +464,27 @@ def test_a_mount_whose_flock_is_local_to_each_node_is_named():
         "44 22 0:39 / /shared rw - nfs4 srv:/shared rw,vers=4.2,local_lock=none"])
     said = {folder: locks.local_only_flock(Path(folder), mountinfo) for folder in
             ["/lustre/run", "/lustre/ok/run", "/home/u/run", "/scratch/x", "/shared/x", "/tmp/x", "/lustreX/y"]}
-    assert said == {"/lustre/run": "lustre mounted localflock", "/lustre/ok/run": None,
-                    "/home/u/run": "nfs4 mounted local_lock=flock", "/scratch/x": "nfs mounted nolock",
-                    "/shared/x": None, "/tmp/x": None, "/lustreX/y": None}
+    assert said == {"/lustre/run": "lustre at /lustre is mounted localflock", "/lustre/ok/run": None,
+                    "/home/u/run": "nfs4 at /home is mounted local_lock=flock", "/scratch/x": "nfs at /scratch is "
+                    "mounted nolock", "/shared/x": None, "/tmp/x": None, "/lustreX/y": None}
+    over = "45 22 0:40 / /scratch rw - ext4 /dev/vdb rw"  # a local disk mounted over the NFS one hides it
+    assert locks.local_only_flock(Path("/scratch/x"), mountinfo + "\n" + over) is None
+    spaced = "46 22 0:41 / /my\\040runs rw - nfs srv:/r rw,nolock"
+    assert locks.local_only_flock(Path("/my runs/x"), mountinfo + "\n" + spaced) == "nfs at /my runs is mounted nolock"
+
+
+def test_the_lock_in_a_checkpoint_folder_is_not_taken_for_a_stale_checkpoint(tmp_path):
+    """Lightning warns when a checkpoint folder is not empty; the lock it now holds made every fit say so."""
+    import warnings
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run(quick(tmp_path, "--trainer.max_steps=1"))
+    assert (tmp_path / "checkpoints" / runs.LOCK_FILE).exists()  # logger off: where Lightning writes, locked
+    assert not [w for w in caught if "exists and is not empty" in str(w.message)]
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "old.ckpt").write_bytes(b"")  # a real leftover is still said
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run(quick(tmp_path / "other", "--trainer.max_steps=1", f"--trainer.default_root_dir={tmp_path}",
+                  "--trainer.callbacks+=ModelCheckpoint", f"--trainer.callbacks.dirpath={tmp_path / 'other'}"))
+    assert [w for w in caught if "exists and is not empty" in str(w.message)]

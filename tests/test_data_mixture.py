@@ -380,5 +380,6 @@ def test_the_one_resume_check_refuses_an_earlier_order_before_anything_is_built(
         torch.save({"hyper_parameters": {}, **state}, tmp_path / name)
         with pytest.raises(ResumeMismatchError, match="40 sequences into epoch 1 of the shuffle order of an earlier"):
             check_checkpoint(tmp_path / name, {})
+    assert check_checkpoint(tmp_path / "loader.ckpt", {}, training=False) == []  # validate/test/predict: no order
     torch.save({"hyper_parameters": {}, "TextDataModule": {"epoch": 2, "samples": 0}}, tmp_path / "start.ckpt")
     assert check_checkpoint(tmp_path / "start.ckpt", {}) == []  # at an epoch's start: resumes

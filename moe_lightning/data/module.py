@@ -270,10 +270,10 @@ class TextDataModule(L.LightningDataModule):
             self._resume_position = (state_dict["epoch"], state_dict["samples"])
 
     def _in_order(self, held_out: PackedSequences, loader: type[DataLoader] = DataLoader, **named) -> DataLoader:
-        """One process reads in order (a ``SequentialSampler``, which ``overfit_batches`` expects); several split it
-        by rank as torch's ``DistributedSampler`` would, per index."""
-        ranks = self._sampler_kwargs()
-        sampler = InOrderSampler(held_out, **ranks) if ranks["num_replicas"] > 1 else SequentialSampler(held_out)
+        """The ranks split it as torch's ``DistributedSampler`` would, per index (one process too: under a
+        distributed strategy Lightning would replace a ``SequentialSampler``); ``overfit_batches`` expects one."""
+        overfit = getattr(self.trainer, "overfit_batches", 0) if self.trainer is not None else 0
+        sampler = SequentialSampler(held_out) if overfit else InOrderSampler(held_out, **self._sampler_kwargs())
         return loader(held_out, batch_size=self.batch_size, num_workers=self.num_workers, sampler=sampler, **named)
 
     def val_dataloader(self) -> DataLoader | list[DataLoader]:
