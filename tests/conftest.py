@@ -17,6 +17,16 @@ def no_leftover_process_group():
 
 
 @pytest.fixture
+def one_rank_group():
+    """A one-process gloo group, for code that needs ``torch.distributed`` without launching ranks."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture
 def lightning_log():
     """Messages Lightning's logger emits (it does not propagate to the root logger, so caplog misses them)."""
     messages = []

@@ -14,7 +14,6 @@ from moe_lightning import MoEConfig, MoELanguageModel
 from moe_lightning.parallel import MeshLayout
 from moe_lightning.strategy import MoEFSDPStrategy
 from tests.distributed import REPO_ROOT, clean_env, free_port, run_ranks
-from tests.test_strategy import one_rank_group  # noqa: F401 (a fixture)
 
 CONFIGS = REPO_ROOT / "configs"
 

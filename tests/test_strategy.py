@@ -328,15 +328,6 @@ def test_clip_matches_torch_clip_grad_norm_without_reading_back_to_the_host(max_
         torch.testing.assert_close(g, r.grad, rtol=1e-6, atol=0)
 
 
-@pytest.fixture
-def one_rank_group():
-    torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        torch.distributed.destroy_process_group()
-
-
 def test_meta_init_with_cpu_offload_puts_buffers_by_the_compute_and_shards_in_host_memory(one_rank_group):
     """CPU cannot show CUDA vs host, so the meta device stands in for the compute device: buffers (the
     router's ``expert_bias``) must follow the compute device, sharded parameters the offload policy (host)."""
