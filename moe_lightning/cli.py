@@ -366,6 +366,9 @@ class MoECLI(LightningCLI):
     def _run_subcommand(self, subcommand: str) -> None:
         # This run's version_N, created exclusively (runs.py): only a folder created here may be removed.
         log_dir = None if self.trainer.fast_dev_run else self._allocate_run_folder()
+        if log_dir is not None:  # created empty here: what the logger finds in it is this run's own lock and config
+            warnings.filterwarnings("ignore", message=rf"Experiment logs directory (.*{os.sep})?"
+                                    rf"{re.escape(os.sep.join(log_dir.parts[-2:]))} exists and is not empty")
         try:
             super()._run_subcommand(subcommand)
         except BaseException:

@@ -346,6 +346,16 @@ def test_agreeing_weight_decays_train_with_that_value(tmp_path):
 
 # ---- 8. nothing half done is left behind ------------------------------------------------------
 
+def test_a_new_run_folder_is_not_called_a_previous_runs_whose_logs_will_be_deleted(tmp_path):
+    """Every fit warned "version_0 exists and is not empty. Previous log files in this directory will be deleted":
+    what the logger found there was this run's own lock and config."""
+    import warnings
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run(quick(tmp_path, "--trainer.max_steps=1"))
+    assert not [w for w in caught if "exists and is not empty" in str(w.message)], [str(w.message) for w in caught]
+
+
 def test_failed_run_leaves_no_empty_version_folder(tmp_path):
     with pytest.raises(ValueError, match="make no batch"):
         run(quick(tmp_path, "--data.init_args.batch_size=100000", "--trainer.max_steps=1"))
