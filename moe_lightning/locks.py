@@ -14,8 +14,9 @@ or ``local_lock=flock``) is warned about once: the lock then keeps apart the run
 - A lock belongs to the open file, so a second ``open`` + ``flock`` in the holding process would refuse that
   process itself. The locks this process holds are kept in ``_HELD``: asking again for one (a second ``fit`` in
   one Python process) adds a user of the same open file, and the file is unlocked when its last user releases.
-- A child forked while a lock is held (a DataLoader or tokenize worker) shares its open file, so the lock lasts
-  until that child exits too.
+- A child forked while a lock is held (a DataLoader or tokenize worker) closes its copies of the lock files at
+  once (``os.register_at_fork``): the lock stays its parent's alone, and goes when the parent dies, not when the
+  last of a killed run's workers notices.
 - Lock files stay after release; a run folder removed by the run that created it goes while still locked. A
   process that opened a lock file just before its removal finds, once it holds the lock, that the name points
   elsewhere (or nowhere), and locks the file that is there now. Release removes only this process's own record.
@@ -62,6 +63,20 @@ class _Open:
 
 
 _HELD: dict[str, _Open] = {}  # by the lock file's real path
+
+
+def _forget_in_child() -> None:
+    """A forked child owns none of its parent's locks: its copies of the files are closed (the lock, which belongs
+    to the open file the parent still has, is untouched)."""
+    for held in _HELD.values():
+        try:
+            os.close(held.fd)
+        except OSError:
+            pass
+    _HELD.clear()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def record_path(lock: Path) -> Path:

@@ -488,3 +488,33 @@ def test_the_lock_in_a_checkpoint_folder_is_not_taken_for_a_stale_checkpoint(tmp
         run(quick(tmp_path / "other", "--trainer.max_steps=1", f"--trainer.default_root_dir={tmp_path}",
                   "--trainer.callbacks+=ModelCheckpoint", f"--trainer.callbacks.dirpath={tmp_path / 'other'}"))
     assert [w for w in caught if "exists and is not empty" in str(w.message)]
+
+
+FORK_THEN_DIE = """
+import os, sys, time
+from pathlib import Path
+from moe_lightning import locks
+locks.acquire(Path(sys.argv[1]))
+child = os.fork()
+if child == 0:  # a DataLoader worker, say, still running when its parent is killed
+    null = os.open(os.devnull, os.O_RDWR)
+    os.dup2(null, 1), os.dup2(null, 2)  # not the test's pipes
+    time.sleep(60)
+    os._exit(0)
+print(child, flush=True)
+os._exit(0)  # the run dies; its worker lingers
+"""
+
+
+def test_a_dead_runs_lingering_worker_does_not_keep_its_folder_locked(tmp_path):
+    """Was: a forked child shared the lock's open file, so a killed run's folder stayed locked until its last
+    worker noticed, and the requeued job was refused."""
+    folder = tmp_path / "ck"
+    folder.mkdir()
+    out = subprocess.run([sys.executable, "-c", FORK_THEN_DIE, str(folder / runs.LOCK_FILE)], env=clean_env(),
+                         cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
+    worker = int(out.stdout.strip())
+    try:
+        assert takes(tmp_path, folder)
+    finally:
+        os.kill(worker, signal.SIGKILL)
