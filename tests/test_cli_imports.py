@@ -40,7 +40,7 @@ def byte_run_checkpoint(tmp_path: Path) -> Path:
                         default_root_dir=tmp_path, enable_model_summary=False)
     trainer.fit(MoELanguageModel(config, optimizer=lambda g: torch.optim.AdamW(g, lr=1e-2)),
                 TextDataModule("stdlib", seq_len=32, batch_size=2, max_tokens=20_000))
-    return next((tmp_path / "checkpoints").iterdir())
+    return next((tmp_path / "checkpoints").glob("*.ckpt"))
 
 
 def test_commands_that_do_not_train_never_import_lightning(tmp_path):

@@ -30,7 +30,7 @@ def _tiny(tmp_path: Path, name: str, max_steps: int, *extra: str):
 @pytest.mark.slow  # multi-process or long: .ci/run's slow stage (keeps the main suite under 10 minutes)
 def test_a_20_step_run_keeps_its_weights_and_resumes_from_them(tmp_path, lightning_log):
     short = _tiny(tmp_path, "short", 20)
-    saved = sorted(Path(short.trainer.log_dir, "checkpoints").iterdir())
+    saved = sorted(p for p in Path(short.trainer.log_dir, "checkpoints").iterdir() if p.suffix == ".ckpt")
     assert [p.name for p in saved] == ["epoch=0-step=20.ckpt"]  # no validation ran, yet the weights are kept
     assert any(f"final weights: {saved[0]}" in m for m in lightning_log)
     on_disk = torch.load(saved[0], weights_only=False)["state_dict"]
@@ -44,7 +44,7 @@ def test_a_20_step_run_keeps_its_weights_and_resumes_from_them(tmp_path, lightni
     assert resumed.model.tokens_seen == straight.model.tokens_seen  # restored from step 20, not restarted
     for key, tensor in straight.model.state_dict().items():  # 20 + 4 steps equal 24 uninterrupted ones
         torch.testing.assert_close(resumed.model.state_dict()[key], tensor, rtol=0, atol=1e-6, msg=key)
-    assert [p.name for p in Path(resumed.trainer.log_dir, "checkpoints").iterdir()] == ["epoch=0-step=24.ckpt"]
+    assert [p.name for p in Path(resumed.trainer.log_dir, "checkpoints").glob("*.ckpt")] == ["epoch=0-step=24.ckpt"]
 
 
 def _module_and_data():
@@ -91,7 +91,7 @@ def test_a_stop_from_a_callback_is_saved_and_checkpointing_off_is_said(tmp_path)
                         limit_val_batches=0, default_root_dir=tmp_path / "on", callbacks=[StopAt2()],
                         enable_model_summary=False)
     trainer.fit(module, data)
-    assert [p.name for p in (tmp_path / "on" / "checkpoints").iterdir()] == ["epoch=0-step=2.ckpt"]
+    assert [p.name for p in (tmp_path / "on" / "checkpoints").glob("*.ckpt")] == ["epoch=0-step=2.ckpt"]
 
     module, data = _module_and_data()
     trainer = L.Trainer(max_steps=2, accelerator="cpu", logger=False, enable_progress_bar=False,

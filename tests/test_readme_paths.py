@@ -81,7 +81,7 @@ def test_test_and_predict_do_not_create_training_run_folders(tmp_path):
               "--data.init_args.batch_size=2", "--data.init_args.max_tokens=50000",
               "--trainer.enable_progress_bar=false"]
     fit = commands.run(["fit", *common, "--trainer.max_steps=1"])
-    ckpt = next(Path(fit.trainer.log_dir, "checkpoints").iterdir())
+    ckpt = next(Path(fit.trainer.log_dir, "checkpoints").glob("*.ckpt"))
     commands.run(["test", *common, f"--ckpt_path={ckpt}", "--trainer.limit_test_batches=1"])
     assert sorted(p.name for p in (tmp_path / "tiny").iterdir()) == ["version_0"]
     assert (tmp_path / "tiny-test" / "version_0" / "metrics.csv").is_file()
