@@ -603,3 +603,17 @@ print(before >> 20, freed >> 20, heap._resident() >> 20, heap.ceiling >> 20)
     before, freed, after, ceiling = map(int, out.stdout.split())
     assert before - freed < 20, (before, freed)  # free() alone keeps the pages: the creep the ceiling is for
     assert freed - after > 100 and ceiling <= after + 5, (freed, after, ceiling)
+
+
+def test_plans_and_manifests_are_written_an_item_a_line_from_lists_or_iterators(tmp_path):
+    """A manifest's shards stream from the unit records (an iterator) and a plan's units from a list: the JSON
+    reads back as the record, with each item on a line of its own (the file is read by fit and by people)."""
+    units = [{"index": i, "start": [0, i], "end": [0, i + 1], "bytes": 1} for i in range(1000)]
+    record = {"format": "v", "nested": {"a": [1, 2]}, "empty": [], "units": units,
+              "shards": ({"file": f"part-{i:05d}-000.npy", "tokens": i} for i in range(3)), "none": None}
+    tokenize_module.write_json(tmp_path / "r.json", record)
+    text = (tmp_path / "r.json").read_text()
+    assert json.loads(text) == {**record, "shards": [{"file": f"part-{i:05d}-000.npy", "tokens": i} for i in range(3)]}
+    assert sum(line.startswith('  {"index": ') for line in text.splitlines()) == 1000
+    tokenize_module.write_json(tmp_path / "e.json", {})
+    assert json.loads((tmp_path / "e.json").read_text()) == {}
