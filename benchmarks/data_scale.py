@@ -5,9 +5,10 @@
     python benchmarks/data_scale.py --parts startup # one measurement
     python benchmarks/data_scale.py --parts memory --scale 0.2   # 10 MB vs 400 MB
 
-1. ``throughput``: ``moe-lightning tokenize`` with a trained BPE (8k) against the plain ``tokenizers`` loop
-   (``encode_batch`` over the same documents in 4 MiB batches, split over the same number of processes), with
-   1 and 2 workers, alternated in three rounds: tokens/s of each and the median ratio; and byte-level tokens/s.
+1. ``throughput``: ``moe-lightning tokenize`` with a trained BPE (8k) against the plain ``tokenizers`` loops
+   (``encode_batch``, and ``encode_batch_fast`` that skips offsets and that ``tokenize`` uses, over the same
+   documents in 4 MiB batches, split over the same number of processes), with 1 and 2 workers, alternated in
+   three rounds: tokens/s of each and the median ratios; and byte-level tokens/s.
 2. ``memory``: ``tokenize`` peak RSS (the largest single process) on one ``.txt`` of 50 MB and of 2 GB, with
    every core: a large file is cut into byte-range units, so the two should be within 10 %.
 3. ``startup``: a ``TextDataModule``'s start-up (construction to the first training batch) and peak RSS on a
@@ -25,6 +26,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -97,14 +99,14 @@ from multiprocessing import get_context
 from tokenizers import Tokenizer
 os.environ["TOKENIZERS_PARALLELISM"] = "false"
 tok, texts = Tokenizer.from_file(sys.argv[1]), [json.loads(line)["text"] for line in open(sys.argv[2])]
-workers = int(sys.argv[3])
+workers, encode_batch = int(sys.argv[3]), getattr(tok, sys.argv[4])
 def encode(part):
     count, batch, chars = 0, [], 0
     for text in part:
         batch.append(text); chars += len(text)
         if chars >= 1 << 22:
-            count += sum(len(e.ids) for e in tok.encode_batch(batch)); batch, chars = [], 0
-    return count + sum(len(e.ids) for e in tok.encode_batch(batch))
+            count += sum(len(e.ids) for e in encode_batch(batch)); batch, chars = [], 0
+    return count + sum(len(e.ids) for e in encode_batch(batch))
 parts = [texts[i::workers] for i in range(workers)]
 start = time.perf_counter()
 with get_context("fork").Pool(workers) as pool:
@@ -113,9 +115,9 @@ print("RATE", tokens / (time.perf_counter() - start))
 """
 
 
-def plain_loop(tokenizer: Path, corpus: Path, workers: int) -> float:
-    """Tokens/s of ``tokenizers``' own batch encoding over the corpus's documents (read beforehand)."""
-    return rate(PLAIN_LOOP, tokenizer, corpus, workers)
+def plain_loop(tokenizer: Path, corpus: Path, workers: int, method: str) -> float:
+    """Tokens/s of ``tokenizers``' own batch encoding (``method``) over the corpus's documents (read beforehand)."""
+    return rate(PLAIN_LOOP, tokenizer, corpus, workers, method)
 
 
 def tokenize(corpus: Path, out: Path, workers: int, log: Path, tokenizer: Path | None = None) -> dict:
@@ -239,6 +241,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--scale", type=float, default=None, help="multiply the corpus sizes (--quick: 0.02)")
     parser.add_argument("--workdir", default=None, help="where corpora go (default: a temporary folder)")
     parser.add_argument("--workers", type=int, default=os.cpu_count())
+    parser.add_argument("--rounds", type=int, default=5, help="alternated rounds of each throughput comparison")
     parts = ["throughput", "memory", "startup", "fit", "loader"]
     parser.add_argument("--parts", nargs="+", default=parts, choices=parts, help="which measurements (default: all)")
     args = parser.parse_args(argv)
@@ -256,15 +259,16 @@ def main(argv: list[str] | None = None) -> dict:
         corpus = text_corpus(work / "text.jsonl", 60 * scale)
         tok = bpe(work / "bpe.json", corpus)
         small_corpus = text_corpus(work / "text_small.jsonl", 30 * scale)  # BPE is ~50x slower than bytes
-        for workers in (1, 2):  # alternated, three rounds: one run of either varied by 20 % on a quiet machine
+        for workers in (1, 2):  # alternated rounds: one run of either varied by 20-50 % on a quiet machine
             rounds = []
-            for _ in range(3):
+            for _ in range(args.rounds):
                 ours = tokenize(small_corpus, work / f"tp_bpe_{workers}", workers, log, tok)
-                plain = plain_loop(tok, small_corpus, workers)
-                rounds.append((ours["tokens_per_s"], round(plain)))
-            ratios = sorted(o / p for o, p in rounds)
-            show(f"tokenize_bpe8k_{workers}_workers", {**ours, "rounds_ours_plain_tokens_per_s": rounds,
-                                                        "median_ratio": round(ratios[1], 3)})
+                plain = [plain_loop(tok, small_corpus, workers, m) for m in ("encode_batch", "encode_batch_fast")]
+                rounds.append((ours["tokens_per_s"], *map(round, plain)))
+            show(f"tokenize_bpe8k_{workers}_workers", {
+                **ours, "rounds_ours_encode_batch_encode_batch_fast_tokens_per_s": rounds,
+                "median_ratio_to_encode_batch": round(statistics.median(o / p for o, p, _ in rounds), 3),
+                "median_ratio_to_encode_batch_fast": round(statistics.median(o / f for o, _, f in rounds), 3)})
         show("tokenize_bytes", [tokenize(corpus, work / f"tp_bytes_{w}", w, log) for w in sorted({1, args.workers})])
     if "memory" in args.parts:  # 2. one .txt of 50 MB and of 2 GB: the same memory
         for megabytes in (50, 2000):

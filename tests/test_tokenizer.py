@@ -2,6 +2,7 @@
 is added after the vocabulary."""
 
 import json
+import os
 
 import pytest
 
@@ -31,3 +32,20 @@ def test_without_a_declared_eos_one_id_follows_the_vocabulary(tmp_path):
     assert (tok.vocab_size, tok.eos_id) == (4, 3)
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|not-in-vocab|>"}))
     assert HFTokenizer(str(tmp_path / "tokenizer.json")).eos_id == 3  # a declared token it lacks changes nothing
+
+
+def test_batch_encoding_gives_the_ids_of_tokenizers_own_encode(tmp_path):
+    """The batch path ``tokenize`` uses (offsets skipped where tokenizers can) against tokenizers' plain
+    ``Tokenizer.encode`` of each text: a trained byte-level BPE, texts with merges, Unicode, spaces and nothing."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    corpus = open(os.path.join(os.path.dirname(os.__file__), "argparse.py"), encoding="utf-8").read()
+    reference = Tokenizer(models.BPE())
+    reference.pre_tokenizer, reference.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), \
+        decoders.ByteLevel()
+    reference.train_from_iterator([corpus], trainers.BpeTrainer(
+        vocab_size=600, show_progress=False, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    reference.save(str(tmp_path / "bpe.json"))
+    texts = [corpus[:5000], "naïve café — 東京 🙂 ", "", "   \n\t ", corpus[-3000:]]
+    got = HFTokenizer(str(tmp_path / "bpe.json")).encode_batch(texts)
+    want = [reference.encode(text).ids for text in texts]
+    assert [ids.tolist() for ids in got] == want and len(want[0]) < 2500  # merges happened: fewer ids than bytes
