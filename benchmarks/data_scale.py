@@ -7,12 +7,15 @@
 
 1. ``throughput``: ``moe-lightning tokenize`` with a trained BPE (8k) against the plain ``tokenizers`` loops
    (``encode_batch``, and ``encode_batch_fast`` that skips offsets and that ``tokenize`` uses, over the same
-   documents in 4 MiB batches, split over the same number of processes), with 1 and 2 workers, alternated in
-   three rounds: tokens/s of each and the median ratios; and byte-level tokens/s.
+   documents, read before timing starts, in 4 MiB batches, split over the same number of processes), with 1 and 2
+   workers, in ``--rounds`` rounds, each in another order: tokens/s of each and the median ratios; and byte-level
+   tokens/s. ``tokenize``'s rate is its own report (after its imports): it also reads and parses the JSONL, writes
+   the shards, and counts end-of-document tokens (one a document, under 1 % here). Needs tokenizers >= 0.20.
 2. ``memory``: ``tokenize`` peak RSS (the largest single process) on one ``.txt`` of 50 MB and of 2 GB, with
    every core: a large file is cut into byte-range units, so the two should be within 10 %.
 3. ``startup``: a ``TextDataModule``'s start-up (construction to the first training batch) and peak RSS on a
-   1M-sequence and a 500M-sequence token file (sparse ``.npy`` files: no disk, no writing time), seq_len 128.
+   1M-sequence and a 500M-sequence token file (sparse ``.npy`` files: no disk, no writing time), seq_len 128,
+   each in three fresh processes.
 4. ``fit``: ``moe-lightning fit`` (2 steps of configs/tiny.yaml) wall time and peak RSS on synthetic token files
    of 100M and 400M tokens, and on two 400M-token files as a list and as a weighted mixture.
 5. ``loader``: the training loader's sequences/s with 0 and 2 workers on the 400M-token file, next to the tiny
@@ -182,7 +185,8 @@ def data_startup(source, log: Path) -> tuple[float, float]:
 def fit(source, log: Path, workdir: Path) -> dict:
     """``moe-lightning fit`` of configs/tiny.yaml for 2 steps on ``source``: wall seconds and peak RSS."""
     command = [sys.executable, "-m", "moe_lightning", "fit", "--config", str(REPO / "configs" / "tiny.yaml"),
-               f"--data.init_args.source={source if isinstance(source, str) else json.dumps(source)}", "--trainer.max_steps=2", "--trainer.logger=false",
+               f"--data.init_args.source={source if isinstance(source, str) else json.dumps(source)}",
+               "--trainer.max_steps=2", "--trainer.logger=false",
                "--trainer.enable_checkpointing=false", "--trainer.callbacks=[]", "--trainer.limit_val_batches=0",
                "--trainer.enable_progress_bar=false"]
     seconds, rss = measure(command, log)
@@ -241,7 +245,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--scale", type=float, default=None, help="multiply the corpus sizes (--quick: 0.02)")
     parser.add_argument("--workdir", default=None, help="where corpora go (default: a temporary folder)")
     parser.add_argument("--workers", type=int, default=os.cpu_count())
-    parser.add_argument("--rounds", type=int, default=5, help="alternated rounds of each throughput comparison")
+    parser.add_argument("--rounds", type=int, default=5, choices=range(1, 100), metavar="1..99",
+                        help="rounds of each throughput comparison")
     parts = ["throughput", "memory", "startup", "fit", "loader"]
     parser.add_argument("--parts", nargs="+", default=parts, choices=parts, help="which measurements (default: all)")
     args = parser.parse_args(argv)
@@ -261,10 +266,15 @@ def main(argv: list[str] | None = None) -> dict:
         small_corpus = text_corpus(work / "text_small.jsonl", 30 * scale)  # BPE is ~50x slower than bytes
         for workers in (1, 2):  # alternated rounds: one run of either varied by 20-50 % on a quiet machine
             rounds = []
-            for _ in range(args.rounds):
-                ours = tokenize(small_corpus, work / f"tp_bpe_{workers}", workers, log, tok)
-                plain = [plain_loop(tok, small_corpus, workers, m) for m in ("encode_batch", "encode_batch_fast")]
-                rounds.append((ours["tokens_per_s"], *map(round, plain)))
+            for r in range(args.rounds):
+                runs = {"ours": lambda: tokenize(small_corpus, work / f"tp_bpe_{workers}", workers, log, tok),
+                        "encode_batch": lambda: plain_loop(tok, small_corpus, workers, "encode_batch"),
+                        "encode_batch_fast": lambda: plain_loop(tok, small_corpus, workers, "encode_batch_fast")}
+                names = list(runs)[r % 3:] + list(runs)[:r % 3]  # each round starts with another
+                measured = {name: runs[name]() for name in names}
+                ours = measured["ours"]
+                rounds.append((ours["tokens_per_s"], round(measured["encode_batch"]),
+                               round(measured["encode_batch_fast"])))
             show(f"tokenize_bpe8k_{workers}_workers", {
                 **ours, "rounds_ours_encode_batch_encode_batch_fast_tokens_per_s": rounds,
                 "median_ratio_to_encode_batch": round(statistics.median(o / p for o, p, _ in rounds), 3),
@@ -279,8 +289,9 @@ def main(argv: list[str] | None = None) -> dict:
     if "startup" in args.parts:  # 3. data start-up at 1M and 500M sequences of 128 (sparse files)
         for sequences in (1_000_000, 500_000_000):
             path = sparse_token_file(work / f"sparse_{sequences}.npy", sequences * 128 + 1)
-            startup, rss = data_startup(str(path), log)
-            show(f"startup_{sequences}_sequences", {"startup_s": round(startup, 2), "peak_rss_mb": round(rss)})
+            runs = [data_startup(str(path), log) for _ in range(3)]  # fresh processes: milliseconds vary
+            show(f"startup_{sequences}_sequences", {"startup_ms_of_3_runs": [round(s * 1000, 1) for s, _ in runs],
+                                                     "peak_rss_mb": [round(rss) for _, rss in runs]})
     small, large = (work / f"tokens_{n}.npy" for n in (100, 400))
     if "fit" in args.parts:  # 4. fit start-up and memory
         small, large = (token_file(work / f"tokens_{n}.npy", int(n * 1e6 * scale)) for n in (100, 400))

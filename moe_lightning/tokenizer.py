@@ -43,9 +43,10 @@ class HFTokenizer:
         self.eos_token = _declared_eos_token(Path(path)) if content is None else eos_token
         self.sha256 = hashlib.sha256(self.content.encode("utf-8")).hexdigest()  # once: spec() runs at every save
         self._tok = Tokenizer.from_str(self.content)
-        # tokenizers >= 0.20's encode_batch_fast skips the character offsets, which ids never need (a 8k BPE
-        # encoded 15-40 % faster); the same ids either way
-        self._encode_batch = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)
+        # a released tokenizer.json may carry truncation or padding for its model's inputs: a corpus wants every id
+        # of every text (truncation dropped tokens; padding made a batch's ids differ from one text's)
+        self._tok.no_truncation()
+        self._tok.no_padding()
         eos_id = self._tok.token_to_id(self.eos_token) if self.eos_token else None
         if eos_id is not None:  # a released model's tokenizer: its own end-of-sequence token ends documents
             self.vocab_size, self.eos_id = self._tok.get_vocab_size(), eos_id
@@ -62,8 +63,11 @@ class HFTokenizer:
         return np.asarray(self._tok.encode(text).ids, dtype=np.uint32)
 
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
-        """``tokenizers``' batch encoding (the same ids as ``encode``, one call into Rust per batch)."""
-        return [np.asarray(e.ids, dtype=np.uint32) for e in self._encode_batch(texts)]
+        """``tokenizers``' batch encoding (the same ids as ``encode``, one call into Rust per batch): its
+        ``encode_batch_fast`` (tokenizers >= 0.20) skips the character offsets that ids never need (an 8k BPE
+        encoded 15-40 % faster)."""
+        encode = getattr(self._tok, "encode_batch_fast", None) or self._tok.encode_batch
+        return [np.asarray(e.ids, dtype=np.uint32) for e in encode(texts)]
 
     def decode(self, ids) -> str:
         return self._tok.decode([int(i) for i in ids if int(i) != self.eos_id])

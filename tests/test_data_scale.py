@@ -520,7 +520,7 @@ def test_many_small_files_are_grouped_and_the_manifest_does_not_list_them(tmp_pa
         (tmp_path / "in" / f"{i:04d}.txt").write_text(f"small file {i}")
     manifest = tokenize_to_folder([str(tmp_path / "in")], str(tmp_path / "out"), workers=2)
     assert len((tmp_path / "out" / "manifest.json").read_text()) < 2000  # was: every input file listed
-    assert len(manifest["shards"]) == 1 and manifest["documents"] == 400 and manifest["input_files"] == 400
+    assert manifest["shard_count"] == 1 and manifest["documents"] == 400 and manifest["input_files"] == 400
 
 
 def test_parquet_rows_with_null_text_are_counted_in_the_summary(tmp_path, capsys):
@@ -607,13 +607,43 @@ print(before >> 20, freed >> 20, heap._resident() >> 20, heap.ceiling >> 20)
 
 def test_plans_and_manifests_are_written_an_item_a_line_from_lists_or_iterators(tmp_path):
     """A manifest's shards stream from the unit records (an iterator) and a plan's units from a list: the JSON
-    reads back as the record, with each item on a line of its own (the file is read by fit and by people)."""
+    reads back as the record, each item on a line of its own (the file is read by fit and by people), and a
+    failure part-way leaves the file that was there."""
     units = [{"index": i, "start": [0, i], "end": [0, i + 1], "bytes": 1} for i in range(1000)]
-    record = {"format": "v", "nested": {"a": [1, 2]}, "empty": [], "units": units,
-              "shards": ({"file": f"part-{i:05d}-000.npy", "tokens": i} for i in range(3)), "none": None}
+    record = {"format": "v", "nested": {"a": [1, 2]}, "empty": [], "units": units, "none": None, "naïve ✓": "東京",
+              "shards": ({"file": f"part-{i:05d}-000.npy", "tokens": i} for i in range(3)), "no shards": iter(())}
     tokenize_module.write_json(tmp_path / "r.json", record)
     text = (tmp_path / "r.json").read_text()
-    assert json.loads(text) == {**record, "shards": [{"file": f"part-{i:05d}-000.npy", "tokens": i} for i in range(3)]}
+    assert json.loads(text) == {**record, "shards": [{"file": f"part-{i:05d}-000.npy", "tokens": i} for i in range(3)],
+                                "no shards": []}
     assert sum(line.startswith('  {"index": ') for line in text.splitlines()) == 1000
     tokenize_module.write_json(tmp_path / "e.json", {})
     assert json.loads((tmp_path / "e.json").read_text()) == {}
+
+    def failing():
+        yield {"file": "part-00000-000.npy"}
+        raise TokenizeError("a record changed")
+    with pytest.raises(TokenizeError):
+        tokenize_module.write_json(tmp_path / "r.json", {"format": "v", "shards": failing()})
+    assert (tmp_path / "r.json").read_text() == text  # the old file, and no partial file beside it
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["e.json", "r.json"]
+    with pytest.raises(TypeError, match="key 1 is not a string"):
+        tokenize_module.write_json(tmp_path / "k.json", {1: "one"})
+
+
+def test_a_manifest_whose_unit_records_change_between_its_two_readings_is_not_written(tmp_path, monkeypatch):
+    """The manifest's totals come from a first reading of the unit records and its shards from a second: if they
+    disagree (a record rewritten in between) the manifest would describe other shards, so none is written."""
+    corpus = jsonl(tmp_path / "c.jsonl", 50)
+    tokenize_to_folder([str(corpus)], str(tmp_path / "out"), workers=1)
+    (tmp_path / "out" / "manifest.json").unlink()
+    readings, read = [], tokenize_module._unit_records
+
+    def changing(folder, plan):
+        readings.append(1)
+        for record in read(folder, plan):
+            yield {**record, "shards": record["shards"] * len(readings)}  # the second reading lists more shards
+    monkeypatch.setattr(tokenize_module, "_unit_records", changing)
+    with pytest.raises(TokenizeError, match="changed while the manifest was written"):
+        tokenize_to_folder([str(corpus)], str(tmp_path / "out"), workers=1, resume=True)
+    assert not any(p.name.startswith("manifest.json") for p in (tmp_path / "out").iterdir())

@@ -34,18 +34,45 @@ def test_without_a_declared_eos_one_id_follows_the_vocabulary(tmp_path):
     assert HFTokenizer(str(tmp_path / "tokenizer.json")).eos_id == 3  # a declared token it lacks changes nothing
 
 
-def test_batch_encoding_gives_the_ids_of_tokenizers_own_encode(tmp_path):
-    """The batch path ``tokenize`` uses (offsets skipped where tokenizers can) against tokenizers' plain
-    ``Tokenizer.encode`` of each text: a trained byte-level BPE, texts with merges, Unicode, spaces and nothing."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    corpus = open(os.path.join(os.path.dirname(os.__file__), "argparse.py"), encoding="utf-8").read()
-    reference = Tokenizer(models.BPE())
-    reference.pre_tokenizer, reference.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), \
-        decoders.ByteLevel()
-    reference.train_from_iterator([corpus], trainers.BpeTrainer(
+def trained_bpe(path, with_bos: bool = False):
+    """A byte-level BPE trained on a standard-library module; ``with_bos``: a released model's post-processor
+    that starts every text with ``<s>`` (special tokens ``<s>``, ``</s>``)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    with open(os.path.join(os.path.dirname(os.__file__), "argparse.py"), encoding="utf-8") as f:
+        corpus = f.read()
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    tok.train_from_iterator([corpus], trainers.BpeTrainer(
         vocab_size=600, show_progress=False, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    reference.save(str(tmp_path / "bpe.json"))
-    texts = [corpus[:5000], "naïve café — 東京 🙂 ", "", "   \n\t ", corpus[-3000:]]
-    got = HFTokenizer(str(tmp_path / "bpe.json")).encode_batch(texts)
+    if with_bos:
+        tok.add_special_tokens(["<s>", "</s>"])
+        tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[
+            ("<s>", tok.token_to_id("<s>"))])
+    tok.save(str(path))
+    return tok, corpus
+
+
+@pytest.mark.parametrize("with_bos", [False, True])
+def test_batch_encoding_gives_the_ids_of_tokenizers_own_encode(tmp_path, with_bos):
+    """The batch path ``tokenize`` uses (offsets skipped where tokenizers can) against tokenizers' plain
+    ``Tokenizer.encode`` of each text: merges, Unicode, spaces, nothing, a special token inside the text, and a
+    post-processor that adds one."""
+    reference, corpus = trained_bpe(tmp_path / "bpe.json", with_bos)
+    texts = [corpus[:5000], "naïve café — 東京 🙂 ", "", "   \n\t ", corpus[-3000:] + " </s> more"]
+    ours = HFTokenizer(str(tmp_path / "bpe.json"))
     want = [reference.encode(text).ids for text in texts]
-    assert [ids.tolist() for ids in got] == want and len(want[0]) < 2500  # merges happened: fewer ids than bytes
+    assert [ids.tolist() for ids in ours.encode_batch(texts)] == want == [ours.encode(t).tolist() for t in texts]
+    assert len(want[0]) < 2500 and (want[2] == [reference.token_to_id("<s>")]) == with_bos  # merges; the BOS
+
+
+def test_truncation_or_padding_saved_in_the_tokenizer_file_changes_no_id(tmp_path):
+    """A released tokenizer.json may carry its model's input settings: every id of every text is still written,
+    whatever the batch holds."""
+    reference, corpus = trained_bpe(tmp_path / "bpe.json")
+    want = [reference.encode(text).ids for text in (corpus[:3000], "short", corpus[5000:9000])]
+    reference.enable_truncation(max_length=8)
+    reference.enable_padding(pad_id=0, pad_token="!")
+    reference.save(str(tmp_path / "configured.json"))
+    ours = HFTokenizer(str(tmp_path / "configured.json"))
+    got = ours.encode_batch([corpus[:3000], "short", corpus[5000:9000]])
+    assert [ids.tolist() for ids in got] == want and len(want[0]) > 100

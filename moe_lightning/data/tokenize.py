@@ -71,13 +71,15 @@ def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16 if vocab_size <= 2**16 else np.uint32)
 
 
-def write_json(path: Path, record: dict) -> None:
-    """``record`` as JSON, a key a line and each list one item a line, written item by item: a list of thousands
-    (a plan's inputs and units, a manifest's shards) is never held as one string, nor at all when it is an
-    iterator."""
+def write_json(path: Path, record: dict[str, object]) -> None:
+    """``record`` as JSON, a key a line and each top-level list one item a line, written item by item: a list of
+    thousands (a plan's inputs and units, a manifest's shards) is never held as one string, nor at all when it is
+    an iterator."""
     with atomic_write(path) as file:
         opening = b"{\n "
         for key, value in record.items():
+            if not isinstance(key, str):
+                raise TypeError(f"write_json: key {key!r} is not a string")
             file.write(opening + json.dumps(key).encode() + b": ")
             if isinstance(value, (list, Iterator)):
                 start = b"[\n  "
@@ -340,10 +342,12 @@ class HeapCeiling:
     """Keeps a process's resident memory flat over any number of batches. glibc keeps the pages of freed batches
     (text, ids) inside its heap, fragmented, so a worker's memory crept from 44 to 97 MB between a 50 MB and a
     2 GB file. Whenever the resident size grows ``SLACK`` past what the last return left, the free pages go back
-    (``malloc_trim``): a few times per unit at most. (A fixed mmap threshold kept memory flat too, but every batch
-    then faulted its pages in anew: BPE 20 % and bytes 2x slower.)"""
+    (``malloc_trim``): after most batches, as a batch's own memory is freed, so the next batch faults some pages in
+    anew. With 2 MiB that costs byte-level tokenizing ~10 % (4 MiB left a 2 GB file's workers 3 MB above a 50 MB
+    file's) and a BPE ~1 % (a batch encodes for 100+ ms, a trim takes 2). (A fixed mmap threshold kept memory flat
+    too, but faulted every page of every batch: BPE 20 % and bytes 2x slower.)"""
 
-    SLACK = 2 << 20  # 4 MiB left a 2 GB file's workers 3 MB above a 50 MB file's; 2 MiB costs bytes ~10 %, BPE nothing
+    SLACK = 2 << 20
 
     def __init__(self):
         self.trim = getattr(ctypes.CDLL(None), "malloc_trim", None) if sys.platform == "linux" else None  # glibc
@@ -516,8 +520,9 @@ def task_from_environment(task_index: int | None, num_tasks: int | None, planned
 def tokenize_to_folder(sources: list[str], out: str, tokenizer_path: str | None = None, text_field: str = "text",
                        workers: int | None = None, shard_tokens: int = SHARD_TOKENS, resume: bool = False,
                        task_index: int | None = None, num_tasks: int | None = None, wait: bool = False) -> dict | None:
-    """Tokenize ``sources`` into the shard folder ``out`` (this task's share of it); return the manifest, or
-    ``None`` when other tasks of the array still have units to finish. ``wait``: a folder another run is writing
+    """Tokenize ``sources`` into the shard folder ``out`` (this task's share of it); return the manifest's fields
+    but its shard list (``shard_count`` instead: the list can be long), or ``None`` when other tasks of the array
+    still have units to finish. ``wait``: a folder another run is writing
     is waited for, then continued or found complete (``fit``: two runs of a sweep sharing a corpus)."""
     folder, workers = Path(out), workers or _cores()
     if workers < 1 or shard_tokens < 1:
@@ -559,7 +564,9 @@ def tokenize_to_folder(sources: list[str], out: str, tokenizer_path: str | None 
                 if (folder / MANIFEST).exists():
                     print(f"tokenize: {folder} is already complete ({MANIFEST} written, same arguments and inputs); "
                           "nothing to do.", file=sys.stderr)
-                    return json.loads((folder / MANIFEST).read_text())
+                    manifest = json.loads((folder / MANIFEST).read_text())
+                    manifest["shard_count"] = len(manifest.pop("shards"))
+                    return manifest
             if tasks > 1 and plan.get("tasks", tasks) != tasks:  # a plain run (exclusive lock) may finish any plan
                 raise TokenizeError(f"tokenize: {folder} is tokenized by an array of {plan['tasks']} tasks, this task "
                                     f"counts {tasks}; rerun it with --num-tasks {plan['tasks']}, or finish the folder "
@@ -785,30 +792,41 @@ def _finish(folder: Path, plan: dict, tokenizer, tokenizer_path: str | None, tas
               f"{', '.join(map(str, owners[:10]))}{' ...' if len(owners) > 10 else ''} are not done yet. The last task "
               "to finish writes the manifest (a task that failed: rerun it with --resume).", file=sys.stderr)
         return None
-    totals, shards = {"tokens": 0, "documents": 0, "null_rows": 0, "max_id": -1}, 0
+    totals = {"tokens": 0, "documents": 0, "null_rows": 0, "max_id": -1, "shard_count": 0}
     for record in _unit_records(folder, plan):  # a first pass for the totals the manifest opens with
         totals["null_rows"] += record.get("null_rows", 0)
         for shard in record["shards"]:
-            shards += 1
+            totals["shard_count"] += 1
             for key in ("tokens", "documents"):
                 totals[key] += shard[key]
             totals["max_id"] = max(totals["max_id"], shard["max_id"])
-    if not shards:
+    if not totals["shard_count"]:
         raise TokenizeError(f"tokenize: sources {plan['sources']} hold no text; nothing written to {folder}.")
     header = {"format": FORMAT, "tokenizer": tokenizer_identity(tokenizer.spec()), "tokenizer_path": tokenizer_path,
               "vocab_size": tokenizer.vocab_size, "eos_id": tokenizer.eos_id,
               "dtype": token_dtype(tokenizer.vocab_size).name, "text_field": plan["text_field"], **totals,
               "input_files": len(plan["inputs"]), "input_bytes": sum(size for _, size, _ in plan["inputs"])}
-    shards = (shard for record in _unit_records(folder, plan) for shard in record["shards"])  # the second pass
-    write_json(folder / MANIFEST, {**header, "shards": shards})
-    return json.loads((folder / MANIFEST).read_text())
+    write_json(folder / MANIFEST, {**header, "shards": _listed_shards(folder, plan, totals)})
+    return header
 
 
 def _unit_records(folder: Path, plan: dict):
-    """Each unit's record, in order, read one at a time: a manifest of thousands of units is never held whole
-    while it is written."""
+    """Each unit's record, in order, read one at a time: a manifest of thousands of units is never held whole."""
     for unit in plan["units"]:
         yield json.loads(unit_record(folder, unit["index"]).read_text())
+
+
+def _listed_shards(folder: Path, plan: dict, totals: dict):
+    """The manifest's shards, read again; they must add up to the totals of the first reading (a record rewritten
+    in between would pair a header with other shards: the error leaves no manifest)."""
+    count, tokens = 0, 0
+    for record in _unit_records(folder, plan):
+        for shard in record["shards"]:
+            count, tokens = count + 1, tokens + shard["tokens"]
+            yield shard
+    if (count, tokens) != (totals["shard_count"], totals["tokens"]):
+        raise TokenizeError(f"tokenize: the unit records in {folder} changed while the manifest was written (is "
+                            "another run writing this folder?); rerun with --resume.")
 
 
 def write_token_file(sources: list[str], out_path: str, tokenizer_path: str | None = None,
@@ -890,4 +908,4 @@ def tokenize_main(argv: list[str] | None = None) -> None:
     if manifest is not None:
         nulls = f"; {manifest['null_rows']:,} rows with null text skipped" if manifest["null_rows"] else ""
         print(f"wrote {manifest['tokens']:,} tokens ({manifest['documents']:,} documents{nulls}) in "
-              f"{len(manifest['shards'])} shard(s) to {args.out}")
+              f"{manifest['shard_count']} shard(s) to {args.out}")
