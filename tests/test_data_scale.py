@@ -647,3 +647,20 @@ def test_a_manifest_whose_unit_records_change_between_its_two_readings_is_not_wr
     with pytest.raises(TokenizeError, match="changed while the manifest was written"):
         tokenize_to_folder([str(corpus)], str(tmp_path / "out"), workers=1, resume=True)
     assert not any(p.name.startswith("manifest.json") for p in (tmp_path / "out").iterdir())
+
+
+def test_partial_plans_and_manifests_of_a_killed_task_are_removed_by_the_next_writer_and_nothing_else(tmp_path):
+    """A task killed while writing the plan or the manifest leaves ``atomic_write``'s partial copy; the next task
+    to write that file (under the lock that makes it the only writer) removes it, and files merely named alike."""
+    corpus, out = jsonl(tmp_path / "c.jsonl", 50), tmp_path / "out"
+    out.mkdir()
+    (out / "tokenize-plan.json.k1ll3d_x.partial").write_text("{")
+    tokenize_to_folder([str(corpus)], str(out), workers=1)
+    assert not (out / "tokenize-plan.json.k1ll3d_x.partial").exists()
+    (out / "manifest.json").unlink()
+    left = ["manifest.json.ab_12xyz.partial", "manifest.json.backup", "manifest.json.mine.partial",
+            "notes-manifest.json.ab_12xyz.partial"]
+    for name in left:
+        (out / name).write_text("{")
+    assert tokenize_to_folder([str(corpus)], str(out), workers=1, resume=True)["documents"] == 50
+    assert [name for name in left if (out / name).exists()] == left[1:]

@@ -26,6 +26,7 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from contextlib import contextmanager
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 
@@ -40,7 +41,7 @@ from .sources import MANIFEST, TABLE_SUFFIXES, WORD_END, is_token_source, iter_j
 
 PLAN = "tokenize-plan.json"
 LOCK = "tokenize.lock"
-PLAN_LOCK = "tokenize-plan.lock"  # held while the first task of an array plans
+PLAN_LOCK = "tokenize-plan.lock"  # held while a task writes the plan or the manifest
 SHARD_TOKENS = 1 << 28  # 268M tokens: 512 MiB of uint16 or 1 GiB of uint32 per shard
 BATCH_CHARS = 1 << 19  # text encoded per batch (512 KiB, half the smallest unit): memory flat at any size
 MIN_UNIT_BYTES = 1 << 20  # units smaller than this cost more in start-up than they gain in balance
@@ -520,9 +521,8 @@ def task_from_environment(task_index: int | None, num_tasks: int | None, planned
 def tokenize_to_folder(sources: list[str], out: str, tokenizer_path: str | None = None, text_field: str = "text",
                        workers: int | None = None, shard_tokens: int = SHARD_TOKENS, resume: bool = False,
                        task_index: int | None = None, num_tasks: int | None = None, wait: bool = False) -> dict | None:
-    """Tokenize ``sources`` into the shard folder ``out`` (this task's share of it); return the manifest's fields
-    but its shard list (``shard_count`` instead: the list can be long), or ``None`` when other tasks of the array
-    still have units to finish. ``wait``: a folder another run is writing
+    """Tokenize ``sources`` into the shard folder ``out`` (this task's share of it); return the manifest's
+    ``_summary``, or ``None`` when other tasks of the array still have units to finish. ``wait``: a folder another run is writing
     is waited for, then continued or found complete (``fit``: two runs of a sweep sharing a corpus)."""
     folder, workers = Path(out), workers or _cores()
     if workers < 1 or shard_tokens < 1:
@@ -548,12 +548,9 @@ def tokenize_to_folder(sources: list[str], out: str, tokenizer_path: str | None 
             if not (folder / PLAN).exists():
                 if resume and not wait:  # said to a user who asked to resume (fit always continues a folder)
                     print(f"tokenize: {folder} holds no run yet; starting from the beginning.", file=sys.stderr)
-                planning = locks.acquire(folder / PLAN_LOCK, wait=True)  # one task of an array plans, the rest wait
-                try:
+                with _writing_shared_file(folder, PLAN):  # one task of an array plans, the rest wait for its plan
                     if not (folder / PLAN).exists():
                         plan = _new_plan(folder, identity, input_files(sources), tokenizer, tasks, first_id)
-                finally:
-                    planning.release()
             if plan is None:
                 if not resume and tasks == 1:
                     done = "holds a tokenized corpus" if (folder / MANIFEST).exists() else "holds an unfinished run"
@@ -564,9 +561,7 @@ def tokenize_to_folder(sources: list[str], out: str, tokenizer_path: str | None 
                 if (folder / MANIFEST).exists():
                     print(f"tokenize: {folder} is already complete ({MANIFEST} written, same arguments and inputs); "
                           "nothing to do.", file=sys.stderr)
-                    manifest = json.loads((folder / MANIFEST).read_text())
-                    manifest["shard_count"] = len(manifest.pop("shards"))
-                    return manifest
+                    return _summary(folder)
             if tasks > 1 and plan.get("tasks", tasks) != tasks:  # a plain run (exclusive lock) may finish any plan
                 raise TokenizeError(f"tokenize: {folder} is tokenized by an array of {plan['tasks']} tasks, this task "
                                     f"counts {tasks}; rerun it with --num-tasks {plan['tasks']}, or finish the folder "
@@ -792,6 +787,13 @@ def _finish(folder: Path, plan: dict, tokenizer, tokenizer_path: str | None, tas
               f"{', '.join(map(str, owners[:10]))}{' ...' if len(owners) > 10 else ''} are not done yet. The last task "
               "to finish writes the manifest (a task that failed: rerun it with --resume).", file=sys.stderr)
         return None
+    with _writing_shared_file(folder, MANIFEST):
+        if (folder / MANIFEST).exists():  # another task of the array finished too and wrote it
+            return _summary(folder)
+        return _write_manifest(folder, plan, tokenizer, tokenizer_path)
+
+
+def _write_manifest(folder: Path, plan: dict, tokenizer, tokenizer_path: str | None) -> dict:
     totals = {"tokens": 0, "documents": 0, "null_rows": 0, "max_id": -1, "shard_count": 0}
     for record in _unit_records(folder, plan):  # a first pass for the totals the manifest opens with
         totals["null_rows"] += record.get("null_rows", 0)
@@ -808,6 +810,28 @@ def _finish(folder: Path, plan: dict, tokenizer, tokenizer_path: str | None, tas
               "input_files": len(plan["inputs"]), "input_bytes": sum(size for _, size, _ in plan["inputs"])}
     write_json(folder / MANIFEST, {**header, "shards": _listed_shards(folder, plan, totals)})
     return header
+
+
+@contextmanager
+def _writing_shared_file(folder: Path, name: str):
+    """The plan and the manifest, which any task of an array may write, are written by one task at a time; under
+    that lock a partial copy of either (``atomic_write``'s name: a task killed while writing it) is stale and goes."""
+    held = locks.acquire(folder / PLAN_LOCK, wait=True)
+    try:
+        stale = re.compile(re.escape(name) + r"\.[a-z0-9_]{8}" + re.escape(PARTIAL_SUFFIX))
+        for entry in os.scandir(folder):
+            if stale.fullmatch(entry.name):
+                Path(entry.path).unlink(missing_ok=True)
+        yield
+    finally:
+        held.release()
+
+
+def _summary(folder: Path) -> dict:
+    """The manifest's fields but its shard list, which can be long: ``shard_count`` instead."""
+    manifest = json.loads((folder / MANIFEST).read_text())
+    manifest["shard_count"] = len(manifest.pop("shards"))
+    return manifest
 
 
 def _unit_records(folder: Path, plan: dict):
