@@ -664,3 +664,17 @@ def test_partial_plans_and_manifests_of_a_killed_task_are_removed_by_the_next_wr
         (out / name).write_text("{")
     assert tokenize_to_folder([str(corpus)], str(out), workers=1, resume=True)["documents"] == 50
     assert [name for name in left if (out / name).exists()] == left[1:]
+
+
+@pytest.mark.parametrize("first_chunk, chunk", [(1 << 10, 1 << 16), (2, 7)])
+def test_a_ranks_order_does_not_depend_on_the_chunks_its_indices_are_computed_in(monkeypatch, first_chunk, chunk):
+    """The sampler computes an epoch's indices in chunks that grow (a small first one: a quick first batch); the
+    order is the epoch's shuffle of the rank's positions computed in one piece."""
+    from moe_lightning.data import sampling
+    monkeypatch.setattr(sampling, "FIRST_CHUNK", first_chunk)
+    monkeypatch.setattr(sampling, "CHUNK", chunk)
+    for rank in range(3):
+        sampler = ResumableSampler(range(5000), num_replicas=3, rank=rank, seed=11)
+        sampler.set_epoch(2)
+        expected = Shuffle(5000, 11, 2)(np.arange(rank, 4998, 3)).tolist()
+        assert list(sampler) == expected and len(expected) == 1666

@@ -21,6 +21,7 @@ from .tokens import TokenStream
 PATTERN_LENGTH = 10_000  # the mixture repeats a fixed pattern of this many draws
 PATTERN_SEED = 0x6D6978  # the pattern's shuffle: fixed, so the interleave is the same for every run seed
 CHUNK = 1 << 16  # indices handed out per step of a sampler's iterator
+FIRST_CHUNK = 1 << 10  # ... at an epoch's start (shuffling 65,536 took 3-10 ms, up to 4 times the rest of start-up)
 
 
 class Shuffle:
@@ -96,9 +97,12 @@ def split_indices(num_sequences: int, val_fraction: float) -> tuple[Split, Split
 
 
 def dealt(start: int, end: int, step: int):
-    """The positions ``start, start + step, ... < end`` of an epoch a rank reads, as arrays of ``CHUNK``."""
-    for first in range(start, end, CHUNK * step):
-        yield np.arange(first, min(first + CHUNK * step, end), step, dtype=np.int64)
+    """The positions ``start, start + step, ... < end`` of an epoch a rank reads, as arrays that grow from
+    ``FIRST_CHUNK`` to ``CHUNK``: the first batch waits for a few indices, the rest are computed in bulk."""
+    size = min(FIRST_CHUNK, CHUNK)
+    while start < end:
+        yield np.arange(start, min(start + size * step, end), step, dtype=np.int64)
+        start, size = start + size * step, min(2 * size, CHUNK)
 
 
 class _StartsPartWay(DistributedSampler):
