@@ -138,9 +138,19 @@ def input_files(sources: list[str]) -> list[Path]:
     return files
 
 
-def describe_inputs(files: list[Path]) -> list[list]:
-    """``[path, bytes, mtime_ns]`` per input file: what a resumed run checks is unchanged."""
-    return [[str(p), s.st_size, s.st_mtime_ns] for p, s in ((p, p.stat()) for p in files)]
+def describe_inputs(files: list[Path], missing_ok: bool = False) -> list[list]:
+    """``[path, bytes, mtime_ns]`` per input file: what a resumed run checks is unchanged (``missing_ok``: a
+    file that is gone is left out, for the caller to name)."""
+    described = []
+    for path in files:
+        try:
+            stat = path.stat()
+        except FileNotFoundError:
+            if not missing_ok:
+                raise
+            continue
+        described.append([str(path), stat.st_size, stat.st_mtime_ns])
+    return described
 
 
 def plan_units(inputs: list[list], groups: dict[int, list[int]], target: int) -> list[dict]:
@@ -613,8 +623,7 @@ def _checked_plan(folder: Path, identity: dict, files: list[Path] | None, task: 
         used = sorted({i for u in plan["units"] if u["index"] % tasks == task
                        for i in range(u["start"][0], min(u["end"][0] + 1, len(plan["inputs"])))})
         expected = [plan["inputs"][i] for i in used]
-        now = [[p, *_size_and_time(Path(p))] for p, _, _ in expected]
-        now = [entry for entry in now if entry[1] is not None]
+        now = describe_inputs([Path(p) for p, _, _ in expected], missing_ok=True)
     else:
         expected, now = plan["inputs"], describe_inputs(files)
     if now != expected:
@@ -628,14 +637,6 @@ def _checked_plan(folder: Path, identity: dict, files: list[Path] | None, task: 
         raise TokenizeError(f"tokenize --resume: the inputs differ from those {folder} was tokenized from ({what}); "
                             "shards already written would not match them. Tokenize into a new folder.")
     return plan
-
-
-def _size_and_time(path: Path) -> tuple:
-    try:
-        stat = path.stat()
-    except FileNotFoundError:
-        return None, None
-    return stat.st_size, stat.st_mtime_ns
 
 
 def _remove_partials(folder: Path, units: list[dict]) -> None:
