@@ -678,3 +678,36 @@ def test_a_ranks_order_does_not_depend_on_the_chunks_its_indices_are_computed_in
         sampler.set_epoch(2)
         expected = Shuffle(5000, 11, 2)(np.arange(rank, 4998, 3)).tolist()
         assert list(sampler) == expected and len(expected) == 1666
+
+
+def test_progress_counts_bytes_of_input_not_characters_of_text(tmp_path):
+    """Was: progress added characters of text to a total of bytes ("50.0 of 52.0 MB ... done"). Every reader now
+    counts the bytes it reads, as it reads them: a whole file's count is its planned size, with multi-byte UTF-8
+    and JSON escapes (6 bytes a character), and a table's its groups' sizes (Parquet's as encoded)."""
+    text = "naïve café — 東京 🙂 " * 3000
+    (tmp_path / "t.txt").write_text(text * 40)  # 3.8 MB: several reads
+    (tmp_path / "t.jsonl").write_text("".join(json.dumps({"text": text[:i * 997]}) + "\n\n" for i in range(1, 40)))
+    paths = [tmp_path / "t.txt", tmp_path / "t.jsonl"]
+    try:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+        table = pa.table({"text": [text[:i % 50 * 7] for i in range(5000)] + [None], "n": list(range(5001))})
+        pq.write_table(table, tmp_path / "t.parquet", row_group_size=700)
+        with pa.ipc.new_stream(str(tmp_path / "t.arrow"), table.schema) as writer:
+            for batch in table.to_batches(max_chunksize=900):
+                writer.write_batch(batch)
+        paths += [tmp_path / "t.parquet", tmp_path / "t.arrow"]
+    except ImportError:
+        pass
+    for path in paths:
+        plan = tokenize_module.reading_plan([path], "text")
+        groups = plan["groups"].get("0")
+        whole = {"index": 0, "start": [0, 0], "end": [1, 0], "bytes": sum(groups) if groups else plan["inputs"][0][1]}
+        tally, seen = tokenize_module.new_tally(), []
+        for _ in tokenize_module.unit_segments(whole, plan, tally):
+            seen.append(tally["bytes_read"])
+        assert tally["bytes_read"] == whole["bytes"] and seen == sorted(seen), path.name
+        assert len(set(seen)) > 3, path.name  # counted as the file is read, not at its end
+        if groups is None:  # what was counted before: fewer characters than bytes
+            assert sum(len(t) for t, _ in tokenize_module.unit_segments(whole, plan, tokenize_module.new_tally())) \
+                < whole["bytes"]

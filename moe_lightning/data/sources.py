@@ -13,6 +13,8 @@ import re
 import sysconfig
 from pathlib import Path
 
+import numpy as np
+
 TEXT_SUFFIXES = {".txt", ".md", ".rst", ".py", ".c", ".h", ".json", ".yaml", ".yml", ".toml", ".html", ".tex"}
 TABLE_SUFFIXES = {".parquet", ".arrow"}  # read through pyarrow, one document per row
 READ_SUFFIXES = TEXT_SUFFIXES | {".jsonl"} | TABLE_SUFFIXES  # what a folder source reads
@@ -140,8 +142,10 @@ def last_word_end(text, start: int, end: int) -> int:
     return -1
 
 
-def iter_jsonl(path: Path, text_field: str, start: int = 0, end: int | None = None):
-    """Texts of the lines that begin in bytes ``[start, end)`` (a worker's slice of a large file)."""
+def iter_jsonl(path: Path, text_field: str, start: int = 0, end: int | None = None, tally: dict | None = None):
+    """Texts of the lines that begin in bytes ``[start, end)`` (a worker's slice of a large file); the bytes
+    read are added to ``tally["bytes_read"]`` (progress counts bytes of input, not characters of text)."""
+    tally = {"bytes_read": 0} if tally is None else tally
     with open(path, "rb") as f:
         if start:
             f.seek(start - 1)
@@ -151,6 +155,7 @@ def iter_jsonl(path: Path, text_field: str, start: int = 0, end: int | None = No
             raw = f.readline()
             if not raw:
                 break
+            tally["bytes_read"] += len(raw)
             line_no = None if line_no is None else line_no + 1
             line = raw.decode("utf-8", errors="replace")
             if line.strip():
@@ -224,9 +229,10 @@ def _arrow_batches(reader, wanted: list[int] | None = None):
             return
 
 
-def iter_table_batches(path: Path, text_field: str, groups: list[int] | None = None, batch_rows: int = 1024):
-    """``(texts, rows whose text is null)``, ``batch_rows`` rows (or one Arrow record batch) at a time, of the row
-    groups or record batches numbered in ``groups`` (all by default): memory stays bounded at any file size."""
+def iter_table_batches(path: Path, text_field: str, groups: list[int], batch_rows: int = 1024):
+    """``(texts, rows whose text is null, bytes read)``, ``batch_rows`` rows (or one Arrow record batch) at a
+    time, of the row groups or record batches numbered in ``groups``: memory stays bounded at any file size. The
+    bytes are those ``table_groups`` counts, a Parquet row group's spread over its rows."""
     pa, pq = pyarrow_modules()
     if path.suffix == ".parquet":
         file = pq.ParquetFile(str(path), buffer_size=1 << 20)  # column chunks read in pieces, not whole
@@ -245,11 +251,21 @@ def iter_table_batches(path: Path, text_field: str, groups: list[int] | None = N
         if groups == []:
             return
         batches = file.iter_batches(batch_size=batch_rows, columns=[text_field], row_groups=groups)
+        meta = file.metadata
+        rows_before = np.cumsum([0] + [meta.row_group(g).num_rows for g in groups])
+        bytes_before = np.cumsum([0] + [meta.row_group(g).total_byte_size for g in groups])
     else:
         batches = _arrow_batches(reader, groups)
+    rows, read = 0, 0
     for batch in batches:
         column = batch.column(batch.schema.get_field_index(text_field))
-        yield [text for text in column.to_pylist() if text is not None], column.null_count
+        if path.suffix == ".parquet":
+            rows += batch.num_rows
+            now = int(np.interp(rows, rows_before, bytes_before))
+            batch_bytes, read = now - read, now
+        else:
+            batch_bytes = batch.nbytes
+        yield [text for text in column.to_pylist() if text is not None], column.null_count, batch_bytes
 
 
 def parse_sources(source) -> tuple[list[dict], bool]:

@@ -238,7 +238,7 @@ def _character_start(data: bytes, at: int) -> int:
 _WORD_END_BYTES = re.compile(WORD_END.pattern.encode())
 
 
-def _text_file_segments(path: str, first: int, last: int, size: int):
+def _text_file_segments(path: str, first: int, last: int, size: int, tally: dict):
     """``(text, ends the document)`` for bytes ``[first, last)`` of a text file (one document), read a batch at a
     time and cut between words; the segment that reaches the file's end ends the document."""
     with open(path, "rb") as file:
@@ -247,6 +247,7 @@ def _text_file_segments(path: str, first: int, last: int, size: int):
         left, carry = end - begin, b""
         while left or carry:
             data = file.read(min(sources.SEGMENT_CHARS, left))
+            tally["bytes_read"] += len(data)
             if left and not data:
                 raise ValueError(f"{path}: the file is shorter than when the run was planned; tokenize again.")
             left, block = left - len(data), carry + data
@@ -260,23 +261,30 @@ def _text_file_segments(path: str, first: int, last: int, size: int):
             yield block[:cut].decode("utf-8", errors="replace"), not left and not carry and end == size
 
 
-def unit_segments(unit: dict, plan: dict, nulls: list[int]):
+def new_tally() -> dict:
+    """What reading a unit counts besides its texts: rows whose text is null, and input bytes read (progress)."""
+    return {"null_rows": 0, "bytes_read": 0}
+
+
+def unit_segments(unit: dict, plan: dict, tally: dict):
     """``(text, ends a document)`` for every piece of a unit, in corpus order; a text file's range that does not
-    start the file continues a document begun in the previous unit. Null table texts are counted in ``nulls``."""
+    start the file continues a document begun in the previous unit. Null table texts and the input's bytes as
+    they are read are counted in ``tally`` (``new_tally``)."""
     field = plan["text_field"]
     for path, first, last, whole, table in unit_pieces(unit, plan):
         if table:
-            for texts, null_rows in iter_table_batches(Path(path), field, list(range(first, last))):
-                nulls[0] += null_rows
+            for texts, null_rows, nbytes in iter_table_batches(Path(path), field, list(range(first, last))):
+                tally["null_rows"] += null_rows
+                tally["bytes_read"] += nbytes
                 for text in texts:
                     yield from _document(text)
         elif path.endswith(".jsonl"):
-            for text in iter_jsonl(Path(path), field, first, None if last == whole else last):
+            for text in iter_jsonl(Path(path), field, first, None if last == whole else last, tally):
                 yield from _document(text)
         else:
             if first > 0:
                 yield "", False  # continues a document: its end-of-document token is due even if this is empty
-            yield from _text_file_segments(path, first, last, whole)
+            yield from _text_file_segments(path, first, last, whole, tally)
 
 
 def _document(text: str):
@@ -287,8 +295,8 @@ def _document(text: str):
 
 
 def tokenized_batches(segment_stream, tokenizer, dtype: np.dtype):
-    """``(tokens, documents, characters)`` per batch of about ``BATCH_CHARS``: each non-empty document's ids then
-    the end-of-document token (a document split into segments gets one, after its last)."""
+    """``(tokens, documents)`` per batch of about ``BATCH_CHARS``: each non-empty document's ids then the
+    end-of-document token (a document split into segments gets one, after its last)."""
     eos = np.array([tokenizer.eos_id], dtype=dtype)
     batch, chars, open_tokens = [], 0, 0
 
@@ -304,7 +312,7 @@ def tokenized_batches(segment_stream, tokenizer, dtype: np.dtype):
                 documents, open_tokens = documents + 1, 0
             elif ends:
                 open_tokens = 0
-        return (np.concatenate(parts) if parts else eos[:0]), documents, chars
+        return (np.concatenate(parts) if parts else eos[:0]), documents
 
     for text, ends in segment_stream:
         if text == "" and not ends:  # marks a continued document
@@ -388,12 +396,12 @@ def tokenize_unit(index: int) -> dict:
     plan, out, tokenizer, slots = _WORKER["plan"], _WORKER["out"], _WORKER["tokenizer"], _WORKER["slots"]
     unit = plan["units"][index]
     slots[SLOTS * index + 2] = os.getpid()  # whose unit this is, should this process die
-    dtype, shards, nulls = token_dtype(tokenizer.vocab_size), [], [0]
-    batches = tokenized_batches(unit_segments(unit, plan, nulls), tokenizer, dtype)
+    dtype, shards, tally = token_dtype(tokenizer.vocab_size), [], new_tally()
+    batches = tokenized_batches(unit_segments(unit, plan, tally), tokenizer, dtype)
 
     def reported(stream):
-        for tokens, documents, chars in stream:
-            slots[SLOTS * index] = min(slots[SLOTS * index] + chars, unit["bytes"])
+        for tokens, documents in stream:
+            slots[SLOTS * index] = min(tally["bytes_read"], unit["bytes"])
             slots[SLOTS * index + 1] += len(tokens)
             _WORKER["tick"]()
             _WORKER["heap"].check()
@@ -414,7 +422,7 @@ def tokenize_unit(index: int) -> dict:
                     break
                 shard.write(tokens, documents)
             shards.append(shard.finish(name))
-    record = {"index": index, "bytes": unit["bytes"], "shards": shards, "null_rows": nulls[0]}
+    record = {"index": index, "bytes": unit["bytes"], "shards": shards, "null_rows": tally["null_rows"]}
     write_json(unit_record(out, index), record)
     slots[SLOTS * index] = unit["bytes"]
     return record
@@ -870,7 +878,7 @@ def write_token_file(sources: list[str], out_path: str, tokenizer_path: str | No
     sidecar, dtype = sidecar_path(out), token_dtype(tokenizer.vocab_size)
     with atomic_write(out) as file:
         writer = NpyStream(file, dtype)
-        for tokens, documents, _ in tokenized_batches(unit_segments(whole, plan, [0]), tokenizer, dtype):
+        for tokens, documents in tokenized_batches(unit_segments(whole, plan, new_tally()), tokenizer, dtype):
             writer.write(tokens, documents)
         if writer.tokens == 0:
             raise ValueError(f"sources {sources}: no text found, nothing to write.")
@@ -889,18 +897,18 @@ def tokenize_in_memory(files: list[Path], tokenizer, text_field: str,
     so a "\\r\\n" file gives the same ids either way); stops at the batch that reaches ``max_tokens``.
     Returns the tokens and how many files were read."""
     plan, dtype = reading_plan(files, text_field), token_dtype(tokenizer.vocab_size)
-    chunks, count, nulls = [], 0, [0]
+    chunks, count, tally = [], 0, new_tally()
     for i in range(len(files)):
         unit = {"index": 0, "start": [i, 0], "end": [i + 1, 0], "bytes": plan["inputs"][i][1]}
-        for tokens, _, _ in tokenized_batches(unit_segments(unit, plan, nulls), tokenizer, dtype):
+        for tokens, _ in tokenized_batches(unit_segments(unit, plan, tally), tokenizer, dtype):
             chunks.append(tokens)
             count += len(tokens)
             if max_tokens is not None and count >= max_tokens:
                 break
         if max_tokens is not None and count >= max_tokens:
             break
-    if nulls[0]:
-        sources.info(f"data: skipped {nulls[0]:,} table row(s) whose {text_field!r} is null")
+    if tally["null_rows"]:
+        sources.info(f"data: skipped {tally['null_rows']:,} table row(s) whose {text_field!r} is null")
     return (np.concatenate(chunks) if chunks else np.zeros(0, dtype=dtype)), i + 1 if files else 0
 
 
