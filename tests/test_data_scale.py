@@ -678,6 +678,11 @@ def test_a_ranks_order_does_not_depend_on_the_chunks_its_indices_are_computed_in
         sampler.set_epoch(2)
         expected = Shuffle(5000, 11, 2)(np.arange(rank, 4998, 3)).tolist()
         assert list(sampler) == expected and len(expected) == 1666
+        sampler.resume_epoch, sampler.resume_samples = 2, 1001  # resumed part-way through the epoch
+        assert list(sampler) == Shuffle(5000, 11, 2)(np.arange(1001 + rank, 4998, 3)).tolist()
+    sizes = [len(chunk) for chunk in sampling.dealt(5, 3 * 300_000 + 5, 3)]
+    assert sizes[:3] == [first_chunk, min(2 * first_chunk, chunk), min(4 * first_chunk, chunk)]
+    assert sum(sizes) == 300_000 and max(sizes) == chunk
 
 
 def test_progress_counts_bytes_of_input_not_characters_of_text(tmp_path):
@@ -711,3 +716,50 @@ def test_progress_counts_bytes_of_input_not_characters_of_text(tmp_path):
         if groups is None:  # what was counted before: fewer characters than bytes
             assert sum(len(t) for t, _ in tokenize_module.unit_segments(whole, plan, tokenize_module.new_tally())) \
                 < whole["bytes"]
+
+
+def test_a_finished_corpus_on_a_read_only_mount_is_read_without_taking_its_locks(tmp_path):
+    """Was: fit on a finished shard folder mounted read-only stopped at creating tokenize.lock (a raw
+    "Read-only file system"). Nothing can be writing such a folder, so it is checked and read without locks."""
+    corpus, out, mounted = jsonl(tmp_path / "c.jsonl", 50), tmp_path / "out", tmp_path / "ro"
+    first = tokenize_to_folder([str(corpus)], str(out), workers=1)
+    mounted.mkdir()
+    if subprocess.run(["mount", "--bind", str(out), str(mounted)], capture_output=True).returncode != 0:
+        pytest.skip("bind mounts need root (CAP_SYS_ADMIN)")
+    try:
+        if subprocess.run(["mount", "-o", "remount,ro,bind", str(mounted)], capture_output=True).returncode != 0:
+            pytest.skip("cannot remount read-only")
+        before = sorted(p.name for p in out.iterdir())
+        assert tokenize_to_folder([str(corpus)], str(mounted), workers=1, resume=True, wait=True) == first
+        with pytest.raises(FileExistsError, match="pass --resume"):  # the same checks as a writable folder
+            tokenize_to_folder([str(corpus)], str(mounted), workers=1)
+        with pytest.raises(TokenizeError, match="other text_field"):
+            tokenize_to_folder([str(corpus)], str(mounted), text_field="body", workers=1, resume=True)
+        assert sorted(p.name for p in out.iterdir()) == before
+    finally:
+        subprocess.run(["umount", str(mounted)], capture_output=True)
+
+
+def test_a_task_waiting_to_write_the_plan_says_for_whom_and_a_manifest_written_meanwhile_is_kept(tmp_path, capsys):
+    """Tasks of an array take turns writing the plan and the manifest: one that must wait says who holds the
+    turn (a suspended holder would otherwise look like a hang); the last to finish finds the manifest written."""
+    corpus, out = jsonl(tmp_path / "c.jsonl", 50), tmp_path / "out"
+    out.mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", f"""
+import sys, time
+from pathlib import Path
+from moe_lightning import locks
+held = locks.acquire(Path({str(out / "tokenize-plan.lock")!r}))
+print("held", flush=True)
+time.sleep(2)
+held.release()
+"""], env=clean_env(), stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        first = tokenize_to_folder([str(corpus)], str(out), workers=1)
+    finally:
+        holder.wait(timeout=120)
+    assert re.search(r"waiting for .*pid %d to write .*tokenize-plan\.json" % holder.pid,
+                     capsys.readouterr().err)
+    plan = json.loads((out / "tokenize-plan.json").read_text())
+    assert tokenize_module._finish(out, plan, ByteTokenizer(), None, 0, 1) == first  # written already: read

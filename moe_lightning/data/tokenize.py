@@ -26,8 +26,8 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
-from contextlib import contextmanager
 from concurrent.futures.process import BrokenProcessPool
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -540,8 +540,8 @@ def tokenize_to_folder(sources: list[str], out: str, tokenizer_path: str | None 
                        workers: int | None = None, shard_tokens: int = SHARD_TOKENS, resume: bool = False,
                        task_index: int | None = None, num_tasks: int | None = None, wait: bool = False) -> dict | None:
     """Tokenize ``sources`` into the shard folder ``out`` (this task's share of it); return the manifest's
-    ``_summary``, or ``None`` when other tasks of the array still have units to finish. ``wait``: a folder another run is writing
-    is waited for, then continued or found complete (``fit``: two runs of a sweep sharing a corpus)."""
+    ``_summary``, or ``None`` when other tasks of the array still have units to finish. ``wait``: a folder another
+    run is writing is waited for, then continued or found complete (``fit``: two runs of a sweep sharing a corpus)."""
     folder, workers = Path(out), workers or _cores()
     if workers < 1 or shard_tokens < 1:
         raise TokenizeError(f"tokenize: --workers={workers} and --shard-tokens={shard_tokens} must be positive.")
@@ -557,6 +557,11 @@ def tokenize_to_folder(sources: list[str], out: str, tokenizer_path: str | None 
             not p.name.startswith("tokenize") for p in folder.iterdir()):
         raise FileExistsError(f"tokenize: --out {folder} exists and is not a tokenize folder (no {PLAN}); choose "
                               "another folder.")
+    if (folder / MANIFEST).exists() and not os.access(folder, os.W_OK):
+        # a finished corpus where nothing can be written (a read-only mount): nothing can be writing it either, so
+        # it is checked and read without a lock (which could not be taken)
+        _existing_plan(folder, identity, sources, resume, task, tasks)
+        return _complete(folder)
     folder.mkdir(parents=True, exist_ok=True)
     with _stopped_by_signals():  # a signal while waiting for the lock stops the wait too
         held = lock_folder(folder, task, tasks, wait)
@@ -570,16 +575,9 @@ def tokenize_to_folder(sources: list[str], out: str, tokenizer_path: str | None 
                     if not (folder / PLAN).exists():
                         plan = _new_plan(folder, identity, input_files(sources), tokenizer, tasks, first_id)
             if plan is None:
-                if not resume and tasks == 1:
-                    done = "holds a tokenized corpus" if (folder / MANIFEST).exists() else "holds an unfinished run"
-                    raise FileExistsError(f"tokenize: --out {folder} already {done}; pass --resume to continue "
-                                          "the run that wrote it, or choose another folder.")
-                # a task of an array checks its own units' files; a plain run (the array's last step) the listing
-                plan = _checked_plan(folder, identity, input_files(sources) if tasks == 1 else None, task, tasks)
+                plan = _existing_plan(folder, identity, sources, resume, task, tasks)
                 if (folder / MANIFEST).exists():
-                    print(f"tokenize: {folder} is already complete ({MANIFEST} written, same arguments and inputs); "
-                          "nothing to do.", file=sys.stderr)
-                    return _summary(folder)
+                    return _complete(folder)
             if tasks > 1 and plan.get("tasks", tasks) != tasks:  # a plain run (exclusive lock) may finish any plan
                 raise TokenizeError(f"tokenize: {folder} is tokenized by an array of {plan['tasks']} tasks, this task "
                                     f"counts {tasks}; rerun it with --num-tasks {plan['tasks']}, or finish the folder "
@@ -592,6 +590,23 @@ def tokenize_to_folder(sources: list[str], out: str, tokenizer_path: str | None 
     finally:
         for lock in held:
             lock.release()
+
+
+def _existing_plan(folder: Path, identity: dict, sources: list[str], resume: bool, task: int, tasks: int) -> dict:
+    """The plan of a folder a run has written, if this run may continue it: asked to (``--resume``, or a task of
+    an array), with the same arguments and inputs."""
+    if not resume and tasks == 1:
+        done = "holds a tokenized corpus" if (folder / MANIFEST).exists() else "holds an unfinished run"
+        raise FileExistsError(f"tokenize: --out {folder} already {done}; pass --resume to continue the run that "
+                              "wrote it, or choose another folder.")
+    # a task of an array checks its own units' files; a plain run (the array's last step) the listing
+    return _checked_plan(folder, identity, input_files(sources) if tasks == 1 else None, task, tasks)
+
+
+def _complete(folder: Path) -> dict:
+    print(f"tokenize: {folder} is already complete ({MANIFEST} written, same arguments and inputs); nothing to do.",
+          file=sys.stderr)
+    return _summary(folder)
 
 
 def reading_plan(files: list[Path], text_field: str) -> dict:
@@ -823,17 +838,26 @@ def _write_manifest(folder: Path, plan: dict, tokenizer, tokenizer_path: str | N
 
 @contextmanager
 def _writing_shared_file(folder: Path, name: str):
-    """The plan and the manifest, which any task of an array may write, are written by one task at a time; under
-    that lock a partial copy of either (``atomic_write``'s name: a task killed while writing it) is stale and goes."""
-    held = locks.acquire(folder / PLAN_LOCK, wait=True)
+    """The plan and the manifest, which any task of an array may write, are written by one task at a time (the
+    others wait, saying for whom); under that lock a partial copy of either (a task killed while writing it) is
+    stale and goes, except where flock is local to each node and a writer on another node may be live."""
     try:
-        stale = re.compile(re.escape(name) + r"\.[a-z0-9_]{8}" + re.escape(PARTIAL_SUFFIX))
-        for entry in os.scandir(folder):
-            if stale.fullmatch(entry.name):
-                Path(entry.path).unlink(missing_ok=True)
+        held = locks.acquire(folder / PLAN_LOCK)
+    except locks.FolderLockedError as error:
+        print(f"tokenize: waiting for {error.holders} to write {folder / name}.", file=sys.stderr, flush=True)
+        held = locks.acquire(folder / PLAN_LOCK, wait=True)
+    try:
+        if locks.local_only_flock(folder) is None:
+            for entry in os.scandir(folder):
+                copy = _PARTIAL_COPY.fullmatch(entry.name)
+                if copy and copy.group(1) == name:
+                    Path(entry.path).unlink(missing_ok=True)
         yield
     finally:
         held.release()
+
+
+_PARTIAL_COPY = re.compile(r"(.+)\.[a-z0-9_]{8}" + re.escape(PARTIAL_SUFFIX))  # atomic_write's (mkstemp's) name
 
 
 def _summary(folder: Path) -> dict:
