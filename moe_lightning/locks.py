@@ -184,7 +184,9 @@ def _warn_if_local_only(path: Path) -> None:
 
 def local_only_flock(folder: Path, mountinfo: str | None = None) -> str | None:
     """Why flock in ``folder`` is local to each node (``"lustre mounted localflock"``), from the mount that holds it
-    (``/proc/self/mountinfo``, or the text given), or ``None``."""
+    (``/proc/self/mountinfo``, or the text given), or ``None``. ``folder`` is resolved first: a relative path or a
+    symlink names the mount it lands on."""
+    folder = Path(os.path.realpath(folder))
     if mountinfo is None:
         try:
             mountinfo = Path("/proc/self/mountinfo").read_text()

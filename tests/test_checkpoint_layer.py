@@ -473,6 +473,17 @@ def test_a_mount_whose_flock_is_local_to_each_node_is_named():
     assert locks.local_only_flock(Path("/my runs/x"), mountinfo + "\n" + spaced) == "nfs at /my runs is mounted nolock"
 
 
+def test_a_relative_or_symlinked_folder_is_named_by_the_mount_it_lands_on(tmp_path, monkeypatch):
+    """Was: ``tokenize --out shards`` run from inside a localflock Lustre mount matched no mount point."""
+    real = os.path.realpath(tmp_path)
+    mountinfo = f"22 1 0:21 / / rw - ext4 /dev/vda rw\n40 22 0:35 / {real} rw - lustre fs rw,localflock"
+    (tmp_path / "shards").mkdir()
+    (tmp_path.parent / f"{tmp_path.name}-link").symlink_to(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    for folder in [Path("shards"), Path("shards/new"), tmp_path.parent / f"{tmp_path.name}-link" / "shards"]:
+        assert locks.local_only_flock(folder, mountinfo) == f"lustre at {real} is mounted localflock", folder
+
+
 def test_the_lock_in_a_checkpoint_folder_is_not_taken_for_a_stale_checkpoint(tmp_path):
     """Lightning warns when a checkpoint folder is not empty; the lock it now holds made every fit say so."""
     import warnings

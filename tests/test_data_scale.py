@@ -649,7 +649,8 @@ def test_a_manifest_whose_unit_records_change_between_its_two_readings_is_not_wr
     assert not any(p.name.startswith("manifest.json") for p in (tmp_path / "out").iterdir())
 
 
-def test_partial_plans_and_manifests_of_a_killed_task_are_removed_by_the_next_writer_and_nothing_else(tmp_path):
+def test_partial_plans_and_manifests_of_a_killed_task_are_removed_by_the_next_writer_and_nothing_else(tmp_path,
+                                                                                                     monkeypatch):
     """A task killed while writing the plan or the manifest leaves ``atomic_write``'s partial copy; the next task
     to write that file (under the lock that makes it the only writer) removes it, and files merely named alike."""
     corpus, out = jsonl(tmp_path / "c.jsonl", 50), tmp_path / "out"
@@ -664,6 +665,12 @@ def test_partial_plans_and_manifests_of_a_killed_task_are_removed_by_the_next_wr
         (out / name).write_text("{")
     assert tokenize_to_folder([str(corpus)], str(out), workers=1, resume=True)["documents"] == 50
     assert [name for name in left if (out / name).exists()] == left[1:]
+    # where flock is local to each node, a writer on another node may be live: its copy stays
+    monkeypatch.setattr(tokenize_module.locks, "local_only_flock", lambda folder: "lustre at /x is mounted localflock")
+    (out / "manifest.json").unlink()
+    (out / left[0]).write_text("{")
+    tokenize_to_folder([str(corpus)], str(out), workers=1, resume=True)
+    assert (out / left[0]).exists() and (out / "manifest.json").exists()
 
 
 @pytest.mark.parametrize("first_chunk, chunk", [(1 << 10, 1 << 16), (2, 7)])
@@ -680,7 +687,7 @@ def test_a_ranks_order_does_not_depend_on_the_chunks_its_indices_are_computed_in
         assert list(sampler) == expected and len(expected) == 1666
         sampler.resume_epoch, sampler.resume_samples = 2, 1001  # resumed part-way through the epoch
         assert list(sampler) == Shuffle(5000, 11, 2)(np.arange(1001 + rank, 4998, 3)).tolist()
-    sizes = [len(chunk) for chunk in sampling.dealt(5, 3 * 300_000 + 5, 3)]
+    sizes = [len(piece) for piece in sampling.dealt(5, 3 * 300_000 + 5, 3)]
     assert sizes[:3] == [first_chunk, min(2 * first_chunk, chunk), min(4 * first_chunk, chunk)]
     assert sum(sizes) == 300_000 and max(sizes) == chunk
 
@@ -720,12 +727,16 @@ def test_progress_counts_bytes_of_input_not_characters_of_text(tmp_path):
 
 def test_a_finished_corpus_on_a_read_only_mount_is_read_without_taking_its_locks(tmp_path):
     """Was: fit on a finished shard folder mounted read-only stopped at creating tokenize.lock (a raw
-    "Read-only file system"). Nothing can be writing such a folder, so it is checked and read without locks."""
+    "Read-only file system"). Nothing writes a finished folder, so it is checked and read without locks; an
+    unfinished one that cannot be written is one line."""
     corpus, out, mounted = jsonl(tmp_path / "c.jsonl", 50), tmp_path / "out", tmp_path / "ro"
     first = tokenize_to_folder([str(corpus)], str(out), workers=1)
     mounted.mkdir()
-    if subprocess.run(["mount", "--bind", str(out), str(mounted)], capture_output=True).returncode != 0:
-        pytest.skip("bind mounts need root (CAP_SYS_ADMIN)")
+    try:
+        if subprocess.run(["mount", "--bind", str(out), str(mounted)], capture_output=True).returncode != 0:
+            pytest.skip("bind mounts need root (CAP_SYS_ADMIN)")
+    except FileNotFoundError:
+        pytest.skip("no mount command")
     try:
         if subprocess.run(["mount", "-o", "remount,ro,bind", str(mounted)], capture_output=True).returncode != 0:
             pytest.skip("cannot remount read-only")
@@ -736,30 +747,47 @@ def test_a_finished_corpus_on_a_read_only_mount_is_read_without_taking_its_locks
         with pytest.raises(TokenizeError, match="other text_field"):
             tokenize_to_folder([str(corpus)], str(mounted), text_field="body", workers=1, resume=True)
         assert sorted(p.name for p in out.iterdir()) == before
+        (out / "manifest.json").unlink()  # now unfinished, seen through the read-only mount
+        with pytest.raises(TokenizeError, match=r"cannot write in .*ro \(Read-only file system\).*no manifest.json"):
+            tokenize_to_folder([str(corpus)], str(mounted), workers=1, resume=True)
     finally:
-        subprocess.run(["umount", str(mounted)], capture_output=True)
+        if subprocess.run(["umount", str(mounted)], capture_output=True).returncode != 0:
+            subprocess.run(["umount", "-l", str(mounted)], check=True)
 
 
-def test_a_task_waiting_to_write_the_plan_says_for_whom_and_a_manifest_written_meanwhile_is_kept(tmp_path, capsys):
-    """Tasks of an array take turns writing the plan and the manifest: one that must wait says who holds the
-    turn (a suspended holder would otherwise look like a hang); the last to finish finds the manifest written."""
+def test_a_task_waiting_to_write_the_plan_says_for_whom_and_a_manifest_written_meanwhile_is_kept(tmp_path):
+    """Tasks of an array take turns writing the plan and the manifest: one that must wait says which task holds
+    the turn (a suspended holder would otherwise look like a hang); the last to finish finds the manifest written."""
     corpus, out = jsonl(tmp_path / "c.jsonl", 50), tmp_path / "out"
     out.mkdir()
     holder = subprocess.Popen([sys.executable, "-c", f"""
-import sys, time
+import sys
 from pathlib import Path
 from moe_lightning import locks
-held = locks.acquire(Path({str(out / "tokenize-plan.lock")!r}))
+held = locks.acquire(Path({str(out / "tokenize-plan.lock")!r}), about={{"task": 3, "tasks": 8}})
 print("held", flush=True)
-time.sleep(2)
+sys.stdin.readline()  # held until the test has seen the waiting task say so
 held.release()
-"""], env=clean_env(), stdout=subprocess.PIPE, text=True)
+"""], env=clean_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    waiter = None
     try:
         assert holder.stdout.readline().strip() == "held"
-        first = tokenize_to_folder([str(corpus)], str(out), workers=1)
+        waiter = subprocess.Popen([sys.executable, "-m", "moe_lightning", "tokenize", str(corpus), "--out", str(out),
+                                   "--workers", "1"], env=clean_env(), stderr=subprocess.PIPE, text=True)
+        said = waiter.stderr.readline()
+        assert re.fullmatch(r"tokenize: waiting for task 3 of 8, host .*, pid %d to write .*tokenize-plan\.json\.\n"
+                            % holder.pid, said), said
+        holder.stdin.write("go\n")
+        holder.stdin.flush()
+        assert waiter.wait(timeout=300) == 0 and holder.wait(timeout=300) == 0
     finally:
-        holder.wait(timeout=120)
-    assert re.search(r"waiting for .*pid %d to write .*tokenize-plan\.json" % holder.pid,
-                     capsys.readouterr().err)
+        for process in (holder, waiter):
+            if process is not None:
+                process.kill()
+                process.wait()
+                for stream in (process.stdin, process.stdout, process.stderr):
+                    if stream is not None:
+                        stream.close()
     plan = json.loads((out / "tokenize-plan.json").read_text())
-    assert tokenize_module._finish(out, plan, ByteTokenizer(), None, 0, 1) == first  # written already: read
+    written = tokenize_module._summary(out)
+    assert tokenize_module._finish(out, plan, ByteTokenizer(), None, 0, 1) == written and written["documents"] == 50

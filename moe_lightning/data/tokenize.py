@@ -13,6 +13,7 @@ Nothing here imports torch or Lightning.
 
 import argparse
 import ctypes
+import errno
 import io
 import itertools
 import json
@@ -557,21 +558,29 @@ def tokenize_to_folder(sources: list[str], out: str, tokenizer_path: str | None 
             not p.name.startswith("tokenize") for p in folder.iterdir()):
         raise FileExistsError(f"tokenize: --out {folder} exists and is not a tokenize folder (no {PLAN}); choose "
                               "another folder.")
-    if (folder / MANIFEST).exists() and not os.access(folder, os.W_OK):
-        # a finished corpus where nothing can be written (a read-only mount): nothing can be writing it either, so
-        # it is checked and read without a lock (which could not be taken)
-        _existing_plan(folder, identity, sources, resume, task, tasks)
-        return _complete(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    with _stopped_by_signals():  # a signal while waiting for the lock stops the wait too
-        held = lock_folder(folder, task, tasks, wait)
+    if (folder / MANIFEST).exists():
+        # a finished corpus: nothing writes it again (a run either finds it complete or is refused), so it is
+        # checked and read without a lock, which a read-only mount or a FUSE one could not give
+        with _stopped_by_signals():
+            _existing_plan(folder, identity, sources, resume, task, tasks)
+            return _complete(folder)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with _stopped_by_signals():  # a signal while waiting for the lock stops the wait too
+            held = lock_folder(folder, task, tasks, wait)
+    except OSError as error:  # a read-only mount, or a folder of another user's
+        if not isinstance(error, PermissionError) and error.errno != errno.EROFS:
+            raise
+        raise TokenizeError(f"tokenize: cannot write in {folder} ({error.strerror or _one_line(error)}), and it holds "
+                            f"no finished corpus (no {MANIFEST}); tokenize into a folder you can write.") from None
     try:
         with _stopped_by_signals():
             plan = None
             if not (folder / PLAN).exists():
                 if resume and not wait:  # said to a user who asked to resume (fit always continues a folder)
                     print(f"tokenize: {folder} holds no run yet; starting from the beginning.", file=sys.stderr)
-                with _writing_shared_file(folder, PLAN):  # one task of an array plans, the rest wait for its plan
+                # one task of an array plans, the rest wait for its plan
+                with _writing_shared_file(folder, PLAN, {"task": task, "tasks": tasks}):
                     if not (folder / PLAN).exists():
                         plan = _new_plan(folder, identity, input_files(sources), tokenizer, tasks, first_id)
             if plan is None:
@@ -811,7 +820,7 @@ def _finish(folder: Path, plan: dict, tokenizer, tokenizer_path: str | None, tas
               f"{', '.join(map(str, owners[:10]))}{' ...' if len(owners) > 10 else ''} are not done yet. The last task "
               "to finish writes the manifest (a task that failed: rerun it with --resume).", file=sys.stderr)
         return None
-    with _writing_shared_file(folder, MANIFEST):
+    with _writing_shared_file(folder, MANIFEST, {"task": task, "tasks": tasks}):
         if (folder / MANIFEST).exists():  # another task of the array finished too and wrote it
             return _summary(folder)
         return _write_manifest(folder, plan, tokenizer, tokenizer_path)
@@ -837,15 +846,15 @@ def _write_manifest(folder: Path, plan: dict, tokenizer, tokenizer_path: str | N
 
 
 @contextmanager
-def _writing_shared_file(folder: Path, name: str):
+def _writing_shared_file(folder: Path, name: str, about: dict):
     """The plan and the manifest, which any task of an array may write, are written by one task at a time (the
     others wait, saying for whom); under that lock a partial copy of either (a task killed while writing it) is
     stale and goes, except where flock is local to each node and a writer on another node may be live."""
     try:
-        held = locks.acquire(folder / PLAN_LOCK)
+        held = locks.acquire(folder / PLAN_LOCK, about=about)
     except locks.FolderLockedError as error:
         print(f"tokenize: waiting for {error.holders} to write {folder / name}.", file=sys.stderr, flush=True)
-        held = locks.acquire(folder / PLAN_LOCK, wait=True)
+        held = locks.acquire(folder / PLAN_LOCK, about=about, wait=True)
     try:
         if locks.local_only_flock(folder) is None:
             for entry in os.scandir(folder):
