@@ -12,6 +12,7 @@ class ByteTokenizer:
 
     vocab_size = 257
     eos_id = 256
+    document_start = document_end = ()  # no special tokens around a document
 
     def spec(self) -> dict:
         return {"kind": "bytes"}
@@ -53,6 +54,20 @@ class HFTokenizer:
         else:  # a tokenizer trained without one: one more id, after the vocabulary
             self.vocab_size = self._tok.get_vocab_size() + 1
             self.eos_id = self.vocab_size - 1
+        self.document_start, self.document_end = self._specials_around_a_text()
+
+    def _specials_around_a_text(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """The ids the post-processor puts before and after a text (a Llama-style BOS; BERT's [CLS] and [SEP]):
+        ``tokenize`` encodes a long document in pieces, so it adds them once a document, not once a piece. An
+        end-of-sequence id at the end is left out: ``tokenize`` ends every document with ``eos_id``."""
+        bare = self._tok.encode("a", add_special_tokens=False)
+        inner, full = bare.ids, self._tok.post_process(bare).ids
+        start = next((i for i in range(len(full) - len(inner) + 1) if full[i:i + len(inner)] == inner), 0) \
+            if inner else len(full)  # a probe with no ids of its own (no "a", no unknown token): all before it
+        before, after = full[:start], full[start + len(inner):]
+        if after and after[-1] == self.eos_id:
+            after = after[:-1]
+        return tuple(before), tuple(after)
 
     def spec(self) -> dict:
         """The whole JSON travels with the checkpoint: generation works where the files are gone."""
@@ -63,11 +78,12 @@ class HFTokenizer:
         return np.asarray(self._tok.encode(text).ids, dtype=np.uint32)
 
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
-        """``tokenizers``' batch encoding (the same ids as ``encode``, one call into Rust per batch): its
-        ``encode_batch_fast`` (tokenizers >= 0.20) skips the character offsets that ids never need (an 8k BPE
-        encoded about 1.5x as fast: benchmarks/data_scale.py)."""
+        """The ids of each text without the post-processor's special tokens (``document_start`` and
+        ``document_end`` hold them), one call into Rust per batch: ``encode_batch_fast`` (tokenizers >= 0.20)
+        skips the character offsets that ids never need (an 8k BPE encoded about 1.5x as fast:
+        benchmarks/data_scale.py)."""
         encode = getattr(self._tok, "encode_batch_fast", None) or self._tok.encode_batch
-        return [np.asarray(e.ids, dtype=np.uint32) for e in encode(texts)]
+        return [np.asarray(e.ids, dtype=np.uint32) for e in encode(texts, add_special_tokens=False)]
 
     def decode(self, ids) -> str:
         return self._tok.decode([int(i) for i in ids if int(i) != self.eos_id])

@@ -791,3 +791,34 @@ held.release()
     plan = json.loads((out / "tokenize-plan.json").read_text())
     written = tokenize_module._summary(out)
     assert tokenize_module._finish(out, plan, ByteTokenizer(), None, 0, 1) == written and written["documents"] == 50
+
+
+def test_a_tokenizers_special_tokens_go_around_each_document_once_however_it_is_cut(tmp_path, monkeypatch):
+    """Was: a Llama-style post-processor put its BOS at the start of every piece of a long document, and an
+    empty document became BOS then end-of-document. Each document now gets what ``Tokenizer.encode`` gives for it
+    whole, then the end-of-document id: in a JSONL cut into segments and a .txt cut into units over workers."""
+    from tokenizers import Tokenizer, processors
+    from tests.test_data_shards import bpe_tokenizer
+    from moe_lightning.tokenizer import HFTokenizer
+    words = [f"w{i % 97}ord{'é' * (i % 3)}" for i in range(8000)]
+    long_text = "".join(w + (" " if i % 11 else "\n  ") for i, w in enumerate(words))
+    documents = ["a short one", "", long_text, "another  short"]
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in documents))
+    (tmp_path / "long.txt").write_text(long_text)
+    reference = Tokenizer.from_file(bpe_tokenizer(tmp_path / "bpe.json", long_text[:20000]))
+    reference.add_special_tokens(["<s>"])
+    reference.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[
+        ("<s>", reference.token_to_id("<s>"))])
+    reference.save(str(tmp_path / "bos.json"))
+    monkeypatch.setattr(tokenize_module, "MIN_UNIT_BYTES", 10_000)
+    monkeypatch.setattr(tokenize_module, "BATCH_CHARS", 3000)
+    monkeypatch.setattr(tokenize_module.sources, "SEGMENT_CHARS", 3000)  # the long document in many pieces
+    tok = str(tmp_path / "bos.json")
+    manifest = tokenize_to_folder([str(tmp_path / "docs.jsonl"), str(tmp_path / "long.txt")], str(tmp_path / "out"),
+                                  tok, workers=2)
+    eos = HFTokenizer(tok).eos_id
+    expected = [i for d in documents + [long_text] if d for i in [*reference.encode(d).ids, eos]]
+    dm = TextDataModule(str(tmp_path / "out"), seq_len=8, tokenizer=tok)
+    dm.setup()
+    np.testing.assert_array_equal(dm.train_set.tokens[:], expected)
+    assert manifest["documents"] == 4 and expected.count(reference.token_to_id("<s>")) == 4

@@ -55,14 +55,36 @@ def trained_bpe(path, with_bos: bool = False):
 @pytest.mark.parametrize("with_bos", [False, True])
 def test_batch_encoding_gives_the_ids_of_tokenizers_own_encode(tmp_path, with_bos):
     """The batch path ``tokenize`` uses (offsets skipped where tokenizers can) against tokenizers' plain
-    ``Tokenizer.encode`` of each text: merges, Unicode, spaces, nothing, a special token inside the text, and a
-    post-processor that adds one."""
+    ``Tokenizer.encode`` of each text: merges, Unicode, spaces, nothing, a special token inside the text. The
+    post-processor's special tokens are kept apart (``tokenize`` puts them around a whole document)."""
     reference, corpus = trained_bpe(tmp_path / "bpe.json", with_bos)
     texts = [corpus[:5000], "naïve café — 東京 🙂 ", "", "   \n\t ", corpus[-3000:] + " </s> more"]
     ours = HFTokenizer(str(tmp_path / "bpe.json"))
-    want = [reference.encode(text).ids for text in texts]
-    assert [ids.tolist() for ids in ours.encode_batch(texts)] == want == [ours.encode(t).tolist() for t in texts]
-    assert len(want[0]) < 2500 and (want[2] == [reference.token_to_id("<s>")]) == with_bos  # merges; the BOS
+    bare = [reference.encode(text, add_special_tokens=False).ids for text in texts]
+    assert [ids.tolist() for ids in ours.encode_batch(texts)] == bare and len(bare[0]) < 2500  # merges happened
+    assert ours.document_start == ((reference.token_to_id("<s>"),) if with_bos else ()) and ours.document_end == ()
+    assert [ours.encode(t).tolist() for t in texts] == [list(ours.document_start) + ids for ids in bare]
+
+
+def test_the_special_tokens_around_a_text_are_found_for_each_kind_of_post_processor(tmp_path):
+    """BERT's [CLS] text [SEP], a template adding BOS and EOS (the end-of-sequence id is left to tokenize), and
+    none: compared with what ``Tokenizer.encode`` puts around a text."""
+    from tokenizers import processors
+    reference, _ = trained_bpe(tmp_path / "bpe.json", with_bos=True)
+    reference.add_special_tokens(["[CLS]", "[SEP]"])
+    ids = {token: reference.token_to_id(token) for token in ("<s>", "</s>", "[CLS]", "[SEP]")}
+    cases = {"bert": (processors.BertProcessing(("[SEP]", ids["[SEP]"]), ("[CLS]", ids["[CLS]"])), None,
+                      ((ids["[CLS]"],), (ids["[SEP]"],))),
+             "bos_eos": (processors.TemplateProcessing(single="<s> $A </s>", special_tokens=[
+                 ("<s>", ids["<s>"]), ("</s>", ids["</s>"])]), "</s>", ((ids["<s>"],), ()))}
+    for name, (processor, eos, expected) in cases.items():
+        reference.post_processor = processor
+        reference.save(str(tmp_path / f"{name}.json"))
+        ours = HFTokenizer(str(tmp_path / f"{name}.json"), content=(tmp_path / f"{name}.json").read_text(),
+                           eos_token=eos)
+        assert (ours.document_start, ours.document_end) == expected, name
+        full, bare = reference.encode("some words").ids, reference.encode("some words", add_special_tokens=False).ids
+        assert full == [*ours.document_start, *bare, *ours.document_end, *([ours.eos_id] if eos else [])], name
 
 
 def test_truncation_or_padding_saved_in_the_tokenizer_file_changes_no_id(tmp_path):

@@ -296,9 +296,11 @@ def _document(text: str):
 
 
 def tokenized_batches(segment_stream, tokenizer, dtype: np.dtype):
-    """``(tokens, documents)`` per batch of about ``BATCH_CHARS``: each non-empty document's ids then the
-    end-of-document token (a document split into segments gets one, after its last)."""
-    eos = np.array([tokenizer.eos_id], dtype=dtype)
+    """``(tokens, documents)`` per batch of about ``BATCH_CHARS``: each non-empty document's ids, between the
+    special tokens its tokenizer puts around a text, then the end-of-document token (a document split into
+    segments gets them once: the start before its first ids, the end after its last)."""
+    start = np.array(tokenizer.document_start, dtype=dtype)
+    end = np.array([*tokenizer.document_end, tokenizer.eos_id], dtype=dtype)
     batch, chars, open_tokens = [], 0, 0
 
     def encode():
@@ -306,14 +308,16 @@ def tokenized_batches(segment_stream, tokenizer, dtype: np.dtype):
         parts, documents = [], 0
         for ids, (_, ends) in zip(tokenizer.encode_batch([text for text, _ in batch]), batch):
             if len(ids):
+                if not open_tokens:
+                    parts.append(start)
                 parts.append(ids.astype(dtype, copy=False))
             open_tokens += len(ids)
             if ends and open_tokens:
-                parts.append(eos)
+                parts.append(end)
                 documents, open_tokens = documents + 1, 0
             elif ends:
                 open_tokens = 0
-        return (np.concatenate(parts) if parts else eos[:0]), documents
+        return (np.concatenate(parts) if parts else end[:0]), documents
 
     for text, ends in segment_stream:
         if text == "" and not ends:  # marks a continued document
