@@ -58,13 +58,23 @@ class HFTokenizer:
 
     def _specials_around_a_text(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """The ids the post-processor puts before and after a text (a Llama-style BOS; BERT's [CLS] and [SEP]):
-        ``tokenize`` encodes a long document in pieces, so it adds them once a document, not once a piece. An
-        end-of-sequence id at the end is left out: ``tokenize`` ends every document with ``eos_id``."""
-        bare = self._tok.encode("a", add_special_tokens=False)
-        inner, full = bare.ids, self._tok.post_process(bare).ids
-        start = next((i for i in range(len(full) - len(inner) + 1) if full[i:i + len(inner)] == inner), 0) \
-            if inner else len(full)  # a probe with no ids of its own (no "a", no unknown token): all before it
-        before, after = full[:start], full[start + len(inner):]
+        ``tokenize`` encodes a long document in pieces, so it adds them once a document, not once a piece. Found
+        by post-processing a probe's ids (the first of "a", "0" or a vocabulary entry that has any) and reading
+        which ids are the text's (``sequence_ids``). An end-of-sequence id at the end is left out: ``tokenize``
+        ends every document with ``eos_id``."""
+        bare = None
+        for probe in ("a", "0", *(self._tok.id_to_token(i) or "" for i in range(min(self._tok.get_vocab_size(), 99)))):
+            try:
+                bare = self._tok.encode(probe, add_special_tokens=False)
+            except Exception:  # a word-level model without an unknown token refuses words it lacks
+                continue
+            if bare.ids:
+                break
+        if bare is None or not bare.ids:  # no text encodes to any id: nothing to put around one
+            return (), ()
+        full = self._tok.post_process(bare)
+        text = [i for i, sequence in enumerate(full.sequence_ids) if sequence is not None]
+        before, after = full.ids[:text[0]], full.ids[text[-1] + 1:]
         if after and after[-1] == self.eos_id:
             after = after[:-1]
         return tuple(before), tuple(after)
@@ -75,7 +85,9 @@ class HFTokenizer:
                 "sha256": self.sha256}
 
     def encode(self, text: str) -> np.ndarray:
-        return np.asarray(self._tok.encode(text).ids, dtype=np.uint32)
+        """``text`` as a document begins (a prompt): ``document_start``, then the text's own ids; no end tokens,
+        since the document goes on."""
+        return np.asarray([*self.document_start, *self.encode_batch([text])[0]], dtype=np.uint32)
 
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
         """The ids of each text without the post-processor's special tokens (``document_start`` and

@@ -67,8 +67,9 @@ def test_batch_encoding_gives_the_ids_of_tokenizers_own_encode(tmp_path, with_bo
 
 
 def test_the_special_tokens_around_a_text_are_found_for_each_kind_of_post_processor(tmp_path):
-    """BERT's [CLS] text [SEP], a template adding BOS and EOS (the end-of-sequence id is left to tokenize), and
-    none: compared with what ``Tokenizer.encode`` puts around a text."""
+    """BERT's [CLS] text [SEP], a template adding BOS and EOS (the end-of-sequence id is left to tokenize), a
+    template token that is also the probe's own id: compared with what ``Tokenizer.encode`` puts around a text.
+    A vocabulary without "a" (no unknown token) and a word-level one that refuses unknown words still work."""
     from tokenizers import processors
     reference, _ = trained_bpe(tmp_path / "bpe.json", with_bos=True)
     reference.add_special_tokens(["[CLS]", "[SEP]"])
@@ -77,6 +78,8 @@ def test_the_special_tokens_around_a_text_are_found_for_each_kind_of_post_proces
                       ((ids["[CLS]"],), (ids["[SEP]"],))),
              "bos_eos": (processors.TemplateProcessing(single="<s> $A </s>", special_tokens=[
                  ("<s>", ids["<s>"]), ("</s>", ids["</s>"])]), "</s>", ((ids["<s>"],), ()))}
+    cases["template_token_also_the_probe"] = (processors.TemplateProcessing(single="a $A", special_tokens=[
+        ("a", reference.token_to_id("a"))]), None, ((reference.token_to_id("a"),), ()))
     for name, (processor, eos, expected) in cases.items():
         reference.post_processor = processor
         reference.save(str(tmp_path / f"{name}.json"))
@@ -98,3 +101,17 @@ def test_truncation_or_padding_saved_in_the_tokenizer_file_changes_no_id(tmp_pat
     ours = HFTokenizer(str(tmp_path / "configured.json"))
     got = ours.encode_batch([corpus[:3000], "short", corpus[5000:9000]])
     assert [ids.tolist() for ids in got] == want and len(want[0]) > 100
+
+
+def test_the_special_tokens_are_found_whatever_the_vocabulary_lacks(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    bpe = Tokenizer(models.BPE(vocab={"b": 0, "[CLS]": 1, "[SEP]": 2}, merges=[]))  # "a" encodes to nothing
+    words = Tokenizer(models.WordLevel({"b": 0, "[CLS]": 1, "[SEP]": 2}, unk_token="[UNK]"))  # "a" raises
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    for name, tok in {"bpe": bpe, "words": words}.items():
+        tok.add_special_tokens(["[CLS]", "[SEP]"])
+        tok.post_processor = processors.BertProcessing(("[SEP]", 2), ("[CLS]", 1))
+        tok.save(str(tmp_path / f"{name}.json"))
+        ours = HFTokenizer(str(tmp_path / f"{name}.json"))
+        assert (ours.document_start, ours.document_end) == ((1,), (2,)) and tok.encode("b").ids == [1, 0, 2], name
+        assert ours.encode("b").tolist() == [1, 0], name  # a prompt: the document begins and goes on

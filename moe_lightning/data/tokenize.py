@@ -557,7 +557,7 @@ def tokenize_to_folder(sources: list[str], out: str, tokenizer_path: str | None 
     task, tasks, first_id = task_from_environment(task_index, num_tasks, planned)
     tokenizer = load_tokenizer(tokenizer_path)
     identity = {"format": PLAN_FORMAT, "sources": sources, "tokenizer": tokenizer_identity(tokenizer.spec()),
-                "text_field": text_field, "shard_tokens": shard_tokens}
+                "text_field": text_field, "shard_tokens": shard_tokens, **document_tokens(tokenizer)}
     if folder.exists() and not (folder / PLAN).exists() and any(
             not p.name.startswith("tokenize") for p in folder.iterdir()):
         raise FileExistsError(f"tokenize: --out {folder} exists and is not a tokenize folder (no {PLAN}); choose "
@@ -572,11 +572,14 @@ def tokenize_to_folder(sources: list[str], out: str, tokenizer_path: str | None 
         folder.mkdir(parents=True, exist_ok=True)
         with _stopped_by_signals():  # a signal while waiting for the lock stops the wait too
             held = lock_folder(folder, task, tasks, wait)
-    except OSError as error:  # a read-only mount, or a folder of another user's
-        if not isinstance(error, PermissionError) and error.errno != errno.EROFS:
-            raise
-        raise TokenizeError(f"tokenize: cannot write in {folder} ({error.strerror or _one_line(error)}), and it holds "
-                            f"no finished corpus (no {MANIFEST}); tokenize into a folder you can write.") from None
+    except OSError as error:
+        if error.errno in (errno.EACCES, errno.EPERM, errno.EROFS):  # a read-only mount, another user's folder
+            raise TokenizeError(f"tokenize: cannot write {error.filename or folder} ({error.strerror}), and {folder} "
+                                f"holds no finished corpus (no {MANIFEST}); tokenize into a folder you can write.") \
+                from None
+        if isinstance(error, PermissionError):  # worded by ``locks``, with its fix
+            raise TokenizeError(f"tokenize: {_one_line(error)}") from None
+        raise
     try:
         with _stopped_by_signals():
             plan = None
@@ -603,6 +606,13 @@ def tokenize_to_folder(sources: list[str], out: str, tokenizer_path: str | None 
     finally:
         for lock in held:
             lock.release()
+
+
+def document_tokens(tokenizer) -> dict:
+    """The special tokens put around each document, where there are any: part of what a folder was written with
+    (a folder half-written by a version that put them around every piece of a long document is not continued)."""
+    around = [list(tokenizer.document_start), list(tokenizer.document_end)]
+    return {"document_tokens": around} if any(around) else {}
 
 
 def _existing_plan(folder: Path, identity: dict, sources: list[str], resume: bool, task: int, tasks: int) -> dict:
