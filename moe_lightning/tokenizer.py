@@ -60,8 +60,9 @@ class HFTokenizer:
         """The ids the post-processor puts before and after a text (a Llama-style BOS; BERT's [CLS] and [SEP]):
         ``tokenize`` encodes a long document in pieces, so it adds them once a document, not once a piece. Found
         by post-processing a probe's ids (the first of "a", "0" or a vocabulary entry that has any) and reading
-        which ids are the text's (``sequence_ids``). An end-of-sequence id at the end is left out: ``tokenize``
-        ends every document with ``eos_id``."""
+        which ids the post-processor added (``special_tokens_mask``: right for every kind and sequence of
+        post-processors, where ``sequence_ids`` is not). An end-of-sequence id at the end is left out:
+        ``tokenize`` ends every document with ``eos_id``."""
         bare = None
         for probe in ("a", "0", *(self._tok.id_to_token(i) or "" for i in range(min(self._tok.get_vocab_size(), 99)))):
             try:
@@ -73,7 +74,7 @@ class HFTokenizer:
         if bare is None or not bare.ids:  # no text encodes to any id: nothing to put around one
             return (), ()
         full = self._tok.post_process(bare)
-        text = [i for i, sequence in enumerate(full.sequence_ids) if sequence is not None]
+        text = [i for i, added in enumerate(full.special_tokens_mask) if not added]
         before, after = full.ids[:text[0]], full.ids[text[-1] + 1:]
         if after and after[-1] == self.eos_id:
             after = after[:-1]

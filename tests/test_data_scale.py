@@ -748,7 +748,8 @@ def test_a_finished_corpus_on_a_read_only_mount_is_read_without_taking_its_locks
             tokenize_to_folder([str(corpus)], str(mounted), text_field="body", workers=1, resume=True)
         assert sorted(p.name for p in out.iterdir()) == before
         (out / "manifest.json").unlink()  # now unfinished, seen through the read-only mount
-        with pytest.raises(TokenizeError, match=r"cannot write .*ro/tokenize.lock \(Read-only file system\), .*no manifest.json"):
+        said = r"cannot write .*ro/tokenize.lock \(Read-only file system\), .*no manifest.json"
+        with pytest.raises(TokenizeError, match=said):
             tokenize_to_folder([str(corpus)], str(mounted), workers=1, resume=True)
     finally:
         if subprocess.run(["umount", str(mounted)], capture_output=True).returncode != 0:
@@ -822,12 +823,15 @@ def test_a_tokenizers_special_tokens_go_around_each_document_once_however_it_is_
     dm.setup()
     np.testing.assert_array_equal(dm.train_set.tokens[:], expected)
     assert manifest["documents"] == 4 and expected.count(reference.token_to_id("<s>")) == 4
-    # a folder half-written by a version that put them around every piece is not continued in this form
+    # a folder a version that put them around every piece finished is read as written (a run trained on it
+    # resumes on the same data); one it half-wrote is not continued in this form
     plan_path, manifest_path = tmp_path / "out" / "tokenize-plan.json", tmp_path / "out" / "manifest.json"
     plan = json.loads(plan_path.read_text())
     assert plan["document_tokens"] == [[reference.token_to_id("<s>")], []]
     del plan["document_tokens"]
     plan_path.write_text(json.dumps(plan))
+    assert tokenize_to_folder([str(tmp_path / "docs.jsonl"), str(tmp_path / "long.txt")], str(tmp_path / "out"), tok,
+                              workers=2, resume=True)["documents"] == 4
     manifest_path.unlink()
     with pytest.raises(TokenizeError, match="written with other document_tokens"):
         tokenize_to_folder([str(tmp_path / "docs.jsonl"), str(tmp_path / "long.txt")], str(tmp_path / "out"), tok,

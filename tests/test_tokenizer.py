@@ -68,7 +68,8 @@ def test_batch_encoding_gives_the_ids_of_tokenizers_own_encode(tmp_path, with_bo
 
 def test_the_special_tokens_around_a_text_are_found_for_each_kind_of_post_processor(tmp_path):
     """BERT's [CLS] text [SEP], a template adding BOS and EOS (the end-of-sequence id is left to tokenize), a
-    template token that is also the probe's own id: compared with what ``Tokenizer.encode`` puts around a text.
+    template token that is also the probe's own id, RoBERTa's, byte-level only, and sequences of post-processors
+    (where ``sequence_ids`` misleads): compared with what ``Tokenizer.encode`` puts around a text.
     A vocabulary without "a" (no unknown token) and a word-level one that refuses unknown words still work."""
     from tokenizers import processors
     reference, _ = trained_bpe(tmp_path / "bpe.json", with_bos=True)
@@ -80,6 +81,14 @@ def test_the_special_tokens_around_a_text_are_found_for_each_kind_of_post_proces
                  ("<s>", ids["<s>"]), ("</s>", ids["</s>"])]), "</s>", ((ids["<s>"],), ()))}
     cases["template_token_also_the_probe"] = (processors.TemplateProcessing(single="a $A", special_tokens=[
         ("a", reference.token_to_id("a"))]), None, ((reference.token_to_id("a"),), ()))
+    roberta = processors.RobertaProcessing(("</s>", ids["</s>"]), ("<s>", ids["<s>"]))
+    cases["roberta"] = (roberta, None, ((ids["<s>"],), (ids["</s>"],)))
+    cases["byte_level_only"] = (processors.ByteLevel(trim_offsets=True), None, ((), ()))
+    cases["sequence_bert_byte_level"] = (processors.Sequence([cases["bert"][0], processors.ByteLevel()]), None,
+                                         cases["bert"][2])
+    cases["sequence_template_byte_level"] = (processors.Sequence([processors.TemplateProcessing(
+        single="<s> $A </s>", special_tokens=[("<s>", ids["<s>"]), ("</s>", ids["</s>"])]),
+        processors.ByteLevel(trim_offsets=True)]), None, ((ids["<s>"],), (ids["</s>"],)))
     for name, (processor, eos, expected) in cases.items():
         reference.post_processor = processor
         reference.save(str(tmp_path / f"{name}.json"))

@@ -117,9 +117,8 @@ class TextDataModule(L.LightningDataModule):
         logger = self.trainer.logger if self.trainer is not None else None
         if logger is None or is_token_source(self.resolved[i]) or self.max_tokens is not None:
             return None
-        from .tokenize import describe_inputs, document_tokens
-        key = json.dumps([describe_inputs(self.resolved[i]), tokenizer_identity(self.tokenizer.spec()), self.text_field,
-                          *document_tokens(self.tokenizer).values()])  # (none for most: their folders keep their key)
+        from .tokenize import describe_inputs
+        key = json.dumps([describe_inputs(self.resolved[i]), tokenizer_identity(self.tokenizer.spec()), self.text_field])
         root = Path(getattr(logger, "root_dir", None) or logger.save_dir or self.trainer.default_root_dir)
         return root / "tokenized" / f"{self.entries[i]['name']}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
 

@@ -610,7 +610,8 @@ def tokenize_to_folder(sources: list[str], out: str, tokenizer_path: str | None 
 
 def document_tokens(tokenizer) -> dict:
     """The special tokens put around each document, where there are any: part of what a folder was written with
-    (a folder half-written by a version that put them around every piece of a long document is not continued)."""
+    (a folder half-written by a version that put them around every piece of a long document is not continued;
+    one it finished is read as written)."""
     around = [list(tokenizer.document_start), list(tokenizer.document_end)]
     return {"document_tokens": around} if any(around) else {}
 
@@ -660,7 +661,11 @@ def _checked_plan(folder: Path, identity: dict, files: list[Path] | None, task: 
         plan = json.loads((folder / PLAN).read_text())
     except (OSError, json.JSONDecodeError):
         raise TokenizeError(f"tokenize: {folder / PLAN} is unreadable; tokenize into a new folder.") from None
-    differs = [key for key, value in identity.items() if plan.get(key) != value]
+    # a corpus finished before special tokens went around whole documents (not each piece) is read as written: a
+    # run that trained on it resumes on the same data; an unfinished one is not continued in the other form
+    finished_before = "document_tokens" not in plan and (folder / MANIFEST).exists()
+    differs = [key for key, value in identity.items()
+               if plan.get(key) != value and not (key == "document_tokens" and finished_before)]
     if differs:
         raise TokenizeError(f"tokenize --resume: {folder} was written with other {', '.join(differs)} "
                             f"({', '.join(f'{k}={plan.get(k)!r}' for k in differs)}); rerun with the same "
