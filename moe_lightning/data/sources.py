@@ -142,10 +142,9 @@ def last_word_end(text, start: int, end: int) -> int:
     return -1
 
 
-def iter_jsonl(path: Path, text_field: str, start: int = 0, end: int | None = None, tally: dict | None = None):
+def iter_jsonl(path: Path, text_field: str, tally: dict, start: int = 0, end: int | None = None):
     """Texts of the lines that begin in bytes ``[start, end)`` (a worker's slice of a large file); the bytes
     read are added to ``tally["bytes_read"]`` (progress counts bytes of input, not characters of text)."""
-    tally = {"bytes_read": 0} if tally is None else tally
     with open(path, "rb") as f:
         if start:
             f.seek(start - 1)

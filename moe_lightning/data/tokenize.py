@@ -280,7 +280,7 @@ def unit_segments(unit: dict, plan: dict, tally: dict):
                 for text in texts:
                     yield from _document(text)
         elif path.endswith(".jsonl"):
-            for text in iter_jsonl(Path(path), field, first, None if last == whole else last, tally):
+            for text in iter_jsonl(Path(path), field, tally, first, None if last == whole else last):
                 yield from _document(text)
         else:
             if first > 0:
@@ -557,7 +557,7 @@ def tokenize_to_folder(sources: list[str], out: str, tokenizer_path: str | None 
     task, tasks, first_id = task_from_environment(task_index, num_tasks, planned)
     tokenizer = load_tokenizer(tokenizer_path)
     identity = {"format": PLAN_FORMAT, "sources": sources, "tokenizer": tokenizer_identity(tokenizer.spec()),
-                "text_field": text_field, "shard_tokens": shard_tokens, **document_tokens(tokenizer)}
+                "text_field": text_field, "shard_tokens": shard_tokens, **_document_tokens(tokenizer)}
     if folder.exists() and not (folder / PLAN).exists() and any(
             not p.name.startswith("tokenize") for p in folder.iterdir()):
         raise FileExistsError(f"tokenize: --out {folder} exists and is not a tokenize folder (no {PLAN}); choose "
@@ -608,7 +608,7 @@ def tokenize_to_folder(sources: list[str], out: str, tokenizer_path: str | None 
             lock.release()
 
 
-def document_tokens(tokenizer) -> dict:
+def _document_tokens(tokenizer) -> dict:
     """The special tokens put around each document, where there are any: part of what a folder was written with
     (a folder half-written by a version that put them around every piece of a long document is not continued;
     one it finished is read as written)."""
@@ -661,11 +661,10 @@ def _checked_plan(folder: Path, identity: dict, files: list[Path] | None, task: 
         plan = json.loads((folder / PLAN).read_text())
     except (OSError, json.JSONDecodeError):
         raise TokenizeError(f"tokenize: {folder / PLAN} is unreadable; tokenize into a new folder.") from None
-    # a corpus finished before special tokens went around whole documents (not each piece) is read as written: a
-    # run that trained on it resumes on the same data; an unfinished one is not continued in the other form
-    finished_before = "document_tokens" not in plan and (folder / MANIFEST).exists()
-    differs = [key for key, value in identity.items()
-               if plan.get(key) != value and not (key == "document_tokens" and finished_before)]
+    # an argument added to the identity after a corpus was finished (document_tokens) did not shape it: the corpus
+    # is read as written, so a run that trained on it resumes on the same data; an unfinished one is not continued
+    finished = (folder / MANIFEST).exists()
+    differs = [key for key, value in identity.items() if plan.get(key) != value and (key in plan or not finished)]
     if differs:
         raise TokenizeError(f"tokenize --resume: {folder} was written with other {', '.join(differs)} "
                             f"({', '.join(f'{k}={plan.get(k)!r}' for k in differs)}); rerun with the same "
