@@ -7,7 +7,7 @@ precision hands parameters to the compute, and run forward on random bf16 input 
 that record every distinct storage autograd keeps (a storage and its views counted once; parameters
 excluded, and the attention half's input, which is the block input: a boundary activation counted apart).
 "Before" runs the same modules through the plain-autograd forwards of commit 437294b
-(``tests/block_reference.py``). Halves: attention = ``x + attention(attention_norm(x))``; FFN =
+(``tests/support/block_reference.py``). Halves: attention = ``x + attention(attention_norm(x))``; FFN =
 ``h + ffn(ffn_norm(h))`` with a MoE or dense FFN.
 
 - Per-token bytes are the difference between two token counts (``T`` and ``2T``) divided by ``T``; the
@@ -36,8 +36,8 @@ sys.path.insert(0, str(ROOT))
 
 from moe_lightning.model import MoEConfig  # noqa: E402
 from moe_lightning.model.transformer import Block  # noqa: E402
-from moe_lightning.plan import block_working_set_bytes, load_model_config  # noqa: E402
-from tests.block_reference import half_saved_bytes  # noqa: E402
+from moe_lightning.planner.plan import block_working_set_bytes, load_model_config  # noqa: E402
+from tests.support.block_reference import half_saved_bytes  # noqa: E402
 
 BUILT_EXPERTS = 16
 

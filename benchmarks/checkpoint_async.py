@@ -19,7 +19,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from tests.distributed import run_ranks  # noqa: E402
+from tests.support.distributed import run_ranks  # noqa: E402
 
 RUN = REPO / "tests" / "strategy_run.py"
 

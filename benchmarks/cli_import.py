@@ -19,7 +19,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from moe_lightning.commands import EXTRA_COMMANDS, TRAINER_COMMANDS  # noqa: E402 (light: no torch)
+from moe_lightning.commands.main import EXTRA_COMMANDS, TRAINER_COMMANDS  # noqa: E402 (light: no torch)
 
 PROBE = ("import sys, time; t = time.perf_counter(); import {module}; "
          "print(time.perf_counter() - t, any(m.split('.')[0] == 'lightning' for m in sys.modules))")
@@ -45,7 +45,7 @@ def main() -> None:
     args = parser.parse_args()
     print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())} on {os.cpu_count()} cores")
     rows = [(command, target.split(":")[0]) for command, target in EXTRA_COMMANDS.items()]
-    rows += [("/".join(TRAINER_COMMANDS), "moe_lightning.cli")]
+    rows += [("/".join(TRAINER_COMMANDS), "moe_lightning.commands.cli")]
     rows += [("(baseline) import torch", "torch")]
     print(f"{'command':<34} {'module':<30} {'import s (median)':>18}  lightning")
     for command, module in rows:

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.utils.checkpoint
 
-from moe_lightning import ep_traffic
+from moe_lightning.planner import ep_traffic
 from moe_lightning.model import MoEConfig
 from moe_lightning.model.moe import MoELayer
 from moe_lightning.parallel.expert_parallel import (AllToAllTokenDispatcher, HierarchicalTokenDispatcher,
@@ -55,7 +55,7 @@ def count_bytes(all_to_all_single):
 
 
 def count_reads():
-    """Count host reads (``tolist``/``item``/...) like tests/test_host_syncs.py; returns a restore function."""
+    """Count host reads (``tolist``/``item``/...) like tests/training/test_host_syncs.py; returns a restore function."""
     originals = {name: getattr(torch.Tensor, name) for name in ("item", "tolist", "cpu", "__bool__", "__float__",
                                                                  "__int__")}
     for name, original in originals.items():

@@ -19,7 +19,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from moe_lightning.callbacks import ActivationOffload
+from moe_lightning.training.callbacks import ActivationOffload
 from moe_lightning.model import MoEConfig, MoETransformer
 
 GPU_CONFIG = MoEConfig(vocab_size=4096, dim=1024, n_layers=16, n_heads=8, n_kv_heads=8, max_seq_len=65536,

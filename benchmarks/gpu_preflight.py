@@ -18,7 +18,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from moe_lightning.durable import write_text  # noqa: E402
+from moe_lightning.run.durable import write_text  # noqa: E402
 
 LAUNCHER = """#include <Python.h>
 int cuInit(unsigned int flags);

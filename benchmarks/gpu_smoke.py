@@ -9,7 +9,7 @@ Reads the model, strategy, ActivationOffload, QKClip, Muon, loss chunk, clipping
 YAML (expert parallelism needs two ranks, so one device runs ``expert_parallel_size=1``; ``--mtp-layers``
 overrides the config's 0), trains on random tokens with an end-of-document token every ``--doc-len``
 positions, asserts every loss is finite, and prints one JSON line per step as it ends, then a summary and a
-Markdown table: tokens/s, MFU (``moe_lightning.flops``: attention over the pairs the document mask keeps, counted
+Markdown table: tokens/s, MFU (``moe_lightning.planner.flops``: attention over the pairs the document mask keeps, counted
 from the batches), peak allocated/reserved memory, every host sync that one steady-state step performs (the
 profiler's blocking CUDA runtime calls, ``SYNC_CALLS``: also event waits and synchronous copies, which
 ``set_sync_debug_mode`` misses), each named by the frame of this package or Lightning that made it, and the
@@ -35,11 +35,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import moe_lightning  # noqa: E402
 from moe_lightning import MoEConfig, MoELanguageModel  # noqa: E402
-from moe_lightning.callbacks import ActivationOffload, QKClip  # noqa: E402
-from moe_lightning.flops import attended_pairs_BS, attention_flops_per_pair, dense_flops_per_token  # noqa: E402
-from moe_lightning.flops import peak_bf16_flops  # noqa: E402
+from moe_lightning.training.callbacks import ActivationOffload, QKClip  # noqa: E402
+from moe_lightning.planner.flops import attended_pairs_BS, attention_flops_per_pair, dense_flops_per_token  # noqa: E402
+from moe_lightning.planner.flops import peak_bf16_flops  # noqa: E402
 from moe_lightning.optim import Muon  # noqa: E402
-from moe_lightning.strategy import MoEFSDPStrategy  # noqa: E402
+from moe_lightning.training.strategy import MoEFSDPStrategy  # noqa: E402
 
 CONFIG = Path(__file__).resolve().parent.parent / "configs" / "1t-mini.yaml"
 GIB = float(1 << 30)

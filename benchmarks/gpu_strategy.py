@@ -5,7 +5,7 @@
 
 Each variant trains the same model (bf16 parameters, fp32 reduction and master weights, AdamW) on
 random tokens for ``--warmup`` + ``--steps`` optimizer steps and prints one JSON line as soon as it ends:
-tokens/s per device, MFU (``moe_lightning.flops.training_flops_per_token`` over the bf16 peak of the GPU, or
+tokens/s per device, MFU (``moe_lightning.planner.flops.training_flops_per_token`` over the bf16 peak of the GPU, or
 ``--peak-flops``), ``max_memory_allocated``/``max_memory_reserved`` in GiB and the allocator's
 ``num_alloc_retries``. A variant that fails or runs out of time prints a JSON line saying so and the
 others still run; the exit status is non-zero if any failed.
@@ -30,9 +30,9 @@ from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader
 
 from moe_lightning import MoEConfig, MoELanguageModel
-from moe_lightning.flops import peak_bf16_flops
-from moe_lightning.flops import training_flops_per_token
-from moe_lightning.strategy import MoEFSDPStrategy
+from moe_lightning.planner.flops import peak_bf16_flops
+from moe_lightning.planner.flops import training_flops_per_token
+from moe_lightning.training.strategy import MoEFSDPStrategy
 
 GPU = dict(config=MoEConfig(vocab_size=32768, dim=1536, n_layers=12, n_heads=12, n_kv_heads=4, max_seq_len=4096,
                             ffn_hidden=4096, n_dense_layers=1, num_experts=16, top_k=2, expert_hidden=768,

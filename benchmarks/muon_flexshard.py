@@ -35,7 +35,7 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from moe_lightning.model import MoEConfig, MoETransformer  # noqa: E402
 from moe_lightning.optim import Muon, muon_param_groups, newton_schulz  # noqa: E402
-from tests.distributed import run_ranks  # noqa: E402
+from tests.support.distributed import run_ranks  # noqa: E402
 
 
 class CollectiveBytes(TorchDispatchMode):

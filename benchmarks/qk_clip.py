@@ -17,8 +17,8 @@ import lightning as L
 import torch
 
 from moe_lightning import MoEConfig, MoELanguageModel, TextDataModule
-from moe_lightning.callbacks import QKClip
-from moe_lightning.callbacks.qk_clip import attention_modules
+from moe_lightning.training.callbacks import QKClip
+from moe_lightning.training.callbacks.qk_clip import attention_modules
 from moe_lightning.optim import Muon
 
 REPO = Path(__file__).resolve().parent.parent

@@ -6,7 +6,7 @@ The names below are imported on first use (``__getattr__``), so the commands tha
 
 import importlib
 
-_LAZY = {"MoEConfig": ".model", "MoETransformer": ".model", "MoELanguageModel": ".module",
+_LAZY = {"MoEConfig": ".model", "MoETransformer": ".model", "MoELanguageModel": ".training.module",
          "TextDataModule": ".data"}
 
 __all__ = ["MoEConfig", "MoETransformer", "MoELanguageModel", "TextDataModule"]

@@ -1,3 +1,3 @@
-from .commands import main
+from moe_lightning.commands.main import main
 
 main()

@@ -9,12 +9,12 @@ from typing import Any
 import lightning as L
 from torch.utils.data import ConcatDataset, DataLoader, SequentialSampler
 
-from ..resume import check_data, check_order
-from ..tokenizer import load_tokenizer, tokenizer_identity
-from .sampling import (InOrderSampler, MixtureSampler, MixtureSequences, PackedSequences, ResumableSampler,
+from moe_lightning.checkpoint.compat import check_data, check_order
+from moe_lightning.data.tokenizer import load_tokenizer, tokenizer_identity
+from moe_lightning.data.sampling import (InOrderSampler, MixtureSampler, MixtureSequences, PackedSequences, ResumableSampler,
                        split_indices)
-from .sources import info, is_token_source, parse_sources, resolve_source
-from .tokens import TokenStream, open_shard_folder, open_tokens
+from moe_lightning.data.sources import info, is_token_source, parse_sources, resolve_source
+from moe_lightning.data.tokens import TokenStream, open_shard_folder, open_tokens
 
 ORDER = "feistel-v1"  # the shuffle (sampling.Shuffle): a position is a position in this order only
 
@@ -117,7 +117,7 @@ class TextDataModule(L.LightningDataModule):
         logger = self.trainer.logger if self.trainer is not None else None
         if logger is None or is_token_source(self.resolved[i]) or self.max_tokens is not None:
             return None
-        from .tokenize import describe_inputs
+        from moe_lightning.data.tokenize import describe_inputs
         key = json.dumps([describe_inputs(self.resolved[i]), tokenizer_identity(self.tokenizer.spec()), self.text_field])
         root = Path(getattr(logger, "root_dir", None) or logger.save_dir or self.trainer.default_root_dir)
         return root / "tokenized" / f"{self.entries[i]['name']}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
@@ -131,8 +131,8 @@ class TextDataModule(L.LightningDataModule):
     def prepare_data(self) -> None:
         """Global rank 0 tokenizes text sources into the run's folder on every core (Lightning holds the other
         ranks at a barrier without a timeout); every rank then memory-maps the shards instead of tokenizing."""
-        from ..runs import Preempted
-        from .tokenize import Stopped, TokenizeError, tokenize_to_folder
+        from moe_lightning.run.folders import Preempted
+        from moe_lightning.data.tokenize import Stopped, TokenizeError, tokenize_to_folder
         for i, entry in enumerate(self.entries):
             folder = self._tokenized_folder(i)
             if folder is None:

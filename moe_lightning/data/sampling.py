@@ -15,8 +15,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, DistributedSampler
 
-from .sources import info
-from .tokens import TokenStream
+from moe_lightning.data.sources import info
+from moe_lightning.data.tokens import TokenStream
 
 PATTERN_LENGTH = 10_000  # the mixture repeats a fixed pattern of this many draws
 PATTERN_SEED = 0x6D6978  # the pattern's shuffle: fixed, so the interleave is the same for every run seed

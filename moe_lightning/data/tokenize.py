@@ -33,11 +33,11 @@ from pathlib import Path
 
 import numpy as np
 
-from .. import locks
-from ..durable import PARTIAL_SUFFIX, atomic_write
-from ..tokenizer import load_tokenizer, tokenizer_identity
-from . import sources
-from .sources import MANIFEST, TABLE_SUFFIXES, WORD_END, is_token_source, iter_jsonl, iter_table_batches, \
+from moe_lightning.run import locks
+from moe_lightning.run.durable import PARTIAL_SUFFIX, atomic_write
+from moe_lightning.data.tokenizer import load_tokenizer, tokenizer_identity
+from moe_lightning.data import sources
+from moe_lightning.data.sources import MANIFEST, TABLE_SUFFIXES, WORD_END, is_token_source, iter_jsonl, iter_table_batches, \
     last_word_end, resolve_source, segments, sidecar_path, table_groups
 
 PLAN = "tokenize-plan.json"

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import numpy as np
 
-from ..tokenizer import tokenizer_identity
-from .sources import MANIFEST, sidecar_path
-from .tokenize import tokenize_in_memory
+from moe_lightning.data.tokenizer import tokenizer_identity
+from moe_lightning.data.sources import MANIFEST, sidecar_path
+from moe_lightning.data.tokenize import tokenize_in_memory
 
 SCAN_TOKENS = 1 << 22  # a bare .npy without a sidecar: ids checked in its first 4M tokens at start-up
 

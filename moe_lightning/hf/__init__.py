@@ -3,8 +3,8 @@
 Imports the model, never the reverse. Reads only ``config.json`` and safetensors (no code from disk).
 """
 
-from .mapping import HFFormatError
-from .pretrained import (FAMILIES, choose_family, fill_state_dict, from_pretrained, load_config, merge_config,
+from moe_lightning.hf.mapping import HFFormatError
+from moe_lightning.hf.pretrained import (FAMILIES, choose_family, fill_state_dict, from_pretrained, load_config, merge_config,
                          replaced_fields, save_pretrained, write_pretrained)
 
 __all__ = ["FAMILIES", "HFFormatError", "choose_family", "fill_state_dict", "from_pretrained", "load_config",

@@ -11,12 +11,12 @@ from pathlib import Path
 
 import torch
 
-from ..dtypes import DTYPES
-from ..loading import export_main as export_file
-from ..loading import open_checkpoint, write_model_file
-from ..model import MoEConfig
-from .pretrained import FAMILIES, from_pretrained, stored_dtype_getter, write_pretrained
-from .tokenizer_files import tokenizer_files
+from moe_lightning.dtypes import DTYPES
+from moe_lightning.checkpoint.loading import export_main as export_file
+from moe_lightning.checkpoint.loading import open_checkpoint, write_model_file
+from moe_lightning.model import MoEConfig
+from moe_lightning.hf.pretrained import FAMILIES, from_pretrained, stored_dtype_getter, write_pretrained
+from moe_lightning.hf.tokenizer_files import tokenizer_files
 
 
 
@@ -88,7 +88,7 @@ def convert_main(argv: list[str] | None = None) -> None:
 
 def export_main(argv: list[str] | None = None) -> None:
     """``moe-lightning export CKPT --hf --out DIR`` writes a Hugging Face directory; without ``--hf`` the
-    single-file export of ``moe_lightning.loading`` runs."""
+    single-file export of ``moe_lightning.checkpoint.loading`` runs."""
     if "--hf" not in (argv or []):
         return export_file(argv)
     parser = argparse.ArgumentParser(prog="moe-lightning export --hf", description=export_main.__doc__)

@@ -7,8 +7,8 @@ their best two scores; V2 with softmax, no bias, groups ranked by their best sco
 
 import torch
 
-from ..model import MoEConfig
-from .mapping import (Copy, HFFormatError, Rows, Shared, check_representable, common_config, common_to_hf,
+from moe_lightning.model import MoEConfig
+from moe_lightning.hf.mapping import (Copy, HFFormatError, Rows, Shared, check_representable, common_config, common_to_hf,
                       expert_sources, field, half_split_perm, layer_sources, no_bias_slot, outer_sources, refuse,
                       refuse_common, swiglu_sources, with_defaults)
 

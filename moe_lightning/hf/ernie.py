@@ -4,8 +4,8 @@ contiguous run of MoE blocks (``moe_layer_start_index`` .. ``moe_layer_end_index
 the softmax-routed models with the aux-loss-free bias and a leading dense block that ``configs/tiny.yaml`` trains.
 """
 
-from ..model import MoEConfig
-from .mapping import (Copy, HFFormatError, check_representable, common_to_hf, expert_sources, field, gqa_config,
+from moe_lightning.model import MoEConfig
+from moe_lightning.hf.mapping import (Copy, HFFormatError, check_representable, common_to_hf, expert_sources, field, gqa_config,
                       gqa_sources, layer_sources, outer_sources, refuse, refuse_common, swiglu_sources, with_defaults)
 
 

@@ -13,9 +13,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save
 
-from .. import durable
-from ..parallel import checkpoint as ckpt
-from .mapping import HFFormatError
+from moe_lightning.run import durable
+from moe_lightning.checkpoint import sharded as ckpt
+from moe_lightning.hf.mapping import HFFormatError
 
 INDEX = "model.safetensors.index.json"
 

@@ -4,8 +4,8 @@ weights), shared experts and leading dense blocks. It holds the sigmoid-routed G
 trains. Only models rotating every query/key dim (``partial_rotary_factor: 1.0``; GLM-4.5 itself rotates half).
 """
 
-from ..model import MoEConfig
-from .mapping import (Copy, HFFormatError, check_representable, common_to_hf, expert_sources, field, gqa_config,
+from moe_lightning.model import MoEConfig
+from moe_lightning.hf.mapping import (Copy, HFFormatError, check_representable, common_to_hf, expert_sources, field, gqa_config,
                       gqa_sources, layer_sources, outer_sources, refuse, refuse_common, swiglu_sources, with_defaults)
 
 

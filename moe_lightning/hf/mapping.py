@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import torch
 
-from ..model import MoEConfig
+from moe_lightning.model import MoEConfig
 
 Index = tuple[slice, ...]
 Getter = Callable[[str], object]  # key -> something sliceable like safetensors' ``get_slice``
@@ -217,7 +217,7 @@ def field(hf: dict, *names: str, nullable: bool = False):
 
 def with_defaults(hf: dict, defaults: dict) -> dict:
     """``config.json`` with absent keys taken from the family's transformers config class, as transformers
-    reads it (an explicit ``null`` stays). ``tests/test_hf.py`` checks each table against transformers."""
+    reads it (an explicit ``null`` stays). ``tests/hf/test_mapping.py`` checks each table against transformers."""
     return {**defaults, **hf}
 
 

@@ -1,7 +1,7 @@
 """Mixtral: GQA with half-split rotary, softmax top-k routing renormalised over the chosen experts, every block MoE."""
 
-from ..model import MoEConfig
-from .mapping import (Copy, check_representable, common_to_hf, expert_sources, field, gqa_config, gqa_sources,
+from moe_lightning.model import MoEConfig
+from moe_lightning.hf.mapping import (Copy, check_representable, common_to_hf, expert_sources, field, gqa_config, gqa_sources,
                       layer_sources, no_bias_slot, outer_sources, refuse_common, with_defaults)
 
 

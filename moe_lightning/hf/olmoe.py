@@ -1,10 +1,10 @@
 """OLMoE: GQA with half-split rotary, QK-norm over the whole q and k projections, optional ``clip_qkv``,
 softmax routing, every block MoE."""
 
-from ..model import MoEConfig
-from .mapping import (HFFormatError, check_representable, common_to_hf, field, gqa_config, gqa_sources,
+from moe_lightning.model import MoEConfig
+from moe_lightning.hf.mapping import (HFFormatError, check_representable, common_to_hf, field, gqa_config, gqa_sources,
                       layer_sources, outer_sources, refuse_common, with_defaults)
-from .qwen3_moe import qk_norm_sources, router_and_experts
+from moe_lightning.hf.qwen3_moe import qk_norm_sources, router_and_experts
 
 
 class Olmoe:

@@ -9,15 +9,15 @@ from pathlib import Path
 import torch
 from torch.distributed.tensor import DTensor
 
-from ..model import MoEConfig, MoETransformer
-from .deepseek import DeepseekV2, DeepseekV3
-from .ernie import Ernie45Moe
-from .glm4_moe import Glm4Moe
-from .files import SafetensorsDir, read_config, write_directory
-from .mapping import Absent, HFFormatError, Source
-from .mixtral import Mixtral
-from .olmoe import Olmoe
-from .qwen3_moe import Qwen3Moe
+from moe_lightning.model import MoEConfig, MoETransformer
+from moe_lightning.hf.deepseek import DeepseekV2, DeepseekV3
+from moe_lightning.hf.ernie import Ernie45Moe
+from moe_lightning.hf.glm4_moe import Glm4Moe
+from moe_lightning.hf.files import SafetensorsDir, read_config, write_directory
+from moe_lightning.hf.mapping import Absent, HFFormatError, Source
+from moe_lightning.hf.mixtral import Mixtral
+from moe_lightning.hf.olmoe import Olmoe
+from moe_lightning.hf.qwen3_moe import Qwen3Moe
 
 FAMILIES = {family.ARCHITECTURE: family for family in (Mixtral, Qwen3Moe, Olmoe, DeepseekV3, DeepseekV2,
                                                                Ernie45Moe, Glm4Moe)}

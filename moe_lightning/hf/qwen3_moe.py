@@ -1,7 +1,7 @@
 """Qwen3-MoE: GQA with half-split rotary and per-head QK-norm, softmax routing, dense blocks in any pattern."""
 
-from ..model import MoEConfig
-from .mapping import (Copy, Rows, check_representable, common_to_hf, expert_sources, field, gqa_config, gqa_sources,
+from moe_lightning.model import MoEConfig
+from moe_lightning.hf.mapping import (Copy, Rows, check_representable, common_to_hf, expert_sources, field, gqa_config, gqa_sources,
                       half_split_perm, layer_sources, no_bias_slot, outer_sources, refuse, refuse_common,
                       with_defaults)
 

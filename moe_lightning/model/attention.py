@@ -18,9 +18,9 @@ from torch.nn.attention.flex_attention import BlockMask, create_block_mask, crea
 # CUDA only: on CPU torch 2.11-2.13 raise NotImplementedError for it)
 from torch.nn.attention.flex_attention import AuxRequest
 
-from .config import MoEConfig
-from .layers import RMSNorm, autocast_dtype
-from .rotary import Rotary, apply_rotary
+from moe_lightning.model.config import MoEConfig
+from moe_lightning.model.layers import RMSNorm, autocast_dtype
+from moe_lightning.model.rotary import Rotary, apply_rotary
 
 # Compiled lazily at the first CUDA call: fused kernels, and the block mask never builds the S x S mask.
 _create_block_mask_compiled = torch.compile(create_block_mask)

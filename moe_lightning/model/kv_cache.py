@@ -8,7 +8,7 @@ is cheap to serve. With document masking the cache also remembers each position'
 
 import torch
 
-from .attention import document_ids
+from moe_lightning.model.attention import document_ids
 
 
 class LayerCache:

@@ -4,8 +4,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..loss import chunked_cross_entropy
-from .grouped_mm import grouped_linear, grouped_weight_grad
+from moe_lightning.model.loss import chunked_cross_entropy
+from moe_lightning.model.grouped_mm import grouped_linear, grouped_weight_grad
 
 
 class _RMSNormFunction(torch.autograd.Function):

@@ -8,10 +8,10 @@ one rotary key per token shared by every head, so the compressed latent itself c
 import torch
 from torch import nn
 
-from .attention import DocumentMask, MaxLogitRecorder, attend
-from .config import MoEConfig
-from .layers import RMSNorm
-from .rotary import Rotary, apply_rotary, mla_softmax_scale
+from moe_lightning.model.attention import DocumentMask, MaxLogitRecorder, attend
+from moe_lightning.model.config import MoEConfig
+from moe_lightning.model.layers import RMSNorm
+from moe_lightning.model.rotary import Rotary, apply_rotary, mla_softmax_scale
 
 
 class MultiHeadLatentAttention(MaxLogitRecorder, nn.Module):

@@ -11,9 +11,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import MoEConfig
-from .grouped_mm import grouped_linear, use_grouped_mm
-from .layers import SwiGLU, autocast_dtype, gated_down
+from moe_lightning.model.config import MoEConfig
+from moe_lightning.model.grouped_mm import grouped_linear, use_grouped_mm
+from moe_lightning.model.layers import SwiGLU, autocast_dtype, gated_down
 
 
 class _Fp32Linear(torch.autograd.Function):

@@ -15,9 +15,9 @@ The module is used in training only: generation, validation and test run the mai
 import torch
 from torch import nn
 
-from .attention import document_ids
-from .config import MoEConfig
-from .layers import RMSNorm
+from moe_lightning.model.attention import document_ids
+from moe_lightning.model.config import MoEConfig
+from moe_lightning.model.layers import RMSNorm
 
 
 class MTPModule(nn.Module):

@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from .config import MoEConfig
+from moe_lightning.model.config import MoEConfig
 
 
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:

@@ -7,14 +7,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .attention import DocumentMask, GroupedQueryAttention, document_ids
-from .config import MoEConfig
-from .kv_cache import KVCache
-from .layers import OutputHead, RMSNorm, SwiGLU
-from .mla import MultiHeadLatentAttention
-from .moe import MoELayer
-from .mtp import MTPModule
-from .rotary import Rotary
+from moe_lightning.model.attention import DocumentMask, GroupedQueryAttention, document_ids
+from moe_lightning.model.config import MoEConfig
+from moe_lightning.model.kv_cache import KVCache
+from moe_lightning.model.layers import OutputHead, RMSNorm, SwiGLU
+from moe_lightning.model.mla import MultiHeadLatentAttention
+from moe_lightning.model.moe import MoELayer
+from moe_lightning.model.mtp import MTPModule
+from moe_lightning.model.rotary import Rotary
 
 
 def build_attention(config: MoEConfig) -> nn.Module:

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from .newton_schulz import newton_schulz_flops
+from moe_lightning.optim.newton_schulz import newton_schulz_flops
 
 
 class FlexShardLayoutError(ValueError):

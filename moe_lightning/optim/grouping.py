@@ -13,8 +13,8 @@ norms, biases or embeddings. The balancing bias is a buffer and is never optimiz
 
 from torch import nn
 
-from ..model import GroupedExperts, MoETransformer, Router
-from ..model.layers import RMSNorm
+from moe_lightning.model import GroupedExperts, MoETransformer, Router
+from moe_lightning.model.layers import RMSNorm
 
 ROLES = ("hidden_matrix", "expert_stack", "router", "embedding", "head", "norm")
 NO_DECAY_ROLES = ("embedding", "norm")

@@ -9,11 +9,11 @@ from typing import Literal
 import torch
 from torch.distributed.tensor import DTensor
 
-from .host_staging import HostStagedNS
-from .flexshard import (RowExchange, check_trainable_agree, classify, comm_device, local_rows,
+from moe_lightning.optim.host_staging import HostStagedNS
+from moe_lightning.optim.flexshard import (RowExchange, check_trainable_agree, classify, comm_device, local_rows,
                         plan_shard_groups)
-from .muon_groups import split_by_algorithm
-from .newton_schulz import coefficient_schedule, newton_schulz, ns_dtype_for
+from moe_lightning.optim.muon_groups import split_by_algorithm
+from moe_lightning.optim.newton_schulz import coefficient_schedule, newton_schulz, ns_dtype_for
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,7 @@ from fnmatch import fnmatchcase
 
 from torch import nn
 
-from .grouping import param_groups
+from moe_lightning.optim.grouping import param_groups
 
 MUON_ROLES = ("hidden_matrix", "expert_stack")
 

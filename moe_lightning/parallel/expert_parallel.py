@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..model import GroupedExperts, MoELayer
-from ..model.moe import sum_into_tokens
+from moe_lightning.model import GroupedExperts, MoELayer
+from moe_lightning.model.moe import sum_into_tokens
 
 
 def _pack(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, list[tuple[torch.dtype, int]] | None]:

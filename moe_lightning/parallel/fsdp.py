@@ -18,8 +18,8 @@ from torch.distributed.fsdp import (CPUOffloadPolicy, FSDPModule, MixedPrecision
                                     register_fsdp_forward_method)
 from torch.distributed.tensor import DTensor, Shard
 
-from ..model import Block, GroupedExperts, MoETransformer
-from . import checkpoint as ckpt
+from moe_lightning.model import Block, GroupedExperts, MoETransformer
+from moe_lightning.checkpoint import sharded as ckpt
 
 Stage = list[FSDPModule]  # the units that run together: the first one owns the stage's forward prefetch
 

@@ -1,0 +1,206 @@
+"""Any checkpoint the package writes → weights, config and tokenizer: the one reader for ``generate``, ``export``
+and ``convert``, and the one ``.pt`` format.
+
+Kinds, told apart by what is on disk:
+- a sharded directory written by ``MoEFSDPStrategy`` (``meta.pt`` + DCP shards), read in one process;
+- a single-file Lightning ``.ckpt`` (``state_dict`` with ``model.`` keys, ``hyper_parameters``);
+- the package's ``.pt`` (``write_model_file``: written by ``export`` and ``convert``);
+- a Hugging Face directory (``config.json`` + safetensors), through ``moe_lightning.hf.from_pretrained``.
+
+Every file is unpickled by ``checkpoint.load_metadata`` (plain data only), memory-mapped: what is not read (a
+``.ckpt``'s optimizer state) costs no memory. The tokenizer comes from the checkpoint itself:
+``TextDataModule.state_dict`` records it on every save.
+"""
+
+import argparse
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from moe_lightning.dtypes import DTYPES
+from moe_lightning.hf import from_pretrained
+from moe_lightning.model import MoEConfig, MoETransformer
+from moe_lightning.checkpoint.sharded import (METADATA_FILE, load_metadata, read_sharded_tensors, resolve_checkpoint, save_file,
+                                  sharded_model_index, single_process_dcp)
+from moe_lightning.data.tokenizer import ByteTokenizer, HFTokenizer, tokenizer_from_spec
+
+MODEL_PREFIX = "model."  # MoELanguageModel holds the transformer as ``self.model``
+
+
+def write_model_file(path: str | Path, config: dict, state_dict: dict[str, torch.Tensor], tokenizer: dict | None,
+                     stored_dtypes: dict[str, torch.dtype] | None = None) -> Path:
+    """The package's one ``.pt`` format, plain data (it loads with ``torch.load(..., weights_only=True)``):
+    ``config`` (``MoEConfig`` fields), ``state_dict`` (``MoETransformer`` names), ``tokenizer`` (the spec the run
+    recorded; ``None``: none recorded, e.g. converted from Hugging Face) and, optionally, ``stored_dtypes``
+    (name -> dtype name of tensors held wider than the source stored them, so converting back is bit-identical).
+    Streamed to disk atomically (``checkpoint.save_file``)."""
+    payload = {"config": config, "state_dict": state_dict, "tokenizer": tokenizer}
+    if stored_dtypes:
+        payload["stored_dtypes"] = {name: str(dtype).removeprefix("torch.") for name, dtype in stored_dtypes.items()}
+    save_file(payload, Path(path))
+    return Path(path)
+
+
+@dataclass
+class Checkpoint:
+    """What every kind reduces to: a plain config dict, transformer weights and the tokenizer spec."""
+
+    kind: str
+    config: dict
+    state_dict: dict[str, torch.Tensor]
+    tokenizer: dict
+
+
+@dataclass
+class OpenCheckpoint:
+    """A checkpoint opened without reading its tensors: ``read(names)`` reads those model tensors only."""
+
+    kind: str  # "sharded", "lightning" or "export" (the .pt)
+    config: dict
+    names: list[str]
+    read: Callable[[list[str]], dict[str, torch.Tensor]]
+    tokenizer: dict | None  # None: the checkpoint records none (a file converted from Hugging Face)
+    stored_dtypes: dict[str, torch.dtype] = field(default_factory=dict)
+
+    def get(self, name: str) -> torch.Tensor:
+        return self.read([name])[name]
+
+
+def folder_kind(path: Path) -> str:
+    if (path / METADATA_FILE).is_file():
+        return "sharded"
+    if (path / "config.json").is_file():
+        return "hf"
+    raise ValueError(f"checkpoint={str(path)!r}: a folder, but neither a sharded checkpoint ({METADATA_FILE}) "
+                     "nor a Hugging Face model (config.json).")
+
+
+def recorded_tokenizer(metadata: dict) -> dict | None:
+    """The spec a DataModule's ``state_dict`` (or ``export``) put in the checkpoint; bytes for our checkpoints
+    older than that; ``None`` for a ``.pt`` that records none (converted from a Hugging Face folder)."""
+    if "hyper_parameters" not in metadata:  # the .pt format
+        return metadata.get("tokenizer")
+    for value in metadata.values():
+        if isinstance(value, dict) and isinstance(value.get("tokenizer"), dict) and "kind" in value["tokenizer"]:
+            return value["tokenizer"]
+    return ByteTokenizer().spec()
+
+
+def tokenizer_spec(checkpoint: str | Path) -> dict | None:
+    """``recorded_tokenizer`` of any of our checkpoint kinds (tensors memory-mapped, not read)."""
+    from moe_lightning.checkpoint.sharded import checkpoint_metadata
+
+    return recorded_tokenizer(checkpoint_metadata(checkpoint))
+
+
+def checkpoint_tokenizer(checkpoint: str | Path) -> ByteTokenizer | HFTokenizer:
+    """The tokenizer a checkpoint recorded, bytes when it recorded none."""
+    return tokenizer_from_spec(tokenizer_spec(checkpoint) or ByteTokenizer().spec())
+
+
+def _plain_config(config, path: Path) -> dict:
+    if config is None:
+        raise ValueError(f"checkpoint={str(path)!r} has no model config (hyper_parameters['config']): it was not "
+                         "written by MoELanguageModel, `moe-lightning export` or `convert`.")
+    return dataclasses.asdict(config) if dataclasses.is_dataclass(config) else dict(config)
+
+
+def _dtype(name: str, path: Path) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"checkpoint={str(path)!r}: stored_dtypes names {name!r}, which is not a torch dtype.")
+    return dtype
+
+
+def open_checkpoint(checkpoint: str | Path) -> OpenCheckpoint:
+    """The one reader of our checkpoints (sharded directory, Lightning ``.ckpt``, ``.pt``): config, tokenizer and a
+    reader of model tensors by name. Nothing but the metadata is read until ``read`` asks."""
+    path = resolve_checkpoint(Path(checkpoint))
+    if path.is_dir():
+        if folder_kind(path) == "hf":
+            raise ValueError(f"checkpoint={str(path)!r} is a Hugging Face folder: load it with load_model.")
+        metadata = load_metadata(path / METADATA_FILE, mmap=True)  # refuses an unsafe file before any tensor
+        config = _plain_config(metadata.get("hyper_parameters", {}).get("config"), path)
+        index = sharded_model_index(path)
+
+        def read_sharded(names: list[str]) -> dict[str, torch.Tensor]:
+            with single_process_dcp():
+                return read_sharded_tensors(path, index, names)
+        return OpenCheckpoint("sharded", config, list(index), read_sharded, recorded_tokenizer(metadata))
+    payload = load_metadata(path, mmap=True)  # mapped: an optimizer state beside the weights is never read
+    if not isinstance(payload, dict) or "state_dict" not in payload:
+        raise ValueError(f"checkpoint={str(path)!r}: neither a Lightning checkpoint nor a .pt of this package "
+                         "(no 'state_dict').")
+    state = payload["state_dict"]
+    if "hyper_parameters" not in payload:  # the .pt format
+        stored = {name: _dtype(value, path) for name, value in payload.get("stored_dtypes", {}).items()}
+        return OpenCheckpoint("export", _plain_config(payload.get("config"), path), list(state),
+                              lambda names: {name: state[name] for name in names}, recorded_tokenizer(payload), stored)
+    names = [key[len(MODEL_PREFIX):] for key in state if key.startswith(MODEL_PREFIX)]
+    return OpenCheckpoint("lightning", _plain_config(payload["hyper_parameters"].get("config"), path), names,
+                          lambda names: {name: state[MODEL_PREFIX + name] for name in names},
+                          recorded_tokenizer(payload))
+
+
+def read_checkpoint(checkpoint: str | Path) -> Checkpoint:
+    """Weights (all of them, on CPU; a single file's stay memory-mapped), config and tokenizer of any of ours."""
+    opened = open_checkpoint(checkpoint)
+    return Checkpoint(opened.kind, opened.config, opened.read(opened.names),
+                      opened.tokenizer or ByteTokenizer().spec())
+
+
+@dataclass
+class Loaded:
+    """The model (eval mode), its run's tokenizer and the checkpoint kind; unpacks as ``model, tokenizer``."""
+
+    model: MoETransformer
+    tokenizer: ByteTokenizer | HFTokenizer
+    kind: str
+
+    def __iter__(self):
+        return iter((self.model, self.tokenizer))
+
+
+def load_model(checkpoint: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> Loaded:
+    """A ready-to-sample model (eval mode) and the tokenizer its run used."""
+    path = Path(checkpoint)
+    if path.is_dir() and folder_kind(path) == "hf":
+        if not (path / "tokenizer.json").is_file():
+            raise FileNotFoundError(f"checkpoint={str(path)!r}: a Hugging Face folder without tokenizer.json; copy "
+                                    "the model's tokenizer.json (and tokenizer_config.json) into it.")
+        model = from_pretrained(path, dtype=dtype).to(device).eval()
+        return Loaded(model, HFTokenizer(str(path / "tokenizer.json")), "hf")
+    ckpt = read_checkpoint(path)
+    with torch.device(device):
+        model = MoETransformer(MoEConfig(**ckpt.config))
+    model.load_state_dict(ckpt.state_dict, strict=True)
+    return Loaded(model.to(dtype=dtype).eval(), tokenizer_from_spec(ckpt.tokenizer), ckpt.kind)
+
+
+def export_checkpoint(checkpoint: str | Path, out: str | Path, dtype: torch.dtype | None = None,
+                      overwrite: bool = False) -> Path:
+    """Write any checkpoint's model as the package's ``.pt`` (``write_model_file``)."""
+    out = Path(out)
+    if out.exists() and not overwrite:
+        raise FileExistsError(f"out={str(out)!r} exists; choose another path or pass --overwrite.")
+    ckpt = read_checkpoint(checkpoint)
+    weights = {key: t.to(dtype) if dtype is not None and t.is_floating_point() else t
+               for key, t in ckpt.state_dict.items()}
+    return write_model_file(out, ckpt.config, weights, ckpt.tokenizer)
+
+
+def export_main(argv: list[str] | None = None) -> None:
+    """Write a checkpoint (sharded folder or single file) as one inference file that records its tokenizer."""
+    parser = argparse.ArgumentParser(prog="moe-lightning export", description=export_main.__doc__)
+    parser.add_argument("checkpoint", help="sharded checkpoint folder or single-file .ckpt")
+    parser.add_argument("--out", required=True, help="output file (torch.save format)")
+    parser.add_argument("--dtype", choices=list(DTYPES), default=None,
+                        help="cast floating-point weights (default: keep the saved dtype)")
+    parser.add_argument("--overwrite", action="store_true")
+    args = parser.parse_args(argv)
+    out = export_checkpoint(args.checkpoint, args.out, DTYPES.get(args.dtype),
+                            args.overwrite)
+    print(f"wrote {out}")

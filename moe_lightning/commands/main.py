@@ -1,0 +1,63 @@
+"""``moe-lightning``: the command table and its dispatch, kept light on purpose.
+
+``moe-lightning --help`` imports nothing but this module, and the commands that do not train (``generate``,
+``tokenize``, ``plan``, ``export``, ``convert``) import only what they use: none of them imports Lightning, which
+alone takes seconds. ``fit``/``validate``/``test``/``predict`` import ``moe_lightning.commands.cli`` (LightningCLI).
+"""
+
+import importlib
+import sys
+
+# Every command with one line, for `moe-lightning --help` (LightningCLI's own listing shows only its four).
+COMMANDS = {
+    "fit": "train a model from a YAML config (--config configs/tiny.yaml)",
+    "validate": "loss on the validation split, from a config and --ckpt_path",
+    "test": "loss and perplexity on the held-out split (or another --data.init_args.source)",
+    "predict": "continue every prompt of a JSONL file (--prompts in.jsonl --out out.jsonl)",
+    "generate": "continue a prompt from any checkpoint, streaming the text (CKPT --prompt TEXT)",
+    "tokenize": "tokenize a corpus on every core into .npy token shards and a manifest",
+    "plan": "memory and speed plan of a config on a cluster, without GPUs",
+    "export": "write any checkpoint as one inference file that records its tokenizer",
+    "convert": "Hugging Face folder <-> single-file checkpoint",
+}
+
+TRAINER_COMMANDS = ("fit", "validate", "test", "predict")  # LightningCLI's subcommands (moe_lightning.commands.cli)
+
+# Commands beside LightningCLI's subcommands: name -> "module:function(argv)", imported only when used.
+EXTRA_COMMANDS = {
+    "generate": "moe_lightning.commands.generate:main",
+    "tokenize": "moe_lightning.data.tokenize:tokenize_main",
+    "plan": "moe_lightning.planner.plan:main",
+    "export": "moe_lightning.hf.convert:export_main",  # --hf writes Hugging Face; otherwise loading.export_main
+    "convert": "moe_lightning.hf.convert:convert_main",
+}
+
+
+def print_commands() -> None:
+    names = [name for name in COMMANDS if name in EXTRA_COMMANDS or name in TRAINER_COMMANDS]
+    width = max(map(len, names))
+    lines = [f"  {name:<{width}}  {COMMANDS[name]}" for name in names]
+    print("usage: moe-lightning COMMAND [options]   (moe-lightning COMMAND --help for its options)\n\n"
+          "Train Mixture-of-Experts language models with Lightning.\n\ncommands:\n" + "\n".join(lines))
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console entry point (its return value would become the exit status, so it returns nothing)."""
+    run(argv)
+
+
+def run(argv: list[str] | None = None):
+    """Run a command and return the CLI object of a trainer command (for tests and notebooks); ``argv=None``
+    reads the command line."""
+    if "" not in sys.path and "." not in sys.path:
+        sys.path.insert(0, "")  # like `python -m`: class_paths from the user's project resolve from cwd
+    words = sys.argv[1:] if argv is None else argv
+    if not words or words[0] in ("-h", "--help"):
+        print_commands()
+        return None
+    if words[0] in EXTRA_COMMANDS:
+        module_name, function_name = EXTRA_COMMANDS[words[0]].split(":")
+        return getattr(importlib.import_module(module_name), function_name)(words[1:])
+    from moe_lightning.commands.cli import lightning_cli
+
+    return lightning_cli(argv, {name: COMMANDS[name] for name in TRAINER_COMMANDS})

@@ -1,0 +1,567 @@
+"""``moe-lightning plan``: will a config fit the cluster, and how fast could it train? Decide before queueing.
+
+It plans the run the YAML describes: the trainer's nodes and devices, ``MoEFSDPStrategy``'s mesh sizes,
+``cpu_offload`` and ``prefetch_depth``, whether ``ActivationOffload`` is among the callbacks (and its
+``prefetch``), the optimizer (Muon or AdamW, by ``class_path``), the model's ``loss_chunk_size`` and the
+data's ``batch_size`` and ``seq_len``; command-line flags override any of them.
+Everything is counted on the meta device (no memory allocated) and priced with the formulas below.
+Notation: P parameters, S FSDP shard-group size (``--shard-size``), b micro-batch, s sequence length,
+d model dim, L layers, V vocabulary, K top-k; bytes are per GPU unless stated.
+
+- Sharded parameters: ``4·P / S`` (fp32 master copy; FSDP2 gathers bf16 for compute).
+- Gradients: ``4·P / S`` (fp32 after the reduce-scatter).
+- Optimizer state: AdamW ``8·P / S`` (two fp32 moments). Muon ``(4·P_muon + 8·P_adamw) / S``: one fp32
+  momentum for block matrices and expert stacks, AdamW's two for embedding, head, router and norms.
+  ``--cpu-offload`` moves these three to host memory (FSDP2 ``CPUOffloadPolicy``), parameters and gradients
+  pinned, one block per parameter shard: each priced rounded up to a power of two (see below).
+- Boundary activations: ``L · b · s · d · 2`` (bf16 input of every checkpointed block). Offloaded
+  (``ActivationOffload``), they live in host memory and the GPU keeps ``(1 + offload prefetch)`` of them:
+  the block in backward and those being copied back. Pinned host memory comes from torch's
+  ``CachingHostAllocator``, which rounds every block up to a power of two (torch 2.11
+  ``ATen/core/CachingHostAllocator.h``, ``PowerOf2Ceil``): a 896 MiB boundary activation takes 1 GiB.
+- Block recompute working set: what one block's recomputed forward saves for its backward
+  (see ``block_working_set_bytes``); the largest block counts.
+- Loss working set: unchunked, ``12 · V`` bytes per token (fp32 logits, log-softmax output and logit
+  gradient). Chunked (``moe_lightning.model.loss``, chunk c): at most ``8 · V`` per token of one chunk (fp32
+  logits and the log-sum-exp temporary; backward rebuilds the logit gradient in place) plus ``6 · V · d``
+  (the head gradient's fp32 accumulator and one chunk's bf16 contribution). Transient like the block
+  working set, so the peak takes the larger of the two.
+- All-gather buffers: ``(1 + prefetch_depth) · 2 · U`` with U the largest unit's gathered parameters
+  (a block's dense parameters plus its routed experts divided by the expert-parallel size).
+- Reduce-scatter buffers: ``6 · U`` (the unsharded bf16 gradient and its fp32 reduce copy).
+- Unsharded gradient accumulation (the strategy's opt-in ``accumulate_unsharded_grads``): every unit's fp32
+  gradient held across micro-batches, ``4 · (dense + routed / ep)`` parameters of the whole model.
+- Runtime reserve: CUDA context, communicator buffers and allocator slack (``--reserve``).
+- Muon host staging (``cpu_offload`` with Muon): Newton–Schulz of host matrices runs on the GPU through a ring
+  of two pinned fp32 inputs and two bf16 outputs per distinct local matrix shape (``optim.host_staging``), each
+  rounded up to a power of two.
+- Async checkpoint staging (``async_checkpoint``): each background save first copies the sharded parameters
+  and optimizer state into new host memory (``4·P/S`` + the optimizer state), held while it is written.
+
+- Multi-token prediction (``mtp_layers``): what its modules keep for backward is its own row
+  (``mtp_activation_bytes``). Without activation offload their blocks are not checkpointed and keep their whole
+  working set; ``ActivationOffload`` checkpoints them too (its ``mtp``, default on; ``--no-offload-mtp`` prices
+  it off), leaving their inputs and the modules' norms and projection. Both figures are printed. Their
+  parameters, FSDP units and FLOPs count like the blocks'.
+
+Throughput: ``tokens/s per GPU = MFU · peak FLOP/s / training FLOPs per token`` (model FLOPs,
+``moe_lightning.planner.flops``: 6 × active matmul parameters + causal attention at sequence length s). With
+``document_masking``, attention scores only within documents: ``--doc-len`` (the typical document length) counts
+the pairs of documents of that length, as ``MoEThroughputMonitor`` counts each batch's; without it the count is
+causal over the whole sequence, an upper bound.
+"""
+
+import argparse
+import json
+import math
+from dataclasses import asdict, dataclass, fields
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+from moe_lightning.planner import ep_traffic
+from moe_lightning.planner.flops import PEAK_BF16_FLOPS, parameter_counts, peak_bf16_flops, training_flops_per_token
+from moe_lightning.model import MoEConfig, MoETransformer
+from moe_lightning.optim.grouping import parameter_roles
+from moe_lightning.optim.host_staging import staging_bytes
+from moe_lightning.optim.muon_groups import MUON_ROLES
+from moe_lightning.parallel import MeshLayout
+
+GiB = 2**30
+@dataclass
+class Cluster:
+    """Hardware and the strategy's mesh sizes (``MoEFSDPStrategy`` arguments; ``None`` shard size = auto)."""
+
+    nodes: int = 1
+    gpus_per_node: int = 8
+    gpu: str = "H100"  # the GPU model assumed (its name only; memory and peak are the two fields below)
+    gpu_memory_gib: float = 80.0
+    host_memory_gib: float | None = None
+    peak_tflops: float = 989.0
+    replicate_size: int = 1
+    shard_size: int | None = None
+    expert_parallel_size: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    def __post_init__(self) -> None:
+        for name in ("nodes", "gpus_per_node"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')}={getattr(self, name)} must be >= 1.")
+        for flag, gib in (("--gpu-memory", self.gpu_memory_gib), ("--host-memory", self.host_memory_gib)):
+            if gib is not None and not gib > 0:
+                raise ValueError(f"{flag}={gib:g} must be > 0 (GiB per GPU).")
+
+
+@dataclass
+class Workload:
+    """What one training step runs on each GPU."""
+
+    micro_batch: int = 1
+    seq_len: int = 4096
+    optimizer: str = "adamw"
+    cpu_offload: bool = False
+    prefetch_depth: int = 1
+    loss_chunk: int | None = None
+    mfu: float = 0.3
+    reserve_gib: float = 3.0
+    activation_offload: bool = False  # the variant whose fit is the verdict (both are priced)
+    offload_prefetch: int = 1
+    async_checkpoint: bool = False
+    doc_len: int | None = None  # typical document length (document masking): attention FLOPs within documents
+    offload_mtp: bool = True  # ActivationOffload(mtp=...): the multi-token prediction blocks are checkpointed too
+    accumulate_unsharded_grads: bool = False
+
+    def __post_init__(self) -> None:
+        if self.optimizer not in ("adamw", "muon"):
+            raise ValueError(f"--optimizer={self.optimizer!r}: use 'adamw' or 'muon'.")
+        if self.micro_batch < 1 or self.seq_len < 1 or self.prefetch_depth < 0 or self.offload_prefetch < 0:
+            raise ValueError("--micro-batch and --seq-len must be >= 1, --prefetch-depth and --offload-prefetch "
+                             ">= 0.")
+        if self.loss_chunk is not None and self.loss_chunk < 1:
+            raise ValueError(f"--loss-chunk={self.loss_chunk}: must be >= 1 (0 on the command line: unchunked).")
+        if not 0 < self.mfu <= 1:
+            raise ValueError(f"--mfu={self.mfu} must be in (0, 1].")
+        if self.doc_len is not None and self.doc_len < 1:
+            raise ValueError(f"--doc-len={self.doc_len}: must be >= 1 (tokens in a typical document).")
+
+
+def read_config(paths: str | Path | list) -> dict[str, Any]:
+    """The run config of one YAML file, or of several composed as ``fit --config A --config B`` composes them
+    (through fit's own parser, ``cli.compose_configs``: it imports Lightning, so only when there is more than one)."""
+    paths = [paths] if isinstance(paths, (str, Path)) else list(paths)
+    if len(paths) > 1:
+        return _composed(tuple(map(str, paths)))
+    with open(paths[0]) as f:
+        return yaml.safe_load(f) or {}
+
+
+@cache
+def _composed(paths: tuple[str, ...]) -> dict[str, Any]:
+    from moe_lightning.commands.cli import compose_configs
+
+    return compose_configs(list(paths))
+
+
+def load_model_config(path: str | Path | list) -> MoEConfig:
+    """``model.init_args.config`` of a LightningCLI YAML (or several composed; or a bare mapping of MoEConfig
+    fields)."""
+    data = read_config(path)
+    fields = data.get("model", {}).get("init_args", {}).get("config", data if "dim" in data else None)
+    if fields is None:
+        raise ValueError(f"{path}: no model.init_args.config section with MoEConfig fields.")
+    return MoEConfig(**fields)
+
+
+def _class_name(entry: Any) -> str:
+    return str(entry.get("class_path", "")).rsplit(".", 1)[-1] if isinstance(entry, dict) else ""
+
+
+def read_run_config(path: str | list[str]) -> dict[str, Any]:
+    """What a LightningCLI YAML says about the plan's inputs, keyed by ``Cluster``/``Workload`` field names.
+
+    Only values the file sets are returned (``activation_offload`` always: the callback is there or not);
+    ``optimizer`` is ``adamw``/``muon``, or the class path when it is neither.
+    """
+    data = read_config(path)
+    trainer, found = data.get("trainer") or {}, {}
+    for key, name in (("num_nodes", "nodes"), ("devices", "gpus_per_node")):
+        if isinstance(trainer.get(key), int):
+            found[name] = trainer[key]
+    strategy = trainer.get("strategy")
+    if _class_name(strategy) == "MoEFSDPStrategy":
+        args = strategy.get("init_args") or {}
+        for key in ("replicate_size", "shard_size", "expert_parallel_size", "cpu_offload", "prefetch_depth",
+                    "async_checkpoint", "accumulate_unsharded_grads"):
+            if key in args:
+                found[key] = None if args[key] == "auto" else args[key]
+    callbacks = trainer.get("callbacks") or []
+    offload = [c for c in (callbacks if isinstance(callbacks, list) else [callbacks])
+               if _class_name(c) == "ActivationOffload"]
+    found["activation_offload"] = bool(offload)
+    for key, name in (("prefetch", "offload_prefetch"), ("mtp", "offload_mtp")):
+        if offload and key in (offload[0].get("init_args") or {}):
+            found[name] = offload[0]["init_args"][key]
+    model = (data.get("model") or {}).get("init_args") or {}
+    if "loss_chunk_size" in model:
+        found["loss_chunk"] = model["loss_chunk_size"]
+    if isinstance(model.get("optimizer"), dict):
+        name = _class_name(model["optimizer"])
+        found["optimizer"] = {"Muon": "muon", "AdamW": "adamw", "Adam": "adamw"}.get(
+            name, model["optimizer"].get("class_path"))
+    datamodule = (data.get("data") or {}).get("init_args") or {}
+    for key, name in (("batch_size", "micro_batch"), ("seq_len", "seq_len")):
+        if key in datamodule:
+            found[name] = datamodule[key]
+    return found
+
+
+def count_parameters(config: MoEConfig) -> tuple[dict[str, int], list[tuple[int, int]]]:
+    """Parameters per optimizer role, and each gathered unit's ``(dense, routed)`` parameters.
+
+    Units are what FSDP gathers at once: every block, the embedding, and the head with the final norm.
+    Counted on a meta-device model, so nothing is allocated.
+    """
+    with torch.device("meta"):
+        model = MoETransformer(config)
+    params = dict(model.named_parameters())
+    roles: dict[str, int] = {}
+    for name, role in parameter_roles(model).items():
+        roles[role] = roles.get(role, 0) + params[name].numel()
+    units = [(model.tok_embeddings.weight.numel(), 0),
+             (model.output.weight.numel() + model.norm.weight.numel(), 0)]
+    for block in [*model.layers, *(module.block for module in model.mtp)]:
+        routed = sum(p.numel() for p in block.ffn.experts.parameters()) if block.is_moe else 0
+        units.append((sum(p.numel() for p in block.parameters()) - routed, routed))
+    units += [(sum(p.numel() for p in module.parameters()) - sum(p.numel() for p in module.block.parameters()), 0)
+              for module in model.mtp]  # each MTP module's norms and eh_proj: a unit of their own
+    return roles, units
+
+
+def pinned_bytes(nbytes: int) -> int:
+    """Host memory one pinned allocation of ``nbytes`` takes: the next power of two (``CachingHostAllocator``)."""
+    return 0 if nbytes <= 0 else 1 << (int(nbytes) - 1).bit_length()
+
+
+def sharded_parameter_numels(config: MoEConfig, shard: int) -> list[int]:
+    """Elements of each parameter's shard on one rank (dim 0 split ``shard`` ways, padded as FSDP2 pads)."""
+    with torch.device("meta"):
+        model = MoETransformer(config)
+    return [math.ceil(p.shape[0] / shard) * (p.numel() // p.shape[0]) for p in model.parameters()]
+
+
+def staged_muon_shapes(config: MoEConfig, mesh: MeshLayout) -> list[tuple[int, ...]]:
+    """Local shapes of the Muon matrices one rank orthogonalizes whole (``optim.host_staging`` stages these under
+    ``cpu_offload``): expert stacks sharded by whole experts (``Shard(0)``), and hidden matrices when they are not
+    row-sharded (shard size 1); row-sharded ones go through FlexShard's row exchange instead."""
+    with torch.device("meta"):
+        model = MoETransformer(config)
+    params = dict(model.named_parameters())
+    whole_experts = (config.num_experts // mesh.ep) % mesh.expert_shard == 0
+    shapes = []
+    for name, role in parameter_roles(model).items():
+        shape = tuple(params[name].shape)
+        if role == "expert_stack" and whole_experts:
+            shapes.append((shape[0] // mesh.ep // mesh.expert_shard, *shape[1:]))
+        elif role == "hidden_matrix" and mesh.shard == 1:
+            shapes.append(shape)
+    return shapes
+
+
+def mtp_activation_bytes(config: MoEConfig, tokens: int, checkpointed: bool = False) -> int:
+    """What the multi-token prediction modules keep from forward to backward, bf16.
+
+    Per token and depth: the reciprocal RMS of ``enorm`` and ``hnorm`` ``8``, the concatenation ``4d``, the block
+    input ``2d``, the block's working set (``block_working_set_bytes``; none when ``checkpointed``: recomputed in
+    backward, a transient like the main blocks'), the final norm ``2d + 4`` and its output, kept by the loss,
+    ``2d``; once: the embedding output ``2d`` the modules read (the main hidden state is kept by the main loss
+    anyway). ``tests/model/test_mtp.py`` checks it with saved-tensor hooks.
+    """
+    if not config.mtp_layers:
+        return 0
+    d = config.dim
+    block = 0 if checkpointed else block_working_set_bytes(config, 1, moe=config.is_moe_layer(config.n_layers - 1))
+    return (config.mtp_layers * (10 * d + 12 + block) + 2 * d) * tokens
+
+
+def block_working_set_bytes(config: MoEConfig, tokens: int, moe: bool, part: str = "block") -> int:
+    """Bytes one block's recomputed forward saves for its backward, for ``tokens = b·s`` tokens.
+
+    ``part``: ``attention`` (norm + attention), ``ffn`` (norm + MoE or dense FFN) or the whole ``block``.
+    Follows what autograd saves in this package's block with bf16 parameters (``tests/planner/test_block_memory.py``
+    checks it with saved-tensor hooks) and a fused attention kernel keeping q, k, v, the output and an fp32
+    log-sum-exp (the CPU math kernel would keep ``S × S`` probabilities). Per token, in bytes:
+    - every RMSNorm keeps its bf16 input and fp32 reciprocal RMS ``2w + 4`` (the attention norm's input is
+      the block input, counted as a boundary activation: ``4``); a linear keeps its bf16 input;
+    - GQA: normed input ``2d``, rotary tables ``4·hd``, rotated q ``2H·hd``, k and v ``4G·hd``, output
+      ``2H·hd``, LSE ``4H``;
+    - MLA: normed input ``2d``, rotary tables ``4R``, the key/value down-projection ``2(C + R)`` and its norm
+      ``2C + 4``, the query latent and its norm ``4Q + 4`` (none when Q = 0), q and assembled k ``4H(N+R)``,
+      key/value up-projection ``2H(N+V)``, output ``2H·V``, LSE ``4H``;
+    - MoE: norm ``2d + 4`` and its output ``2d``, fp32 router scores ``4E``, choices ``8K``, renormalised
+      weights ``4K + 4`` (with ``route_norm``), sort indices ``16K``, K token copies into the experts ``2K·d``,
+      their gate and up ``4K·F`` (the product is recomputed), routing weights ``2K``, shared experts' gate and
+      up ``4·F_shared``, balance-loss normaliser ``4`` (with ``aux_loss_coef``), router logits and their
+      log-sum-exp ``4E + 4`` (with ``z_loss_coef``);
+    - dense FFN: norm ``2d + 4``, its output ``2d``, gate and up ``4·ffn_hidden``.
+    Rotary tables are per position (shared by the micro-batch) and counted per token, an upper bound for
+    b > 1; per-layer constants (int32 expert offsets, per-sequence balance statistics) are left out.
+    """
+    c, d, H = config, config.dim, config.n_heads
+    if c.attention == "mla":
+        N, R, V, C, Q = c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim, c.kv_lora_rank, c.q_lora_rank
+        attention = (4 + 2 * d + 4 * R + 2 * (C + R) + 2 * C + 4 + (4 * Q + 4 if Q else 0) + 4 * H * (N + R)
+                     + 2 * H * (N + V) + 2 * H * V + 4 * H)
+    else:
+        hd, G = c.head_dim, c.n_kv_heads
+        attention = 4 + 2 * d + 4 * hd + 2 * H * hd + 4 * G * hd + 2 * H * hd + 4 * H
+    ffn = 4 * d + 4
+    if moe:
+        K, F, E = c.top_k, c.expert_hidden, c.num_experts
+        ffn += (4 * E + 8 * K + (4 * K + 4 if c.route_norm else 0) + 16 * K + 2 * K * d + 4 * K * F + 2 * K
+                + 4 * F * c.n_shared_experts + (4 if c.aux_loss_coef > 0 else 0) + (4 * E + 4 if c.z_loss_coef > 0 else 0))
+    else:
+        ffn += 4 * c.ffn_hidden
+    per_token = {"attention": attention, "ffn": ffn, "block": attention + ffn}[part]
+    return per_token * tokens
+
+
+def plan(config: MoEConfig, cluster: Cluster, work: Workload) -> dict:
+    """Parameters, FLOPs, per-GPU memory (without and with activation offload), fit and throughput."""
+    mesh = MeshLayout.resolve(cluster.world_size, cluster.replicate_size, cluster.shard_size or "auto",
+                              cluster.expert_parallel_size, config.num_experts)
+    roles, units = count_parameters(config)
+    total = sum(roles.values())
+    counts = parameter_counts(config)
+    active = counts["active"]
+    S, tokens = mesh.shard, work.micro_batch * work.seq_len
+    muon = sum(roles.get(r, 0) for r in MUON_ROLES) if work.optimizer == "muon" else 0
+
+    state = {
+        "sharded parameters (fp32)": 4 * total / S,
+        "gradients (fp32)": 4 * total / S,
+        f"optimizer state ({work.optimizer})": (4 * muon + 8 * (total - muon)) / S,
+    }
+    boundary_one = 2 * tokens * config.dim
+    unit = max(dense + routed_part / cluster.expert_parallel_size for dense, routed_part in units)
+    working_set = max(block_working_set_bytes(config, tokens, moe=m)
+                      for m, n in ((True, config.n_moe_layers), (False, config.n_layers - config.n_moe_layers)) if n)
+    V = config.vocab_size
+    loss_set = 12 * V * tokens if work.loss_chunk is None else \
+        8 * V * min(work.loss_chunk, tokens) + 6 * V * config.dim
+
+    transient = {
+        "block recompute working set": working_set,
+        "loss working set": loss_set,
+        "all-gather buffers (bf16)": (1 + work.prefetch_depth) * 2 * unit,
+        "reduce-scatter buffers": 6 * unit,
+        "runtime reserve": work.reserve_gib * GiB,
+    }
+    # ActivationOffload's default keeps the last block's input; each offloaded one is a pinned block
+    pinned_boundaries = (config.n_layers - 1) * pinned_bytes(boundary_one)
+    pinned_shards = sum(pinned_bytes(4 * n) for n in sharded_parameter_numels(config, S)) if work.cpu_offload else 0
+    muon_staging = staging_bytes(staged_muon_shapes(config, mesh), 2, pinned_bytes) if (
+        work.cpu_offload and work.optimizer == "muon") else 0
+    variants = {}
+    for offload in (False, True):
+        boundary = min(1 + work.offload_prefetch if offload else config.n_layers, config.n_layers) * boundary_one
+        gpu = {} if work.cpu_offload else dict(state)
+        gpu["boundary activations"] = boundary
+        if work.accumulate_unsharded_grads:
+            gpu["unsharded grad accumulation (fp32)"] = 4 * sum(
+                dense + routed_part / cluster.expert_parallel_size for dense, routed_part in units)
+        if config.mtp_layers:
+            gpu["multi-token prediction activations"] = mtp_activation_bytes(config, tokens,
+                                                                             offload and work.offload_mtp)
+        gpu.update(transient)
+        peak = sum(gpu.values()) - min(working_set, loss_set)  # the two transients never coexist
+        host_rows = {}
+        if work.cpu_offload:  # parameters and gradients pinned, a power-of-two block per shard; the state pageable
+            optimizer_row = f"optimizer state ({work.optimizer})"
+            host_rows = {"sharded params (fp32, pinned)": pinned_shards, "gradients (fp32, pinned)": pinned_shards,
+                         optimizer_row: state[optimizer_row]}
+            if work.optimizer == "muon":  # Newton–Schulz on the GPU: a pinned ring per shape, bf16 results
+                host_rows["Muon host staging (pinned)"] = muon_staging
+        host_rows["boundary activations (pinned)"] = pinned_boundaries if offload else 0
+        if work.async_checkpoint:  # a fresh pageable host copy of the sharded state per save (DCP async_save)
+            host_rows["async checkpoint staging"] = state["sharded parameters (fp32)"] + state[
+                f"optimizer state ({work.optimizer})"]
+        host = sum(host_rows.values())
+        fits = peak <= cluster.gpu_memory_gib * GiB and (
+            cluster.host_memory_gib is None or host <= cluster.host_memory_gib * GiB)
+        variants["with_offload" if offload else "without_offload"] = {
+            "gpu_bytes": {k: int(v) for k, v in gpu.items()}, "gpu_peak_bytes": int(peak),
+            "host_bytes_by_row": {k: int(v) for k, v in host_rows.items()}, "host_bytes": int(host), "fits": fits}
+    configured = "with_offload" if work.activation_offload else "without_offload"
+
+    if work.doc_len is not None and not config.document_masking:
+        raise ValueError(f"--doc-len={work.doc_len}: the model attends over the whole sequence "
+                         "(model.init_args.config.document_masking is false); drop --doc-len or turn masking on.")
+    flops_per_token = training_flops_per_token(config, work.seq_len, counts=counts, doc_len=work.doc_len)
+    tokens_per_s = work.mfu * cluster.peak_tflops * 1e12 / flops_per_token
+    return {
+        "parameters": {"total": total, "active": active, "routed_experts": roles.get("expert_stack", 0),
+                       "by_role": roles},
+        "flops_per_token": flops_per_token,
+        "cluster": asdict(cluster) | {"world_size": cluster.world_size, "shard_size": mesh.shard},
+        "workload": asdict(work),
+        "boundary_activations_bytes": config.n_layers * boundary_one,
+        "mtp_activation_bytes": {"not_checkpointed": mtp_activation_bytes(config, tokens),
+                                 "checkpointed": mtp_activation_bytes(config, tokens, checkpointed=True)},
+        "memory": variants,
+        "configured": configured,  # the variant the workload runs
+        "fits": variants[configured]["fits"],
+        "tokens_per_s_per_gpu": tokens_per_s,
+        "tokens_per_s_total": tokens_per_s * cluster.world_size,
+    }
+
+
+def format_plan(result: dict) -> str:
+    p, c, w = result["parameters"], result["cluster"], result["workload"]
+    without, with_ = result["memory"]["without_offload"], result["memory"]["with_offload"]
+    chunk = f"loss chunk {w['loss_chunk']:,}" if w["loss_chunk"] else "unchunked loss"
+    offload = f"activation offload on (prefetch {w['offload_prefetch']})" if w["activation_offload"] \
+        else "activation offload off"
+    lines = [
+        f"parameters        total {p['total'] / 1e9:,.2f} B   active {p['active'] / 1e9:,.2f} B",
+        f"training FLOPs    {result['flops_per_token'] / 1e9:,.1f} GFLOP per token at seq_len {w['seq_len']:,}"
+        + (f", attention within {w['doc_len']:,}-token documents" if w["doc_len"] else ""),
+        f"cluster           {c['nodes']} x {c['gpus_per_node']} GPUs = {c['world_size']}, "
+        f"{c['gpu_memory_gib']:g} GiB each; mesh replicate_size={c['replicate_size']} shard_size={c['shard_size']} "
+        f"ep={c['expert_parallel_size']}",
+        f"workload          micro_batch {w['micro_batch']} x seq_len {w['seq_len']:,}, optimizer {w['optimizer']}, "
+        f"cpu_offload {'on' if w['cpu_offload'] else 'off'}, prefetch_depth {w['prefetch_depth']}, {chunk}, "
+        f"{offload}",
+    ]
+    lines.insert(2, f"gpu               {c['gpu']}: {c['gpu_memory_gib']:g} GiB, {c['peak_tflops']:g} TFLOP/s dense "
+                    f"bf16 peak (--gpu, --gpu-memory, --peak-tflops)")
+    for origin in ("config", "flag", "default"):
+        names = [f"{k}={v}" + (" (auto: every GPU of a replica)" if k == "shard_size" and o == "default" else "")
+                 for k, (v, o) in result.get("inputs", {}).items() if o == origin]
+        if names:
+            lines.append(f"{'from ' + origin + 's' if origin != 'config' else 'from the config':<18}{' '.join(names)}")
+    mark = {"without_offload": ("*", ""), "with_offload": ("", "*")}[result["configured"]]
+    lines += ["", f"{'per-GPU memory (GiB)':<36}{'no act. offload' + mark[0]:>18}{'act. offload' + mark[1]:>15}"]
+    rows = [(name, without["gpu_bytes"][name], with_["gpu_bytes"][name]) for name in without["gpu_bytes"]]
+    rows.append(("peak (larger working set only)", without["gpu_peak_bytes"], with_["gpu_peak_bytes"]))
+    rows += [(f"host: {name}", without["host_bytes_by_row"][name], with_["host_bytes_by_row"][name])
+             for name in without["host_bytes_by_row"]]
+    rows.append(("host memory per GPU", without["host_bytes"], with_["host_bytes"]))
+    lines += [f"{name:<36}{a / GiB:>17.2f}{b / GiB:>15.2f}" for name, a, b in rows]
+    lines.append(f"{'fits':<36}{_yes(without['fits']):>17}{_yes(with_['fits']):>15}")
+    chosen = result["memory"][result["configured"]]
+    if c["host_memory_gib"] is not None:
+        host = f"host {chosen['host_bytes'] / GiB:.2f} of {c['host_memory_gib']:g} GiB"
+    elif chosen["host_bytes"]:
+        host = f"host {chosen['host_bytes'] / GiB:.2f} GiB per GPU not checked (pass --host-memory)"
+    else:
+        host = "no host memory used"
+    lines += [
+        f"{'verdict':<18}{'fits' if result['fits'] else 'does NOT fit'} as configured (* column, {offload}): "
+        f"GPU peak {chosen['gpu_peak_bytes'] / GiB:.2f} of {c['gpu_memory_gib']:g} GiB, {host}",
+        "",
+        f"boundary activations {result['boundary_activations_bytes'] / GiB:.1f} GiB per GPU "
+        f"(in host memory with activation offload)",
+    ]
+    if result["mtp_activation_bytes"]["not_checkpointed"]:
+        mtp = result["mtp_activation_bytes"]
+        lines.append(f"multi-token prediction activations {mtp['checkpointed'] / GiB:.2f} GiB per GPU with its "
+                     f"blocks checkpointed (ActivationOffload mtp: true{', configured' if w['offload_mtp'] else ''}), "
+                     f"{mtp['not_checkpointed'] / GiB:.2f} GiB without (mtp: false{'' if w['offload_mtp'] else ', configured'})")
+    lines += [
+        f"throughput        {result['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU "
+        f"({result['tokens_per_s_total']:,.0f} total) at MFU {w['mfu']:.0%} of {c['peak_tflops']:g} TFLOP/s",
+    ]
+    lines += ep_traffic.format_traffic(result.get("ep_traffic"))
+    return "\n".join(lines)
+
+
+def _yes(flag: bool) -> str:
+    return "yes" if flag else "NO"
+
+
+# Inputs a config can set and a flag can override (``Cluster`` and ``Workload`` field names = flag names).
+PLANNED = ("nodes", "gpus_per_node", "replicate_size", "shard_size", "expert_parallel_size", "micro_batch",
+           "seq_len", "optimizer", "cpu_offload", "prefetch_depth", "loss_chunk", "activation_offload",
+           "offload_prefetch", "offload_mtp", "async_checkpoint", "accumulate_unsharded_grads")
+
+
+def planned_inputs(args: argparse.Namespace, config: MoEConfig) -> dict[str, tuple[Any, str]]:
+    """Each planned input with where it came from: ``flag``, ``config`` or ``default``."""
+    from_config = read_run_config(args.config)
+    defaults = {f.name: f.default for f in fields(Cluster) + fields(Workload)}
+    defaults["seq_len"] = config.max_seq_len
+    inputs = {}
+    for name in PLANNED:
+        if getattr(args, name) is not None:
+            inputs[name] = (getattr(args, name), "flag")
+        elif name in from_config:
+            inputs[name] = (from_config[name], "config")
+        else:  # a missing seq_len is the model's max_seq_len: that is the config too
+            inputs[name] = (defaults[name], "config" if name == "seq_len" else "default")
+    if inputs["loss_chunk"] == (0, "flag"):
+        inputs["loss_chunk"] = (None, "flag")
+    seq_len, origin = inputs["seq_len"]
+    if seq_len > config.max_seq_len:
+        where = "--seq-len" if origin == "flag" else "data.init_args.seq_len"
+        raise ValueError(f"{where}={seq_len} exceeds model.init_args.config.max_seq_len={config.max_seq_len}: "
+                         "the model cannot train on longer sequences; lower it or raise max_seq_len.")
+    optimizer, origin = inputs["optimizer"]
+    if optimizer not in ("adamw", "muon"):
+        raise ValueError(f"{' + '.join(args.config)}: model.init_args.optimizer {optimizer} is neither AdamW nor Muon; pass "
+                         "--optimizer adamw or --optimizer muon to price its state like one of them.")
+    return inputs
+
+
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(prog="moe-lightning plan", description=__doc__.split("\n")[0],
+                                     epilog="Flags without a default here take the config's value.")
+    parser.add_argument("--config", required=True, action="append", help="LightningCLI YAML with "
+                        "model.init_args.config; given again, the files compose as in fit (later ones override)")
+    parser.add_argument("--nodes", type=int, help="default: trainer.num_nodes, else 1")
+    parser.add_argument("--gpus-per-node", type=int, help="default: trainer.devices, else 8")
+    parser.add_argument("--gpu-memory", type=float, help=f"GiB per GPU (default: {Cluster.gpu_memory_gib:g})")
+    parser.add_argument("--host-memory", type=float, default=None, help="host GiB per GPU (checked if given)")
+    parser.add_argument("--gpu", help=f"GPU model for the peak FLOP/s: {', '.join(PEAK_BF16_FLOPS)} "
+                        f"(default: {Cluster.gpu})")
+    parser.add_argument("--peak-tflops", type=float, default=None, help="dense bf16 peak per GPU (overrides --gpu)")
+    parser.add_argument("--replicate-size", type=int, help="HSDP replicas")
+    parser.add_argument("--shard-size", type=int, help="FSDP shard-group size (default: all GPUs of a replica)")
+    parser.add_argument("--expert-parallel-size", type=int, help="ranks of a shard group splitting the experts")
+    parser.add_argument("--micro-batch", type=int, help="sequences per GPU per step (default: data.batch_size)")
+    parser.add_argument("--seq-len", type=int, help="default: data.seq_len, else the model's max_seq_len")
+    parser.add_argument("--optimizer", choices=("adamw", "muon"), help="default: the config's optimizer class")
+    parser.add_argument("--cpu-offload", action=argparse.BooleanOptionalAction, help="FSDP keeps parameters, "
+                        "gradients and optimizer state in host memory")
+    parser.add_argument("--prefetch-depth", type=int, help="FSDP units all-gathered ahead")
+    parser.add_argument("--async-checkpoint", action=argparse.BooleanOptionalAction, help="background saves "
+                        "stage a host copy of the sharded state (default: the strategy's async_checkpoint)")
+    parser.add_argument("--accumulate-unsharded-grads", action=argparse.BooleanOptionalAction, help="hold every "
+                        "unit's full gradient across micro-batches (default: the strategy's argument)")
+    parser.add_argument("--loss-chunk", type=int, help="tokens per loss chunk (default: model.loss_chunk_size; "
+                        "0: unchunked)")
+    parser.add_argument("--activation-offload", action=argparse.BooleanOptionalAction, help="the variant whose "
+                        "fit is the verdict (default: whether ActivationOffload is among the callbacks)")
+    parser.add_argument("--offload-prefetch", type=int, help="ActivationOffload's prefetch (default: the "
+                        "callback's, else 1)")
+    parser.add_argument("--doc-len", type=int, default=None, help="typical document length with document_masking: "
+                        "attention FLOPs within documents (default: causal over the whole sequence, an upper bound)")
+    parser.add_argument("--offload-mtp", action=argparse.BooleanOptionalAction, help="ActivationOffload also "
+                        "checkpoints the multi-token prediction blocks (default: the callback's mtp, else on)")
+    parser.add_argument("--mfu", type=float, default=0.3, help="assumed model FLOPs utilization")
+    parser.add_argument("--reserve", type=float, default=3.0, help="GiB kept for CUDA context and slack")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    ep_traffic.add_arguments(parser)
+    args = parser.parse_args(argv)
+    if args.peak_tflops is not None and not args.peak_tflops > 0:
+        parser.error(f"--peak-tflops={args.peak_tflops:g} must be > 0 (dense bf16 TFLOP/s per GPU).")
+    gpu = args.gpu or Cluster.gpu
+    peak = args.peak_tflops or (peak_bf16_flops(gpu) or 0) / 1e12
+    if not peak:
+        parser.error(f"--gpu={gpu!r} is not in the peak table ({', '.join(PEAK_BF16_FLOPS)}): "
+                     f"pass --peak-tflops.")
+    assumed = {"gpu": (gpu, "flag" if args.gpu else "default"),
+               "gpu_memory_gib": (Cluster.gpu_memory_gib if args.gpu_memory is None else args.gpu_memory,
+                                  "flag" if args.gpu_memory is not None else "default"),
+               "peak_tflops": (peak, "flag" if args.peak_tflops or args.gpu else "default")}
+    try:
+        config = load_model_config(args.config)
+        inputs = planned_inputs(args, config)
+        values = {name: value for name, (value, _) in inputs.items()}
+        cluster = Cluster(host_memory_gib=args.host_memory, **{name: v for name, (v, _) in assumed.items()},
+                          **{f.name: values[f.name] for f in fields(Cluster) if f.name in values})
+        work = Workload(mfu=args.mfu, reserve_gib=args.reserve, doc_len=args.doc_len,
+                        **{f.name: values[f.name] for f in fields(Workload) if f.name in values})
+        result = plan(config, cluster, work)
+        if inputs["shard_size"][0] is None:  # "auto": report the size the mesh resolved, not None
+            inputs["shard_size"] = (result["cluster"]["shard_size"], inputs["shard_size"][1])
+        result["inputs"] = assumed | inputs
+        result["ep_traffic"] = ep_traffic.traffic(config, result, args.ib_gbps, args.nvlink_gbps)
+    except (ValueError, OSError) as e:
+        parser.error(str(e))
+    print(json.dumps(result, indent=2) if args.json else format_plan(result))

@@ -1,0 +1,311 @@
+"""The LightningModule: builds the model late, computes the loss, balances experts, logs what matters."""
+
+import dataclasses
+from functools import cache, partial
+
+import lightning as L
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+import torchmetrics
+from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+from moe_lightning import hf
+from moe_lightning.training.callbacks.final_checkpoint import FinalCheckpoint
+from moe_lightning.training.callbacks.nonfinite import NonFiniteGuard
+from moe_lightning.model.sampling import stream
+from moe_lightning.training.lightning_internals import logs_written, optimizer_step_ends
+from moe_lightning.model import LocalTokenDispatcher, MoEConfig, MoETransformer, mtp
+from moe_lightning.optim import WarmupCosineLR, param_groups
+from moe_lightning.checkpoint.compat import check_resume
+from moe_lightning.run.folders import Preemption
+
+
+def compile_blocks(layers: torch.nn.ModuleList, backend: str = "inductor") -> None:
+    """``torch.compile`` each block's ``forward`` in place (per block: the graphs are small and shared).
+
+    Only ``forward`` is compiled (through a subclass, as FSDP2 itself swaps the class), never the module's
+    ``__call__``: FSDP2's hooks stay eager around the compiled graph, so the order against sharding does not
+    matter, and parameter names are unchanged. ActivationOffload's checkpoint wrapper is an instance
+    ``forward`` bound to the class's ``forward`` when applied, so compile must come first (Lightning's fit
+    does: ``configure_model`` runs before the callback's ``on_fit_start``); the other order is refused.
+    Compilation happens at the first call, after sharding. Blocks with local MoE dispatch compile with
+    ``fullgraph=True``; the all-to-all dispatch of expert parallelism needs its split sizes on the host and
+    runs eagerly between two graphs.
+    """
+    for index, block in enumerate(layers):
+        if "forward" in block.__dict__:
+            raise RuntimeError(f"compile_blocks: model.layers[{index}] already has an instance-level forward (e.g. "
+                               "ActivationOffload applied), which would keep calling the eager forward; compile "
+                               "the blocks before applying ActivationOffload.")
+    for block in layers:
+        block.__class__ = _compiled_class(type(block), backend)
+
+
+@cache
+def _compiled_class(cls: type, backend: str) -> type:
+    whole = torch.compile(cls.forward, fullgraph=True, backend=backend)
+    split = torch.compile(cls.forward, backend=backend)
+
+    def forward(self, *args, **kwargs):
+        dispatcher = getattr(self.ffn, "dispatcher", None)
+        local = dispatcher is None or isinstance(dispatcher, LocalTokenDispatcher)
+        return (whole if local else split)(self, *args, **kwargs)
+
+    return type(f"Compiled{cls.__name__}", (cls,), {"forward": forward, "__doc__": cls.__doc__})
+
+
+def default_optimizer(groups) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(groups, lr=3e-4, betas=(0.9, 0.95))
+
+
+def default_lr_scheduler(optimizer: torch.optim.Optimizer) -> WarmupCosineLR:
+    """A named function, not a ``functools.partial``: jsonargparse writes it by import path in ``--print_config``
+    and the saved ``config.yaml``; a partial it cannot serialise (4.53 writes an error string, 4.32-4.47 refuse
+    every config)."""
+    return WarmupCosineLR(optimizer, warmup_steps=100)
+
+
+def _keep_requested_hyperparameters(optimizer: torch.optim.Optimizer, requested: list[dict]) -> None:
+    """Optimizer ``load_state_dict`` post-hook: a resumed run trains with the hyperparameters it was given
+    (learning rate, weight decay, betas...), not the checkpoint's; the LR keeps its place in the schedule."""
+    changes = set()
+    for group, wanted in zip(optimizer.param_groups, requested):
+        restored_base = group.get("initial_lr")
+        for key, value in wanted.items():
+            if key != "lr" and not isinstance(value, torch.Tensor) and group.get(key) != value:
+                changes.add(f"{key}: checkpoint {group.get(key)!r}, requested {value!r}")
+                group[key] = value
+        if restored_base and wanted.get("initial_lr") and restored_base != wanted["initial_lr"]:
+            group["lr"] *= wanted["initial_lr"] / restored_base
+    for change in sorted(changes):
+        rank_zero_info(f"resume: optimizer {change} (using the requested value)")
+
+
+class MoELanguageModel(L.LightningModule):
+    """Next-token prediction with an MoE transformer.
+
+    Args:
+        config: Model shape and routing.
+        optimizer: Builds the optimizer from parameter groups (each group carries ``role`` and
+            ``param_names``); built in ``configure_optimizers`` so it sees the sharded parameters.
+        lr_scheduler: Builds the per-step LR schedule from the optimizer.
+        weight_decay: Decoupled weight decay for matrices (never norms, biases, embeddings).
+        pretrained: A Hugging Face model directory to start from: its ``config.json`` gives the model's shape
+            (``config`` keeps only its training settings, the other fields it sets are replaced and logged) and its
+            safetensors the weights, read by each rank for its shards.
+        loss_chunk_size: Tokens per chunk of the output head + cross-entropy (``moe_lightning.model.loss``), so
+            the ``[tokens, vocab]`` logits never exist at once; ``None``: one full-logits cross-entropy.
+        compile: ``torch.compile`` every block's forward (see ``compile_blocks``); works in fp32 and bf16,
+            on CPU and GPU, with ``MoEFSDPStrategy`` and ``ActivationOffload``.
+    """
+
+    def __init__(self, config: MoEConfig | None = None, optimizer: OptimizerCallable = default_optimizer,
+                 lr_scheduler: LRSchedulerCallable = default_lr_scheduler,
+                 weight_decay: float = 0.1, pretrained: str | None = None, loss_chunk_size: int | None = None,
+                 compile: bool = False):
+        super().__init__()
+        if not isinstance(compile, bool):
+            raise ValueError(f"model.compile={compile!r}: must be true or false.")
+        if loss_chunk_size is not None and (not isinstance(loss_chunk_size, int) or loss_chunk_size < 1):
+            raise ValueError(f"model.loss_chunk_size={loss_chunk_size!r}: must be a positive integer (tokens per "
+                             "chunk, e.g. 4096) or null for the unchunked loss.")
+        if isinstance(config, dict):  # rebuilt from a checkpoint's hyperparameters (load_from_checkpoint)
+            config = MoEConfig(**config)
+        if pretrained is not None:
+            given, config = config, hf.merge_config(pretrained, config)  # before save_hyperparameters records it
+            if given is not None and (replaced := hf.replaced_fields(given, config)):
+                rank_zero_info(f"pretrained={pretrained!r} gives the model's shape; replaced from the config: "
+                               + ", ".join(replaced))
+        self.pretrained, self._pretrained_filled = pretrained, False
+        self.config = config if config is not None else MoEConfig()
+        self.optimizer_factory, self.lr_scheduler_factory = optimizer, lr_scheduler
+        self.weight_decay, self.loss_chunk_size, self.compile_each_block = weight_decay, loss_chunk_size, compile
+        self.model: MoETransformer | None = None
+        self.save_hyperparameters(ignore=["optimizer", "lr_scheduler"])
+        self.tokens_seen = 0
+        self._pending_expert_counts: torch.Tensor | None = None
+        self._train_loss_sum: torch.Tensor | None = None  # this optimizer step's micro-batch losses, on device
+        self.val_loss_mean = torchmetrics.aggregation.MeanMetric()
+
+    def configure_model(self) -> None:
+        """Build once; under ``trainer.init_module(empty_init=True)`` this lands on the meta device."""
+        if self.model is None:
+            self.model = MoETransformer(self.config)
+            if self.pretrained is not None and not self.model.tok_embeddings.weight.is_meta:
+                self.fill_pretrained(self.model.state_dict(prefix="model."))
+            if self.compile_each_block:
+                compile_blocks(self.model.layers)
+
+    def fill_pretrained(self, state: dict[str, torch.Tensor]) -> None:
+        """Copy the ``pretrained`` weights into ``state`` (this module's state dict, plain or sharded, in place).
+
+        Strategies that build the model on the meta device call this after sharding, so each rank reads
+        only its own slices."""
+        hf.fill_state_dict({k[len("model."):]: t for k, t in state.items() if k.startswith("model.")}, self.pretrained)
+        self._pretrained_filled = True
+
+    def on_fit_start(self) -> None:
+        if self.pretrained is not None and not self._pretrained_filled:
+            raise RuntimeError(f"model.pretrained={self.pretrained!r} was never loaded: the strategy built the model "
+                               "on the meta device without calling fill_pretrained; use MoEFSDPStrategy or a "
+                               "strategy that builds the model on a real device.")
+
+    def forward(self, tokens_BS: torch.Tensor) -> torch.Tensor:
+        return self.model(tokens_BS)
+
+    def _loss(self, batch_BS1: torch.Tensor) -> torch.Tensor:
+        inputs_BS, targets_BS = batch_BS1[:, :-1], batch_BS1[:, 1:]
+        if self.training and self.config.mtp_layers:
+            return self._multi_token_loss(batch_BS1)
+        if self.loss_chunk_size is None:
+            logits_BSV = self.model(inputs_BS)
+            return F.cross_entropy(logits_BSV.flatten(0, 1).float(), targets_BS.flatten())
+        h_BSD = self.model(inputs_BS, return_hidden=True)  # called as the module: FSDP's root hooks run
+        return self.model.output.cross_entropy(h_BSD.flatten(0, 1), targets_BS.flatten(), self.loss_chunk_size)
+
+    def _multi_token_loss(self, batch_BS1: torch.Tensor) -> torch.Tensor:
+        """``main + λ/D · Σ_k CE_k`` (DeepSeek-V3), each ``CE_k`` the mean over depth k's targets that are not
+        ignored (0 if none is left); logs ``train/mtp_loss`` (the mean of the ``CE_k``) and returns the main
+        loss as ``self._main_loss`` for ``train/loss``, so that it stays comparable with ``val/loss``.
+
+        Every depth goes through one call of the head (``OutputHead.cross_entropy_sums``), so an FSDP head unit
+        runs one forward, is gathered once and reduced once, whatever the depth."""
+        hidden = self.model(batch_BS1[:, :-1], mtp=True)  # called as the module: FSDP's root hooks run
+        eod = self.config.eod_token_id if self.config.document_masking else None
+        targets = [mtp.targets(batch_BS1, depth, eod).flatten() for depth in range(len(hidden))]
+        totals = self.model.output.cross_entropy_sums([h_BSD.flatten(0, 1) for h_BSD in hidden], targets,
+                                                      self.loss_chunk_size)
+        losses = [total / (targets_T != -100).sum().clamp(min=1) for total, targets_T in zip(totals, targets)]
+        main, mtp_mean = losses[0], torch.stack(losses[1:]).mean()
+        self._main_loss = main
+        self.log("train/mtp_loss", mtp_mean.detach())
+        return main + self.config.mtp_loss_weight * mtp_mean
+
+    def expert_counts(self) -> torch.Tensor | None:
+        """``[moe_layers, experts]`` token counts of the last forward."""
+        moe_layers = self.model.moe_layers()
+        return torch.stack([m.tokens_per_expert for m in moe_layers]) if moe_layers else None
+
+    def on_train_start(self) -> None:
+        uses_aux = self.config.aux_loss_coef > 0 or self.config.z_loss_coef > 0
+        if uses_aux and str(self.trainer.precision).startswith("16"):
+            raise ValueError(f"trainer.precision={self.trainer.precision!r} scales the loss, but the balancing "
+                             "losses enter the gradient unscaled: use bf16-mixed or 32-true, or set "
+                             "model.config.aux_loss_coef and z_loss_coef to 0.")
+        for moe in self.model.moe_layers():
+            moe.aux_loss_grad_scale = 1.0 / self.trainer.accumulate_grad_batches
+
+    def training_step(self, batch_BS1: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        self._main_loss = None
+        loss = self._loss(batch_BS1)
+        counts_LE = self.expert_counts()
+        if counts_LE is not None:  # read now: recomputation in backward would overwrite them
+            self._pending_expert_counts = counts_LE if self._pending_expert_counts is None \
+                else self._pending_expert_counts + counts_LE
+            self.log("train/expert_imbalance", (counts_LE.max(-1).values / counts_LE.float().mean(-1)).mean())
+            aux = [m.aux_loss for m in self.model.moe_layers() if m.aux_loss is not None]
+            if aux:
+                self.log("train/aux_loss", torch.stack(aux).sum())
+        self.tokens_seen += batch_BS1[:, :-1].numel() * self.trainer.world_size
+        self._log_train_loss((loss if self._main_loss is None else self._main_loss).detach().float(), batch_idx)
+        if logs_written(self.trainer):  # a Python number logged costs a host-to-device copy and a sync
+            self.log("train/tokens_seen", float(self.tokens_seen))
+        return loss
+
+    def _log_train_loss(self, loss: torch.Tensor, batch_idx: int) -> None:
+        """Log the loss of the whole global batch: the mean over this step's micro-batches and, on the steps
+        whose logs are written, over all ranks (one all-reduce of a scalar); no step reads it back to the host."""
+        accumulate = self.trainer.accumulate_grad_batches
+        micro = batch_idx % accumulate
+        self._train_loss_sum = loss if micro == 0 or self._train_loss_sum is None else self._train_loss_sum + loss
+        if not optimizer_step_ends(self.trainer):  # not the step's last micro-batch
+            return
+        mean = self._train_loss_sum / (micro + 1)
+        if logs_written(self.trainer) and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(mean)
+            mean = mean / dist.get_world_size()
+        self.log("train/loss", mean)  # not in the progress bar: Lightning would read it back to the host every step
+        self.log("train/perplexity", mean.exp())
+
+    def configure_callbacks(self):
+        """The non-finite-loss guard, the signal handling and the final checkpoint run in every fit (unless the
+        trainer already has them, e.g. from YAML)."""
+        present = self.trainer.callbacks if self._trainer is not None else []
+        return [cls() for cls in (NonFiniteGuard, Preemption, FinalCheckpoint)
+                if not any(isinstance(cb, cls) for cb in present)]
+
+    def on_before_optimizer_step(self, optimizer) -> None:
+        """Once per optimizer step, after every micro-batch's backward: move the balancing bias using the
+        counts of all ranks. (Not earlier: a block recomputed in backward must route as it did in forward.)"""
+        pending, self._pending_expert_counts = self._pending_expert_counts, None
+        if pending is None or self.config.bias_update_rate == 0:
+            return
+        counts_LE = pending.float()
+        if dist.is_initialized():  # Lightning's strategy.reduce would add a barrier every step
+            dist.all_reduce(counts_LE)
+        for moe, counts_E in zip(self.model.moe_layers(), counts_LE):
+            moe.router.update_bias(counts_E, self.config.bias_update_rate)
+
+    def validation_step(self, batch_BS1: torch.Tensor, batch_idx: int, dataloader_idx: int = 0) -> None:
+        loss = self._loss(batch_BS1)
+        self.val_loss_mean.update(loss)
+        loaders = self.trainer.val_dataloaders
+        if isinstance(loaders, (list, tuple)) and len(loaders) > 1:  # a data mixture: one held-out split per source
+            name = getattr(loaders[dataloader_idx], "name", dataloader_idx)
+            self.log(f"val/loss/{name}", loss, sync_dist=True, add_dataloader_idx=False)
+        else:
+            self.log("val/loss", loss, prog_bar=True, sync_dist=True)
+
+    def on_validation_epoch_end(self) -> None:
+        loaders = self.trainer.val_dataloaders
+        if isinstance(loaders, (list, tuple)) and len(loaders) > 1:  # overall: the mean over every source's batches
+            self.log("val/loss", self.val_loss_mean.compute(), prog_bar=True, sync_dist=True)
+        # compute() has already reduced over ranks; sync_dist (a no-op mean of equal values) is what Lightning asks
+        self.log("val/perplexity", self.val_loss_mean.compute().exp(), sync_dist=True)
+        self.val_loss_mean.reset()
+
+    def test_step(self, batch_BS1: torch.Tensor, batch_idx: int) -> None:
+        """Held-out loss per token; perplexity is exp of that mean over the whole test set (not a mean of exps)."""
+        loss = self._loss(batch_BS1)
+        self.val_loss_mean.update(loss, weight=batch_BS1.shape[0])  # a short last batch counts for its tokens
+        self.log("test/loss", loss, sync_dist=True, batch_size=batch_BS1.shape[0])
+
+    def on_test_epoch_end(self) -> None:
+        self.log("test/perplexity", self.val_loss_mean.compute().exp(), sync_dist=True)  # as val/perplexity
+        self.val_loss_mean.reset()
+
+    def predict_step(self, batch: dict, batch_idx: int) -> list[int]:
+        """One prompt ``{"tokens_1S", "sampling"}`` (see ``cli.MoECLI.predict``) → the new token ids."""
+        return list(stream(self.model, batch["tokens_1S"], batch["sampling"], batch["eod_id"]))
+
+    def configure_optimizers(self):
+        optimizer = self.optimizer_factory(param_groups(self.model, self.weight_decay))
+        scheduler = self.lr_scheduler_factory(optimizer)
+        if isinstance(scheduler, WarmupCosineLR) and scheduler.total_steps is None:
+            scheduler.total_steps = int(self.trainer.estimated_stepping_batches)
+        requested = [{k: v for k, v in g.items() if k not in ("params", "param_names")} for g in optimizer.param_groups]
+        optimizer.register_load_state_dict_post_hook(partial(_keep_requested_hyperparameters, requested=requested))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def lr_scheduler_step(self, scheduler, metric) -> None:
+        """After a resume the schedule continues from the requested base LR, not the checkpoint's."""
+        if getattr(scheduler, "base_lrs", None) is not None:
+            scheduler.base_lrs = [g.get("initial_lr", base) for g, base in zip(scheduler.optimizer.param_groups,
+                                                                                  scheduler.base_lrs)]
+        super().lr_scheduler_step(scheduler, metric)
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        """Plain data only (loaded with ``weights_only=True``): the config as a dict."""
+        checkpoint["tokens_seen"] = self.tokens_seen
+        if "hyper_parameters" in checkpoint:  # the config that ran, also when it was built from config=None
+            checkpoint["hyper_parameters"]["config"] = dataclasses.asdict(self.config)
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        """Refuse a checkpoint of another model before its weights are loaded: every path Lightning resolves itself
+        (``Trainer.fit(ckpt_path=...)`` from Python, ``last``/``best``, remote files) passes here. (``moe-lightning``
+        also runs ``resume.check_checkpoint`` before anything is built; the data is checked at restore.)"""
+        check_resume(checkpoint.get("hyper_parameters") or {}, {"config": self.config}, None)
+        self.tokens_seen = checkpoint.get("tokens_seen", 0)
+        self._pending_expert_counts = None

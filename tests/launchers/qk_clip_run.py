@@ -1,0 +1,88 @@
+"""A few Muon steps at a high learning rate with QKClip (one process, or MoEFSDPStrategy ranks); rank 0 writes JSON:
+every step's combined max logits and clip factors, and the final full query/key weights. Launched by
+tests/training/test_qk_clip.py."""
+
+import argparse
+import json
+import os
+from functools import partial
+from pathlib import Path
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import Callback
+from torch.distributed.tensor import DTensor
+
+from moe_lightning import MoEConfig, MoELanguageModel, TextDataModule
+from moe_lightning.training.callbacks import ActivationOffload, QKClip
+from moe_lightning.training.callbacks.qk_clip import attention_modules, clip_qk_
+from moe_lightning.optim import Muon
+from moe_lightning.training.strategy import MoEFSDPStrategy
+
+# Odd row counts (wq: 3 heads x 9 = 27, wkv_b: 3 x (5 + 6) = 33): the two ranks' shards are uneven.
+MLA = dict(vocab_size=320, dim=48, n_layers=3, n_heads=3, max_seq_len=32, ffn_hidden=96, n_dense_layers=1,
+           num_experts=4, top_k=2, expert_hidden=32, n_shared_experts=1, attention="mla", q_lora_rank=0,
+           kv_lora_rank=16, qk_nope_head_dim=5, qk_rope_head_dim=4, v_head_dim=6, init_std=0.2,
+           document_masking=True, eod_token_id=10)
+THRESHOLD = 4.0
+
+
+class Steps(Callback):
+    def __init__(self, qk_clip: QKClip):
+        self.qk_clip, self.max_logits, self.gammas, self._step = qk_clip, [], [], 0
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step != self._step:
+            self._step = trainer.global_step
+            self.max_logits.append(self.qk_clip.last_max_logits.tolist())
+            self.gammas.append(self.qk_clip.last_gamma.tolist())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--ep", type=int, default=0, help="0: one process without a strategy")
+    parser.add_argument("--offload", action="store_true")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    L.seed_everything(0, verbose=False)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    qk_clip = QKClip(threshold=THRESHOLD)
+    steps = Steps(qk_clip)
+    callbacks = [qk_clip, steps] + ([ActivationOffload(min_offload_bytes=0)] if args.offload else [])
+    trainer = L.Trainer(accelerator="cpu", devices=world, strategy=MoEFSDPStrategy(expert_parallel_size=args.ep)
+                        if args.ep else "auto", max_steps=4, accumulate_grad_batches=2, limit_val_batches=0,
+                        num_sanity_val_steps=0, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                        enable_checkpointing=False, callbacks=callbacks, precision="32-true")
+    model = MoELanguageModel(MoEConfig(**MLA), optimizer=partial(Muon, lr=0.05, adamw_lr=0.01))
+    trainer.fit(model, TextDataModule(source=os.__file__, seq_len=32, batch_size=4 // world, val_fraction=0.05))
+    weights = full_qk_weights(model)
+    # One more clip with fixed maxima on the (sharded) weights: each rank scales only its own rows, so the
+    # gathered result must equal the same scaling of the gathered weights bit for bit.
+    attentions = attention_modules(model)
+    max_logits_LH = torch.tensor([[8.0, 3.0, 5.0], [2.0, 6.0, 4.0], [4.5, 1.0, 9.0]])
+    gamma_LH = clip_qk_(attentions, max_logits_LH, THRESHOLD, 0.5)
+    clipped = full_qk_weights(model)
+    shard_diff = 0.0
+    for attention, gamma_H in zip(attentions, gamma_LH):
+        for param, factor_R in attention.qk_clip_scales(gamma_H, 0.5):
+            name = next(n for n, p in model.model.named_parameters() if p is param)
+            expected = torch.tensor(weights[name]) * factor_R[:, None]
+            shard_diff = max(shard_diff, (torch.tensor(clipped[name]) - expected).abs().max().item())
+    if trainer.is_global_zero:
+        Path(args.out).write_text(json.dumps({"max_logits": steps.max_logits, "gammas": steps.gammas,
+                                              "weights": weights, "shard_diff": shard_diff}))
+
+
+def full_qk_weights(model: MoELanguageModel) -> dict[str, list]:
+    """Every attention projection QK-clip touches, gathered whole (a collective: every rank calls it)."""
+    weights = {}
+    for name, param in model.model.named_parameters():
+        if name.endswith(("attention.wq.weight", "attention.wkv_b.weight", "attention.wkv_a.weight")):
+            full = param.full_tensor() if isinstance(param, DTensor) else param
+            weights[name] = full.detach().tolist()
+    return weights
+
+
+if __name__ == "__main__":
+    main()
