@@ -29,8 +29,7 @@ import torch.utils.checkpoint
 from moe_lightning.planner import ep_traffic
 from moe_lightning.model import MoEConfig
 from moe_lightning.model.moe import MoELayer
-from moe_lightning.parallel.expert_parallel import (AllToAllTokenDispatcher, HierarchicalTokenDispatcher,
-                                                    _subgroups, node_layout)
+from moe_lightning.parallel.expert_parallel import AllToAllTokenDispatcher, make_dispatcher
 
 SENT = Counter()  # (scope, direction) -> bytes this rank sent
 READS = Counter()
@@ -107,8 +106,8 @@ def main(argv=None) -> None:
     rank, ep, per_node = dist.get_rank(), dist.get_world_size(), int(os.environ["LOCAL_WORLD_SIZE"])
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
     group = dist.group.WORLD
-    nodes, local = node_layout(group, per_node)
-    inter, intra = _subgroups(group, nodes, local)
+    hierarchical, _ = make_dispatcher(group, args.experts // ep)
+    nodes, local = hierarchical.nodes, hierarchical.local
     dist.all_to_all_single = count_bytes(dist.all_to_all_single)
     for routing in args.routing:
         limited = routing == "node-limited"
@@ -129,8 +128,7 @@ def main(argv=None) -> None:
         for kind in ("flat", "hierarchical"):
             moe = slice_experts(layer(config, dtype), rank, ep)
             moe.router.expert_bias.copy_(full.router.expert_bias)
-            moe.dispatcher = (AllToAllTokenDispatcher(group) if kind == "flat"
-                              else HierarchicalTokenDispatcher(group, inter, intra, nodes, local))
+            moe.dispatcher = AllToAllTokenDispatcher(group) if kind == "flat" else hierarchical
             SENT.clear()
             READS.clear()
             dist.barrier()

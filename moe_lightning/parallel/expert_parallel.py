@@ -1,96 +1,126 @@
 """Expert parallelism: each rank of an ``ep`` group keeps ``E / ep`` experts and exchanges tokens all-to-all.
 
-The model is untouched: the strategy slices every ``GroupedExperts`` to its local experts and swaps the
-MoE layer's ``dispatcher`` for :class:`AllToAllTokenDispatcher` (the group fits in one node) or
+The model is untouched: :func:`apply_expert_parallel` slices every ``GroupedExperts`` to its local experts and swaps
+the MoE layer's ``dispatcher`` for :class:`AllToAllTokenDispatcher` (the group sits in one node) or
 :class:`HierarchicalTokenDispatcher` (it spans nodes: each token crosses the network once per node).
 
-Every exchange is one ``all_to_all_single`` of packed rows (hidden state, routing weights, expert ids side
-by side as bytes), launched asynchronously; the work the MoE layer hands over (its shared experts) runs
-while the token exchange is in flight, and in backward while the reverse exchange is. Split sizes are read
-back to the host once per MoE forward.
+Every exchange is one ``all_to_all_single`` of packed rows (hidden state, routing weights, expert ids side by side
+as bytes, gathered straight into the send buffer), launched asynchronously. The layer's tokens go through in
+``overlap_chunks`` chunks, software-pipelined: while chunk ``i`` runs its experts, chunk ``i + 1``'s dispatch and
+chunk ``i - 1``'s combine are in flight; autograd runs the mirror image in backward. The work the MoE layer hands
+over (its shared experts) runs while the first dispatch is in flight. The split sizes of every chunk are read back
+to the host once per MoE forward.
+
+Which dispatcher a group gets is decided from the whole job's layout (every rank's node and group, learnt in one
+world collective every rank enters), so every rank takes the same decisions and creates the same sub-groups.
 """
 
+import os
+import socket
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Hashable, Iterator
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from moe_lightning.model import GroupedExperts, MoELayer
 from moe_lightning.model.moe import sum_into_tokens
 
 
-def _pack(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, list[tuple[torch.dtype, int]] | None]:
-    """Rows ``[R, c_i]`` of any dtypes side by side in one ``[R, bytes]`` uint8 matrix (one tensor: as is).
+def _pack(pieces: list[tuple[torch.Tensor, torch.Tensor | None]]
+          ) -> tuple[torch.Tensor, list[tuple[torch.dtype, int]] | None, list[int]]:
+    """Rows ``t[index]`` (``[R, c_i]``, any dtypes) side by side in one ``[R, bytes]`` uint8 send buffer, gathered
+    straight into it (no gathered copy, no concatenation). One piece: its rows as they are.
 
-    Widest dtype first and the row padded to it, so every piece can be viewed back without a copy."""
-    if len(tensors) == 1:
-        return tensors[0].contiguous(), None
-    tensors = sorted(tensors, key=lambda t: -t.element_size())  # (stable: callers unpack in this order)
-    parts = [t.contiguous().view(torch.uint8) for t in tensors]
-    layout = [(t.dtype, p.shape[1]) for t, p in zip(tensors, parts)]
-    pad = -sum(p.shape[1] for p in parts) % tensors[0].element_size()
-    if pad:
-        parts.append(parts[0].new_zeros(parts[0].shape[0], pad))
-    return torch.cat(parts, 1), layout
+    Widest dtype first and the row padded to it, so every piece is viewed back without a copy. Returns the buffer,
+    the layout (dtype, bytes) in buffer order, and where each piece went."""
+    rows = [(t if t.dim() == 2 else t[:, None], index) for t, index in pieces]
+    R = rows[0][1].numel() if rows[0][1] is not None else rows[0][0].shape[0]
+    if len(rows) == 1:
+        t, index = rows[0]
+        return (t.contiguous() if index is None else t.index_select(0, index)), None, [0]
+    where = sorted(range(len(rows)), key=lambda i: -rows[i][0].element_size())  # stable
+    layout = [(rows[i][0].dtype, rows[i][0].shape[1] * rows[i][0].element_size()) for i in where]
+    width = sum(w for _, w in layout)
+    width += -width % rows[where[0]][0].element_size()
+    buffer = torch.empty(R, width, dtype=torch.uint8, device=rows[0][0].device)
+    start = 0
+    for i, (dtype, w) in zip(where, layout):
+        t, index = rows[i]
+        view = buffer[:, start:start + w].view(dtype)
+        if index is None:
+            view.copy_(t)
+        else:
+            torch.index_select(t, 0, index, out=view)
+        start += w
+    return buffer, layout, where
 
 
-def _unpack(buffer: torch.Tensor, layout: list[tuple[torch.dtype, int]] | None) -> list[torch.Tensor]:
+def _unpack(buffer: torch.Tensor, layout: list[tuple[torch.dtype, int]] | None, where: list[int]
+            ) -> list[torch.Tensor]:
     if layout is None:
         return [buffer]
-    out, start = [], 0
-    for dtype, width in layout:
-        out.append(buffer[:, start:start + width].view(dtype))
+    out, start = [None] * len(where), 0
+    for i, (dtype, width) in zip(where, layout):
+        out[i] = buffer[:, start:start + width].view(dtype)
         start += width
     return out
-
-
-def _order(tensors) -> list[int]:
-    """Where ``_pack`` puts each tensor (it sorts by element size, stably)."""
-    return sorted(range(len(tensors)), key=lambda i: -tensors[i].element_size())
 
 
 class _Exchange:
     """One all-to-all of row tensors in flight: launched by :class:`_Launch`, awaited by :class:`_Land`.
 
     Its backward runs the reverse exchange of the floating-point rows' gradients the same way: launched by
-    ``_Land.backward``, awaited by ``_Launch.backward``, so whatever autograd runs in between (the shared
-    experts' backward) overlaps it. The gradients are multiplied by ``grad_scale``."""
+    ``_Land.backward``, awaited by ``_Launch.backward``, so whatever autograd runs in between overlaps it. The
+    gradients are multiplied by ``grad_scale``."""
 
     def __init__(self, group: dist.ProcessGroup, send_splits: list[int], recv_splits: list[int], grad_scale: float):
         self.group, self.send_splits, self.recv_splits, self.grad_scale = group, send_splits, recv_splits, grad_scale
         self._work = self._buffers = self._layout = self._where = None
 
-    def launch(self, tensors: list[torch.Tensor], send: list[int], recv: list[int]) -> None:
-        buffer, self._layout = _pack(tensors)
-        self._where = _order(tensors)
+    def launch(self, pieces: list[tuple[torch.Tensor, torch.Tensor | None]], send: list[int], recv: list[int]):
+        buffer, self._layout, self._where = _pack(pieces)
         out = buffer.new_empty((sum(recv), *buffer.shape[1:]))
         self._work = dist.all_to_all_single(out, buffer, recv, send, group=self.group, async_op=True)
         self._buffers = (buffer, out)  # the send buffer lives until the exchange completes
 
     def land(self) -> list[torch.Tensor]:
         self._work.wait()
-        pieces = _unpack(self._buffers[1], self._layout)
-        out = [None] * len(pieces)
-        for piece, i in zip(pieces, self._where):
-            out[i] = piece
-        self._work = self._buffers = None
+        out = _unpack(self._buffers[1], self._layout, self._where)
+        self._work = self._buffers = None  # the send buffer is released here, the received rows live on in `out`
         return out
 
 
 class _Launch(torch.autograd.Function):
+    """Send ``sources[i][indices[i]]`` (``None``: all rows); backward adds the returned gradients into the sources."""
+
     @staticmethod
-    def forward(ctx, exchange: _Exchange, *rows: torch.Tensor) -> torch.Tensor:
-        ctx.exchange, ctx.floating = exchange, [r.is_floating_point() for r in rows]
-        exchange.launch(list(rows), exchange.send_splits, exchange.recv_splits)
-        return rows[0].new_empty(0)  # a token linking _Land to the rows in the graph
+    def forward(ctx, exchange: _Exchange, indices: tuple, *sources: torch.Tensor) -> torch.Tensor:
+        ctx.exchange, ctx.floating = exchange, [s.is_floating_point() for s in sources]
+        ctx.shapes = [s.shape for s in sources]
+        ctx.save_for_backward(*(i for i in indices if i is not None))
+        ctx.has_index = [i is not None for i in indices]
+        exchange.launch(list(zip(sources, indices)), exchange.send_splits, exchange.recv_splits)
+        return sources[0].new_empty(0)  # a token linking _Land to the sources in the graph
 
     @staticmethod
     def backward(ctx, _):
         grads = iter(ctx.exchange.land())
-        scale = ctx.exchange.grad_scale
-        return None, *((next(grads) * scale if scale != 1 else next(grads)) if f else None for f in ctx.floating)
+        indices = iter(ctx.saved_tensors)
+        scale, out = ctx.exchange.grad_scale, []
+        for floating, has_index, shape in zip(ctx.floating, ctx.has_index, ctx.shapes):
+            index = next(indices) if has_index else None
+            if not floating:
+                out.append(None)
+                continue
+            g = next(grads)
+            g = g * scale if scale != 1 else g
+            if index is not None:
+                g = g.new_zeros(shape[0], g.shape[1]).index_add_(0, index, g)
+            out.append(g.view(shape))
+        return None, None, *out
 
 
 class _Land(torch.autograd.Function):
@@ -104,18 +134,20 @@ class _Land(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        grads = [g for g, f in zip(grads, ctx.floating) if f]
+        grads = [(g, None) for g, f in zip(grads, ctx.floating) if f]
         ctx.exchange.launch(grads, ctx.exchange.recv_splits, ctx.exchange.send_splits)
         dtype, device = ctx.token
         return None, torch.empty(0, dtype=dtype, device=device)
 
 
-def _exchange(group, send_splits, recv_splits, grad_scale, rows, overlap=None):
-    """All-to-all ``rows`` (one exchange); ``overlap()`` runs while it is in flight. Returns (rows, its result)."""
+def _launch(group, send_splits, recv_splits, grad_scale, *pieces: tuple[torch.Tensor, torch.Tensor | None]):
+    """Start exchanging rows ``tensor[index]`` of each piece; returns the handle :func:`_land` takes."""
     exchange = _Exchange(group, send_splits, recv_splits, grad_scale)
-    token = _Launch.apply(exchange, *rows)
-    extra = overlap() if overlap is not None else None
-    return _Land.apply(exchange, token), extra
+    return exchange, _Launch.apply(exchange, tuple(i for _, i in pieces), *(t for t, _ in pieces))
+
+
+def _land(handle) -> tuple[torch.Tensor, ...]:
+    return _Land.apply(*handle)
 
 
 def _exchange_counts(counts: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
@@ -125,19 +157,39 @@ def _exchange_counts(counts: torch.Tensor, group: dist.ProcessGroup) -> torch.Te
     return out
 
 
-def _through_experts(group, grad_scale, x_RD, weights_RK, experts_RK, send_splits, recv_splits, recv_counts_PE,
-                     experts: GroupedExperts, overlap=None):
-    """One copy of each row per chosen expert (``experts_RK`` indexes this group's experts; -1: none) to the
-    expert's rank, through the experts (weighted), back, and summed into the rows.
+def _chunk_counts(experts_TK: torch.Tensor, bounds: list[tuple[int, int]], num_experts: int,
+                  tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
+    """Tokens per expert of each chunk, ``[chunks, E]`` (no host sync)."""
+    if len(bounds) == 1:
+        return tokens_per_expert_E[None]
+    counts_CE = experts_TK.new_zeros(len(bounds), num_experts)
+    for c, (a, b) in enumerate(bounds):
+        flat = experts_TK[a:b].flatten()
+        counts_CE[c].scatter_add_(0, flat, torch.ones_like(flat))
+    return counts_CE
 
-    The dispatch exchange's backward multiplies by ``grad_scale`` and the return's by its inverse (see
-    :class:`AllToAllTokenDispatcher` for why). Returns ``y_RD``, plus overlap's result when given."""
+
+def _bounds(T: int, chunks: int) -> list[tuple[int, int]]:
+    """``chunks`` contiguous token ranges of (nearly) equal size, known without reading anything back."""
+    edges = [T * c // chunks for c in range(chunks + 1)]
+    return list(zip(edges[:-1], edges[1:]))
+
+
+def _through_experts(group, grad_scale, x_RD, weights_RK, experts_RK, send_splits, recv_splits, recv_counts_PE,
+                     experts: GroupedExperts) -> Iterator[None]:
+    """One copy of each row per chosen expert (``experts_RK`` indexes this group's experts; -1: none) to the
+    expert's rank, through the experts (weighted), back, and summed into the rows. A generator: it yields after
+    each launch (the scheduler runs other chunks meanwhile) and returns ``y_RD``.
+
+    The dispatch exchange's backward multiplies by ``grad_scale`` and the return's by its inverse."""
     P, local, K = len(recv_splits), experts.num_experts, experts_RK.shape[1]
     choice = torch.where(experts_RK >= 0, experts_RK, P * local).flatten()  # "none" sorts last and is cut
     order = choice.argsort(stable=True)[:sum(send_splits)]
     row_of_copy = order // K
-    (x_recv, weight_recv), extra = _exchange(group, send_splits, recv_splits, grad_scale,
-                                             [x_RD[row_of_copy], weights_RK.flatten()[order, None]], overlap)
+    handle = _launch(group, send_splits, recv_splits, grad_scale, (x_RD, row_of_copy), (weights_RK.reshape(-1, 1), order))
+    yield
+    x_recv, weight_recv = _land(handle)
+    del handle
     # Received rows are grouped [source rank][local expert]; the experts want [local expert][source rank].
     expert_of_row = torch.repeat_interleave(torch.arange(local, device=x_RD.device).repeat(P),
                                             recv_counts_PE.flatten(), output_size=sum(recv_splits))
@@ -149,130 +201,222 @@ def _through_experts(group, grad_scale, x_RD, weights_RK, experts_RK, send_split
     # Undo the regrouping without a second sort; index_put_ keeps only the indices (index_copy_ the rows too).
     y_recv = torch.empty_like(y_by_expert).index_put_((by_expert,), y_by_expert)
     del y_by_expert
-    (y_copies,), _ = _exchange(group, recv_splits, send_splits, 1.0 / grad_scale, [y_recv])
+    handle = _launch(group, recv_splits, send_splits, 1.0 / grad_scale, (y_recv, None))
     del y_recv
-    return _with(sum_into_tokens(y_copies, row_of_copy, x_RD), extra)
+    yield
+    (y_copies,) = _land(handle)
+    return sum_into_tokens(y_copies, row_of_copy, x_RD)
 
 
-def _with(y_TD: torch.Tensor, extra: torch.Tensor | None) -> torch.Tensor:
+def _pipeline(flows: list[Iterator[None]], overlap: Callable[[], torch.Tensor] | None
+              ) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+    """Run the chunks' flows as a software pipeline: each tick starts the next chunk (its first launch), then
+    advances every older chunk by one stage, newest first, so a chunk's exchange is in flight while the chunk
+    ahead of it computes. ``overlap()`` runs right after the first launch. Returns each flow's result."""
+    pending, live, results, extra = list(enumerate(flows)), [], {}, None
+    while pending or live:
+        if pending:
+            live.insert(0, pending.pop(0))
+        for item in list(live):
+            try:
+                next(item[1])
+            except StopIteration as done:
+                results[item[0]] = done.value
+                live.remove(item)
+        if overlap is not None and extra is None:
+            extra = overlap()
+    return [results[i] for i in range(len(flows))], extra
+
+
+def _joined(ys: list[torch.Tensor], extra: torch.Tensor | None) -> torch.Tensor:
+    y_TD = ys[0] if len(ys) == 1 else torch.cat(ys)
     return y_TD if extra is None else y_TD + extra
 
 
 class AllToAllTokenDispatcher:
     """Token dispatch across an expert-parallel group (the ``TokenDispatcher`` protocol of ``model/moe.py``).
 
-    Steps: exchange per-expert counts, read the split sizes once, sort token copies by global expert and send
-    them with their routing weights (one packed exchange; ``overlap`` runs meanwhile), regroup them by local
-    expert, run the local experts (weighted), undo the regrouping, send back and sum into the token rows.
-    Each intermediate buffer is dropped as soon as the next one exists.
+    Steps: exchange per-expert counts of every chunk (one exchange), read the split sizes once, then per chunk: sort
+    token copies by global expert and send them with their routing weights (one packed exchange), regroup them by
+    local expert, run the local experts (weighted), undo the regrouping, send back and sum into the token rows.
 
-    Gradient scale: an expert's weight gradient sums the contributions of all ``ep`` ranks' tokens,
-    and FSDP then averages it over the ``world / ep`` ranks holding the same experts, which is ``ep``
-    times the data-parallel mean. The return exchange scales its backward by ``1/ep`` (shrinking the
-    expert weight and input gradients) and the dispatch exchange scales by ``ep`` (restoring the input
-    and routing-weight gradients), so every gradient equals the ``ep = 1`` run. Powers of two make both
-    scalings exact.
+    Gradient scale: an expert's weight gradient sums the contributions of all ``ep`` ranks' tokens, and FSDP then
+    averages it over the ``world / ep`` ranks holding the same experts, which is ``ep`` times the data-parallel
+    mean. With ``scale_in_exchange`` the return exchange scales its backward by ``1/ep`` and the dispatch exchange
+    by ``ep``: every gradient equals the ``ep = 1`` run exactly only when ``ep`` is a power of two (otherwise the
+    activation gradients are rounded twice). Without it nothing is scaled here and the caller divides the expert
+    gradients by ``ep`` where FSDP reduces them (:func:`divide_expert_gradients`): exact at any ``ep``.
     """
 
-    def __init__(self, group: dist.ProcessGroup):
-        self.group = group
+    def __init__(self, group: dist.ProcessGroup, overlap_chunks: int = 1, scale_in_exchange: bool = True):
+        self.group, self.chunks = group, overlap_chunks
         self.ep = dist.get_world_size(group)
+        self.grad_scale = float(self.ep) if scale_in_exchange else 1.0
 
     @torch.compiler.disable  # host-side split sizes: a compiled block runs this part eagerly
     def __call__(self, x_TD, weights_TK, experts_TK, tokens_per_expert_E, experts: GroupedExperts,
                  overlap: Callable[[], torch.Tensor] | None = None):
-        send_counts_PE = tokens_per_expert_E.view(self.ep, experts.num_experts)
-        recv_counts_PE = _exchange_counts(send_counts_PE, self.group)
-        send_splits, recv_splits = torch.stack([send_counts_PE.sum(1), recv_counts_PE.sum(1)]).tolist()  # one sync
-        return _through_experts(self.group, float(self.ep), x_TD, weights_TK, experts_TK, send_splits, recv_splits,
-                                recv_counts_PE, experts, overlap)
+        P, El = self.ep, experts.num_experts
+        bounds = _bounds(x_TD.shape[0], self.chunks)
+        C = len(bounds)
+        send_CPE = _chunk_counts(experts_TK, bounds, P * El, tokens_per_expert_E).view(C, P, El)
+        recv_PCE = _exchange_counts(send_CPE.transpose(0, 1).reshape(P, C * El), self.group).view(P, C, El)
+        splits = torch.stack([send_CPE.sum(2), recv_PCE.sum(2).T]).tolist()  # one sync for every chunk
+        flows = [_through_experts(self.group, self.grad_scale, x_TD[a:b], weights_TK[a:b], experts_TK[a:b],
+                                  splits[0][c], splits[1][c], recv_PCE[:, c], experts)
+                 for c, (a, b) in enumerate(bounds)]
+        return _joined(*_pipeline(flows, overlap))
 
 
 class HierarchicalTokenDispatcher:
-    """Token dispatch across an expert-parallel group of ``nodes x local`` ranks (node-major): DeepEP's pattern.
+    """Token dispatch across an expert-parallel group spanning ``nodes`` nodes of ``local`` ranks each: DeepEP's
+    pattern.
 
-    A token's hidden state crosses the network once per node holding any of its experts: to the rank of
-    that node with the sender's local index, with its ``K`` routing weights and node-local expert ids (one
-    packed exchange over the ``inter`` group; ``overlap`` runs meanwhile). That rank fans it out to the
-    node's experts over the ``intra`` group (:func:`_through_experts`), sums their weighted outputs, and
-    sends one row back. Counts for both hops are exchanged first and read back together (one host sync).
+    A token's hidden state crosses the network once per node holding any of its experts: to the rank of that node
+    with the sender's local index, with its ``K`` routing weights and node-local expert ids (one packed exchange
+    over the ``inter`` group). That rank fans it out to the node's experts over the ``intra`` group
+    (:func:`_through_experts`), sums their weighted outputs, and sends one row back. Counts of both hops for every
+    chunk are exchanged first and read back together (one host sync); chunks are pipelined as in
+    :class:`AllToAllTokenDispatcher`.
 
-    Equal to :class:`AllToAllTokenDispatcher` up to the order of two sums: a token's expert outputs are added
-    per node, then across nodes (the flat one adds them in expert order; identical for ``top_k <= 2``), and
+    ``position_E`` (from :func:`plan_layout`) numbers the group's experts as this rank's ``inter`` group sees them:
+    node position (its rank order in ``inter``) times experts per node, plus the index within the node (``intra``
+    rank order); the identity when the group is laid out node-major. Equal to the flat dispatcher up to the order
+    of two sums: a token's expert outputs are added per node, then across nodes (identical for ``top_k <= 2``), and
     an expert's weight gradient adds its rows in another order. Gradient scaling as there (on the inter hop).
     """
 
     def __init__(self, group: dist.ProcessGroup, inter: dist.ProcessGroup, intra: dist.ProcessGroup,
-                 nodes: int, local: int):
+                 nodes: int, local: int, position_E: list[int] | None = None, overlap_chunks: int = 1,
+                 scale_in_exchange: bool = True):
         self.group, self.inter, self.intra, self.nodes, self.local = group, inter, intra, nodes, local
-        self.ep = nodes * local
+        self.ep, self.chunks, self.position_E = nodes * local, overlap_chunks, position_E
+        self.grad_scale = float(self.ep) if scale_in_exchange else 1.0
 
     @torch.compiler.disable  # host-side split sizes: a compiled block runs this part eagerly
     def __call__(self, x_TD, weights_TK, experts_TK, tokens_per_expert_E, experts: GroupedExperts,
                  overlap: Callable[[], torch.Tensor] | None = None):
+        N, L, El = self.nodes, self.local, experts.num_experts
+        per_node = L * El
+        if self.position_E is not None:
+            position_E = torch.tensor(self.position_E, device=experts_TK.device)
+            experts_TK = position_E[experts_TK]
+            tokens_per_expert_E = torch.zeros_like(tokens_per_expert_E).index_copy_(0, position_E,
+                                                                                   tokens_per_expert_E)
+        bounds = _bounds(x_TD.shape[0], self.chunks)
+        C = len(bounds)
+        node_TK = experts_TK // per_node
+        wanted_NT = torch.zeros(N, x_TD.shape[0], dtype=torch.bool, device=x_TD.device).scatter_(0, node_TK.T, True)
+        rows_CN = torch.stack([wanted_NT[:, a:b].sum(1) for a, b in bounds])
+        counts_CNE = _chunk_counts(experts_TK, bounds, N * per_node, tokens_per_expert_E).view(C, N, per_node)
+        # Per destination node and chunk: rows (distinct tokens), then tokens per expert of that node.
+        send_CNM = torch.cat([rows_CN[..., None], counts_CNE], 2)
+        recv_NCM = _exchange_counts(send_CNM.transpose(0, 1).reshape(N, -1), self.inter).view(N, C, -1)
+        node_counts_CLE = recv_NCM[:, :, 1:].sum(0).view(C, L, El)  # what this rank sends to each local rank
+        recv_LCE = _exchange_counts(node_counts_CLE.transpose(0, 1).reshape(L, -1), self.intra).view(L, C, El)
+        splits = torch.cat([send_CNM[..., 0], recv_NCM[..., 0].T, node_counts_CLE.sum(2), recv_LCE.sum(2).T],
+                           1).tolist()  # one sync for every chunk and both hops
+        flows = [self._flow(x_TD[a:b], weights_TK[a:b], experts_TK[a:b], node_TK[a:b], wanted_NT[:, a:b],
+                            splits[c], recv_LCE[:, c], experts) for c, (a, b) in enumerate(bounds)]
+        return _joined(*_pipeline(flows, overlap))
+
+    def _flow(self, x_TD, weights_TK, experts_TK, node_TK, wanted_NT, splits, recv_counts_PE, experts):
         N, L, T = self.nodes, self.local, x_TD.shape[0]
         per_node = L * experts.num_experts
-        node_TK = experts_TK // per_node
-        wanted_NT = torch.zeros(N, T, dtype=torch.bool, device=x_TD.device).scatter_(0, node_TK.T, True)
-        # Per destination node: rows (distinct tokens), then tokens per expert of that node.
-        send_meta_NC = torch.cat([wanted_NT.sum(1, keepdim=True), tokens_per_expert_E.view(N, per_node)], 1)
-        recv_meta_NC = _exchange_counts(send_meta_NC, self.inter)
-        node_counts_PE = recv_meta_NC[:, 1:].sum(0).view(L, -1)  # what this rank sends to each local rank
-        recv_counts_PE = _exchange_counts(node_counts_PE, self.intra)
-        splits = torch.cat([send_meta_NC[:, 0], recv_meta_NC[:, 0], node_counts_PE.sum(1),
-                            recv_counts_PE.sum(1)]).tolist()  # one sync
-        inter_send, inter_recv, intra_send, intra_recv = (splits[:N], splits[N:2 * N], splits[2 * N:2 * N + L],
-                                                          splits[2 * N + L:])
-
+        inter_send, inter_recv = splits[:N], splits[N:2 * N]
+        intra_send, intra_recv = splits[2 * N:2 * N + L], splits[2 * N + L:]
         # One row per (destination node, token), node-major: the token, its weights, its experts on that node.
         order = (~wanted_NT).flatten().to(torch.uint8).argsort(stable=True)[:sum(inter_send)]
         node_of_row, token_of_row = order // T, order % T
         on_node_RK = node_TK[token_of_row] == node_of_row[:, None]
         node_experts_RK = torch.where(on_node_RK, experts_TK[token_of_row] - node_of_row[:, None] * per_node, -1)
-        (x_RD, weights_RK, node_experts_RK), extra = _exchange(
-            self.inter, inter_send, inter_recv, float(self.ep),
-            [x_TD[token_of_row], weights_TK[token_of_row], node_experts_RK.to(torch.int32)], overlap)
-        y_RD = _through_experts(self.intra, 1.0, x_RD, weights_RK, node_experts_RK, intra_send, intra_recv,
-                                recv_counts_PE, experts)
+        handle = _launch(self.inter, inter_send, inter_recv, self.grad_scale, (x_TD, token_of_row),
+                         (weights_TK, token_of_row), (node_experts_RK.to(torch.int32), None))
+        del node_experts_RK, on_node_RK
+        yield
+        x_RD, weights_RK, node_experts_RK = _land(handle)
+        del handle
+        y_RD = yield from _through_experts(self.intra, 1.0, x_RD, weights_RK, node_experts_RK, intra_send,
+                                           intra_recv, recv_counts_PE, experts)
         del x_RD, weights_RK
-        (y_rows,), _ = _exchange(self.inter, inter_recv, inter_send, 1.0 / self.ep, [y_RD])
-        return _with(sum_into_tokens(y_rows, token_of_row, x_TD), extra)
+        handle = _launch(self.inter, inter_recv, inter_send, 1.0 / self.grad_scale, (y_RD, None))
+        del y_RD
+        yield
+        (y_rows,) = _land(handle)
+        return sum_into_tokens(y_rows, token_of_row, x_TD)
 
 
-def node_layout(group: dist.ProcessGroup, ranks_per_node: int) -> tuple[int, int] | str:
-    """``(nodes, ranks per node)`` of a group laid out node-major with equal ranks per node, else why not."""
-    return ranks_layout(dist.get_process_group_ranks(group), ranks_per_node)
+def node_identity() -> str:
+    """This process's node as its launcher names it: torchrun's ``GROUP_RANK``, SLURM's ``SLURM_NODEID``,
+    Lightning's ``NODE_RANK``, else the host name. (Never ``global_rank // devices``: SLURM's cyclic placement puts
+    neighbouring ranks on different nodes.)"""
+    for name in ("GROUP_RANK", "SLURM_NODEID", "NODE_RANK"):
+        if name in os.environ:
+            return f"{name}={os.environ[name]}"
+    return socket.gethostname()
 
 
-def ranks_layout(ranks: list[int], ranks_per_node: int) -> tuple[int, int] | str:
-    """``node_layout`` of the global ``ranks`` of a group."""
-    nodes = [r // ranks_per_node for r in ranks]
-    distinct = sorted(set(nodes), key=nodes.index)
-    local = len(ranks) // len(distinct)
-    if len(ranks) % len(distinct) or nodes != [n for n in distinct for _ in range(local)]:
-        return (f"its ranks {ranks} are not whole node-major blocks of equal size on nodes of {ranks_per_node} "
-                f"ranks; hierarchical dispatch needs strategy.expert_parallel_size (now {len(ranks)}) to be a "
-                f"multiple of the devices per node ({ranks_per_node}), each group's ranks node-major")
-    return len(distinct), local
+def group_layout(ranks: list[int], node_of: dict[int, Hashable]) -> list[list[int]] | str:
+    """The ranks of one group per node (nodes ordered by their first rank), when every node of the group holds the
+    same number of them; else why hierarchical dispatch cannot be used. Pure: every rank computes the same."""
+    per_node: dict[Hashable, list[int]] = {}
+    for r in ranks:
+        per_node.setdefault(node_of[r], []).append(r)
+    blocks = [sorted(b) for b in per_node.values()]
+    if len({len(b) for b in blocks}) > 1:
+        gpus = sorted({sum(1 for n in node_of.values() if n == node) for node in set(node_of.values())})
+        gpus_text = "/".join(map(str, gpus))
+        return (f"strategy.expert_parallel_size={len(ranks)} puts {' + '.join(str(len(b)) for b in blocks)} ranks of "
+                f"the group {ranks} on its nodes ({gpus_text} GPUs per node): hierarchical dispatch needs the same "
+                f"number on each node; choose expert_parallel_size dividing or a multiple of the GPUs per node "
+                f"({gpus_text}) for hierarchical dispatch")
+    return blocks
 
 
-def _subgroups(group: dist.ProcessGroup, nodes: int, local: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
-    """This rank's inter-node group (same local index on every node) and intra-node group.
+def plan_layout(table: list[tuple[Hashable, tuple[int, ...]]]) -> dict[tuple[int, ...], list[list[int]] | str]:
+    """Every expert-parallel group's dispatch from every rank's ``(node, group ranks)``: its ranks per node when
+    hierarchical, else why flat (a sentence). Pure, so every rank takes the same decision from the same table."""
+    node_of = {rank: node for rank, (node, _) in enumerate(table)}
+    plans = {}
+    for ranks in sorted({group for _, group in table}):
+        layout = group_layout(list(ranks), node_of)
+        plans[ranks] = layout if isinstance(layout, str) or len(layout) > 1 else f"within one node of {len(ranks)} ranks"
+    return plans
 
-    ``new_group`` is collective over the world, so every rank creates every expert-parallel group's
-    subgroups in one order (learnt with one ``all_gather_object``)."""
-    groups = [None] * dist.get_world_size()
-    dist.all_gather_object(groups, dist.get_process_group_ranks(group))
+
+def _subgroups(plans: dict[tuple[int, ...], list[list[int]] | str]
+               ) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
+    """This rank's inter-node group (same index within its node on every node) and intra-node group.
+
+    ``new_group`` is collective over the world: every rank creates every hierarchical group's subgroups, in the
+    order of ``plans`` (the same everywhere)."""
     mine, inter, intra = dist.get_rank(), None, None
-    for ranks in sorted(set(map(tuple, groups))):
-        grid = [list(ranks[n * local:(n + 1) * local]) for n in range(nodes)]
-        for l in range(local):
-            made = dist.new_group([row[l] for row in grid])
-            inter = made if mine in (row[l] for row in grid) else inter
-        for row in grid:
-            made = dist.new_group(row)
-            intra = made if mine in row else intra
+    for blocks in plans.values():
+        if isinstance(blocks, str):
+            continue
+        for l in range(len(blocks[0])):
+            ranks = [block[l] for block in blocks]
+            made = dist.new_group(ranks)
+            inter = made if mine in ranks else inter
+        for block in blocks:
+            made = dist.new_group(block)
+            intra = made if mine in block else intra
     return inter, intra
+
+
+def expert_positions(blocks: list[list[int]], group_ranks: list[int], experts_per_rank: int, me: int) -> list[int] | None:
+    """``position_E`` of :class:`HierarchicalTokenDispatcher` for rank ``me``: its inter group orders the nodes by
+    their rank with ``me``'s index within the node; inside a node the ranks are in rank order. None: identity."""
+    l = next(b.index(me) for b in blocks if me in b)
+    node_order = sorted(range(len(blocks)), key=lambda n: blocks[n][l])
+    position_E = [0] * (len(group_ranks) * experts_per_rank)
+    per_node = len(blocks[0]) * experts_per_rank
+    for place, n in enumerate(node_order):
+        for i, rank in enumerate(blocks[n]):
+            p = group_ranks.index(rank)  # the rank's expert block
+            for j in range(experts_per_rank):
+                position_E[p * experts_per_rank + j] = place * per_node + i * experts_per_rank + j
+    return None if position_E == list(range(len(position_E))) else position_E
 
 
 def node_reach(n_groups: int, n_limited_groups: int, num_experts: int, top_k: int, nodes: int
@@ -295,36 +439,68 @@ def node_reach(n_groups: int, n_limited_groups: int, num_experts: int, top_k: in
             f"the node bound M; this changes the model (its routing).")
 
 
-@torch.no_grad()
-def apply_expert_parallel(moe_layers: list[MoELayer], group: dist.ProcessGroup, ranks_per_node: int | None = None
-                          ) -> str:
-    """Keep this rank's contiguous block of ``E / ep`` experts and install the dispatcher; returns which, for the log.
+def divide_expert_gradients(experts_unit, mesh: DeviceMesh, ep: int) -> None:
+    """With ``scale_in_exchange=False``: make FSDP divide the gradients of an expert unit sharded over ``mesh`` by
+    ``mesh.size() * ep`` (the whole data-parallel size) once, after the sum, in its reduce dtype: the ``ep = 1``
+    mean at any ``ep``, with no rounding of the activation gradients. Summed, then divided (gloo has no NCCL
+    pre-multiplied sum)."""
+    experts_unit.set_gradient_divide_factor(float(mesh.size() * ep))
+    experts_unit.set_force_sum_reduction_for_comms(True)
 
-    ``ranks_per_node`` (the launcher's ``LOCAL_WORLD_SIZE``, Lightning's ``devices``) picks it: hierarchical
-    when the group spans several nodes, flat within one node (or when not given)."""
+
+def check_overlap_chunks(overlap_chunks: int) -> None:
+    if not isinstance(overlap_chunks, int) or isinstance(overlap_chunks, bool) or overlap_chunks < 1:
+        raise ValueError(f"strategy.ep_overlap_chunks={overlap_chunks!r}: must be a positive integer (1: no "
+                         f"chunking; 2-4 hide the exchange behind the experts).")
+
+
+def make_dispatcher(group: dist.ProcessGroup, experts_per_rank: int, node: Hashable | None = None,
+                    overlap_chunks: int = 1, scale_in_exchange: bool = True
+                    ) -> tuple[AllToAllTokenDispatcher | HierarchicalTokenDispatcher, str]:
+    """The dispatcher of this rank's expert-parallel ``group`` and a sentence saying which and why.
+
+    Every rank of the world must call this together: one ``all_gather_object`` learns every rank's node and group,
+    and every hierarchical group's sub-groups are created by all, so no rank waits in a collective the others skip.
+    ``node``: this process's node as the launcher names it (Lightning's ``node_rank``; default
+    :func:`node_identity`). A group whose every node holds the same number of its ranks, on several nodes, gets
+    hierarchical dispatch; any other group flat all-to-all, with the reason."""
+    check_overlap_chunks(overlap_chunks)
+    group_ranks = dist.get_process_group_ranks(group)
+    table = [None] * dist.get_world_size()
+    dist.all_gather_object(table, (node_identity() if node is None else node, tuple(group_ranks)))
+    plans = plan_layout(table)
+    inter, intra = _subgroups(plans)
+    layout = plans[tuple(group_ranks)]
+    options = dict(overlap_chunks=overlap_chunks, scale_in_exchange=scale_in_exchange)
+    chunks = f", {overlap_chunks} overlap chunk{'s' if overlap_chunks > 1 else ''}"
+    if isinstance(layout, str):
+        how = "flat all-to-all dispatch " + (layout if layout.startswith("within") else f"(not hierarchical: {layout})")
+        return AllToAllTokenDispatcher(group, **options), how + chunks
+    position_E = expert_positions(layout, group_ranks, experts_per_rank, dist.get_rank())
+    dispatcher = HierarchicalTokenDispatcher(group, inter, intra, len(layout), len(layout[0]), position_E, **options)
+    return dispatcher, (f"hierarchical dispatch over {len(layout)} nodes x {len(layout[0])} ranks (each token crosses "
+                        f"the network once per destination node){chunks}")
+
+
+@torch.no_grad()
+def apply_expert_parallel(moe_layers: list[MoELayer], group: dist.ProcessGroup, node: Hashable | None = None,
+                          overlap_chunks: int = 1, scale_in_exchange: bool = True) -> str:
+    """Keep this rank's contiguous block of ``E / ep`` experts and install the dispatcher of :func:`make_dispatcher`
+    (every rank of the world calls this together); returns which, for the log. ``overlap_chunks``: chunks the
+    layer's tokens go through, pipelined (1: none). ``scale_in_exchange``: see :class:`AllToAllTokenDispatcher`."""
     ep, ep_rank = dist.get_world_size(group), dist.get_rank(group)
-    layout = node_layout(group, ranks_per_node) if ranks_per_node else (1, ep)
-    hierarchical = isinstance(layout, tuple) and layout[0] > 1
-    if hierarchical:
-        inter, intra = _subgroups(group, *layout)
-        dispatcher = HierarchicalTokenDispatcher(group, inter, intra, *layout)
-        how = (f"hierarchical dispatch over {layout[0]} nodes x {layout[1]} ranks (each token crosses the network "
-               f"once per destination node)")
-    else:
-        dispatcher = AllToAllTokenDispatcher(group)
-        how = "flat all-to-all dispatch" + (f" (not hierarchical: {layout})" if isinstance(layout, str) else
-                                            f" within one node of {ep} ranks")
+    per_rank = moe_layers[0].experts.num_experts // ep if moe_layers else 0
+    dispatcher, how = make_dispatcher(group, per_rank, node, overlap_chunks, scale_in_exchange)
     for moe in moe_layers:
         experts = moe.experts
-        local = experts.num_experts // ep
         for name, param in list(experts.named_parameters(recurse=False)):
-            block = param[ep_rank * local:(ep_rank + 1) * local].clone()
+            block = param[ep_rank * per_rank:(ep_rank + 1) * per_rank].clone()
             setattr(experts, name, nn.Parameter(block, requires_grad=param.requires_grad))
         moe.dispatcher = dispatcher
-    if moe_layers and hierarchical:
+    if moe_layers and isinstance(dispatcher, HierarchicalTokenDispatcher):
         moe = moe_layers[0]
         reach, warning = node_reach(moe.router.n_groups, moe.router.n_limited_groups, moe.num_experts, moe.top_k,
-                                    layout[0])
+                                    dispatcher.nodes)
         how += "; " + reach
         if warning and dist.get_rank() == 0:
             warnings.warn(warning)

@@ -18,7 +18,8 @@ import torch.distributed as dist
 from moe_lightning.planner import ep_traffic
 from moe_lightning.model import MoEConfig
 from moe_lightning.model.moe import MoELayer
-from moe_lightning.parallel.expert_parallel import AllToAllTokenDispatcher, node_reach, ranks_layout
+from moe_lightning.parallel.expert_parallel import (AllToAllTokenDispatcher, expert_positions, node_identity, node_reach,
+                                                    plan_layout)
 from moe_lightning.planner.plan import main
 from tests.support.distributed import REPO_ROOT, run_nodes
 
@@ -85,13 +86,38 @@ def test_packed_rows_are_padded_to_the_widest_element():
     assert ep_traffic.packed_row_bytes((7, 2)) == 14
 
 
-def test_node_layout_of_partial_nodes_names_the_field_and_the_requirement():
-    assert ranks_layout([0, 1, 2, 3, 4, 5, 6, 7], 4) == (2, 4)
-    assert ranks_layout([4, 5], 4) == (1, 2)
-    why = ranks_layout([0, 1, 2, 3, 4, 5], 4)  # ep 6 over nodes of 4: 4 + 2
-    assert isinstance(why, str) and "strategy.expert_parallel_size (now 6)" in why
-    assert "multiple of the devices per node (4)" in why and "node-major" in why
-    assert isinstance(ranks_layout([0, 4, 1, 5], 4), str)  # not node-major
+def test_every_rank_plans_every_group_from_the_same_table():
+    """6 ranks, 3 per node, ep 2 (the layout that hung): the group straddling the nodes is hierarchical 2 x 1, the
+    others flat, decided from the whole table, so every rank creates the same sub-groups."""
+    nodes = ["a", "a", "a", "b", "b", "b"]
+    table = [(n, (2 * (r // 2), 2 * (r // 2) + 1)) for r, n in enumerate(nodes)]
+    assert plan_layout(table) == {(0, 1): "within one node of 2 ranks", (2, 3): [[2], [3]],
+                                  (4, 5): "within one node of 2 ranks"}
+    # ep 4 over nodes of 3 ranks: 3 + 1 on the nodes; flat, and the reason names the field and the sizes that work
+    why = plan_layout([("a", (0, 1, 2, 3))] * 3 + [("b", (0, 1, 2, 3))])[(0, 1, 2, 3)]
+    assert "strategy.expert_parallel_size=4 puts 3 + 1 ranks" in why and "(1/3 GPUs per node)" in why
+    assert "dividing or a multiple of the GPUs per node" in why
+    # SLURM's cyclic placement: ranks 0, 2, 4, 6 on one node, 1, 3, 5, 7 on the other; ep 8 = 2 nodes x 4
+    cyclic = [("node0" if r % 2 == 0 else "node1", tuple(range(8))) for r in range(8)]
+    assert plan_layout(cyclic) == {tuple(range(8)): [[0, 2, 4, 6], [1, 3, 5, 7]]}
+
+
+def test_expert_positions_number_experts_node_major_for_any_placement():
+    """Rank 2 of a cyclic 2 x 2 group ([0, 2] on one node, [1, 3] on the other), 1 expert per rank: its node's
+    experts (0 and 2) come first, then the other node's (1 and 3); node-major groups need no renumbering."""
+    assert expert_positions([[0, 2], [1, 3]], [0, 1, 2, 3], 1, me=2) == [0, 2, 1, 3]
+    assert expert_positions([[0, 1], [2, 3]], [0, 1, 2, 3], 2, me=3) is None
+    # [0, 3] and [1, 2]: local index 1 sees node order (rank 2 < rank 3) reversed
+    assert expert_positions([[0, 3], [1, 2]], [0, 1, 2, 3], 1, me=3) == [2, 0, 1, 3]
+
+
+def test_node_identity_is_the_launchers(monkeypatch):
+    for name in ("GROUP_RANK", "SLURM_NODEID", "NODE_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("NODE_RANK", "3")
+    assert node_identity() == "NODE_RANK=3"
+    monkeypatch.setenv("GROUP_RANK", "1")  # torchrun's wins
+    assert node_identity() == "GROUP_RANK=1"
 
 
 def test_node_reach_warns_when_groups_straddle_nodes():
