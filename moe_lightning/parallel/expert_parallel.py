@@ -443,9 +443,11 @@ def divide_expert_gradients(experts_unit, mesh: DeviceMesh, ep: int) -> None:
     """With ``scale_in_exchange=False``: make FSDP divide the gradients of an expert unit sharded over ``mesh`` by
     ``mesh.size() * ep`` (the whole data-parallel size) once, after the sum, in its reduce dtype: the ``ep = 1``
     mean at any ``ep``, with no rounding of the activation gradients. Summed, then divided (gloo has no NCCL
-    pre-multiplied sum)."""
+    pre-multiplied sum). Over one rank FSDP copies and divides by the factor itself; forcing the sum there would
+    divide twice (torch 2.13)."""
     experts_unit.set_gradient_divide_factor(float(mesh.size() * ep))
-    experts_unit.set_force_sum_reduction_for_comms(True)
+    if mesh.size() > 1:
+        experts_unit.set_force_sum_reduction_for_comms(True)
 
 
 def check_overlap_chunks(overlap_chunks: int) -> None:
