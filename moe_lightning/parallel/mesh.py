@@ -99,6 +99,24 @@ class MeshLayout:
                           f"optimizers that need whole matrices must gather them). For whole experts per rank make "
                           f"shard_size / expert_parallel_size divide num_experts / expert_parallel_size.")
 
+    def check_expert_shard(self, num_experts: int, rows: tuple[int, ...]) -> None:
+        """Refuse, before any parameter is sharded, an expert layout FSDP2 cannot shard: the ``Shard(1)`` fallback
+        needs every expert stack's dim 1 (``rows``: the expert hidden size and the model dim) to divide over the
+        expert-shard ranks (FSDP2 shards only dim 0 unevenly). Names ``expert_parallel_size`` and the sizes that
+        work."""
+        if self._fits(num_experts, rows, self.ep):
+            return
+        working = [d for d in _divisors(self.shard) if num_experts % d == 0 and self._fits(num_experts, rows, d)]
+        raise MeshError(
+            f"strategy.expert_parallel_size={self.ep} leaves {num_experts // self.ep} experts per rank to shard over "
+            f"{self.expert_shard} ranks (shard_size {self.shard} / expert_parallel_size): neither whole experts nor "
+            f"their rows {list(rows)} divide evenly, which FSDP2 cannot shard. Choose "
+            f"{f'expert_parallel_size from {working}' if working else 'another shard_size'}, or num_experts with num_experts / expert_parallel_size a multiple of {self.expert_shard}.")
+
+    def _fits(self, num_experts: int, rows: tuple[int, ...], ep: int) -> bool:
+        ranks = self.shard // ep
+        return (num_experts // ep) % ranks == 0 or all(r % ranks == 0 for r in rows)
+
     @staticmethod
     def expert_fsdp_mesh(expert_mesh: DeviceMesh) -> DeviceMesh:
         """The ranks that FSDP-shard (and HSDP-replicate) one block of experts."""
