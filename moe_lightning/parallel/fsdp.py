@@ -1,14 +1,16 @@
-"""Where FSDP2 is applied to ``MoETransformer``: the strategy's ``setup`` runs these in order.
+"""FSDP2 on ``MoETransformer``: the steps ``parallelize_moe`` (``parallel/parallelize.py``) runs, in its order.
 
-    apply_expert_parallel  (parallel/expert_parallel.py: the all-to-all dispatcher on every MoE layer)
-    apply_fsdp             one ``fully_shard`` unit per block (main and MTP blocks alike), embedding, head, root
+    apply_fsdp             ``fully_shard`` on each unit of ``parallel/units.py`` (blocks, experts, embedding, head, root)
     set_prefetch           each unit all-gathers the next ones of its pass; the MTP units only when MTP runs
     materialize            meta-device build: allocate the local shards and initialise them
-    fill_pretrained        meta-device build with released weights: each rank copies in its own slices
+
+and, while training, ``accumulating``: the gradient-sync policy of the non-final micro-batches.
 
 Every input is an argument; nothing here reads the strategy or the trainer.
 """
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -18,8 +20,8 @@ from torch.distributed.fsdp import (CPUOffloadPolicy, FSDPModule, MixedPrecision
                                     register_fsdp_forward_method)
 from torch.distributed.tensor import DTensor, Shard
 
-from moe_lightning.model import Block, GroupedExperts, MoETransformer
-from moe_lightning.checkpoint import sharded as ckpt
+from moe_lightning.model import GroupedExperts, MoETransformer
+from moe_lightning.parallel.units import fsdp_units
 
 Stage = list[FSDPModule]  # the units that run together: the first one owns the stage's forward prefetch
 
@@ -53,27 +55,20 @@ def apply_fsdp(model: MoETransformer, dense_mesh: DeviceMesh, expert_mesh: Devic
                   else OffloadPolicy(),
                   shard_placement_fn=lambda p: policy.expert_placement if id(p) in expert_params else None)
 
-    def shard(module: nn.Module, mesh: DeviceMesh = dense_mesh, reshard: bool = policy.reshard_after_forward,
-              **overrides) -> FSDPModule:
-        return fully_shard(module, mesh=mesh, reshard_after_forward=reshard, **{**common, **overrides})
-
-    def shard_block(block: Block) -> Stage:
-        """A block and, under expert parallelism, its experts on the expert mesh (sharded first: nested)."""
-        experts = [shard(block.ffn.experts, expert_mesh)] if expert_mesh is not None and block.is_moe else []
-        return [shard(block), *experts]
-
-    tied = model.config.tie_embeddings  # a tied embedding/head stays in the root unit
-    stages = [] if tied else [[shard(model.tok_embeddings)]]
-    stages += [shard_block(block) for block in model.layers]
-    for module in model.mtp:  # runs after the final norm: its block as above, its norms and eh_proj entered first
-        block_stage = shard_block(module.block)
-        stages.append([shard(module), *block_stage])
-    if not tied:  # run last, whichever entry point runs it (the final norm belongs to the root)
-        stages.append([shard(model.output, reshard=False)])
+    stages: dict[int, Stage] = {}
+    for unit in fsdp_units(model, expert_parallel=expert_mesh is not None):  # inner units first, the root last
+        reshard = policy.reshard_after_forward and not unit.keep_gathered
+        if unit.stage is None:  # the root casts the forward inputs
+            fully_shard(model, mesh=dense_mesh, reshard_after_forward=reshard,
+                        **{**common, "mp_policy": MixedPrecisionPolicy(**dtypes)})
+            continue
+        sharded = fully_shard(unit.module, mesh=expert_mesh if unit.experts else dense_mesh,
+                              reshard_after_forward=reshard, **common)
+        stages.setdefault(unit.stage, []).insert(0, sharded)  # a stage runs outer to inner: reverse of wrapping
+    if not model.config.tie_embeddings:  # the head runs last, whichever entry point runs it
         for method in ("cross_entropy", "cross_entropy_sums"):
             register_fsdp_forward_method(model.output, method)
-    shard(model, reshard=False, mp_policy=MixedPrecisionPolicy(**dtypes))
-    return stages
+    return [stages[i] for i in sorted(stages)]
 
 
 def set_prefetch(model: MoETransformer, stages: list[Stage], depth: int) -> None:
@@ -155,11 +150,14 @@ def materialize(model: MoETransformer, param_device: torch.device, buffer_device
             module._parameters[name] = param
 
 
-def fill_pretrained(lightning_module: nn.Module, expert_mesh: DeviceMesh | None) -> None:
-    """Let the module copy released weights into the shards (it knows the format; we know the layout)."""
-    fill = getattr(lightning_module, "fill_pretrained", None)
-    if fill is None or getattr(lightning_module, "pretrained", None) is None:
-        return
-    names = ckpt.expert_parameter_names(lightning_module)
-    with ckpt.global_expert_views(lightning_module.state_dict(keep_vars=True), names, expert_mesh) as state:
-        fill(state)
+@contextmanager
+def accumulating(root: FSDPModule, unsharded: bool) -> Iterator[None]:
+    """Non-final micro-batches of gradient accumulation: each still reduce-scatters (sharded gradients accumulate;
+    nothing unsharded outlives its unit's backward) and only the HSDP all-reduce waits for the last one. With
+    ``unsharded``, no reduction at all (every unit keeps its full gradient until the last micro-batch)."""
+    block = root.set_requires_gradient_sync if unsharded else root.set_requires_all_reduce
+    block(False)
+    try:
+        yield
+    finally:
+        block(True)

@@ -26,9 +26,13 @@ d model dim, L layers, V vocabulary, K top-k; bytes are per GPU unless stated.
   logits and the log-sum-exp temporary; backward rebuilds the logit gradient in place) plus ``6 · V · d``
   (the head gradient's fp32 accumulator and one chunk's bf16 contribution). Transient like the block
   working set, so the peak takes the larger of the two.
-- All-gather buffers: ``(1 + prefetch_depth) · 2 · U`` with U the largest unit's gathered parameters
-  (a block's dense parameters plus its routed experts divided by the expert-parallel size).
-- Reduce-scatter buffers: ``6 · U`` (the unsharded bf16 gradient and its fp32 reduce copy).
+- FSDP units are the strategy's own (``parallel.units.fsdp_units``, read from the meta-device model): the
+  embedding, each block (its routed experts a unit of their own under expert parallelism, counted ``1 / ep``),
+  each MTP module with its block, the head, and the root (the final norm; a tied embedding/head weight, once).
+  A stage is the units that run together (a block and its experts); U is the largest stage's gathered
+  parameters, R the root's, which stay gathered the whole step (``reshard_after_forward=False``).
+- All-gather buffers: ``(1 + prefetch_depth) · 2 · U + 2 · R``.
+- Reduce-scatter buffers: ``6 · max(U, R)`` (the unsharded bf16 gradient and its fp32 reduce copy).
 - Unsharded gradient accumulation (the strategy's opt-in ``accumulate_unsharded_grads``): every unit's fp32
   gradient held across micro-batches, ``4 · (dense + routed / ep)`` parameters of the whole model.
 - Runtime reserve: CUDA context, communicator buffers and allocator slack (``--reserve``).
@@ -69,6 +73,7 @@ from moe_lightning.optim.grouping import parameter_roles
 from moe_lightning.optim.host_staging import staging_bytes
 from moe_lightning.optim.muon_groups import MUON_ROLES
 from moe_lightning.parallel import MeshLayout
+from moe_lightning.parallel.units import Unit, fsdp_units
 
 GiB = 2**30
 @dataclass
@@ -201,26 +206,28 @@ def read_run_config(path: str | list[str]) -> dict[str, Any]:
     return found
 
 
-def count_parameters(config: MoEConfig) -> tuple[dict[str, int], list[tuple[int, int]]]:
-    """Parameters per optimizer role, and each gathered unit's ``(dense, routed)`` parameters.
-
-    Units are what FSDP gathers at once: every block, the embedding, and the head with the final norm.
-    Counted on a meta-device model, so nothing is allocated.
-    """
+def count_parameters(config: MoEConfig, expert_parallel: bool = False) -> tuple[dict[str, int], list[Unit]]:
+    """Parameters per optimizer role, and the FSDP units ``parallel/fsdp.py`` shards the model into
+    (``parallel.units.fsdp_units``; ``expert_parallel``: routed experts a unit of their own). Counted on a
+    meta-device model, so nothing is allocated."""
     with torch.device("meta"):
         model = MoETransformer(config)
     params = dict(model.named_parameters())
     roles: dict[str, int] = {}
     for name, role in parameter_roles(model).items():
         roles[role] = roles.get(role, 0) + params[name].numel()
-    units = [(model.tok_embeddings.weight.numel(), 0),
-             (model.output.weight.numel() + model.norm.weight.numel(), 0)]
-    for block in [*model.layers, *(module.block for module in model.mtp)]:
-        routed = sum(p.numel() for p in block.ffn.experts.parameters()) if block.is_moe else 0
-        units.append((sum(p.numel() for p in block.parameters()) - routed, routed))
-    units += [(sum(p.numel() for p in module.parameters()) - sum(p.numel() for p in module.block.parameters()), 0)
-              for module in model.mtp]  # each MTP module's norms and eh_proj: a unit of their own
-    return roles, units
+    return roles, fsdp_units(model, expert_parallel)
+
+
+def gathered_parameters(units: list[Unit], ep: int) -> tuple[list[float], float]:
+    """Parameters one rank holds unsharded while each stage runs (its units together; an expert unit holds its
+    ``1 / ep`` of the experts), and those of the root unit, which stays gathered the whole step."""
+    stages: dict[int, float] = {}
+    for unit in units:
+        if unit.stage is not None:
+            stages[unit.stage] = stages.get(unit.stage, 0) + unit.numel / (ep if unit.experts else 1)
+    root = sum(unit.numel for unit in units if unit.stage is None)
+    return [stages[i] for i in sorted(stages)], root
 
 
 def pinned_bytes(nbytes: int) -> int:
@@ -315,7 +322,7 @@ def plan(config: MoEConfig, cluster: Cluster, work: Workload) -> dict:
     """Parameters, FLOPs, per-GPU memory (without and with activation offload), fit and throughput."""
     mesh = MeshLayout.resolve(cluster.world_size, cluster.replicate_size, cluster.shard_size or "auto",
                               cluster.expert_parallel_size, config.num_experts)
-    roles, units = count_parameters(config)
+    roles, units = count_parameters(config, expert_parallel=mesh.ep > 1)
     total = sum(roles.values())
     counts = parameter_counts(config)
     active = counts["active"]
@@ -328,7 +335,8 @@ def plan(config: MoEConfig, cluster: Cluster, work: Workload) -> dict:
         f"optimizer state ({work.optimizer})": (4 * muon + 8 * (total - muon)) / S,
     }
     boundary_one = 2 * tokens * config.dim
-    unit = max(dense + routed_part / cluster.expert_parallel_size for dense, routed_part in units)
+    stages, root = gathered_parameters(units, mesh.ep)
+    unit = max(stages)
     working_set = max(block_working_set_bytes(config, tokens, moe=m)
                       for m, n in ((True, config.n_moe_layers), (False, config.n_layers - config.n_moe_layers)) if n)
     V = config.vocab_size
@@ -338,8 +346,8 @@ def plan(config: MoEConfig, cluster: Cluster, work: Workload) -> dict:
     transient = {
         "block recompute working set": working_set,
         "loss working set": loss_set,
-        "all-gather buffers (bf16)": (1 + work.prefetch_depth) * 2 * unit,
-        "reduce-scatter buffers": 6 * unit,
+        "all-gather buffers (bf16)": (1 + work.prefetch_depth) * 2 * unit + 2 * root,
+        "reduce-scatter buffers": 6 * max(unit, root),
         "runtime reserve": work.reserve_gib * GiB,
     }
     # ActivationOffload's default keeps the last block's input; each offloaded one is a pinned block
@@ -353,8 +361,7 @@ def plan(config: MoEConfig, cluster: Cluster, work: Workload) -> dict:
         gpu = {} if work.cpu_offload else dict(state)
         gpu["boundary activations"] = boundary
         if work.accumulate_unsharded_grads:
-            gpu["unsharded grad accumulation (fp32)"] = 4 * sum(
-                dense + routed_part / cluster.expert_parallel_size for dense, routed_part in units)
+            gpu["unsharded grad accumulation (fp32)"] = 4 * (sum(stages) + root)
         if config.mtp_layers:
             gpu["multi-token prediction activations"] = mtp_activation_bytes(config, tokens,
                                                                              offload and work.offload_mtp)
@@ -408,8 +415,8 @@ def format_plan(result: dict) -> str:
     offload = f"activation offload on (prefetch {w['offload_prefetch']})" if w["activation_offload"] \
         else "activation offload off"
     lines = [
-        f"parameters        total {p['total'] / 1e9:,.2f} B   active {p['active'] / 1e9:,.2f} B",
-        f"training FLOPs    {result['flops_per_token'] / 1e9:,.1f} GFLOP per token at seq_len {w['seq_len']:,}"
+        f"parameters        total {_scaled(p['total'], '.2f')}   active {_scaled(p['active'], '.2f')}",
+        f"training FLOPs    {_scaled(result['flops_per_token'], '.1f', 'FLOP')} per token at seq_len {w['seq_len']:,}"
         + (f", attention within {w['doc_len']:,}-token documents" if w["doc_len"] else ""),
         f"cluster           {c['nodes']} x {c['gpus_per_node']} GPUs = {c['world_size']}, "
         f"{c['gpu_memory_gib']:g} GiB each; mesh replicate_size={c['replicate_size']} shard_size={c['shard_size']} "
@@ -426,13 +433,15 @@ def format_plan(result: dict) -> str:
         if names:
             lines.append(f"{'from ' + origin + 's' if origin != 'config' else 'from the config':<18}{' '.join(names)}")
     mark = {"without_offload": ("*", ""), "with_offload": ("", "*")}[result["configured"]]
-    lines += ["", f"{'per-GPU memory (GiB)':<36}{'no act. offload' + mark[0]:>18}{'act. offload' + mark[1]:>15}"]
     rows = [(name, without["gpu_bytes"][name], with_["gpu_bytes"][name]) for name in without["gpu_bytes"]]
+    largest = max(max(a, b) for name, a, b in rows if name != "runtime reserve")
+    unit, scale = ("GiB", GiB) if largest >= GiB / 10 else ("MiB", 2**20)  # a tiny model's rows in MiB
+    lines += ["", f"{f'per-GPU memory ({unit})':<36}{'no act. offload' + mark[0]:>18}{'act. offload' + mark[1]:>15}"]
     rows.append(("peak (larger working set only)", without["gpu_peak_bytes"], with_["gpu_peak_bytes"]))
     rows += [(f"host: {name}", without["host_bytes_by_row"][name], with_["host_bytes_by_row"][name])
              for name in without["host_bytes_by_row"]]
     rows.append(("host memory per GPU", without["host_bytes"], with_["host_bytes"]))
-    lines += [f"{name:<36}{a / GiB:>17.2f}{b / GiB:>15.2f}" for name, a, b in rows]
+    lines += [f"{name:<36}{a / scale:>17.2f}{b / scale:>15.2f}" for name, a, b in rows]
     lines.append(f"{'fits':<36}{_yes(without['fits']):>17}{_yes(with_['fits']):>15}")
     chosen = result["memory"][result["configured"]]
     if c["host_memory_gib"] is not None:
@@ -445,20 +454,33 @@ def format_plan(result: dict) -> str:
         f"{'verdict':<18}{'fits' if result['fits'] else 'does NOT fit'} as configured (* column, {offload}): "
         f"GPU peak {chosen['gpu_peak_bytes'] / GiB:.2f} of {c['gpu_memory_gib']:g} GiB, {host}",
         "",
-        f"boundary activations {result['boundary_activations_bytes'] / GiB:.1f} GiB per GPU "
+        f"boundary activations {_bytes(result['boundary_activations_bytes'], '.1f')} per GPU "
         f"(in host memory with activation offload)",
     ]
     if result["mtp_activation_bytes"]["not_checkpointed"]:
         mtp = result["mtp_activation_bytes"]
-        lines.append(f"multi-token prediction activations {mtp['checkpointed'] / GiB:.2f} GiB per GPU with its "
+        lines.append(f"multi-token prediction activations {_bytes(mtp['checkpointed'])} per GPU with its "
                      f"blocks checkpointed (ActivationOffload mtp: true{', configured' if w['offload_mtp'] else ''}), "
-                     f"{mtp['not_checkpointed'] / GiB:.2f} GiB without (mtp: false{'' if w['offload_mtp'] else ', configured'})")
+                     f"{_bytes(mtp['not_checkpointed'])} without (mtp: false{'' if w['offload_mtp'] else ', configured'})")
     lines += [
         f"throughput        {result['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU "
         f"({result['tokens_per_s_total']:,.0f} total) at MFU {w['mfu']:.0%} of {c['peak_tflops']:g} TFLOP/s",
     ]
     lines += ep_traffic.format_traffic(result.get("ep_traffic"))
     return "\n".join(lines)
+
+
+def _scaled(n: float, spec: str, unit: str = "") -> str:
+    """``n`` in thousands (K), millions (M), billions (B, or G before a unit) or trillions (T), the largest that
+    keeps it >= 1: a 1M-parameter model reads "1.07 M", not "0.00 B"."""
+    prefixes = ("", "K", "M", "B", "T") if not unit else ("", "k", "M", "G", "T")
+    i = min(int(math.log10(n)) // 3, 4) if n >= 1 else 0
+    return f"{n / 1e3 ** i:,{spec}} {prefixes[i]}{unit}".rstrip()
+
+
+def _bytes(n: float, spec: str = ".2f") -> str:
+    """Bytes in GiB, or in MiB below a tenth of a GiB (the tiny configs' rows would read 0.00)."""
+    return f"{n / GiB:{spec}} GiB" if n >= GiB / 10 or n == 0 else f"{n / 2**20:{spec}} MiB"
 
 
 def _yes(flag: bool) -> str:

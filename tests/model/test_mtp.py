@@ -258,9 +258,10 @@ def test_plan_counts_mtp_parameters_flops_and_memory():
     roles0, units0 = count_parameters(plain)
     roles1, units1 = count_parameters(one)
     d, V = one.dim, one.vocab_size
-    block = sum(units0[-1])  # the last main block's parameters (dense here)
+    block = next(u.numel for u in units0 if u.name == f"layers.{plain.n_layers - 1}")  # the last main block (dense)
     assert sum(roles1.values()) - sum(roles0.values()) == 2 * d * d + 3 * d + block
-    assert units1[-2:] == [(block, 0), (2 * d * d + 3 * d, 0)]  # the MTP block and its norms + eh_proj: FSDP units
+    assert [(u.name, u.numel) for u in units1 if u.name.startswith("mtp")] == [
+        ("mtp.0.block", block), ("mtp.0", 2 * d * d + 3 * d)]  # the MTP block and its norms + eh_proj: FSDP units
 
     def step_matmul_flops(cfg):
         module = module_for(cfg)

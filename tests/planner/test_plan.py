@@ -35,8 +35,79 @@ def tiny_plan(**workload):
 def test_parameter_counts_by_role_and_unit():
     roles, units = count_parameters(TINY)
     assert roles == ROLES and TOTAL == 22816
-    # embedding; head + final norm; dense block; MoE block as (attention, norms, router, shared | routed)
-    assert units == [(2048, 0), (2048 + 32, 0), (64 + ATTENTION + 4608, 0), (64 + ATTENTION + 128 + 1536, 6144)]
+    # the head a unit of its own, the final norm in the root; under expert parallelism the experts are a unit
+    dense_block, moe_block = 64 + ATTENTION + 4608, 64 + ATTENTION + 128 + 1536
+    assert [(u.name, u.stage, u.numel) for u in units] == [
+        ("tok_embeddings", 0, 2048), ("layers.0", 1, dense_block), ("layers.1", 2, moe_block + 6144),
+        ("output", 3, 2048), ("", None, 32)]
+    _, units = count_parameters(TINY, expert_parallel=True)
+    assert [(u.name, u.stage, u.experts, u.numel) for u in units][2:4] == [
+        ("layers.1.ffn.experts", 2, True, 6144), ("layers.1", 2, False, moe_block)]
+
+
+def real_units(model: MoETransformer, expert_parallel: bool) -> tuple[dict[str, int], list[list[str]]]:
+    """Shard ``model`` (meta device, one gloo rank) with the strategy's own ``apply_fsdp``; return the elements each
+    FSDP unit manages, read from FSDP2's own parameter groups (by the unit's module path, ``""`` for the root), and
+    the stages ``apply_fsdp`` returns, by path."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import Shard
+
+    from moe_lightning.parallel.fsdp import FSDPPolicy, apply_fsdp
+
+    mesh = init_device_mesh("cpu", (1,))
+    policy = FSDPPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, reshard_after_forward=True,
+                        cpu_offload=False, expert_placement=Shard(0))
+    stages = apply_fsdp(model, mesh, mesh if expert_parallel else None, policy)
+    path = {id(m): name for name, m in model.named_modules()}
+    managed = {}
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            group = module._get_fsdp_state()._fsdp_param_group  # FSDP2's record of the unit's parameters
+            managed[path[id(module)]] = sum(p._orig_size.numel() for p in group.fsdp_params) if group else 0
+    return managed, [[path[id(m)] for m in stage] for stage in stages]
+
+
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("ep", [1, 2])
+def test_plan_prices_the_units_fsdp_really_builds(one_rank_group, tied, ep):
+    """The all-gather and reduce-scatter rows and the unsharded accumulation come from the units ``apply_fsdp``
+    shards, counted by FSDP2 itself: the head apart from the final norm, the MTP module with its block, and a tied
+    embedding/head weight once, in the root, gathered the whole step."""
+    config = MoEConfig(**{**TINY.__dict__, "tie_embeddings": tied, "mtp_layers": 1})
+    with torch.device("meta"):
+        model = MoETransformer(config)
+    managed, stages = real_units(model, expert_parallel=ep > 1)
+    assert sum(managed.values()) == model.num_parameters()  # every parameter in one unit, the tied weight once
+    root = managed.pop("")
+    assert root == (64 * 32 if tied else 0) + 32  # the final norm (and the shared embedding/head)
+    assert ("output" in managed) == ("tok_embeddings" in managed) == (not tied)
+    gathered = [sum(managed[name] / (ep if name.endswith("experts") else 1) for name in stage) for stage in stages]
+    assert sorted(managed) == sorted(name for stage in stages for name in stage)
+    cluster = Cluster(nodes=1, gpus_per_node=2, gpu_memory_gib=1.0, expert_parallel_size=ep)
+    gpu = plan(config, cluster, Workload(micro_batch=2, seq_len=8, accumulate_unsharded_grads=True))[
+        "memory"]["without_offload"]["gpu_bytes"]
+    assert gpu["all-gather buffers (bf16)"] == 2 * 2 * max(gathered) + 2 * root  # current + 1 prefetched, root
+    assert gpu["reduce-scatter buffers"] == 6 * max(*gathered, root)
+    assert gpu["unsharded grad accumulation (fp32)"] == 4 * (sum(gathered) + root)
+
+
+def test_plan_prints_units_that_fit_the_model(capsys):
+    """configs/tiny.yaml printed "total 0.00 B" parameters and "0.0 GFLOP per token" (issue 33, 7)."""
+    from moe_lightning.planner.flops import parameter_counts
+    from moe_lightning.planner.plan import load_model_config
+
+    tiny = str(REPO_ROOT / "configs" / "tiny.yaml")
+    counts = parameter_counts(load_model_config(tiny))
+    run(["plan", "--config", tiny])
+    lines = capsys.readouterr().out.splitlines()
+    assert 1e6 <= counts["total"] < 1e7 and 1e5 <= counts["active"] < 1e6
+    assert lines[0] == f"parameters        total {counts['total'] / 1e6:.2f} M   active {counts['active'] / 1e3:.2f} K"
+    flops = training_flops_per_token(load_model_config(tiny), 128)
+    assert 1e6 <= flops < 1e9 and lines[1] == f"training FLOPs    {flops / 1e6:.1f} MFLOP per token at seq_len 128"
+    assert "per-GPU memory (MiB)" in lines[lines.index("") + 1]  # its rows would all read 0.00 or 0.01 GiB
+    boundary = 4 * 16 * 128 * 128 * 2  # layers · batch · seq · dim · bf16
+    assert f"boundary activations {boundary / 2**20:.1f} MiB per GPU (in host memory with activation offload)" in lines
 
 
 def test_memory_formulas_adamw_and_muon():
@@ -51,7 +122,7 @@ def test_memory_formulas_adamw_and_muon():
         (4 * muon_params + 8 * (TOTAL - muon_params)) // shard
     assert gpu["boundary activations"] == 2 * 2 * 8 * 32 * 2  # layers · micro-batch · seq · dim · bf16
     largest_unit = 64 + ATTENTION + 128 + 1536 + 6144 // 2  # the MoE block, experts split over ep=2
-    assert gpu["all-gather buffers (bf16)"] == 2 * 2 * largest_unit  # current + one prefetched
+    assert gpu["all-gather buffers (bf16)"] == 2 * 2 * largest_unit + 2 * 32  # current + one prefetched, root
     assert gpu["reduce-scatter buffers"] == 6 * largest_unit
     assert gpu["loss working set"] == 12 * 64 * 16
     peak = sum(gpu.values()) - min(gpu["loss working set"], gpu["block recompute working set"])
@@ -202,7 +273,7 @@ def test_plan_of_a_yaml_uses_the_configs_mesh_offload_batch_chunk_and_optimizer(
     # Muon's staging ring: 2 whole local experts [2, 16, 32] and [2, 32, 16], 2 fp32 (4 KiB) + 2 bf16 (2 KiB) each
     assert host == 2 * pinned_shards(2) + (4 * muon + 8 * (TOTAL - muon)) // 2 + 4096 + 2 * 2 * (4096 + 2048)
     largest_unit = 64 + ATTENTION + 128 + 1536 + 6144 // 2
-    assert gpu["all-gather buffers (bf16)"] == 3 * 2 * largest_unit  # prefetch_depth 2
+    assert gpu["all-gather buffers (bf16)"] == 3 * 2 * largest_unit + 2 * 32  # prefetch_depth 2; the root's norm
     assert result["configured"] == "with_offload" and result["fits"] == result["memory"]["with_offload"]["fits"]
 
 
