@@ -59,7 +59,6 @@ import argparse
 import json
 import math
 from dataclasses import asdict, dataclass, fields
-from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -137,30 +136,45 @@ class Workload:
 
 
 def read_config(paths: str | Path | list) -> dict[str, Any]:
-    """The run config of one YAML file, or of several composed as ``fit --config A --config B`` composes them
-    (through fit's own parser, ``cli.compose_configs``: it imports Lightning, so only when there is more than one)."""
+    """The run config of one YAML file, or of several composed as ``fit --config A --config B`` composes them: a
+    later file overrides an earlier one field by field; a mapping naming another ``class_path`` replaces the earlier
+    one whole, and a list (``trainer.callbacks``) is replaced, not extended.
+
+    Not fit's parser itself: that is LightningCLI's, which imports Lightning (seconds) to read the trainer's, the
+    strategy's and the callbacks' signatures. ``tests/planner/test_plan.py`` checks the two compose alike."""
     paths = [paths] if isinstance(paths, (str, Path)) else list(paths)
-    if len(paths) > 1:
-        return _composed(tuple(map(str, paths)))
-    with open(paths[0]) as f:
-        return yaml.safe_load(f) or {}
+    composed: dict[str, Any] = {}
+    for path in paths:
+        with open(path) as f:
+            composed = _merge(composed, yaml.safe_load(f) or {})
+    return composed
 
 
-@cache
-def _composed(paths: tuple[str, ...]) -> dict[str, Any]:
-    from moe_lightning.commands.cli import compose_configs
-
-    return compose_configs(list(paths))
+def _merge(earlier: Any, later: Any) -> Any:
+    if not (isinstance(earlier, dict) and isinstance(later, dict)):
+        return later
+    if later.get("class_path", earlier.get("class_path")) != earlier.get("class_path"):
+        return later
+    return {**earlier, **{key: _merge(earlier.get(key), value) for key, value in later.items()}}
 
 
 def load_model_config(path: str | Path | list) -> MoEConfig:
     """``model.init_args.config`` of a LightningCLI YAML (or several composed; or a bare mapping of MoEConfig
-    fields)."""
+    fields), typed and checked by jsonargparse against ``MoEConfig``'s fields as ``fit`` reads it (``1e-3`` is a
+    float, a misspelt field an error)."""
+    from jsonargparse import ArgumentError, ArgumentParser
+
     data = read_config(path)
     fields = data.get("model", {}).get("init_args", {}).get("config", data if "dim" in data else None)
     if fields is None:
         raise ValueError(f"{path}: no model.init_args.config section with MoEConfig fields.")
-    return MoEConfig(**fields)
+    parser = ArgumentParser(exit_on_error=False)
+    parser.add_argument("--config", type=MoEConfig)
+    try:
+        parsed = parser.parse_object({"config": fields})
+    except ArgumentError as error:
+        raise ValueError(f"model.init_args.config: {str(error).strip()}") from None
+    return MoEConfig(**parsed.config.as_dict())
 
 
 def _class_name(entry: Any) -> str:
@@ -168,12 +182,16 @@ def _class_name(entry: Any) -> str:
 
 
 def read_run_config(path: str | list[str]) -> dict[str, Any]:
-    """What a LightningCLI YAML says about the plan's inputs, keyed by ``Cluster``/``Workload`` field names.
+    """What LightningCLI YAML (one file or several composed) says about the plan's inputs (``run_inputs``)."""
+    return run_inputs(read_config(path))
 
-    Only values the file sets are returned (``activation_offload`` always: the callback is there or not);
+
+def run_inputs(data: dict[str, Any]) -> dict[str, Any]:
+    """The plan's inputs a run config sets, keyed by ``Cluster``/``Workload`` field names.
+
+    Only values the config sets are returned (``activation_offload`` always: the callback is there or not);
     ``optimizer`` is ``adamw``/``muon``, or the class path when it is neither.
     """
-    data = read_config(path)
     trainer, found = data.get("trainer") or {}, {}
     for key, name in (("num_nodes", "nodes"), ("devices", "gpus_per_node")):
         if isinstance(trainer.get(key), int):

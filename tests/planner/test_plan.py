@@ -1,6 +1,7 @@
 """`moe-lightning plan`: memory and throughput formulas against hand counts and measured saved tensors."""
 
 import contextlib
+import dataclasses
 import io
 import json
 import math
@@ -387,3 +388,43 @@ def test_mtp_rows_for_both_activation_offload_choices(tmp_path, capsys):
     run(["plan", "--config", path, "--offload-mtp"])
     out = capsys.readouterr().out
     assert "with its blocks checkpointed (ActivationOffload mtp: true, configured)" in out
+
+
+COMPOSED = {  # a second --config over a shipped one: what plan must read exactly as fit composes it
+    "tiny.yaml": {"trainer": {"devices": 2, "callbacks": [
+        {"class_path": "moe_lightning.training.callbacks.ActivationOffload", "init_args": {"prefetch": 0}}]},
+        "model": {"init_args": {"loss_chunk_size": 7, "config": {"dim": 64, "bias_update_rate": "1e-3"}}},
+        "data": {"init_args": {"batch_size": 3}}},
+    "tiny-fsdp.yaml": {"trainer": {"strategy": {"init_args": {"cpu_offload": True, "expert_parallel_size": 1}}}},
+    "1t.yaml": {"trainer": {"num_nodes": 2, "strategy": {"class_path": "lightning.pytorch.strategies.DDPStrategy"}},
+                "model": {"init_args": {"optimizer": {"class_path": "torch.optim.AdamW"}}}},
+}
+
+
+@pytest.mark.parametrize("shipped", sorted(COMPOSED))
+def test_plan_composes_configs_as_fit_does(tmp_path, shipped):
+    """plan composes ``--config`` files without fit's parser (LightningCLI imports Lightning): the inputs it plans,
+    defaults included, and the model config equal those of the values fit's own parser composes."""
+    from moe_lightning.commands.cli import compose_configs
+    from moe_lightning.planner.plan import PLANNED, load_model_config, read_config, run_inputs
+
+    override = tmp_path / "override.yaml"
+    override.write_text(yaml.safe_dump(COMPOSED[shipped]))
+    paths = [str(REPO_ROOT / "configs" / shipped), str(override)]
+    defaults = {f.name: f.default for f in dataclasses.fields(Cluster) + dataclasses.fields(Workload)
+                if f.name in PLANNED}
+    fit = compose_configs(paths)
+    assert defaults | run_inputs(read_config(paths)) == defaults | run_inputs(fit)
+    fit_path = tmp_path / "fit.yaml"
+    fit_path.write_text(yaml.safe_dump(fit))
+    assert load_model_config(paths) == load_model_config(str(fit_path))
+    if shipped == "tiny.yaml":  # the YAML string "1e-3" is a float to fit's parser, and so to plan's
+        assert load_model_config(paths).bias_update_rate == 1e-3 and load_model_config(paths).dim == 64
+
+
+def test_a_misspelt_model_field_is_one_line_naming_it(tmp_path, capsys):
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump({"model": {"init_args": {"config": {"vocab_sise": 64}}}}))
+    with pytest.raises(SystemExit):
+        run(["plan", "--config", str(path)])
+    assert "model.init_args.config" in capsys.readouterr().err.strip().splitlines()[-1]
