@@ -26,7 +26,10 @@ from moe_lightning.checkpoint.loading import checkpoint_tokenizer
 from moe_lightning.training.module import MoELanguageModel
 from moe_lightning.checkpoint.compat import check_checkpoint
 from moe_lightning.data.tokenizer import load_tokenizer, tokenizer_identity
-from moe_lightning.run import folders as runs
+from moe_lightning.run.folders import remove_empty_run_folder, remove_unfinished_saves
+from moe_lightning.training.callbacks.preemption import exit_if_stopped_by_max_time
+from moe_lightning.training.callbacks.resume import resolve_last
+from moe_lightning.training.callbacks.run_folders import ReleaseLocks, allocate_run_folder, lock_run_folders
 
 
 class SaveConfigBesideLogs(SaveConfigCallback):
@@ -316,10 +319,10 @@ class MoECLI(LightningCLI):
         config = self.config_init[self.subcommand]
         last = config.get("ckpt_path") == "last"
         if last:  # any earlier run of this command, not only this version
-            config["ckpt_path"] = runs.resolve_last(self.trainer)
+            config["ckpt_path"] = resolve_last(self.trainer)
         self._check_resume(self._data_to_check())  # reads only: a refused resume leaves nothing behind
         # one run per checkpoint folder (and one continuation of a run), before cleaning it
-        runs.lock_run_folders(self.trainer, resumed=config["ckpt_path"] if last else None)
+        lock_run_folders(self.trainer, resumed=config["ckpt_path"] if last else None)
         self._remove_stale_partial_checkpoints()
 
     def _data_to_check(self) -> TextDataModule | None:
@@ -338,7 +341,7 @@ class MoECLI(LightningCLI):
     before_predict = _check_resume
 
     def after_fit(self) -> None:
-        runs.exit_if_stopped_by_max_time(self.trainer)  # a distinct exit status: the run is not finished
+        exit_if_stopped_by_max_time(self.trainer)  # a distinct exit status: the run is not finished
 
     def _remove_stale_partial_checkpoints(self) -> None:
         """A run killed while saving leaves ``<name>.partial``: never loadable, so the next run of the folder
@@ -348,13 +351,13 @@ class MoECLI(LightningCLI):
         ckpt_path = self.config_init[self.subcommand].get("ckpt_path")
         folders = {Path(ckpt_path).parent} if ckpt_path and Path(ckpt_path).exists() else set()
         folders |= {Path(cb.dirpath) for cb in self.trainer.checkpoint_callbacks if getattr(cb, "dirpath", None)}
-        runs.remove_unfinished_saves(folders, keep=Path(ckpt_path) if ckpt_path else None)
+        remove_unfinished_saves(folders, keep=Path(ckpt_path) if ckpt_path else None, say=rank_zero_info)
 
     def _allocate_run_folder(self) -> Path | None:
         """This run's log folder; one that cannot be written (a read-only working directory, say) is one line
         naming the folder and the setting to change, before anything is built."""
         try:
-            return runs.allocate_run_folder(self.trainer.logger)
+            return allocate_run_folder(self.trainer.logger)
         except OSError as error:
             if error.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
                 raise
@@ -364,7 +367,7 @@ class MoECLI(LightningCLI):
                                   "--trainer.logger.init_args.save_dir=$SCRATCH/logs).") from None
 
     def _run_subcommand(self, subcommand: str) -> None:
-        # This run's version_N, created exclusively (runs.py): only a folder created here may be removed.
+        # This run's version_N, created exclusively (run/folders.py): only a folder created here may be removed.
         log_dir = None if self.trainer.fast_dev_run else self._allocate_run_folder()
         if log_dir is not None:  # created empty here: what the logger finds in it is this run's own lock and config
             warnings.filterwarnings("ignore", message=rf"Experiment logs directory (.*{os.sep})?"
@@ -374,9 +377,9 @@ class MoECLI(LightningCLI):
         except BaseException:
             saved = any(getattr(cb, "best_model_path", "") or getattr(cb, "last_model_path", "")
                         for cb in self.trainer.checkpoint_callbacks)  # its config.yaml is what resumes them
-            release = [cb for cb in self.trainer.callbacks if isinstance(cb, runs.ReleaseLocks)]
+            release = [cb for cb in self.trainer.callbacks if isinstance(cb, ReleaseLocks)]
             try:  # the run has unwound (Lightning's teardown included): its folder goes, then its locks
-                if log_dir is not None and not saved and runs.remove_empty_run_folder(
+                if log_dir is not None and not saved and remove_empty_run_folder(
                         log_dir, release=lambda: [cb.release() for cb in release]):
                     rank_zero_info(f"removed {log_dir}: the run stopped before writing anything but its config")
             except OSError:

@@ -1,5 +1,8 @@
-"""One owner per folder: the package's one lock, taken by ``fit`` (checkpoint and run folders) and ``tokenize``
-(its output folder, or one task's share of it).
+"""One owner per folder: the package's one lock, taken through ``lock_folder`` by ``fit`` (checkpoint and run
+folders) and ``tokenize`` (its output folder, or one task's share of it), with one contract and one set of file
+names: ``.moe-lightning.lock`` (the folder's: exclusive for a run, shared by the tasks of one array),
+``.moe-lightning.task-<i>-of-<n>.lock`` (one task's, exclusive) and ``.moe-lightning.turn.lock`` (``take_turn``:
+one at a time of the tasks sharing a folder, for a file any of them may write).
 
 A lock is ``flock`` on a file in the folder, taken now or refused (``wait=True``: waited for, where one process
 must finish a step the others then use). The kernel releases it when its holder dies, however it dies (SIGKILL, the
@@ -32,13 +35,16 @@ import os
 import re
 import socket
 import warnings
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 from moe_lightning.run.durable import write_text
 
 HOLDER_SUFFIX = ".holder"
+LOCK_PREFIX = ".moe-lightning"
+LOCK_FILE = LOCK_PREFIX + ".lock"
+TURN_FILE = LOCK_PREFIX + ".turn.lock"
 
 
 class FolderLockedError(RuntimeError):
@@ -259,3 +265,75 @@ def _running(pid: int) -> bool:
     except PermissionError:  # another user's process
         return True
     return True
+
+
+# ---- the folder lock: one contract for every command --------------------------------------------------------
+
+class FolderInUseError(RuntimeError):
+    """Another live process holds the folder; ``holders`` names it (``describe``'s words)."""
+
+    def __init__(self, folder: Path, holders: str, lock: Path):
+        super().__init__(f"{folder} is in use by another run ({holders}; lock {lock}): one run per folder. Wait for it "
+                         "to end, or choose another folder.")
+        self.folder, self.holders, self.lock = folder, holders, lock
+
+
+class FolderLock:
+    """What ``lock_folder`` took; ``release`` gives it back, once however often it is called."""
+
+    def __init__(self, held: list[HeldLock]):
+        self.held = held
+
+    def release(self) -> None:
+        for lock in reversed(self.held):
+            lock.release()
+
+
+def task_lock_file(task: int, tasks: int) -> str:
+    return f"{LOCK_PREFIX}.task-{task:05d}-of-{tasks:05d}.lock"
+
+
+def lock_folder(folder: Path, task: int = 0, tasks: int = 1,
+                waiting: Callable[[FolderInUseError], object] | None = None) -> FolderLock:
+    """Make this process the folder's one owner (or, with ``tasks`` > 1, task ``task`` of the one array that shares
+    it) until the lock is released or the process ends, however it ends. A run holds ``.moe-lightning.lock``
+    exclusively; each task of an array holds it shared and its own task lock exclusively, so a second run, or the
+    same task twice, is refused. A refusal raises ``FolderInUseError`` naming the holders (host, pid, and task);
+    with ``waiting`` it is passed there instead (to say so) and the lock is waited for. Taken again by the process
+    that holds it (a second fit in one process); ``NoFlockError`` where the file system cannot lock."""
+    folder.mkdir(parents=True, exist_ok=True)
+    about = {"task": task, "tasks": tasks} if tasks > 1 else {}
+    held = []
+    try:
+        held.append(_take(folder, LOCK_FILE, tasks > 1, about, waiting))
+        if tasks > 1:
+            held.append(_take(folder, task_lock_file(task, tasks), False, about, waiting))
+    except BaseException:
+        for lock in held:
+            lock.release()
+        raise
+    return FolderLock(held)
+
+
+def _take(folder: Path, name: str, shared: bool, about: dict, waiting) -> HeldLock:
+    path = folder / name
+    try:
+        return acquire(path, shared=shared, about=about)
+    except FolderLockedError as error:
+        found = error.holders if name != LOCK_FILE else describe(holders(  # a run, or the tasks of an array
+            [record_path(path), *sorted(folder.glob(f"{LOCK_PREFIX}.task-*.lock{HOLDER_SUFFIX}"))]))
+        refused = FolderInUseError(folder, found, path)
+    if waiting is None:
+        raise refused
+    waiting(refused)
+    return acquire(path, shared=shared, about=about, wait=True)
+
+
+def take_turn(folder: Path, about: dict, waiting: Callable[[FolderLockedError], object]) -> HeldLock:
+    """One at a time of the processes sharing ``folder`` (the tasks of an array writing a file any of them may
+    write): waited for, after ``waiting`` is told who holds the turn."""
+    try:
+        return acquire(folder / TURN_FILE, about=about)
+    except FolderLockedError as error:
+        waiting(error)
+    return acquire(folder / TURN_FILE, about=about, wait=True)

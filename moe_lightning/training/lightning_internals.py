@@ -24,8 +24,9 @@ Reached through this module:
 
 Private names of classes the package subclasses or drives, used where named:
 
-- ``runs.py`` (``allocate_run_folder``): ``CSVLogger/TensorBoardLogger._version`` and ``_get_next_version()``:
-  the loggers choose ``max(existing) + 1`` without creating it; the version an exclusive ``mkdir`` won is pinned.
+- ``callbacks/run_folders.py`` (``allocate_run_folder``): ``CSVLogger/TensorBoardLogger._version`` and
+  ``_get_next_version()``: the loggers choose ``max(existing) + 1`` without creating it; the version an exclusive
+  ``mkdir`` won is pinned.
 
 - ``callbacks/final_checkpoint.py``: ``ModelCheckpoint._monitor_candidates``, ``_save_topk_checkpoint``,
   ``_save_checkpoint``, ``_save_last_checkpoint``, ``_last_global_step_saved``, ``_last_checkpoint_saved``: the

@@ -19,7 +19,7 @@ from moe_lightning.training.lightning_internals import logs_written, optimizer_s
 from moe_lightning.model import LocalTokenDispatcher, MoEConfig, MoETransformer, mtp
 from moe_lightning.optim import WarmupCosineLR, param_groups
 from moe_lightning.checkpoint.compat import check_resume
-from moe_lightning.run.folders import Preemption
+from moe_lightning.training.callbacks.preemption import Preemption
 
 
 def compile_blocks(layers: torch.nn.ModuleList, backend: str = "inductor") -> None:

@@ -15,7 +15,7 @@ import torch
 from moe_lightning.commands.main import run
 from moe_lightning.checkpoint import sharded as ckpt
 from moe_lightning.checkpoint.sharded import CheckpointError, ShardedCheckpointer
-from moe_lightning.run.folders import LOCK_FILE
+from moe_lightning.run.locks import LOCK_FILE
 
 TINY = Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml"
 

@@ -16,6 +16,7 @@ import torch
 
 from moe_lightning.run import locks
 from moe_lightning.run import folders as runs
+from moe_lightning.training.callbacks import run_folders
 from moe_lightning.commands.main import run
 from moe_lightning.checkpoint import sharded as ckpt
 from moe_lightning.checkpoint.sharded import ShardedCheckpointer
@@ -234,7 +235,7 @@ HOLD_LOCK = """
 def holder(tmp_path: Path, folder: Path, *host: str, start: bool = True) -> subprocess.Popen:
     """A process that takes ``folder``'s run lock (through ``locks``, without importing torch) and holds it."""
     folder.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(HOLD_LOCK), str(folder / runs.LOCK_FILE),
+    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(HOLD_LOCK), str(folder / locks.LOCK_FILE),
                              str(tmp_path / "go"), *host], env=clean_env(), cwd=REPO_ROOT, stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     if start:
@@ -266,8 +267,8 @@ def test_a_live_holder_refuses_a_second_owner_naming_its_host_and_pid(tmp_path):
     folder = tmp_path / "ck"
     proc = holder(tmp_path, folder)
     try:
-        with pytest.raises(runs.FolderInUseError) as refused:
-            runs.lock_folder(folder)
+        with pytest.raises(locks.FolderInUseError) as refused:
+            locks.lock_folder(folder)
         line = str(refused.value)
         assert "\n" not in line and "Wait for it to end, or choose another folder" in line
         assert line.startswith(f"{folder} is in use by another run (host {socket.gethostname()}, pid {proc.pid}; ")
@@ -281,13 +282,13 @@ def test_a_holder_killed_with_sigkill_frees_the_folder_without_any_takeover(tmp_
     judged, and the folder stayed refused until someone deleted the file. The kernel drops a dead holder's flock."""
     folder = tmp_path / "ck"
     proc = holder(tmp_path, folder, "node-b")
-    with pytest.raises(runs.FolderInUseError, match=f"host node-b, pid {proc.pid};"):
-        runs.lock_folder(folder)
+    with pytest.raises(locks.FolderInUseError, match=f"host node-b, pid {proc.pid};"):
+        locks.lock_folder(folder)
     proc.kill()  # SIGKILL: nothing of the holder's runs, its record stays
     proc.communicate()
-    lock = runs.lock_folder(folder)
+    lock = locks.lock_folder(folder)
     try:
-        record = json.loads((folder / (runs.LOCK_FILE + ".holder")).read_text())
+        record = json.loads((folder / (locks.LOCK_FILE + ".holder")).read_text())
         assert record == {"host": socket.gethostname(), "pid": os.getpid()}
         assert not [m for m in lightning_log if "took over" in m]
     finally:
@@ -317,22 +318,22 @@ def test_one_process_takes_its_own_folder_again_and_holds_it_until_its_last_rele
     """A second ``fit`` in one Python process asks again for a folder it holds: a second open + flock of the lock
     file would conflict with the first (flock locks belong to the open file) and refuse the process itself."""
     folder = tmp_path / "ck"
-    first = runs.lock_folder(folder)
-    second = runs.lock_folder(folder)
+    first = locks.lock_folder(folder)
+    second = locks.lock_folder(folder)
     first.release()
     first.release()  # ReleaseLocks may run twice (on_exception, then the CLI's own call): one release
     assert not takes(tmp_path, folder)
-    record = folder / (runs.LOCK_FILE + ".holder")
+    record = folder / (locks.LOCK_FILE + ".holder")
     assert json.loads(record.read_text())["pid"] == os.getpid()
     second.release()
-    assert not record.exists() and (folder / runs.LOCK_FILE).exists()  # the lock file stays (see locks.py)
+    assert not record.exists() and (folder / locks.LOCK_FILE).exists()  # the lock file stays (see locks.py)
     assert takes(tmp_path, folder)
 
 
 def test_release_removes_the_holder_record_only_while_it_is_this_process_s(tmp_path):
     folder = tmp_path / "ck"
-    record = folder / (runs.LOCK_FILE + ".holder")
-    lock = runs.lock_folder(folder)
+    record = folder / (locks.LOCK_FILE + ".holder")
+    lock = locks.lock_folder(folder)
     record.write_text("replaced by hand")
     lock.release()
     assert record.read_text() == "replaced by hand"
@@ -349,12 +350,12 @@ def test_a_file_system_without_flock_refuses_fit_s_folder_with_one_line_naming_t
     monkeypatch.setattr(fcntl, "flock", no_locks)
     folder = tmp_path / "ck"
     with pytest.raises(locks.NoFlockError) as refused:
-        runs.lock_folder(folder)
+        locks.lock_folder(folder)
     line = str(refused.value)
-    assert line.startswith(f"cannot lock {folder / runs.LOCK_FILE} (") and "\n" not in line
+    assert line.startswith(f"cannot lock {folder / locks.LOCK_FILE} (") and "\n" not in line
     assert "Lustre: mount with -o flock; NFS: run lockd" in line
     monkeypatch.undo()
-    runs.lock_folder(folder).release()  # the refused attempt kept nothing open
+    locks.lock_folder(folder).release()  # the refused attempt kept nothing open
 
 
 def test_a_failed_run_s_new_folder_is_removed_with_its_lock_file(tmp_path):
@@ -362,7 +363,7 @@ def test_a_failed_run_s_new_folder_is_removed_with_its_lock_file(tmp_path):
     folder = tmp_path / "version_7"
     folder.mkdir()
     (folder / "config.yaml").write_text("model: {}")
-    runs.lock_folder(folder).release()
+    locks.lock_folder(folder).release()
     assert runs.remove_empty_run_folder(folder) and not folder.exists()
 
 
@@ -371,11 +372,11 @@ def test_a_live_holder_refuses_fit_before_it_reads_cleans_or_writes_the_folder(t
     folder = tmp_path / "ck"
     proc = holder(tmp_path, folder)
     try:
-        with pytest.raises(runs.FolderInUseError) as refused:
+        with pytest.raises(locks.FolderInUseError) as refused:
             run(quick(tmp_path, "--trainer.max_steps=1", "--trainer.callbacks+=ModelCheckpoint",
                       f"--trainer.callbacks.dirpath={folder}"))
         assert f"(host {socket.gethostname()}, pid {proc.pid};" in str(refused.value)
-        assert sorted(p.name for p in folder.iterdir()) == [runs.LOCK_FILE, runs.LOCK_FILE + ".holder"]
+        assert sorted(p.name for p in folder.iterdir()) == [locks.LOCK_FILE, locks.LOCK_FILE + ".holder"]
     finally:
         proc.kill()
         proc.communicate()
@@ -386,10 +387,10 @@ import sys
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
-from moe_lightning.run import folders as runs
+from moe_lightning.training.callbacks import run_folders
 trainer = Trainer(logger=CSVLogger(sys.argv[1], name="tiny", version=0), callbacks=[ModelCheckpoint()],
                   enable_progress_bar=False, enable_model_summary=False)
-runs.lock_run_folders(trainer)
+run_folders.lock_run_folders(trainer)
 print("held", flush=True)
 sys.stdin.read()
 """
@@ -404,8 +405,8 @@ def test_a_relaunch_continuing_a_run_that_still_writes_takes_the_lock_that_run_h
     try:
         assert run_.stdout.readline().strip() == "held"
         checkpoints = tmp_path / "tiny" / "version_0" / "checkpoints"
-        with pytest.raises(runs.FolderInUseError, match=f"pid {run_.pid}"):
-            runs.lock_folder(checkpoints)  # what the relaunch locks: the folder of the last.ckpt it continues
+        with pytest.raises(locks.FolderInUseError, match=f"pid {run_.pid}"):
+            locks.lock_folder(checkpoints)  # what the relaunch locks: the folder of the last.ckpt it continues
     finally:
         run_.kill()
         run_.communicate()
@@ -421,8 +422,8 @@ def test_locks_taken_before_a_refusal_are_given_back(tmp_path):
     try:
         trainer = SimpleNamespace(checkpoint_callbacks=[ModelCheckpoint(dirpath=tmp_path / "mine")], logger=None,
                                   loggers=[], default_root_dir=str(tmp_path), callbacks=[])
-        with pytest.raises(runs.FolderInUseError):
-            runs.lock_run_folders(trainer, resumed=str(busy / "last.ckpt"))
+        with pytest.raises(locks.FolderInUseError):
+            run_folders.lock_run_folders(trainer, resumed=str(busy / "last.ckpt"))
         assert not locks._HELD and trainer.callbacks == []
     finally:
         proc.kill()
@@ -442,7 +443,7 @@ Path(sys.argv[1]).unlink()  # a failed run removing the folder it created, while
 
 def test_a_lock_file_removed_while_waited_for_is_not_a_lock_on_nothing(tmp_path):
     """Was: the waiter locked the removed file's inode, which no later process can open: two owners."""
-    path = tmp_path / "f" / runs.LOCK_FILE
+    path = tmp_path / "f" / locks.LOCK_FILE
     path.parent.mkdir()
     proc = subprocess.Popen([sys.executable, "-c", REMOVE_WHILE_HELD, str(path)], env=clean_env(), cwd=REPO_ROOT,
                             stdout=subprocess.PIPE, text=True)
@@ -491,7 +492,7 @@ def test_the_lock_in_a_checkpoint_folder_is_not_taken_for_a_stale_checkpoint(tmp
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         run(quick(tmp_path, "--trainer.max_steps=1"))
-    assert (tmp_path / "checkpoints" / runs.LOCK_FILE).exists()  # logger off: where Lightning writes, locked
+    assert (tmp_path / "checkpoints" / locks.LOCK_FILE).exists()  # logger off: where Lightning writes, locked
     assert not [w for w in caught if "exists and is not empty" in str(w.message)]
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "old.ckpt").write_bytes(b"")  # a real leftover is still said
@@ -523,7 +524,7 @@ def test_a_dead_runs_lingering_worker_does_not_keep_its_folder_locked(tmp_path):
     worker noticed, and the requeued job was refused."""
     folder = tmp_path / "ck"
     folder.mkdir()
-    out = subprocess.run([sys.executable, "-c", FORK_THEN_DIE, str(folder / runs.LOCK_FILE)], env=clean_env(),
+    out = subprocess.run([sys.executable, "-c", FORK_THEN_DIE, str(folder / locks.LOCK_FILE)], env=clean_env(),
                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
     worker = int(out.stdout.strip())
     try:

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from moe_lightning.run import folders as runs
+from moe_lightning.training.callbacks.resume import agree_on_resume
 from moe_lightning.checkpoint import sharded as ckpt
 
 
@@ -118,7 +119,7 @@ def disagreeing_last(folder: Path) -> None:
     error = None
     try:
         newest = runs.newest_checkpoint([root])
-        runs.agree_on_resume(str(newest[0]) if newest else None)
+        agree_on_resume(str(newest[0]) if newest else None)
     except Exception as failure:
         error = failure
     say("last", "-", error)

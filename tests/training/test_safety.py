@@ -18,7 +18,8 @@ from lightning.pytorch.loggers import CSVLogger
 
 from moe_lightning import MoEConfig, MoELanguageModel, TextDataModule
 from moe_lightning.training.callbacks import FinalCheckpoint, NonFiniteGuard, NonFiniteLossError
-from moe_lightning.run.folders import LOCK_FILE, Preemption
+from moe_lightning.run.locks import LOCK_FILE
+from moe_lightning.training.callbacks.preemption import Preemption
 from moe_lightning.commands.cli import default_precision
 from moe_lightning.commands.main import run
 from moe_lightning.model.config import ConfigError

@@ -6,7 +6,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from moe_lightning.training.lightning_internals import optimizer_step_ends
-from moe_lightning.run.folders import stopped_by_max_time
+from moe_lightning.training.callbacks.preemption import stopped_by_max_time
 
 
 class FinalCheckpoint(Callback):
@@ -15,7 +15,7 @@ class FinalCheckpoint(Callback):
 
     Lightning's default checkpoint is written only after a validation or at an epoch's end, so a run that reaches
     ``max_steps`` before its first validation, or is stopped by a callback (``trainer.should_stop``, e.g.
-    ``max_time``), would end with no weights at all. Signals (Ctrl-C, SIGTERM) are ``runs.Preemption``'s: it
+    ``max_time``), would end with no weights at all. Signals (Ctrl-C, SIGTERM) are ``Preemption``'s: it
     saves the step it stops at and ends the fit before this callback's step-end hook runs.
     ``MoELanguageModel`` adds both callbacks.
     """
