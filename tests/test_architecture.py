@@ -10,7 +10,7 @@ import torch
 
 from moe_lightning import TextDataModule
 from moe_lightning.commands.main import run
-from moe_lightning.data.tokenize import write_token_file
+from moe_lightning.data.tokenize.files import write_token_file
 from moe_lightning.training.strategy import MoEFSDPStrategy
 
 PACKAGE = Path(__file__).resolve().parent.parent / "moe_lightning"

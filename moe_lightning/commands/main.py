@@ -26,7 +26,7 @@ TRAINER_COMMANDS = ("fit", "validate", "test", "predict")  # LightningCLI's subc
 # Commands beside LightningCLI's subcommands: name -> "module:function(argv)", imported only when used.
 EXTRA_COMMANDS = {
     "generate": "moe_lightning.commands.generate:main",
-    "tokenize": "moe_lightning.data.tokenize:tokenize_main",
+    "tokenize": "moe_lightning.data.tokenize.command:tokenize_main",
     "plan": "moe_lightning.planner.plan:main",
     "export": "moe_lightning.hf.convert:export_main",  # --hf writes Hugging Face; otherwise loading.export_main
     "convert": "moe_lightning.hf.convert:convert_main",

@@ -1,7 +1,7 @@
 """Data: sources → token shards and manifest → sequences, mixture and resumable samplers → ``TextDataModule``.
 
 - ``sources``: what ``data.source`` names (text, JSONL, Parquet/Arrow, token files), no Lightning;
-- ``tokenize``: ``moe-lightning tokenize``, a corpus into ``.npy`` shards and a manifest, on every core;
+- ``tokenize/``: ``moe-lightning tokenize``, a corpus into ``.npy`` shards and a manifest, on every core;
 - ``tokens``: token files and shard folders read lazily (memory-mapped, never concatenated);
 - ``sampling``: sequences, the train/validation split, the shuffled and weighted-mixture orders;
 - ``module``: ``TextDataModule``, the face users name in YAML (the only part that imports Lightning).
@@ -17,7 +17,7 @@ _WHERE = {
     "PackedSequences": "sampling", "split_indices": "sampling", "interleave_pattern": "sampling",
     "resolve_source": "sources", "stdlib_files": "sources", "parse_sources": "sources",
     "TokenStream": "tokens", "open_token_file": "tokens",
-    "write_token_file": "tokenize", "tokenize_to_folder": "tokenize", "tokenize_main": "tokenize",
+    "write_token_file": "tokenize.files", "tokenize_to_folder": "tokenize.folder", "tokenize_main": "tokenize.command",
 }
 __all__ = sorted(_WHERE)
 

@@ -117,7 +117,7 @@ class TextDataModule(L.LightningDataModule):
         logger = self.trainer.logger if self.trainer is not None else None
         if logger is None or is_token_source(self.resolved[i]) or self.max_tokens is not None:
             return None
-        from moe_lightning.data.tokenize import describe_inputs
+        from moe_lightning.data.tokenize.reading import describe_inputs
         key = json.dumps([describe_inputs(self.resolved[i]), tokenizer_identity(self.tokenizer.spec()), self.text_field])
         root = Path(getattr(logger, "root_dir", None) or logger.save_dir or self.trainer.default_root_dir)
         return root / "tokenized" / f"{self.entries[i]['name']}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
@@ -131,8 +131,9 @@ class TextDataModule(L.LightningDataModule):
     def prepare_data(self) -> None:
         """Global rank 0 tokenizes text sources into the run's folder on every core (Lightning holds the other
         ranks at a barrier without a timeout); every rank then memory-maps the shards instead of tokenizing."""
-        from moe_lightning.run.folders import Preempted
-        from moe_lightning.data.tokenize import Stopped, TokenizeError, tokenize_to_folder
+        from moe_lightning.run.exits import Preempted
+        from moe_lightning.data.tokenize.errors import Stopped, TokenizeError
+        from moe_lightning.data.tokenize.folder import tokenize_to_folder
         for i, entry in enumerate(self.entries):
             folder = self._tokenized_folder(i)
             if folder is None:

@@ -12,7 +12,7 @@ import numpy as np
 
 from moe_lightning.data.tokenizer import tokenizer_identity
 from moe_lightning.data.sources import MANIFEST, sidecar_path
-from moe_lightning.data.tokenize import tokenize_in_memory
+from moe_lightning.data.tokenize.reading import tokenize_in_memory
 
 SCAN_TOKENS = 1 << 22  # a bare .npy without a sidecar: ids checked in its first 4M tokens at start-up
 

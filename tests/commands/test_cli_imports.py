@@ -23,7 +23,7 @@ run(["export", ckpt, "--out", "model.pt"])
 run(["export", ckpt, "--hf", "--out", "hf"])
 run(["convert", "hf", "--out", "back.pt"])
 run(["generate", "model.pt", "--prompt", "def ", "--max-new-tokens", "3"])
-import moe_lightning.data.tokenize  # the tokenize command's module
+import moe_lightning.data.tokenize.command  # the tokenize command's module
 heavy = ("lightning", "pytorch_lightning", "lightning_fabric", "torchmetrics")
 print(json.dumps({"after_help": sorted(set(after_help)),
                   "imported": sorted(m for m in sys.modules if m.split(".")[0] in heavy)}))

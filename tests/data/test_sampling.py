@@ -235,8 +235,8 @@ def test_fit_waits_for_another_run_tokenizing_the_same_text_then_reuses_it(tmp_p
     folder = module._tokenized_folder(0)
     folder.mkdir(parents=True)
     holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from pathlib import Path; "
-                               "from moe_lightning import locks; locks.acquire(Path(sys.argv[1])); "
-                               "print('held', flush=True); time.sleep(3)", str(folder / "tokenize.lock")],
+                               "from moe_lightning.run import locks; locks.acquire(Path(sys.argv[1])); "
+                               "print('held', flush=True); time.sleep(3)", str(folder / locks.LOCK_FILE)],
                               env=clean_env(), stdout=subprocess.PIPE, text=True)
     assert holder.stdout.readline().strip() == "held"
     module.prepare_data()  # waits for the holder to exit, then tokenizes (the holder wrote nothing)
@@ -250,21 +250,21 @@ def test_a_signal_or_failure_while_fit_tokenizes_is_a_preemption_or_one_line_for
     """Was: SIGTERM in prepare_data gave a traceback and exit 1; a failure advised tokenize's --resume."""
     import os
     import signal
-    from moe_lightning.data import tokenize as tokenize_module
-    from moe_lightning.run.folders import Preempted
-    original = tokenize_module.tokenize_unit
+    from moe_lightning.data.tokenize import workers
+    from moe_lightning.run.exits import Preempted
+    original = workers.tokenize_unit
 
     def signalled(index):
         os.kill(os.getpid(), signal.SIGTERM)  # delivered here, in the main thread, as in a preempted job
         return original(index)
-    monkeypatch.setattr(tokenize_module, "tokenize_unit", signalled)
+    monkeypatch.setattr(workers, "tokenize_unit", signalled)
     with pytest.raises(Preempted) as raised:
         logged_module(tmp_path).prepare_data()
     assert raised.value.code == 128 + signal.SIGTERM and "nothing to save" in str(raised.value)
 
     def failing(index):
         raise ValueError("the disk said no")
-    monkeypatch.setattr(tokenize_module, "tokenize_unit", failing)
+    monkeypatch.setattr(workers, "tokenize_unit", failing)
     with pytest.raises(ValueError, match="a.txt.*failed: unit 0.*the disk said no; fix that and start the run") as e:
         logged_module(tmp_path).prepare_data()
     assert "--resume" not in str(e.value)

@@ -17,9 +17,14 @@ import numpy as np
 import pytest
 
 from moe_lightning.data import MixtureSampler, MixtureSequences, ResumableSampler, TextDataModule, tokenize_to_folder
-from moe_lightning.data import tokenize as tokenize_module
 from moe_lightning.data.sampling import Shuffle
-from moe_lightning.data.tokenize import TokenizeError, tokenize_main
+from moe_lightning.data.tokenize import files, reading
+from moe_lightning.data.tokenize import folder as tokenize_folder
+from moe_lightning.data.tokenize import plan as planning
+from moe_lightning.data.tokenize.command import tokenize_main
+from moe_lightning.data.tokenize.errors import TokenizeError
+from moe_lightning.data.tokenize.tasks import task_from_environment
+from moe_lightning.run import locks
 from moe_lightning.data.tokenizer import ByteTokenizer
 
 REPO = Path(__file__).resolve().parents[2]
@@ -88,16 +93,16 @@ def clean_env() -> dict:
 
 SLOW_UNITS = """
 import os, sys, time
-from moe_lightning.data import tokenize as t
-t.MIN_UNIT_BYTES = 20_000
-original = t.unit_segments
+from moe_lightning.data.tokenize import command, plan, workers
+plan.MIN_UNIT_BYTES = 20_000
+original = workers.unit_segments
 def slow(*args):  # every unit takes a while once its worker has it: time to kill a worker or signal the run
     if os.environ.get("STARTED_DIR"):  # says which processes are inside a unit
         open(os.path.join(os.environ["STARTED_DIR"], str(os.getpid())), "w").close()
     time.sleep(float(sys.argv[1]))
     yield from original(*args)
-t.unit_segments = slow
-t.tokenize_main(sys.argv[2:])
+workers.unit_segments = slow
+command.tokenize_main(sys.argv[2:])
 """
 
 
@@ -141,9 +146,9 @@ def test_a_killed_worker_stops_the_run_with_one_line_and_resume_finishes_it(tmp_
 
 SIGNAL_UNIT_1 = """
 import os, signal, sys, time
-from moe_lightning.data import tokenize as t
-t.MIN_UNIT_BYTES = 20_000
-original, real_wait = t.unit_segments, t.wait
+from moe_lightning.data.tokenize import command, plan, workers
+plan.MIN_UNIT_BYTES = 20_000
+original, real_wait = workers.unit_segments, workers.wait
 def segments(unit, *args):  # unit 1's worker gets the signal a second after the others finished
     if unit["index"] == 1:
         time.sleep(1)
@@ -153,8 +158,8 @@ def wait(*args, **kwargs):  # so the pool breaks after a wait returned and befor
     done, pending = real_wait(*args, **kwargs)
     time.sleep(2)
     return done, pending
-t.unit_segments, t.wait = segments, wait
-t.tokenize_main(sys.argv[2:])
+workers.unit_segments, workers.wait = segments, wait
+command.tokenize_main(sys.argv[2:])
 """
 
 
@@ -177,15 +182,15 @@ def test_a_worker_killed_between_two_submissions_is_one_line_naming_its_unit(tmp
 
 WORKERS_CANNOT_START = """
 import os, sys
-from moe_lightning.data import tokenize as t
-t.MIN_UNIT_BYTES = 20_000
-main, original = os.getpid(), t.load_tokenizer
+from moe_lightning.data.tokenize import command, plan, workers
+plan.MIN_UNIT_BYTES = 20_000
+main, original = os.getpid(), workers.load_tokenizer
 def load(path):  # fine in the main process, fails in every worker's initializer
     if os.getpid() != main:
         raise OSError("the tokenizer file went away")
     return original(path)
-t.load_tokenizer = load
-t.tokenize_main(sys.argv[1:])
+workers.load_tokenizer = load
+command.tokenize_main(sys.argv[1:])
 """
 
 
@@ -213,7 +218,7 @@ def test_sigterm_that_reaches_a_worker_first_is_a_stop_not_a_worker_failure(tmp_
 
 def test_a_bad_record_on_a_worker_stops_the_pool_at_its_unit_in_one_line(tmp_path, monkeypatch):
     """The pool path of the next test: the worker's error comes back pickled and every other worker stops."""
-    monkeypatch.setattr(tokenize_module, "MIN_UNIT_BYTES", 20_000)
+    monkeypatch.setattr(planning, "MIN_UNIT_BYTES", 20_000)
     corpus = jsonl(tmp_path / "c.jsonl", 4000, bad_at=900)
     with pytest.raises(TokenizeError) as raised:
         tokenize_to_folder([str(corpus)], str(tmp_path / "out"), workers=2, num_tasks=1, task_index=0)
@@ -226,7 +231,7 @@ def test_a_bad_record_on_a_worker_stops_the_pool_at_its_unit_in_one_line(tmp_pat
 
 def test_a_bad_record_stops_at_its_unit_keeping_what_finished(tmp_path, monkeypatch):
     """Was: reported only after every other unit had been tokenized."""
-    monkeypatch.setattr(tokenize_module, "MIN_UNIT_BYTES", 20_000)
+    monkeypatch.setattr(planning, "MIN_UNIT_BYTES", 20_000)
     corpus = jsonl(tmp_path / "c.jsonl", 4000, bad_at=900)
     with pytest.raises(TokenizeError) as raised:
         tokenize_to_folder([str(corpus)], str(tmp_path / "out"), workers=1)
@@ -260,7 +265,7 @@ def test_a_second_tokenize_into_the_folder_is_refused_naming_the_holder_and_sigt
 HOLD_TASK = """
 import sys
 from pathlib import Path
-from moe_lightning.data.tokenize import lock_folder
+from moe_lightning.run.locks import lock_folder
 lock_folder(Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]))
 print("holding", flush=True)
 sys.stdin.read()
@@ -274,19 +279,17 @@ def test_the_tasks_of_an_array_share_the_folder_and_a_plain_run_or_a_task_run_tw
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert task.stdout.readline().strip() == "holding"
-        held = tokenize_module.lock_folder(out, 0, 2)  # another task of the array: admitted
-        named = f"(task 1 of 2, host {socket.gethostname()}, pid {task.pid}); wait for it to finish"
-        with pytest.raises(TokenizeError, match=re.escape(f"another tokenize is writing {out} {named}")):
-            tokenize_module.lock_folder(out, 1, 2)  # the same task index again
-        for lock in held:
-            lock.release()
-        with pytest.raises(TokenizeError, match=re.escape(named)):
-            tokenize_module.lock_folder(out, 0, 1)  # a plain run while a task writes
+        held = locks.lock_folder(out, 0, 2)  # another task of the array: admitted
+        named = f"(task 1 of 2, host {socket.gethostname()}, pid {task.pid}; lock "
+        with pytest.raises(locks.FolderInUseError, match=re.escape(f"{out} is in use by another run {named}")):
+            locks.lock_folder(out, 1, 2)  # the same task index again
+        held.release()
+        with pytest.raises(locks.FolderInUseError, match=re.escape(named)):
+            locks.lock_folder(out, 0, 1)  # a plain run while a task writes
     finally:
         task.kill()  # SIGKILL: its locks go with it, its record stays
         task.communicate()
-    for lock in tokenize_module.lock_folder(out, 0, 1):  # the killed task's lock is no one's now
-        lock.release()
+    locks.lock_folder(out, 0, 1).release()  # the killed task's lock is no one's now
 
 
 def test_sigterm_in_the_one_process_path_is_a_stop_not_a_unit_failure(tmp_path):
@@ -325,14 +328,14 @@ def test_two_tasks_run_concurrently_write_the_same_stream_as_one(tmp_path):
 
 PLAN_SLOWLY = """
 import sys, time
-from moe_lightning.data import tokenize as t
-original = t._new_plan
+from moe_lightning.data.tokenize import command, folder
+original = folder.new_plan
 def slow(*args):  # planning a large corpus takes a while: time for the other task to arrive
     print("planned", flush=True)
     time.sleep(1)
     return original(*args)
-t._new_plan = slow
-t.tokenize_main(sys.argv[1:])
+folder.new_plan = slow
+command.tokenize_main(sys.argv[1:])
 """
 
 
@@ -374,7 +377,7 @@ def slurm(monkeypatch, **variables):
 def test_task_selection_reads_index_and_count_separately_and_names_what_is_wrong(monkeypatch):
     """Was: a resubmitted index ran as a whole run, an explicit --task-index was overwritten by the environment,
     --num-tasks alone became task 0, and a stepped array failed naming flags never given."""
-    task = tokenize_module.task_from_environment
+    task = task_from_environment
     slurm(monkeypatch, ID=17, MIN=17, MAX=17, COUNT=1)  # sbatch --array=17, resubmitting task 17 of 0-63
     assert task(None, None, {"tasks": 64, "first_task_id": 0})[:2] == (17, 64)
     slurm(monkeypatch, ID=5, MIN=0, MAX=63, COUNT=64)
@@ -397,7 +400,7 @@ def test_task_selection_reads_index_and_count_separately_and_names_what_is_wrong
 def test_a_task_counting_other_tasks_than_the_plan_is_refused(tmp_path, monkeypatch):
     corpus = jsonl(tmp_path / "c.jsonl", 300)
     slurm(monkeypatch)
-    monkeypatch.setattr(tokenize_module, "MIN_UNIT_BYTES", 2000)
+    monkeypatch.setattr(planning, "MIN_UNIT_BYTES", 2000)
     tokenize_to_folder([str(corpus)], str(tmp_path / "out"), workers=1, num_tasks=4, task_index=0)
     assert json.loads((tmp_path / "out" / "tokenize-plan.json").read_text())["tasks"] == 4
     with pytest.raises(TokenizeError, match="array of 4 tasks, this task counts 2; rerun it with --num-tasks 4"):
@@ -425,7 +428,7 @@ def test_a_file_system_without_flock_is_one_line_naming_the_folder_and_the_mount
 def test_a_text_file_is_cut_in_the_same_places_for_any_number_of_tasks(tmp_path, monkeypatch):
     """Was: the unit size divided by the task count, so cuts (and a Metaspace tokenizer's ids) moved with it."""
     slurm(monkeypatch)
-    monkeypatch.setattr(tokenize_module, "MIN_UNIT_BYTES", 2000)
+    monkeypatch.setattr(planning, "MIN_UNIT_BYTES", 2000)
     text = tmp_path / "t.txt"
     text.write_text("a long text document " * 20_000)
     units = []
@@ -438,7 +441,7 @@ def test_a_text_file_is_cut_in_the_same_places_for_any_number_of_tasks(tmp_path,
 def test_a_task_reports_progress_over_its_units_and_removes_its_partial_records(tmp_path, monkeypatch, capsys):
     """Was: progress over every task's units (never reaching 100%), and a killed unit record's partial left."""
     slurm(monkeypatch)
-    monkeypatch.setattr(tokenize_module, "MIN_UNIT_BYTES", 20_000)
+    monkeypatch.setattr(planning, "MIN_UNIT_BYTES", 20_000)
     corpus, out = jsonl(tmp_path / "c.jsonl", 3000), tmp_path / "out"
     tokenize_to_folder([str(corpus)], str(out), workers=1, num_tasks=2, task_index=0)
     plan = json.loads((out / "tokenize-plan.json").read_text())
@@ -477,9 +480,9 @@ def test_a_large_text_file_is_cut_into_units_between_words_with_the_ids_of_one_e
     text = "".join(w + (" " if i % 11 else "\n  ") for i, w in enumerate(words))
     (tmp_path / "big.txt").write_text(text)
     tok = bpe_tokenizer(tmp_path / "bpe.json", text[:20000])
-    monkeypatch.setattr(tokenize_module, "MIN_UNIT_BYTES", 10_000)
-    monkeypatch.setattr(tokenize_module, "BATCH_CHARS", 3000)
-    monkeypatch.setattr(tokenize_module.sources, "SEGMENT_CHARS", 3000)  # read and cut a few KB at a time
+    monkeypatch.setattr(planning, "MIN_UNIT_BYTES", 10_000)
+    monkeypatch.setattr(reading, "BATCH_CHARS", 3000)
+    monkeypatch.setattr(reading.sources, "SEGMENT_CHARS", 3000)  # read and cut a few KB at a time
     manifest = tokenize_to_folder([str(tmp_path / "big.txt")], str(tmp_path / "out"), tok, workers=2)
     plan = json.loads((tmp_path / "out" / "tokenize-plan.json").read_text())
     assert len(plan["units"]) > 5 and manifest["documents"] == 1
@@ -552,7 +555,7 @@ def test_validation_order_is_torchs_distributed_one_computed_per_index():
 
 def test_max_tokens_stops_tokenizing_at_the_batch_that_reaches_it(tmp_path):
     """Was: the whole file was tokenized (and held twice) before ``max_tokens`` was looked at."""
-    from moe_lightning.data.tokenize import BATCH_CHARS, tokenize_in_memory
+    from moe_lightning.data.tokenize.reading import BATCH_CHARS, tokenize_in_memory
     text = tmp_path / "big.txt"
     text.write_text("word " * (2 * BATCH_CHARS))  # 10 batches of bytes
     tokens, files = tokenize_in_memory([text], ByteTokenizer(), "text", max_tokens=1000)
@@ -587,7 +590,7 @@ def test_heap_ceiling_returns_freed_heap_pages_once_memory_grows_past_it():
     (the fragmentation batches leave), goes back to the system when the resident size passes the ceiling."""
     script = """
 import sys
-from moe_lightning.data.tokenize import HeapCeiling
+from moe_lightning.data.tokenize.workers import HeapCeiling
 heap = HeapCeiling()
 big, pins = [], []
 for i in range(1500):  # 150 MB of 100 KB blocks (below the mmap threshold: from the heap), each pinned in place
@@ -612,23 +615,23 @@ def test_plans_and_manifests_are_written_an_item_a_line_from_lists_or_iterators(
     units = [{"index": i, "start": [0, i], "end": [0, i + 1], "bytes": 1} for i in range(1000)]
     record = {"format": "v", "nested": {"a": [1, 2]}, "empty": [], "units": units, "none": None, "naïve ✓": "東京",
               "shards": ({"file": f"part-{i:05d}-000.npy", "tokens": i} for i in range(3)), "no shards": iter(())}
-    tokenize_module.write_json(tmp_path / "r.json", record)
+    files.write_json(tmp_path / "r.json", record)
     text = (tmp_path / "r.json").read_text()
     assert json.loads(text) == {**record, "shards": [{"file": f"part-{i:05d}-000.npy", "tokens": i} for i in range(3)],
                                 "no shards": []}
     assert sum(line.startswith('  {"index": ') for line in text.splitlines()) == 1000
-    tokenize_module.write_json(tmp_path / "e.json", {})
+    files.write_json(tmp_path / "e.json", {})
     assert json.loads((tmp_path / "e.json").read_text()) == {}
 
     def failing():
         yield {"file": "part-00000-000.npy"}
         raise TokenizeError("a record changed")
     with pytest.raises(TokenizeError):
-        tokenize_module.write_json(tmp_path / "r.json", {"format": "v", "shards": failing()})
+        files.write_json(tmp_path / "r.json", {"format": "v", "shards": failing()})
     assert (tmp_path / "r.json").read_text() == text  # the old file, and no partial file beside it
     assert sorted(p.name for p in tmp_path.iterdir()) == ["e.json", "r.json"]
     with pytest.raises(TypeError, match="key 1 is not a string"):
-        tokenize_module.write_json(tmp_path / "k.json", {1: "one"})
+        files.write_json(tmp_path / "k.json", {1: "one"})
 
 
 def test_a_manifest_whose_unit_records_change_between_its_two_readings_is_not_written(tmp_path, monkeypatch):
@@ -637,13 +640,13 @@ def test_a_manifest_whose_unit_records_change_between_its_two_readings_is_not_wr
     corpus = jsonl(tmp_path / "c.jsonl", 50)
     tokenize_to_folder([str(corpus)], str(tmp_path / "out"), workers=1)
     (tmp_path / "out" / "manifest.json").unlink()
-    readings, read = [], tokenize_module._unit_records
+    readings, read = [], files.unit_records
 
     def changing(folder, plan):
         readings.append(1)
         for record in read(folder, plan):
             yield {**record, "shards": record["shards"] * len(readings)}  # the second reading lists more shards
-    monkeypatch.setattr(tokenize_module, "_unit_records", changing)
+    monkeypatch.setattr(files, "unit_records", changing)
     with pytest.raises(TokenizeError, match="changed while the manifest was written"):
         tokenize_to_folder([str(corpus)], str(tmp_path / "out"), workers=1, resume=True)
     assert not any(p.name.startswith("manifest.json") for p in (tmp_path / "out").iterdir())
@@ -666,7 +669,7 @@ def test_partial_plans_and_manifests_of_a_killed_task_are_removed_by_the_next_wr
     assert tokenize_to_folder([str(corpus)], str(out), workers=1, resume=True)["documents"] == 50
     assert [name for name in left if (out / name).exists()] == left[1:]
     # where flock is local to each node, a writer on another node may be live: its copy stays
-    monkeypatch.setattr(tokenize_module.locks, "local_only_flock", lambda folder: "lustre at /x is mounted localflock")
+    monkeypatch.setattr(locks, "local_only_flock", lambda folder: "lustre at /x is mounted localflock")
     (out / "manifest.json").unlink()
     (out / left[0]).write_text("{")
     tokenize_to_folder([str(corpus)], str(out), workers=1, resume=True)
@@ -712,16 +715,16 @@ def test_progress_counts_bytes_of_input_not_characters_of_text(tmp_path):
     except ImportError:
         pass
     for path in paths:
-        plan = tokenize_module.reading_plan([path], "text")
+        plan = reading.reading_plan([path], "text")
         groups = plan["groups"].get("0")
         whole = {"index": 0, "start": [0, 0], "end": [1, 0], "bytes": sum(groups) if groups else plan["inputs"][0][1]}
-        tally, seen = tokenize_module.new_tally(), []
-        for _ in tokenize_module.unit_segments(whole, plan, tally):
+        tally, seen = reading.new_tally(), []
+        for _ in reading.unit_segments(whole, plan, tally):
             seen.append(tally["bytes_read"])
         assert tally["bytes_read"] == whole["bytes"] and seen == sorted(seen), path.name
         assert len(set(seen)) > 3, path.name  # counted as the file is read, not at its end
         if groups is None:  # what was counted before: fewer characters than bytes
-            assert sum(len(t) for t, _ in tokenize_module.unit_segments(whole, plan, tokenize_module.new_tally())) \
+            assert sum(len(t) for t, _ in reading.unit_segments(whole, plan, reading.new_tally())) \
                 < whole["bytes"]
 
 
@@ -748,7 +751,7 @@ def test_a_finished_corpus_on_a_read_only_mount_is_read_without_taking_its_locks
             tokenize_to_folder([str(corpus)], str(mounted), text_field="body", workers=1, resume=True)
         assert sorted(p.name for p in out.iterdir()) == before
         (out / "manifest.json").unlink()  # now unfinished, seen through the read-only mount
-        said = r"cannot write .*ro/tokenize.lock \(Read-only file system\), .*no manifest.json"
+        said = r"cannot write .*ro/\.moe-lightning\.lock \(Read-only file system\), .*no manifest.json"
         with pytest.raises(TokenizeError, match=said):
             tokenize_to_folder([str(corpus)], str(mounted), workers=1, resume=True)
     finally:
@@ -765,7 +768,7 @@ def test_a_task_waiting_to_write_the_plan_says_for_whom_and_a_manifest_written_m
 import sys
 from pathlib import Path
 from moe_lightning.run import locks
-held = locks.acquire(Path({str(out / "tokenize-plan.lock")!r}), about={{"task": 3, "tasks": 8}})
+held = locks.acquire(Path({str(out / locks.TURN_FILE)!r}), about={{"task": 3, "tasks": 8}})
 print("held", flush=True)
 sys.stdin.readline()  # held until the test has seen the waiting task say so
 held.release()
@@ -790,8 +793,8 @@ held.release()
                     if stream is not None:
                         stream.close()
     plan = json.loads((out / "tokenize-plan.json").read_text())
-    written = tokenize_module._summary(out)
-    assert tokenize_module._finish(out, plan, ByteTokenizer(), None, 0, 1) == written and written["documents"] == 50
+    written = files.summary(out)
+    assert tokenize_folder._finish(out, plan, ByteTokenizer(), None, 0, 1) == written and written["documents"] == 50
 
 
 def test_a_tokenizers_special_tokens_go_around_each_document_once_however_it_is_cut(tmp_path, monkeypatch):
@@ -811,9 +814,9 @@ def test_a_tokenizers_special_tokens_go_around_each_document_once_however_it_is_
     reference.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[
         ("<s>", reference.token_to_id("<s>"))])
     reference.save(str(tmp_path / "bos.json"))
-    monkeypatch.setattr(tokenize_module, "MIN_UNIT_BYTES", 10_000)
-    monkeypatch.setattr(tokenize_module, "BATCH_CHARS", 3000)
-    monkeypatch.setattr(tokenize_module.sources, "SEGMENT_CHARS", 3000)  # the long document in many pieces
+    monkeypatch.setattr(planning, "MIN_UNIT_BYTES", 10_000)
+    monkeypatch.setattr(reading, "BATCH_CHARS", 3000)
+    monkeypatch.setattr(reading.sources, "SEGMENT_CHARS", 3000)  # the long document in many pieces
     tok = str(tmp_path / "bos.json")
     manifest = tokenize_to_folder([str(tmp_path / "docs.jsonl"), str(tmp_path / "long.txt")], str(tmp_path / "out"),
                                   tok, workers=2)

@@ -8,8 +8,10 @@ import numpy as np
 import pytest
 
 from moe_lightning.data import TextDataModule, tokenize_to_folder, write_token_file
-from moe_lightning.data import tokenize as tokenize_module
-from moe_lightning.data.tokenize import tokenize_main
+from moe_lightning.data.tokenize import files, reading, workers
+from moe_lightning.data.tokenize import plan as planning
+from moe_lightning.data.tokenize.command import tokenize_main
+from moe_lightning.data.tokenize.errors import TokenizeError
 
 
 def bpe_tokenizer(path, text: str) -> str:
@@ -27,7 +29,7 @@ def bpe_tokenizer(path, text: str) -> str:
 def corpus(tmp_path, monkeypatch):
     """Every input kind: text files, JSONL, Parquet (three row groups), Arrow stream (as `datasets` saves);
     units of a few KB, so that a tiny corpus is still cut into many units."""
-    monkeypatch.setattr(tokenize_module, "MIN_UNIT_BYTES", 2000)
+    monkeypatch.setattr(planning, "MIN_UNIT_BYTES", 2000)
     import pyarrow as pa
     import pyarrow.parquet as pq
     root = tmp_path / "corpus"
@@ -90,9 +92,9 @@ def test_a_crlf_text_file_gives_the_same_ids_in_memory_and_in_a_folder(tmp_path)
 def test_one_worker_and_many_write_the_same_stream_and_a_large_jsonl_is_split_by_lines(tmp_path, monkeypatch):
     path = tmp_path / "big.jsonl"
     path.write_text("".join(json.dumps({"text": f"line {i} " * (i % 13 + 1)}) + "\n" for i in range(4000)))
-    monkeypatch.setattr(tokenize_module, "BATCH_CHARS", 1000)  # many batches per unit
+    monkeypatch.setattr(reading, "BATCH_CHARS", 1000)  # many batches per unit
     one = tokenize_to_folder([str(path)], str(tmp_path / "one"), workers=1)
-    monkeypatch.setattr(tokenize_module, "MIN_UNIT_BYTES", 5000)
+    monkeypatch.setattr(planning, "MIN_UNIT_BYTES", 5000)
     many = tokenize_to_folder([str(path)], str(tmp_path / "many"), workers=2, shard_tokens=20_000)
     assert many["shard_count"] > one["shard_count"] == 1
     units = json.loads((tmp_path / "many" / "tokenize-plan.json").read_text())["units"]
@@ -115,7 +117,7 @@ def test_resume_redoes_only_unfinished_units_and_a_folder_without_manifest_is_ne
         TextDataModule(str(out))
     with pytest.raises(FileExistsError, match="--resume"):
         tokenize_to_folder(corpus, str(out), text_field="body")
-    with pytest.raises(tokenize_module.TokenizeError, match="text_field"):
+    with pytest.raises(TokenizeError, match="text_field"):
         tokenize_to_folder(corpus, str(out), text_field="text", resume=True)
     tokenize_to_folder(corpus, str(out), text_field="body", workers=1, shard_tokens=3000, resume=True)
     assert {p.name: p.stat().st_mtime_ns for p in out.glob("part-00000-*.npy")} == finished  # not redone
@@ -126,7 +128,7 @@ def test_resume_redoes_only_unfinished_units_and_a_folder_without_manifest_is_ne
 
 
 def test_progress_goes_to_stderr_with_rate_and_eta(corpus, tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(tokenize_module, "PROGRESS_EVERY_S", 0.0)  # a line per batch
+    monkeypatch.setattr(workers, "PROGRESS_EVERY_S", 0.0)  # a line per batch
     tokenize_main([*corpus, "--out", str(tmp_path / "s"), "--text-field", "body", "--workers", "1"])
     captured = capsys.readouterr()
     lines = [line for line in captured.err.splitlines() if line.startswith("tokenize:")]
@@ -171,14 +173,14 @@ def test_overwritten_token_file_never_pairs_old_tokens_with_a_new_sidecar(corpus
     def full_disk(*args, **kwargs):
         raise OSError("No space left on device")
     with monkeypatch.context() as patch:  # the .npy cannot be finished: the old tokens stay, with no new record
-        patch.setattr(tokenize_module.NpyStream, "finish", full_disk)
+        patch.setattr(files.NpyStream, "finish", full_disk)
         with pytest.raises(OSError):
             write_token_file(corpus[:1], str(out), bpe, overwrite=True)
     assert out.read_bytes() == old_tokens
     assert not sidecar.exists() or json.loads(sidecar.read_text())["tokenizer"] is None
     write_token_file(corpus[:1], str(out), overwrite=True)
     with monkeypatch.context() as patch:  # the new .npy is in place but its record cannot be written
-        patch.setattr(tokenize_module, "write_json", full_disk)
+        patch.setattr(files, "write_json", full_disk)
         with pytest.raises(OSError):
             write_token_file(corpus[:1], str(out), bpe, overwrite=True)
     assert out.read_bytes() != old_tokens and not sidecar.exists()  # ids are then checked against the tokenizer
