@@ -39,20 +39,29 @@ def document_ids(tokens_BS: torch.Tensor, eod_token_id: int, eods_before_B: torc
     return doc_BS if eods_before_B is None else doc_BS + eods_before_B[:, None]
 
 
-def dense_mask(doc_kv_BT: torch.Tensor, q_len: int) -> torch.Tensor:
-    """Boolean ``[B, 1, S, T]`` mask (``True`` = attend) of the last ``q_len`` of the ``T`` positions."""
+def dense_mask(doc_kv_BT: torch.Tensor, q_len: int, q_pos_S: torch.Tensor | None = None) -> torch.Tensor:
+    """Boolean ``[B, 1, S, T]`` mask (``True`` = attend) of the queries at positions ``q_pos_S`` of the ``T``
+    (default: the last ``q_len``)."""
     T = doc_kv_BT.shape[1]
-    q_pos_S = torch.arange(T - q_len, T, device=doc_kv_BT.device)
+    if q_pos_S is None:
+        q_pos_S = torch.arange(T - q_len, T, device=doc_kv_BT.device)
     causal_ST = q_pos_S[:, None] >= torch.arange(T, device=doc_kv_BT.device)
-    same_doc_BST = doc_kv_BT[:, T - q_len:, None] == doc_kv_BT[:, None, :]
+    same_doc_BST = doc_kv_BT[:, q_pos_S, None] == doc_kv_BT[:, None, :]
     return (causal_ST & same_doc_BST)[:, None]
 
 
-def document_mask_mod(doc_BT: torch.Tensor):
-    """FlexAttention's predicate for a square ``S == T`` mask; a plain function of four indices."""
-    def same_document_causal(b, h, q_idx, kv_idx):
-        return (q_idx >= kv_idx) & (doc_BT[b, q_idx] == doc_BT[b, kv_idx])
-    return same_document_causal
+def document_mask_mod(doc_BT: torch.Tensor, q_pos_S: torch.Tensor | None = None):
+    """FlexAttention's predicate (a plain function of four indices): query row ``q_idx`` is the sequence's
+    position ``q_pos_S[q_idx]`` (default: ``q_idx`` itself, a square ``S == T`` mask)."""
+    if q_pos_S is None:
+        def same_document_causal(b, h, q_idx, kv_idx):
+            return (q_idx >= kv_idx) & (doc_BT[b, q_idx] == doc_BT[b, kv_idx])
+        return same_document_causal
+
+    def same_document_causal_at(b, h, q_idx, kv_idx):
+        q_pos = q_pos_S[q_idx]
+        return (q_pos >= kv_idx) & (doc_BT[b, q_pos] == doc_BT[b, kv_idx])
+    return same_document_causal_at
 
 
 def _causal(b, h, q_idx, kv_idx):
@@ -74,11 +83,13 @@ def _cached_causal_block_mask(T: int, device: torch.device) -> BlockMask:
     return build(_causal, None, None, T, T, device=device)
 
 
-def document_block_mask(doc_BT: torch.Tensor) -> BlockMask:
-    """FlexAttention block mask of a square document mask (one per batch row, shared by the heads)."""
+def document_block_mask(doc_BT: torch.Tensor, q_pos_S: torch.Tensor | None = None) -> BlockMask:
+    """FlexAttention block mask of a document mask (one per batch row, shared by the heads): square, or of the
+    queries at positions ``q_pos_S`` against all ``T`` keys (``Q_LEN != KV_LEN``)."""
     B, T = doc_BT.shape
     build = _compiled_on_cuda(create_block_mask, _create_block_mask_compiled, doc_BT.device)
-    return build(document_mask_mod(doc_BT), B, None, T, T, device=doc_BT.device)
+    q_len = T if q_pos_S is None else len(q_pos_S)
+    return build(document_mask_mod(doc_BT, q_pos_S), B, None, q_len, T, device=doc_BT.device)
 
 
 class DocumentMask:
@@ -86,18 +97,50 @@ class DocumentMask:
     blocks (so a compiled block only reads it), and shared by all of them.
 
     ``doc_kv_BT`` holds the document ids of all ``T`` keys (with a KV cache: cached ones first); the ``q_len``
-    queries (default ``T``) are the last of those positions. ``flex`` (default: on CUDA when ``q_len == T``)
+    queries (default ``T``) are the last of those positions, or (context parallelism) those at ``q_positions_S``
+    of the global sequence. ``flex`` (default: on CUDA, for training or prefill or a context-parallel shard)
     builds FlexAttention's block mask, otherwise the exact boolean mask for SDPA is built.
     """
 
-    def __init__(self, doc_kv_BT: torch.Tensor, q_len: int | None = None, flex: bool | None = None):
+    def __init__(self, doc_kv_BT: torch.Tensor, q_len: int | None = None, flex: bool | None = None,
+                 q_positions_S: torch.Tensor | None = None):
         T = doc_kv_BT.shape[1]
         q_len = T if q_len is None else q_len
-        flex = doc_kv_BT.is_cuda and q_len == T if flex is None else flex
-        if flex and q_len != T:
-            raise ValueError(f"DocumentMask(flex=True) needs q_len == T (training, prefill); got {q_len} of {T}.")
-        self.block_mask: BlockMask | None = document_block_mask(doc_kv_BT) if flex else None
-        self.dense_B1ST: torch.Tensor | None = None if flex else dense_mask(doc_kv_BT, q_len)
+        if q_positions_S is None and flex and q_len != T:  # the cached-decoding path of ``attend`` is dense
+            raise ValueError(f"DocumentMask(flex=True) needs q_len == T (training, prefill) or q_positions_S "
+                             f"(a context-parallel shard); got {q_len} of {T}.")
+        flex = doc_kv_BT.is_cuda and (q_len == T or q_positions_S is not None) if flex is None else flex
+        self.block_mask: BlockMask | None = document_block_mask(doc_kv_BT, q_positions_S) if flex else None
+        self.dense_B1ST: torch.Tensor | None = None if flex else dense_mask(doc_kv_BT, q_len, q_positions_S)
+
+
+class SequenceShard:
+    """The context-parallel seam (as ``MoELayer.dispatcher`` is expert parallelism's): which positions of each
+    sequence this rank computes, and how attention's key side (GQA: grouped K and V; MLA: the normalised latent
+    and the rotated shared key) reaches its queries from the ranks that hold the other positions.
+
+    ``MoETransformer.sequence_shard`` holds one and hands it to every attention; a strategy replaces it
+    (``parallel/context_parallel.py``). This default is one rank holding the whole sequence: every method returns
+    its input, so the one-rank model runs exactly the ops it ran before the seam existed (no copy, no op)."""
+
+    size = 1  # ranks that share one sequence
+
+    def positions(self, seq_len: int, device: torch.device) -> torch.Tensor | None:
+        """This rank's positions ``[S / size]`` in the global sequence (ascending), or None for all of them."""
+        return None
+
+    def local(self, x_BS: torch.Tensor) -> torch.Tensor:
+        """The entries of a per-position tensor ``[B, S, ...]`` (token ids, targets) at this rank's positions."""
+        return x_BS
+
+    def gather(self, *key_side_BS: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Each ``[B, S_local, ...]`` key-side tensor of this rank's positions, completed to ``[B, S, ...]`` over
+        every position of the sequence in order (differentiable: its gradient returns to the owners)."""
+        return key_side_BS
+
+    def reduce_max_logits(self, max_logits: torch.Tensor) -> torch.Tensor:
+        """QK-clip's per-head maxima, maximised over the ranks of a sequence (each saw only its own queries)."""
+        return max_logits
 
 
 def flex_attend(q_BHSK, k_BGSK, v_BGSV, block_mask: BlockMask, scale: float | None,
@@ -140,7 +183,8 @@ def attend(q_BHSK: torch.Tensor, k_BGTK: torch.Tensor, v_BGTV: torch.Tensor, mas
     """Causal attention of the ``S`` queries (the last ``S`` of ``T`` positions) over ``T`` keys: the kernel choice.
 
     - no document mask, ``S == T``: SDPA's own causal flag (fused kernels);
-    - document mask with a block mask (CUDA, ``S == T``): FlexAttention (never builds ``S x S``);
+    - a mask with a block mask (CUDA; ``S == T``, or a context-parallel shard's queries against all keys):
+      FlexAttention (never builds ``S x T``);
     - a document mask without one (CPU): SDPA with the exact boolean mask;
     - queries after cached keys (decoding): each key head's ``H / G`` query heads are folded into its query
       axis, so no kernel copies the keys per query head (SDPA's ``enable_gqa`` may: the math kernel does).
@@ -148,7 +192,7 @@ def attend(q_BHSK: torch.Tensor, k_BGTK: torch.Tensor, v_BGTV: torch.Tensor, mas
     q, k and v reach the kernel in one dtype: autocast's when enabled (FlexAttention is not an autocast op, and
     a QK-norm with fp32 weights returns fp32 q/k), else v's.
 
-    ``return_max_logits`` (training, ``S == T``): returns ``(out, max_logits_H)``, the largest scaled score per
+    ``return_max_logits`` (training: ``S == T``, or a context-parallel shard's mask): returns ``(out, max_logits_H)``, the largest scaled score per
     query head over the batch and the visible positions (QK-clip's input). On CUDA it comes from FlexAttention
     (with a causal block mask when there is no document mask); elsewhere ``exact_max_logits`` computes it.
     """
@@ -158,6 +202,8 @@ def attend(q_BHSK: torch.Tensor, k_BGTK: torch.Tensor, v_BGTV: torch.Tensor, mas
     G, T = k_BGTK.shape[1], k_BGTK.shape[2]
     dtype = autocast_dtype(v_BGTV)  # is_autocast_enabled/get_autocast_dtype(device) exist since torch 2.4
     q_BHSK, k_BGTK, v_BGTV = q_BHSK.to(dtype), k_BGTK.to(dtype), v_BGTV.to(dtype)
+    if mask is not None and mask.block_mask is not None:
+        return flex_attend(q_BHSK, k_BGTK, v_BGTV, mask.block_mask, scale)
     if S < T:
         mask_B1ST = None if mask is None and S == 1 else (
             mask.dense_B1ST if mask is not None else dense_mask(k_BGTK.new_zeros(B, T, dtype=torch.long), S))
@@ -169,17 +215,15 @@ def attend(q_BHSK: torch.Tensor, k_BGTK: torch.Tensor, v_BGTV: torch.Tensor, mas
     gqa = H != G
     if mask is None:
         return F.scaled_dot_product_attention(q_BHSK, k_BGTK, v_BGTV, is_causal=True, scale=scale, enable_gqa=gqa)
-    if mask.block_mask is not None:
-        return flex_attend(q_BHSK, k_BGTK, v_BGTV, mask.block_mask, scale)
     return F.scaled_dot_product_attention(q_BHSK, k_BGTK, v_BGTV, attn_mask=mask.dense_B1ST, scale=scale,
                                           enable_gqa=gqa)
 
 
 def _attend_with_max_logits(q_BHSK, k_BGTK, v_BGTV, mask: DocumentMask | None, scale: float | None):
     S, T = q_BHSK.shape[2], k_BGTK.shape[2]
-    if S != T:
-        raise ValueError(f"attend(return_max_logits=True) records training forwards (S == T); got {S} queries "
-                         f"after {T - S} cached keys.")
+    if S != T and mask is None:
+        raise ValueError(f"attend(return_max_logits=True) records training forwards (S == T, or a context-parallel "
+                         f"shard's mask); got {S} queries after {T - S} cached keys.")
     dtype = autocast_dtype(v_BGTV)
     q_BHSK, k_BGTK, v_BGTV = q_BHSK.to(dtype), k_BGTK.to(dtype), v_BGTV.to(dtype)
     if q_BHSK.is_cuda and (mask is None or mask.block_mask is not None):
@@ -226,9 +270,12 @@ class GroupedQueryAttention(MaxLogitRecorder, nn.Module):
             self.k_norm = RMSNorm(self.head_dim if per_head else self.n_kv_heads * self.head_dim, config.norm_eps)
 
     def forward(self, x_BSD: torch.Tensor, mask: DocumentMask | None = None, cache=None,
-                cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None,
+                sequence_shard: SequenceShard | None = None) -> torch.Tensor:
         """``cache`` (a ``kv_cache.LayerCache``): positions continue after the cached ones, keys/values are kept.
-        ``cos_sin``: this forward's rotary tables (``MoETransformer`` computes them once for all layers)."""
+        ``cos_sin``: this forward's rotary tables (``MoETransformer`` computes them once for all layers).
+        ``sequence_shard``: ``x`` holds this rank's positions of the sequence; the grouped K and V are gathered
+        (``mask`` and ``cos_sin`` are then those positions')."""
         B, S, _ = x_BSD.shape
         q_BSHK = self.wq(x_BSD).view(B, S, self.n_heads, self.head_dim)
         k_BSGK = self.wk(x_BSD).view(B, S, self.n_kv_heads, self.head_dim)
@@ -245,6 +292,8 @@ class GroupedQueryAttention(MaxLogitRecorder, nn.Module):
         v_BTGK = v_BSGK
         if cache is not None:
             k_BTGK, v_BTGK = cache.append(k_BTGK, v_BTGK)
+        if sequence_shard is not None:
+            k_BTGK, v_BTGK = sequence_shard.gather(k_BTGK, v_BTGK)
         q_BHSK, k_BGTK, v_BGTK = q_BSHK.transpose(1, 2), k_BTGK.transpose(1, 2), v_BTGK.transpose(1, 2)
         if self._recording(cache):
             out_BHSK, max_logits_H = attend(q_BHSK, k_BGTK, v_BGTK, mask, return_max_logits=True)

@@ -8,7 +8,7 @@ one rotary key per token shared by every head, so the compressed latent itself c
 import torch
 from torch import nn
 
-from moe_lightning.model.attention import DocumentMask, MaxLogitRecorder, attend
+from moe_lightning.model.attention import DocumentMask, MaxLogitRecorder, SequenceShard, attend
 from moe_lightning.model.config import MoEConfig
 from moe_lightning.model.layers import RMSNorm
 from moe_lightning.model.rotary import Rotary, apply_rotary, mla_softmax_scale
@@ -38,9 +38,13 @@ class MultiHeadLatentAttention(MaxLogitRecorder, nn.Module):
         self.scale = mla_softmax_scale(config)
 
     def forward(self, x_BSD: torch.Tensor, mask: DocumentMask | None = None, cache=None,
-                cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None,
+                sequence_shard: SequenceShard | None = None) -> torch.Tensor:
         """``cache`` (a ``kv_cache.LayerCache``) keeps the normalised latent and the rotated shared key.
-        ``cos_sin``: this forward's rotary tables (``MoETransformer`` computes them once for all layers)."""
+        ``cos_sin``: this forward's rotary tables (``MoETransformer`` computes them once for all layers).
+        ``sequence_shard``: ``x`` holds this rank's positions of the sequence; what is gathered from the other
+        ranks is the latent and the rotated shared key (C + R values a token, not H x (N + R + V)), and every
+        rank up-projects all keys and values for its own queries (``mask``, ``cos_sin``: those queries')."""
         B, S, _ = x_BSD.shape
         H = self.n_heads
         q_BSX = self.wq_b(self.q_norm(self.wq_a(x_BSD))) if self.q_lora_rank else self.wq(x_BSD)
@@ -54,16 +58,20 @@ class MultiHeadLatentAttention(MaxLogitRecorder, nn.Module):
             latent_BTC, k_rope_BTR = cache.append(latent_BSC, k_rope_BSR)
             if latent_BTC.shape[1] > S:  # decoding after cached positions
                 return self._attend_latent(q_nope_BSHN, q_rope_BSHR, latent_BTC, k_rope_BTR, mask)
-        kv_BSHX = self.wkv_b(latent_BSC).view(B, S, H, -1)
-        k_nope_BSHN, v_BSHV = kv_BSHX.split([self.nope_dim, self.v_dim], dim=-1)
+        latent_BTC, k_rope_BTR = latent_BSC, k_rope_BSR
+        if sequence_shard is not None:
+            latent_BTC, k_rope_BTR = sequence_shard.gather(latent_BTC, k_rope_BTR)
+        T = latent_BTC.shape[1]
+        kv_BTHX = self.wkv_b(latent_BTC).view(B, T, H, -1)
+        k_nope_BTHN, v_BTHV = kv_BTHX.split([self.nope_dim, self.v_dim], dim=-1)
         q_BSHK = torch.cat([q_nope_BSHN, q_rope_BSHR], dim=-1)
-        k_BSHK = torch.cat([k_nope_BSHN, k_rope_BSR.unsqueeze(2).expand(-1, -1, H, -1)], dim=-1)
-        q_BHSK, k_BHSK, v_BHSV = q_BSHK.transpose(1, 2), k_BSHK.transpose(1, 2), v_BSHV.transpose(1, 2)
+        k_BTHK = torch.cat([k_nope_BTHN, k_rope_BTR.unsqueeze(2).expand(-1, -1, H, -1)], dim=-1)
+        q_BHSK, k_BHTK, v_BHTV = q_BSHK.transpose(1, 2), k_BTHK.transpose(1, 2), v_BTHV.transpose(1, 2)
         if self._recording(cache):
-            out_BHSV, max_logits_H = attend(q_BHSK, k_BHSK, v_BHSV, mask, self.scale, return_max_logits=True)
+            out_BHSV, max_logits_H = attend(q_BHSK, k_BHTK, v_BHTV, mask, self.scale, return_max_logits=True)
             self._record(max_logits_H)
         else:
-            out_BHSV = attend(q_BHSK, k_BHSK, v_BHSV, mask, self.scale)
+            out_BHSV = attend(q_BHSK, k_BHTK, v_BHTV, mask, self.scale)
         return self.wo(out_BHSV.transpose(1, 2).reshape(B, S, H * self.v_dim))
 
     def qk_clip_scales(self, gamma_H: torch.Tensor, alpha: float) -> list[tuple[nn.Parameter, torch.Tensor]]:

@@ -56,8 +56,11 @@ class Rotary:
 
     def cos_sin(self, start: int, length: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin ``[length, rot_dim // 2]`` (fp32, times the attention factor) for positions ``start..``."""
-        positions_S = torch.arange(start, start + length, device=device, dtype=torch.float32)
-        angles_SR = torch.outer(positions_S, self.inv_freq(device))
+        return self.cos_sin_at(torch.arange(start, start + length, device=device, dtype=torch.float32))
+
+    def cos_sin_at(self, positions_S: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin at any positions (a context-parallel rank's tokens are not contiguous in its sequence)."""
+        angles_SR = torch.outer(positions_S.float(), self.inv_freq(positions_S.device))
         return angles_SR.cos() * self.attention_factor, angles_SR.sin() * self.attention_factor
 
 

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moe_lightning.model.attention import DocumentMask, GroupedQueryAttention, document_ids
+from moe_lightning.model.attention import DocumentMask, GroupedQueryAttention, SequenceShard, document_ids
 from moe_lightning.model.config import MoEConfig
 from moe_lightning.model.kv_cache import KVCache
 from moe_lightning.model.layers import OutputHead, RMSNorm, SwiGLU
@@ -39,7 +39,10 @@ class Block(nn.Module):
 
 class MoETransformer(nn.Module):
     """Embedding → ``layers`` (the repeated blocks every plug-in wraps) → final norm → output head; with
-    ``config.mtp_layers``, the multi-token prediction modules ``mtp`` (training only, see ``model/mtp.py``)."""
+    ``config.mtp_layers``, the multi-token prediction modules ``mtp`` (training only, see ``model/mtp.py``).
+
+    ``sequence_shard`` is the context-parallel seam (``attention.SequenceShard``): one rank, the whole sequence,
+    by default; a strategy may replace it so that this rank computes only some positions of each sequence."""
 
     def __init__(self, config: MoEConfig):
         super().__init__()
@@ -51,6 +54,7 @@ class MoETransformer(nn.Module):
         self.output = OutputHead(config.dim, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
+        self.sequence_shard = SequenceShard()
         # each module's block is shaped like the last layer (dense or MoE); built last, so models without
         # multi-token prediction draw the same initial weights as before it existed
         self.mtp = nn.ModuleList(MTPModule(config, Block(config, config.n_layers - 1))
@@ -66,27 +70,43 @@ class MoETransformer(nn.Module):
         depth, ``[h^0 [B, S, D], h^1 [B, S-1, D], ..., h^D [B, S-D, D]]`` (``h^0`` the main model's; see
         ``model/mtp.py``), each ready for the shared output head.
 
+        Under a context-parallel ``sequence_shard``, ``tokens_BS`` is the whole sequence (on every rank of its
+        group) and the result covers this rank's positions only, ``[B, S / size, ...]`` (the targets to compare
+        it with: ``sequence_shard.local(targets_BS)``); rotary positions, document ids and the mask stay the
+        whole sequence's.
+
         What every block shares is built here once, outside the blocks (a compiled block only reads it): the
         rotary tables and the attention mask (with FlexAttention, its block mask)."""
         B, S = tokens_BS.shape
         if mtp and (cache is not None or S <= len(self.mtp)):
             raise ValueError(f"multi-token prediction runs in training only, without a KV cache, on more than "
                              f"mtp_layers={len(self.mtp)} tokens; got cache={cache is not None}, {S} tokens.")
+        positions_S = self.sequence_shard.positions(S, tokens_BS.device)
+        if positions_S is not None and (cache is not None or mtp):
+            raise ValueError(f"context parallelism (sequence_shard over {self.sequence_shard.size} ranks) shards "
+                             f"training forwards of the main model; got cache={cache is not None}, mtp={mtp}: "
+                             "generate on one rank, and train multi-token prediction with context_parallel_size=1.")
         start = 0 if cache is None else cache.length
         if cache is not None and start + S > cache.capacity:
             raise ValueError(f"KV cache holds {cache.capacity} positions; {start} are cached and {S} more were "
                              f"given: start a new cache from the latest tokens.")
-        emb_BSD = h_BSD = self.tok_embeddings(tokens_BS)
+        emb_BSD = h_BSD = self.tok_embeddings(self.sequence_shard.local(tokens_BS))
         mask = None
         if self.config.document_masking:
             eod = self.config.eod_token_id
             mask = DocumentMask(document_ids(tokens_BS, eod) if cache is None else cache.document_ids(tokens_BS, eod),
-                                q_len=S)
+                                q_len=S, q_positions_S=positions_S)
         elif start > 0 and S > 1:  # several queries after cached keys: causal offset mask, one document
             mask = DocumentMask(tokens_BS.new_zeros(B, start + S), q_len=S)
-        cos_sin = self.rotary.cos_sin(start, S, device=tokens_BS.device)
+        elif positions_S is not None:  # a shard's queries against every key: causal at their global positions
+            mask = DocumentMask(tokens_BS.new_zeros(B, S), q_positions_S=positions_S)
+        if positions_S is None:
+            cos_sin, shard = self.rotary.cos_sin(start, S, device=tokens_BS.device), None
+        else:
+            cos_sin, shard = self.rotary.cos_sin_at(positions_S), self.sequence_shard
         for i, layer in enumerate(self.layers):
-            h_BSD = layer(h_BSD, mask=mask, cache=None if cache is None else cache.layers[i], cos_sin=cos_sin)
+            h_BSD = layer(h_BSD, mask=mask, cache=None if cache is None else cache.layers[i], cos_sin=cos_sin,
+                          sequence_shard=shard)
         h_BSD = self.norm(h_BSD)
         if mtp:
             return self._multi_token_hidden(tokens_BS, emb_BSD, h_BSD)
