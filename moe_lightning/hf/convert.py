@@ -15,30 +15,37 @@ from moe_lightning.dtypes import DTYPES
 from moe_lightning.checkpoint.loading import export_main as export_file
 from moe_lightning.checkpoint.loading import open_checkpoint, write_model_file
 from moe_lightning.model import MoEConfig
+from moe_lightning.hf import fp8
 from moe_lightning.hf.pretrained import FAMILIES, from_pretrained, stored_dtype_getter, write_pretrained
 from moe_lightning.hf.tokenizer_files import tokenizer_files
 
 
 
-def _cast(get: Callable[[str], torch.Tensor], dtype: torch.dtype | None) -> Callable[[str], torch.Tensor]:
+def _cast(get: Callable[[str], torch.Tensor], dtype: torch.dtype | None,
+          fp8_blocks: bool = False) -> Callable[[str], torch.Tensor]:
     if dtype is None:
         return get
 
     def cast(name: str) -> torch.Tensor:
         tensor = get(name)  # the balancing bias stays float32, as the router computes in float32
+        if fp8_blocks and fp8.quantized(name):
+            return tensor  # quantised from the values as trained: a cast first would round them twice
         return tensor.to(dtype) if tensor.is_floating_point() and not name.endswith("expert_bias") else tensor
     return cast
 
 
 def export_hf(checkpoint: str | Path, out: str | Path, architecture: str | None = None,
-              dtype: torch.dtype | None = None, max_shard_bytes: int = 5 * 2**30) -> Path:
+              dtype: torch.dtype | None = None, max_shard_bytes: int = 5 * 2**30, fp8_blocks: bool = False) -> Path:
     """Any of our checkpoints (sharded or single-file) as a Hugging Face directory, tensor by tensor, with the
-    ``tokenizer.json`` and ``tokenizer_config.json`` of the tokenizer the run recorded (the byte tokenizer too)."""
+    ``tokenizer.json`` and ``tokenizer_config.json`` of the tokenizer the run recorded (the byte tokenizer too).
+    ``fp8_blocks``: the attention and FFN weights as 128 x 128 FP8 blocks (the DeepSeek-V3 / Kimi K2 release
+    format); ``dtype`` then casts the other tensors."""
     opened = open_checkpoint(checkpoint)  # tokenizer None: a file converted from Hugging Face records none
     config = MoEConfig(**opened.config)
     files = tokenizer_files(opened.tokenizer, config.max_seq_len) if opened.tokenizer is not None else None
     get = stored_dtype_getter(opened.get, opened.stored_dtypes)
-    return write_pretrained(config, _cast(get, dtype), out, architecture, max_shard_bytes, files)
+    return write_pretrained(config, _cast(get, dtype, fp8_blocks), out, architecture, max_shard_bytes, files,
+                            fp8_blocks)
 
 
 def hf_to_file(src: str | Path, out: str | Path, dtype: torch.dtype | None = None) -> Path:
@@ -54,6 +61,9 @@ def _common(parser: argparse.ArgumentParser) -> None:
                         help="Hugging Face target when the model could be several (default: the one that fits)")
     parser.add_argument("--dtype", choices=list(DTYPES), default=None, help="cast floating-point weights")
     parser.add_argument("--shard-gb", type=float, default=None, help="largest safetensors shard, GiB (default 5)")
+    parser.add_argument("--fp8-blocks", action="store_true", default=None,
+                        help="write attention and FFN weights as float8_e4m3fn 128 x 128 blocks with *_scale_inv "
+                             "(the DeepSeek-V3 / Kimi K2 release format); --dtype then casts the other tensors")
     parser.add_argument("--overwrite", action="store_true")
 
 
@@ -76,13 +86,14 @@ def convert_main(argv: list[str] | None = None) -> None:
     _refuse_existing(args.out, args.overwrite)
     dtype = DTYPES.get(args.dtype)
     if (Path(args.src) / "config.json").is_file():
-        for flag, value in (("--architecture", args.architecture), ("--shard-gb", args.shard_gb)):
+        for flag, value in (("--architecture", args.architecture), ("--shard-gb", args.shard_gb),
+                            ("--fp8-blocks", args.fp8_blocks)):
             if value is not None:
                 parser.error(f"{flag} only applies when writing a Hugging Face directory, but {args.src!r} is one "
                              f"(it is converted to the .pt file {args.out!r}): drop {flag}.")
         out = hf_to_file(args.src, args.out, dtype)
     else:
-        out = export_hf(args.src, args.out, args.architecture, dtype, _shard_bytes(args))
+        out = export_hf(args.src, args.out, args.architecture, dtype, _shard_bytes(args), bool(args.fp8_blocks))
     print(f"wrote {out}")
 
 
@@ -97,5 +108,6 @@ def export_main(argv: list[str] | None = None) -> None:
     _common(parser)
     args = parser.parse_args(argv)
     _refuse_existing(args.out, args.overwrite)
-    out = export_hf(args.checkpoint, args.out, args.architecture, DTYPES.get(args.dtype), _shard_bytes(args))
+    out = export_hf(args.checkpoint, args.out, args.architecture, DTYPES.get(args.dtype), _shard_bytes(args),
+                    bool(args.fp8_blocks))
     print(f"wrote {out}")

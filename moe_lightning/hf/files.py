@@ -18,6 +18,8 @@ from moe_lightning.checkpoint import sharded as ckpt
 from moe_lightning.hf.mapping import HFFormatError
 
 INDEX = "model.safetensors.index.json"
+SAFETENSORS_DTYPES = {"F8_E4M3": torch.float8_e4m3fn, "BF16": torch.bfloat16, "F16": torch.float16,
+                      "F32": torch.float32, "F64": torch.float64}
 
 
 class SafetensorsDir:
@@ -49,6 +51,11 @@ class SafetensorsDir:
 
     def shape(self, key: str) -> tuple[int, ...]:
         return tuple(self.get(key).get_shape())
+
+    def dtype(self, key: str) -> torch.dtype | str:
+        """The stored dtype (safetensors' name where torch has none), read from the header only."""
+        name = self._open(self.weight_map[key]).get_slice(key).get_dtype()
+        return SAFETENSORS_DTYPES.get(name, name)
 
 
 def read_config(path: str | Path) -> dict:

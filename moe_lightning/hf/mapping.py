@@ -227,18 +227,14 @@ def refuse(hf: dict, field: str, bad: Callable[[object], bool], why: str) -> Non
 
 
 def refuse_common(hf: dict) -> None:
-    """What no family here supports: other activations, biases, sliding windows, quantised weights (only
-    Qwen3-MoE gates ``sliding_window`` with ``use_sliding_window``; it handles that itself)."""
+    """What no family here supports: other activations, biases, sliding windows (only Qwen3-MoE gates
+    ``sliding_window`` with ``use_sliding_window``; it handles that itself). ``quantization_config`` is read by
+    ``hf.fp8``."""
     refuse(hf, "hidden_act", lambda v: v not in (None, "silu"), "the experts and FFNs are SwiGLU (hidden_act='silu')")
     refuse(hf, "attention_bias", bool, "attention projections have no biases here")
     refuse(hf, "mlp_bias", bool, "FFN projections have no biases here")
     refuse(hf, "sliding_window", lambda v: v is not None, "sliding-window attention is not implemented; "
            "set it to null only if the model was trained with full attention")
-    quant = hf.get("quantization_config")
-    if quant:
-        raise HFFormatError(f"config.json quantization_config={quant.get('quant_method', quant)!r}: quantised "
-                            f"weights (e.g. FP8 blocks with *.weight_scale_inv tensors) are not supported; "
-                            f"dequantise to bf16 first.")
 
 
 def check_representable(config: MoEConfig, architecture: str, **required) -> None:

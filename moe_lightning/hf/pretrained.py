@@ -1,6 +1,7 @@
 """``from_pretrained`` / ``save_pretrained``, and the in-place fill a sharded model uses to read only its slices."""
 
 import dataclasses
+import json
 import re
 import warnings
 from collections.abc import Callable
@@ -10,6 +11,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from moe_lightning.model import MoEConfig, MoETransformer
+from moe_lightning.hf import fp8
 from moe_lightning.hf.deepseek import DeepseekV2, DeepseekV3
 from moe_lightning.hf.ernie import Ernie45Moe
 from moe_lightning.hf.glm4_moe import Glm4Moe
@@ -34,8 +36,10 @@ def family_of(hf: dict):
 def read_hf_config(path: str | Path) -> dict:
     """``config.json``, with ``num_nextn_predict_layers`` as the tensors bear it out: transformers' DeepSeek-V3
     config writes 1 by default while ``save_pretrained`` saves no MTP layer, so a count without the first MTP
-    layer's tensors reads as 0, with a warning (a Python user of ``from_pretrained`` sees it, not only ``fit``)."""
+    layer's tensors reads as 0, with a warning (a Python user of ``from_pretrained`` sees it, not only ``fit``).
+    A ``quantization_config`` other than 128 x 128 block FP8 is refused here, naming its field."""
     hf = read_config(path)
+    fp8.block_fp8(hf)
     if hf.get("num_nextn_predict_layers"):
         first = f"model.layers.{hf.get('num_hidden_layers')}.eh_proj.weight"
         if first not in SafetensorsDir(path).keys():
@@ -79,8 +83,10 @@ def replaced_fields(config: MoEConfig, merged: MoEConfig) -> list[str]:
             if getattr(config, f.name) != getattr(default, f.name) and getattr(config, f.name) != getattr(merged, f.name)]
 
 
-def _checked(path: str | Path, shapes: dict[str, torch.Size]) -> tuple[MoEConfig, dict[str, Source], SafetensorsDir]:
-    """Config, the source of every tensor, and the files; every name, key and shape checked before any read."""
+def _checked(path: str | Path, shapes: dict[str, torch.Size],
+             dtype: torch.dtype | None) -> tuple[MoEConfig, dict[str, Source], SafetensorsDir | fp8.Dequantized]:
+    """Config, the source of every tensor, and the files; every name, key and shape checked before any read.
+    Block-FP8 weights read dequantised to ``dtype`` (``None``: the dtype the checkpoint's embedding is stored in)."""
     hf = read_hf_config(path)
     family = family_of(hf)
     config = family.config_from_hf(hf)
@@ -90,6 +96,16 @@ def _checked(path: str | Path, shapes: dict[str, torch.Size]) -> tuple[MoEConfig
                             f"{family.ARCHITECTURE} of this config.json: build the model from "
                             f"hf.load_config({str(path)!r}).")
     files = SafetensorsDir(path)
+    if fp8.block_fp8(hf):
+        files = fp8.Dequantized(files, dtype or files.dtype(sources["tok_embeddings.weight"].key))
+        files.check()
+    elif scales := sorted(k for k in files.keys() if k.endswith(fp8.SCALE_SUFFIX) or k.endswith(".weight_scale")):
+        raise HFFormatError(f"{str(path)!r} holds quantisation scales such as {scales[:3]} but config.json has no "
+                            f"quantization_config: add the one the release came with (block FP8: "
+                            f"{json.dumps(fp8.QUANTIZATION_CONFIG)}).")
+    elif quantized := sorted(k for k in files.keys() if files.dtype(k) == fp8.FP8):
+        raise HFFormatError(f"{str(path)!r} holds float8_e4m3fn tensors such as {quantized[:3]} without scales or a "
+                            f"quantization_config: their values cannot be dequantised.")
     wanted = {key for source in sources.values() for key in source.keys()}
     present = files.keys()
     if missing := sorted(wanted - present):
@@ -99,8 +115,6 @@ def _checked(path: str | Path, shapes: dict[str, torch.Size]) -> tuple[MoEConfig
     if mtp:
         raise HFFormatError(f"multi-token-prediction layer tensors such as {mtp[:3]} (model.layers.{config.n_layers}.* "
                             f"and beyond) are not supported: remove them from the checkpoint to load the main model.")
-    if fp8 := [k for k in extra if k.endswith("_scale_inv") or k.endswith(".weight_scale")]:
-        raise HFFormatError(f"quantisation scales such as {fp8[:3]} are not supported: dequantise the weights to bf16.")
     if extra:
         raise HFFormatError(f"{str(path)!r} holds {len(extra)} tensors a {family.ARCHITECTURE} does not use, "
                             f"e.g. {extra[:4]}: they would be dropped, so the checkpoint is refused.")
@@ -123,9 +137,10 @@ def fill_state_dict(state: dict[str, torch.Tensor], path: str | Path) -> None:
     """Copy a Hugging Face checkpoint into ``state``'s tensors in place (names as in ``MoETransformer``).
 
     Plain tensors are read whole; a DTensor reads only its local region: a row shard only its rows, an
-    expert shard only the per-expert tensors of its experts. This is the seam a sharding strategy calls.
+    expert shard only the per-expert tensors of its experts. This is the seam a sharding strategy calls. A block-FP8
+    region is dequantised in float32 from the blocks it touches, then cast into the tensor's dtype.
     """
-    _, sources, files = _checked(path, {name: t.shape for name, t in state.items()})
+    _, sources, files = _checked(path, {name: t.shape for name, t in state.items()}, torch.float32)
     for name, tensor in state.items():
         local, index = _local_region(tensor)
         if local.numel():
@@ -139,13 +154,15 @@ def from_pretrained(path: str | Path, dtype: torch.dtype | None = None) -> MoETr
     ``dtype=None`` keeps every tensor's stored dtype, except the balancing bias: the router updates and computes
     it in float32 (a step of 1e-3 vanishes in bf16 at magnitude ~4), so a lower-precision bias is widened and its
     stored dtype is kept in ``model.stored_dtypes`` for ``save_pretrained`` to write it back (bit-identical).
-    Otherwise floating weights are cast to ``dtype`` and the bias is float32.
+    Otherwise floating weights are cast to ``dtype`` and the bias is float32. Block-FP8 weights are dequantised
+    (weight x scale_inv in float32) into ``dtype``, or with ``None`` into the dtype the checkpoint stores its
+    embedding in (bf16 for the releases), as DeepSeek's own conversion does.
     """
     config = load_config(path)
     with torch.device("meta"):
         model = MoETransformer(config)
     shapes = {name: t.shape for name, t in model.state_dict().items()}
-    _, sources, files = _checked(path, shapes)
+    _, sources, files = _checked(path, shapes, None if dtype is None else torch.float32)
     state, stored = {}, {}
     for name, shape in shapes.items():
         tensor = sources[name].read(files.get, tuple(slice(0, s) for s in shape))
@@ -200,11 +217,15 @@ def choose_family(config: MoEConfig, architecture: str | None = None,
 
 def write_pretrained(config: MoEConfig, get: Callable[[str], torch.Tensor], path: str | Path,
                      architecture: str | None = None, max_shard_bytes: int = 5 * 2**30,
-                     files: dict[str, str] | None = None) -> Path:
+                     files: dict[str, str] | None = None, fp8_blocks: bool = False) -> Path:
     """Write a Hugging Face directory, asking ``get(name)`` for one of our tensors at a time (streaming); ``files``
-    (name -> text, e.g. the tokenizer's) go in with it."""
+    (name -> text, e.g. the tokenizer's) go in with it. ``fp8_blocks`` writes the tensors the DeepSeek-V3 and Kimi K2
+    releases store in FP8 (``fp8.quantized``) as 128 x 128 blocks with their ``*_scale_inv``, and says so in
+    ``quantization_config``."""
     family = choose_family(config, architecture, get)
     hf_config = family.config_to_hf(config)
+    if fp8_blocks:
+        hf_config["quantization_config"] = dict(fp8.QUANTIZATION_CONFIG)
     sources = family.sources(config)
     for name, source in sources.items():  # cheap refusals first: a non-zero bias the format cannot hold
         if isinstance(source, Absent):
@@ -214,14 +235,21 @@ def write_pretrained(config: MoEConfig, get: Callable[[str], torch.Tensor], path
         written = set()
         for name, source in sources.items():
             for key, tensor in source.write(get(name), name).items():
-                if key not in written:  # a tied head is the embedding
-                    written.add(key)
+                if key in written:  # a tied head is the embedding
+                    continue
+                written.add(key)
+                if fp8_blocks and fp8.quantized(name):
+                    weight, scale = fp8.quantize(tensor, key)
+                    yield key, weight
+                    yield key + fp8.SCALE_SUFFIX, scale
+                else:
                     yield key, tensor
     return write_directory(path, hf_config, tensors(), max_shard_bytes, files)
 
 
 def save_pretrained(model: MoETransformer, path: str | Path, architecture: str | None = None,
-                    max_shard_bytes: int = 5 * 2**30) -> Path:
-    """Write ``config.json`` and safetensors shards (+ index) that ``transformers`` loads as ``architecture``."""
+                    max_shard_bytes: int = 5 * 2**30, fp8_blocks: bool = False) -> Path:
+    """Write ``config.json`` and safetensors shards (+ index) that ``transformers`` loads as ``architecture``
+    (``fp8_blocks``: in the block-FP8 release format, see ``write_pretrained``)."""
     get = stored_dtype_getter(model.state_dict().__getitem__, getattr(model, "stored_dtypes", {}))
-    return write_pretrained(model.config, get, path, architecture, max_shard_bytes)
+    return write_pretrained(model.config, get, path, architecture, max_shard_bytes, fp8_blocks=fp8_blocks)

@@ -252,9 +252,9 @@ class MoEConfig:
             raise ConfigError(f"MoEConfig.rope_original_max_seq_len={self.rope_original_max_seq_len!r}: "
                               "rope_scaling='yarn' needs the pre-extension context length (HF "
                               "original_max_position_embeddings), a positive integer.")
-        if not 0 < self.rope_beta_slow < self.rope_beta_fast:
+        if not 0 < self.rope_beta_slow <= self.rope_beta_fast:  # equal (a step, no ramp): Kimi K2 ships 1 and 1
             raise ConfigError(f"MoEConfig.rope_beta_fast={self.rope_beta_fast}, rope_beta_slow={self.rope_beta_slow}: "
-                              "need 0 < rope_beta_slow < rope_beta_fast (defaults 1 and 32).")
+                              "need 0 < rope_beta_slow <= rope_beta_fast (defaults 1 and 32).")
         for name in ("rope_mscale", "rope_mscale_all_dim"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"MoEConfig.{name}={getattr(self, name)} must be >= 0.")

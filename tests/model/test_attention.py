@@ -85,8 +85,8 @@ def test_yarn_equals_transformers_for_qwen3_with_the_cos_sin_factor():
     (dict(rope_factor=4.0), "rope_factor=4.0 has no effect with rope_scaling='none'"),
     (dict(rope_scaling="yarn", rope_factor=4.0), "rope_original_max_seq_len=None"),
     (dict(rope_scaling="yarn", rope_factor=0.5, rope_original_max_seq_len=64), "rope_factor=0.5 must be >= 1"),
-    (dict(rope_scaling="yarn", rope_factor=4.0, rope_original_max_seq_len=64, rope_beta_fast=1.0),
-     "need 0 < rope_beta_slow < rope_beta_fast"),
+    (dict(rope_scaling="yarn", rope_factor=4.0, rope_original_max_seq_len=64, rope_beta_fast=0.5),
+     "need 0 < rope_beta_slow <= rope_beta_fast"),
     (dict(rope_scaling="ntk"), "rope_scaling='ntk'"),
 ])
 def test_rope_config_errors_name_the_field(overrides, message):
