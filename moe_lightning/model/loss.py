@@ -81,3 +81,16 @@ def chunked_cross_entropy(h_TD: torch.Tensor, w_VD: torch.Tensor, targets_T: tor
     if reduction not in ("mean", "sum"):
         raise ValueError(f"chunked_cross_entropy: reduction={reduction!r}: use 'mean' or 'sum'.")
     return _ChunkedCrossEntropy.apply(h_TD, w_VD, targets_T, chunk_size, ignore_index, reduction == "mean")
+
+
+def context_parallel_mean(total_local: torch.Tensor, targets_BS: torch.Tensor, shards: int,
+                          ignore_index: int = -100) -> torch.Tensor:
+    """One context-parallel rank's share of its sequences' mean cross-entropy: ``shards * total_local / count``,
+    ``total_local`` the summed cross-entropy of this rank's positions, ``count`` the targets of the whole
+    ``targets_BS`` (every rank of the group holds them) that are not ``ignore_index``.
+
+    Why ``shards *``: the ranks' gradients sum to the gradient of ``shards x`` the sequences' mean (the key-side
+    exchange returns each rank's share of every other rank's loss), and FSDP averages gradients over its
+    dp x cp ranks, which divides by ``shards`` once more: the gradient equals the one without context
+    parallelism. The mean of this value over the group is the sequences' mean loss (what to log)."""
+    return total_local * shards / (targets_BS != ignore_index).sum()

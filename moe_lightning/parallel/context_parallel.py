@@ -1,0 +1,114 @@
+"""Context parallelism: the N ranks of a group share every sequence of their batch, each computing 1/N of its
+positions, and exchange only attention's key side (GQA: the grouped K and V; MLA: the normalised latent and the
+rotated shared rotary key, C + R values a token instead of H x (N + R + V)).
+
+Who holds what (head-tail chunks): a sequence of S positions is cut into 2N chunks of S / 2N; rank r computes
+chunks r and 2N-1-r. Under causal attention chunk j's queries see ``c * (c * j + (c + 1) / 2)`` pairs, so
+every rank's two chunks sum to the same count (exact balance without documents; see ``attended_pairs``).
+
+The exchange (``ContextParallelShard.gather``): one all-gather of the key-side tensors packed side by side in
+forward, one reduce-scatter of their gradients in backward (rank r's tokens serve every rank's queries, so the
+gradient of its key side is the sum over ranks). On the wire per layer and pass each rank sends
+``B * S * width * element size * (N - 1) / N`` bytes.
+
+The loss (``context_parallel_mean``): rank r returns ``N * (its targets' cross-entropy sum) / (the sequence
+group's target count)``. The gradients the ranks compute sum to the gradient of ``N x`` the group's mean, and
+FSDP averages over its dp x cp ranks, dividing by N once more: exactly the gradient without context parallelism.
+"""
+
+import functools
+
+import torch
+import torch.distributed as dist
+
+from moe_lightning.model.attention import SequenceShard
+
+
+def check_sequence_length(seq_len: int, size: int) -> None:
+    """Head-tail chunks need ``seq_len`` divisible by ``2 * size``: say so before any work."""
+    if seq_len % (2 * size):
+        raise ValueError(f"context_parallel_size={size} splits each sequence into {2 * size} equal chunks; the "
+                         f"model's sequence length {seq_len} (data.seq_len) is not a multiple of {2 * size}: "
+                         f"choose data.seq_len from multiples of {2 * size}, e.g. {seq_len // (2 * size) * 2 * size + 2 * size}.")
+
+
+def head_tail_positions(seq_len: int, size: int, rank: int, device: torch.device | None = None) -> torch.Tensor:
+    """Rank ``rank``'s positions ``[seq_len / size]``, ascending: chunks ``rank`` and ``2 * size - 1 - rank``."""
+    check_sequence_length(seq_len, size)
+    c = seq_len // (2 * size)
+    head, tail = rank * c, (2 * size - 1 - rank) * c
+    return torch.cat([torch.arange(head, head + c, device=device), torch.arange(tail, tail + c, device=device)])
+
+
+def attended_pairs(doc_S: torch.Tensor, positions_S: torch.Tensor) -> int:
+    """(query, key) pairs the queries at ``positions_S`` attend under causal document masking (``doc_S``: the
+    sequence's document ids, ascending): query q sees the keys from its document's first position to q."""
+    T = len(doc_S)
+    first_S = torch.searchsorted(doc_S.contiguous(), doc_S, right=False)  # first position of each one's document
+    return int((positions_S - first_S[positions_S] + 1).sum()) if T else 0
+
+
+class _GatherSequence(torch.autograd.Function):
+    """All-gather of the shards' key-side tensors into global order; reduce-scatter of their gradients."""
+
+    @staticmethod
+    def forward(ctx, group, *local_BS):
+        N = dist.get_world_size(group)
+        B, s = local_BS[0].shape[:2]
+        c = s // 2
+        widths = [x[0, 0].numel() for x in local_BS]
+        packed_BSX = torch.cat([x.reshape(B, s, -1) for x in local_BS], dim=-1).contiguous()
+        gathered_NBSX = packed_BSX.new_empty(N * B, s, packed_BSX.shape[-1])  # gloo: ranks stacked on dim 0
+        dist.all_gather_into_tensor(gathered_NBSX, packed_BSX, group=group)
+        # rank r's rows are chunks r and 2N-1-r: heads in rank order, then tails in reverse rank order
+        halves_B2NcX = gathered_NBSX.view(N, B, 2, c, -1).permute(1, 2, 0, 3, 4)
+        global_BTX = torch.cat([halves_B2NcX[:, 0], halves_B2NcX[:, 1].flip(1)], dim=1).reshape(B, N * s, -1)
+        ctx.group, ctx.N, ctx.shapes, ctx.widths = group, N, [x.shape for x in local_BS], widths
+        return tuple(part.reshape(B, N * s, *x.shape[2:])
+                     for part, x in zip(global_BTX.split(widths, dim=-1), local_BS))
+
+    @staticmethod
+    def backward(ctx, *grad_BT):
+        N, shapes = ctx.N, ctx.shapes
+        B, s = shapes[0][:2]
+        c = s // 2
+        some = next(g for g in grad_BT if g is not None)
+        grads = [some.new_zeros(B, N * s, w) if g is None else g for g, w in zip(grad_BT, ctx.widths)]
+        chunks_B2NcX = torch.cat([g.reshape(B, N * s, -1) for g in grads], dim=-1).view(B, 2 * N, c, -1)
+        per_rank_NB2cX = torch.stack([chunks_B2NcX[:, :N], chunks_B2NcX[:, N:].flip(1)], dim=2).transpose(0, 1)
+        per_rank_NB2cX = per_rank_NB2cX.reshape(N * B, s, -1)  # a copy, ranks stacked on dim 0
+        mine_BSX = per_rank_NB2cX.new_empty(B, s, per_rank_NB2cX.shape[-1])
+        dist.reduce_scatter_tensor(mine_BSX, per_rank_NB2cX, op=dist.ReduceOp.SUM, group=ctx.group)
+        return (None, *(part.reshape(shape) for part, shape in zip(mine_BSX.split(ctx.widths, dim=-1), shapes)))
+
+
+class ContextParallelShard(SequenceShard):
+    """This rank's head-tail share of every sequence, exchanging key-side tensors over ``group`` (the ranks that
+    share a sequence: they read the same batches). Install on the model before the first forward::
+
+        model.sequence_shard = ContextParallelShard(cp_group)
+
+    The key-side tensors of one call must share a dtype (they travel in one buffer)."""
+
+    def __init__(self, group: dist.ProcessGroup):
+        self.group = group
+        self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
+
+    def positions(self, seq_len: int, device: torch.device) -> torch.Tensor:
+        return _positions(seq_len, self.size, self.rank, device)
+
+    def local(self, x_BS: torch.Tensor) -> torch.Tensor:
+        return x_BS.index_select(1, self.positions(x_BS.shape[1], x_BS.device))
+
+    def gather(self, *key_side_BS: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return _GatherSequence.apply(self.group, *key_side_BS)
+
+    def reduce_max_logits(self, max_logits: torch.Tensor) -> torch.Tensor:
+        max_logits = max_logits.detach().clone()
+        dist.all_reduce(max_logits, op=dist.ReduceOp.MAX, group=self.group)
+        return max_logits
+
+
+@functools.lru_cache(maxsize=16)
+def _positions(seq_len: int, size: int, rank: int, device: torch.device) -> torch.Tensor:
+    return head_tail_positions(seq_len, size, rank, device)

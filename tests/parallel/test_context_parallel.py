@@ -1,0 +1,107 @@
+"""Context parallelism: head-tail balance (counted), the loss scaling, and the exchange on real gloo ranks against
+one process (MLA and GQA, document masking off and on, CP 2 and 4)."""
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from moe_lightning.model.attention import document_ids
+from moe_lightning.model.loss import context_parallel_mean
+from moe_lightning.parallel.context_parallel import attended_pairs, check_sequence_length, head_tail_positions
+from tests.support.distributed import LAUNCHERS, run_ranks
+
+
+@pytest.mark.parametrize("size", [1, 2, 4, 8])
+def test_head_tail_shards_cover_every_position_once(size):
+    shards = [head_tail_positions(64, size, r) for r in range(size)]
+    assert torch.equal(torch.cat(shards).sort().values, torch.arange(64))
+    assert all(torch.equal(s, s.sort().values) and len(s) == 64 // size for s in shards)
+    assert shards[0][:64 // (2 * size)].tolist() == list(range(64 // (2 * size)))  # rank 0 holds the first chunk
+    assert shards[0][-1] == 63  # ... and the last
+
+
+def _pairs_pure_python(doc: list[int], positions: list[int]) -> int:
+    """Keys each query sees, counted one by one: same document, not in the future."""
+    return sum(sum(1 for k in range(q + 1) if doc[k] == doc[q]) for q in positions)
+
+
+@pytest.mark.parametrize("size", [2, 4, 8])
+def test_head_tail_balances_causal_pairs_within_ten_percent(size):
+    S = 1024
+    pairs = [_pairs_pure_python([0] * S, head_tail_positions(S, size, r).tolist()) for r in range(size)]
+    mean = sum(pairs) / size
+    assert sum(pairs) == S * (S + 1) // 2
+    assert max(pairs) / mean <= 1.10 and min(pairs) / mean >= 0.90
+    # a contiguous split (rank r takes the r-th S/N) would not be: its last rank does 2N-1 times the first's work
+    contiguous = [_pairs_pure_python([0] * S, list(range(r * S // size, (r + 1) * S // size))) for r in range(size)]
+    assert max(contiguous) / mean > 1.4  # (2N-1)/N: 1.5 at N=2
+
+
+def test_attended_pairs_equals_the_pure_python_count_with_documents():
+    g = torch.Generator().manual_seed(0)
+    tokens_S = torch.randint(0, 12, (96,), generator=g)
+    doc_S = document_ids(tokens_S[None], 0)[0]
+    for size in (1, 2, 4):
+        for rank in range(size):
+            positions = head_tail_positions(96, size, rank)
+            assert attended_pairs(doc_S, positions) == _pairs_pure_python(doc_S.tolist(), positions.tolist())
+
+
+def test_sequence_length_not_a_multiple_of_two_n_is_refused_naming_the_field():
+    check_sequence_length(64, 4)
+    with pytest.raises(ValueError, match=r"data.seq_len.*multiple of 8.*e\.g\. 72"):
+        check_sequence_length(68, 4)
+
+
+def test_scaled_shard_losses_averaged_over_ranks_give_the_whole_batch_gradient():
+    """What FSDP computes (the mean over the ranks' gradients of ``context_parallel_mean``) is the gradient of the
+    whole batch's mean cross-entropy, ignored targets included; float64, so only rounding differs."""
+    g = torch.Generator().manual_seed(0)
+    B, S, D, V, N = 2, 16, 8, 11, 4
+    h_BSD = torch.randn(B, S, D, generator=g, dtype=torch.float64)
+    w_VD = torch.randn(V, D, generator=g, dtype=torch.float64, requires_grad=True)
+    targets_BS = torch.randint(0, V, (B, S), generator=g)
+    targets_BS[0, 3:9] = -100  # uneven across shards
+    F.cross_entropy((h_BSD @ w_VD.T).flatten(0, 1), targets_BS.flatten()).backward()
+    expected = w_VD.grad.clone()
+    w_VD.grad = None
+    for rank in range(N):
+        pos = head_tail_positions(S, N, rank)
+        total = F.cross_entropy((h_BSD[:, pos] @ w_VD.T).flatten(0, 1), targets_BS[:, pos].flatten(), reduction="sum")
+        context_parallel_mean(total, targets_BS, N).backward()
+    torch.testing.assert_close(w_VD.grad / N, expected, rtol=1e-12, atol=1e-14)
+
+
+def _check_against_one_process(results: dict) -> None:
+    """fp32: the shards sum the same terms in another order (attention rows over all T keys, each gradient the sum
+    of N ranks' shares, the reduce-scatter's sums): differences of a few ulp of the largest terms. Measured
+    <= 7e-7 of each parameter's largest gradient entry at CP 2 and 4; 1e-5 leaves margin, while a wrong chunk
+    order, a missing gradient sum or a wrong loss scale gives errors of order 1."""
+    assert set(results) == {"mla-causal", "mla-docs", "gqa-causal", "gqa-docs"}
+    for name, r in results.items():
+        assert r["cp_loss"] == pytest.approx(r["loss"], rel=1e-6), name
+        assert r["grad_rel_error"] < 1e-5, name
+        assert r["max_logit_error"] < 1e-4, name  # QK-clip's maxima (logits of O(1-10)), reduced over the group
+        # one exchange per layer and pass, of S x width x 4 B x (N-1)/N per batch row: the latent (C + R) for
+        # MLA, the grouped K and V (2 G K) for GQA
+        assert [kind for kind, _ in r["forward_calls"]] == ["all_gather"] * r["layers"], name
+        assert [kind for kind, _ in r["backward_calls"]] == ["reduce_scatter"] * r["layers"], name
+        assert {sent for _, sent in r["forward_calls"] + r["backward_calls"]} == {r["expected_bytes"]}, name
+    assert results["mla-causal"]["expected_bytes"] * 2 == results["gqa-causal"]["expected_bytes"]
+
+
+def test_cp2_forward_and_backward_equal_one_process(tmp_path):
+    run_ranks(LAUNCHERS / "context_parallel_run.py", 2, "--out", str(tmp_path / "cp2.json"))
+    results = json.loads((tmp_path / "cp2.json").read_text())
+    _check_against_one_process(results)
+    assert results["mla-causal"]["expected_bytes"] == 2 * 64 * (12 + 4) * 4 // 2
+
+
+@pytest.mark.slow
+def test_cp4_forward_and_backward_equal_one_process(tmp_path):
+    run_ranks(LAUNCHERS / "context_parallel_run.py", 4, "--out", str(tmp_path / "cp4.json"))
+    results = json.loads((tmp_path / "cp4.json").read_text())
+    _check_against_one_process(results)
+    assert results["mla-causal"]["expected_bytes"] == 2 * 64 * (12 + 4) * 4 * 3 // 4
