@@ -202,3 +202,33 @@ def test_mtp_blocks_are_recomputed_with_the_same_numerics():
     # MTP blocks 3 and 4 are checkpointed, their inputs kept; the main blocks offload as before
     assert [f"{kind} {i}" for kind, i in on.order[:5]] == ["offload 0", "offload 1", "keep 2", "keep 3", "keep 4"]
     on.remove()
+
+
+def test_a_boundary_dropped_with_its_copy_pending_makes_the_compute_stream_wait_before_its_memory_is_freed():
+    """A prefetched input that backward never unpacks (it stopped early) used to be freed at once: its memory went
+    back to the compute stream's pool while the side stream was still copying into it. Stand-in stream and event
+    (CPU): the wait is enqueued before the tensor is released, and only while a copy is pending."""
+    from moe_lightning.training.callbacks.activation_offload import _Boundary
+
+    log = []
+
+    class Stream:
+        def wait_event(self, event):
+            log.append(("wait", event, alive() is not None))
+
+    tensor = torch.randn(4)
+    alive = weakref.ref(tensor)
+    boundary = _Boundary(0, tensor, True, weakref.WeakValueDictionary(), [])
+    boundary.copy_done, boundary.compute_stream = "copy event", Stream()
+    del tensor
+    del boundary
+    assert log == [("wait", "copy event", True)]  # enqueued while the tensor was still alive
+    assert alive() is None  # freed right after the wait
+    done = _Boundary(1, torch.randn(4), True, weakref.WeakValueDictionary(), [])
+    done.compute_stream = Stream()
+    done.copy_done = None  # unpacked: _release_source waited already
+    del done
+    kept = _Boundary(2, torch.randn(4), True, weakref.WeakValueDictionary(), [])
+    kept.copy_done, kept.compute_stream, kept.device_tensor = "event", Stream(), None  # released: nothing to free
+    del kept
+    assert len(log) == 1

@@ -35,16 +35,24 @@ from moe_lightning.training.lightning_internals import logs_written
 class _Boundary:
     """One block's input for one forward: kept on device, or offloaded with a host copy."""
 
-    __slots__ = ("index", "offloaded", "device", "device_tensor", "host_tensor", "copy_done", "generation",
-                 "buffer_versions", "__weakref__")
+    __slots__ = ("index", "offloaded", "device", "device_tensor", "host_tensor", "copy_done", "compute_stream",
+                 "generation", "buffer_versions", "__weakref__")
 
     def __init__(self, index: int, tensor: torch.Tensor, offloaded: bool, generation: "weakref.WeakValueDictionary",
                  buffer_versions: list[tuple[str, torch.Tensor, int]]):
         self.index, self.offloaded, self.device, self.generation = index, offloaded, tensor.device, generation
         self.device_tensor: Optional[torch.Tensor] = tensor
         self.host_tensor: Optional[torch.Tensor] = None
-        self.copy_done: Optional[torch.cuda.Event] = None
+        self.copy_done: Optional[torch.cuda.Event] = None  # the side stream's copy (out or in) still pending
+        self.compute_stream: Optional[torch.cuda.Stream] = None  # the stream the device tensor's memory belongs to
         self.buffer_versions = buffer_versions
+
+    def __del__(self):
+        """A boundary dropped with its copy pending (prefetched, then never unpacked: a backward that stopped
+        early): the compute stream waits for the copy before the device tensor's memory returns to its pool, or
+        the next allocation there could be overwritten by the copy still in flight."""
+        if self.copy_done is not None and self.device_tensor is not None:
+            self.compute_stream.wait_event(self.copy_done)
 
 
 class ActivationOffload(L.Callback):
@@ -223,7 +231,8 @@ class ActivationOffload(L.Callback):
             if side is None:
                 destination.copy_(source)
                 return
-            side.wait_stream(torch.cuda.current_stream(boundary.device))
+            boundary.compute_stream = torch.cuda.current_stream(boundary.device)
+            side.wait_stream(boundary.compute_stream)
             with torch.cuda.stream(side):
                 destination.copy_(source, non_blocking=True)
                 boundary.copy_done = side.record_event()
