@@ -130,28 +130,84 @@ def test_bias_update_moves_a_skewed_router_toward_balance():
     assert end < 1.5 < start
 
 
-def test_aux_losses_reach_the_router_with_the_configured_gradient_scale():
-    torch.manual_seed(0)
-    config = tiny_config(aux_loss_coef=0.1, z_loss_coef=0.01, n_shared_experts=0)
-    moe = MoELayer(config)
-    moe.init_weights(std=0.1, out_std=0.1)
-    moe.aux_loss_grad_scale = 0.25
-    x = torch.randn(2, 16, 32)
-    grad_out = torch.randn(2, 16, 32)
+def float64_balancing_loss(x_BSD, gate_ED, bias_E, score_func, top_k, aux_coef, z_coef, per_sequence=True):
+    """DeepSeek-V3's balance loss ``E/(K*S) * sum_e f_e * P_e`` and ST-MoE's z-loss, written token by token in
+    float64 from the router's weights: P_e averages each token's scores normalised to sum 1, f_e counts the
+    (bias-shifted) top-k picks. ``per_sequence``: one f·P per sequence, averaged (else one over the whole batch).
+    Differentiable in ``gate_ED``; also returns the tokens each expert received."""
+    B, S, _ = x_BSD.shape
+    E = gate_ED.shape[0]
+    logits_BSE = x_BSD.double() @ gate_ED.double().T
+    scores_BSE = logits_BSE.softmax(-1) if score_func == "softmax" else logits_BSE.sigmoid()
+    groups = [range(b * S, (b + 1) * S) for b in range(B)] if per_sequence else [range(B * S)]
+    flat_TE, flat_logits_TE = scores_BSE.reshape(B * S, E), logits_BSE.reshape(B * S, E)
+    counts = [0] * E
+    balance = 0.0
+    for tokens in groups:
+        f, P = [0.0] * E, [0.0] * E
+        for t in tokens:
+            for e in (flat_TE[t].detach() + bias_E.double()).topk(top_k).indices.tolist():
+                f[e] += E / (top_k * len(tokens))
+                counts[e] += 1
+            for e in range(E):
+                P[e] = P[e] + flat_TE[t, e] / flat_TE[t].sum() / len(tokens)
+        balance = balance + sum(f[e] * P[e] for e in range(E)) / len(groups)
+    z = 0.0
+    for t in range(B * S):
+        m = flat_logits_TE[t].max().detach()
+        z = z + (m + sum((flat_logits_TE[t, e] - m).exp() for e in range(E)).log()) ** 2 / (B * S)
+    return aux_coef * balance + z_coef * z, counts
 
+
+def skewed_layer(score_func: str, aux_coef: float, z_coef: float):
+    """A MoE layer with O(1) router logits and a batch of two sequences leaning on different experts (0 and 5),
+    plus a small balancing bias: per-sequence and batch-wise balance differ, and the bias shifts picks."""
+    torch.manual_seed(0)
+    moe = MoELayer(tiny_config(n_shared_experts=0, score_func=score_func, aux_loss_coef=aux_coef, z_loss_coef=z_coef))
+    moe.init_weights(std=0.5, out_std=0.5)
+    gate_ED = moe.router.gate.weight.detach()
+    x_BSD = torch.randn(2, 32, 32)
+    x_BSD[0] += 3 * gate_ED[0] / gate_ED[0].norm()
+    x_BSD[1] += 3 * gate_ED[5] / gate_ED[5].norm()
+    moe.router.expert_bias.copy_(torch.linspace(-0.05, 0.05, 8))
+    return moe, x_BSD
+
+
+@pytest.mark.parametrize("aux_coef, z_coef", [(1.0, 0.0), (0.0, 1.0), (0.3, 0.05)])
+@pytest.mark.parametrize("score_func", ["softmax", "sigmoid"])
+def test_balancing_and_z_loss_equal_a_float64_reference_on_skewed_routing(score_func, aux_coef, z_coef):
+    moe, x_BSD = skewed_layer(score_func, aux_coef, z_coef)
+    with torch.no_grad():
+        moe(x_BSD)
+    gate_ED, bias_E = moe.router.gate.weight.detach(), moe.router.expert_bias
+    expected, counts = float64_balancing_loss(x_BSD, gate_ED, bias_E, score_func, 2, aux_coef, z_coef)
+    assert moe.tokens_per_expert.tolist() == counts  # the same picks (no near-ties in fp32)
+    assert max(counts) > 2 * sum(counts) / len(counts)  # skewed, not uniform
+    # fp32 logits of O(3) and sums over 64 tokens x 8 experts: a few 1e-7 relative
+    assert moe.aux_loss.item() == pytest.approx(expected.item(), rel=1e-6)
+    if aux_coef:  # the test tells a per-sequence loss from a batch-wise one: they differ by far more than 1e-6
+        batch_wise, _ = float64_balancing_loss(x_BSD, gate_ED, bias_E, score_func, 2, aux_coef, z_coef,
+                                               per_sequence=False)
+        assert abs(batch_wise.item() - expected.item()) > 1e-2 * expected.item()
+
+
+def test_aux_losses_reach_the_router_with_the_configured_gradient_scale():
+    moe, x = skewed_layer("softmax", 1.0, 0.1)
+    moe.aux_loss_grad_scale = 0.25
+    grad_out = 0.01 * torch.randn(2, 32, 32)  # small: the losses' share of the router gradient stays visible
     (moe(x) * grad_out).sum().backward()
     attached = moe.router.gate.weight.grad.clone()
 
-    # Reference: the same losses added explicitly to the objective, scaled by hand.
+    # Reference: the layer's output alone, plus 0.25 x the float64 losses' own gradient in the router weights.
     moe.zero_grad()
     moe.aux_loss_coef = moe.z_loss_coef = 0.0
-    y = moe(x)
-    weights_TK, experts_TK, scores_TE, logits_TE = moe.router(x.reshape(-1, 32))
-    moe.aux_loss_coef, moe.z_loss_coef = 0.1, 0.01
-    aux = moe._balancing_loss(scores_TE.view(2, 16, -1), experts_TK.view(2, 16, -1), logits_TE)
-    ((y * grad_out).sum() + 0.25 * aux).backward()
-    torch.testing.assert_close(attached, moe.router.gate.weight.grad, rtol=1e-5, atol=1e-7)
-    assert aux.item() > 0
+    (moe(x) * grad_out).sum().backward()
+    gate_ED = moe.router.gate.weight.detach().double().requires_grad_()
+    aux, _ = float64_balancing_loss(x, gate_ED, moe.router.expert_bias, "softmax", 2, 1.0, 0.1)
+    aux.backward()
+    expected = moe.router.gate.weight.grad.double() + 0.25 * gate_ED.grad
+    assert (0.25 * gate_ED.grad).abs().max() > 1e-2  # the losses' share is 10^4 x the tolerance
+    torch.testing.assert_close(attached.double(), expected, rtol=1e-5, atol=1e-6)  # fp32 against float64
 
 
 def test_sequence_aux_loss_is_minimal_for_uniform_routing():
@@ -184,8 +240,12 @@ def test_meta_build_then_init_weights_gives_a_working_model():
     torch.manual_seed(0)
     model.init_weights()
     assert all(b.abs().sum() == 0 for b in model.buffers())  # balancing bias reset
-    logits = model(torch.randint(0, 64, (1, 8)))
-    assert torch.isfinite(logits).all()
+    tokens = torch.randint(0, 64, (1, 8))
+    logits = model(tokens)
+    reference = MoETransformer(tiny_config())  # built on the CPU directly, initialised from the same seed
+    torch.manual_seed(0)
+    reference.init_weights()
+    torch.testing.assert_close(logits, reference(tokens), rtol=0, atol=0)
     assert math.isclose(logits.float().std().item(), 1.0, rel_tol=0.5)
 
 
