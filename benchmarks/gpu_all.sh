@@ -1,72 +1,146 @@
 #!/usr/bin/env bash
-# Every GPU measurement of the project in one command, the 1T recipe first, then in order of value, within one
-# budget:
-#   bash benchmarks/gpu_all.sh [BUDGET_SECONDS]     # default 420 s (7 min, at most 8): a rerun fits a 15-minute lease
-# First checks that Triton can build its launcher (a C compiler and Python.h; one line if not, and the compiled
-# parts are skipped). Compiled kernels go to one cache ($GPU_ALL_CACHE, default /tmp/moe_lightning_compile_cache)
-# shared by every part: the recipe part compiles FlexAttention once, later parts and reruns reuse it.
-# Logs go to $OUT (the device tool's output folder) or ./gpu_results. Each part prints its JSON lines as they
-# come, gets min(its own time box, what is left of the budget), and a failure or time-out of one part is
-# reported while the others still run. Exits non-zero when any part failed or was skipped for lack of time.
-# Needs torch and lightning only (PYTHONPATH points at the checkout; carry jsonargparse only for the CLI).
-# The interpreter is ${PYTHON:-python3}. Each part learns its time box from $GPU_ALL_BOX_S, so a part that starts
-# children can give them less and stop them (their whole process group) before the box closes.
+# Every GPU measurement of the project in one command, within one budget, ending in one table:
+#   bash benchmarks/gpu_all.sh [BUDGET_SECONDS]        # default 420 s; GPU_ALL_PARTS=paths,recipe runs only those
+#   bash benchmarks/gpu_all.sh --list                  # each part, its time box, the recipe's model (no GPU needed)
+#   bash benchmarks/gpu_all.sh --dry-run [BUDGET]      # every selected part with --dry-run, on CPU
+# Parts, in order (the path check first, then by value): see PARTS below. Each part gets min(its box, what is
+# left), prints its lines as they come and, as soon as it has it, one "figure: part | key number | target |
+# PASS/FAIL" line; a failure or time-out of one part is reported while the others still run.
+# Time: the boxes add up to 370 s; the machine facts and the Triton preflight take ~10-15 s (printed as
+# "start-up"), so a full run ends inside 420 s. A lease is 900 s of device time: a fresh machine's start (~60-120 s,
+# estimated from the device notes), this run, and a rerun of the failed parts on a fresh machine (idle > 30 s:
+# start again, then one part of <= 150 s) fit.
+# Files under $OUT (the device tool's output folder, else ./gpu_results), at most 8: gpu_all.md (machine facts,
+# preflight, the table), one <part>.log per part run, and compile_cache.tgz (the Inductor/Triton cache, when it is
+# under 16 MiB). To reuse the compiled kernels on the next call, copy that file to .gpu_cache/compile_cache.tgz
+# in the checkout (ignored: add /.gpu_cache/ to .git/info/exclude) and carry .gpu_cache: it is unpacked first.
+# Exits non-zero when any part failed, timed out or was skipped. Needs torch and lightning only (no jsonargparse).
+# The interpreter is ${PYTHON:-python3}. Each part learns its time box from $GPU_ALL_BOX_S.
 set -u -o pipefail
 cd "$(dirname "$0")/.."
+python=${PYTHON:-python3}
+list=0 dry=()
+while (($#)); do
+    case $1 in
+        --list) list=1 ;;
+        --dry-run) dry=(--dry-run) ;;
+        *) break ;;
+    esac
+    shift
+done
 budget=${1:-420}
+
+# name|time box s|needs Triton|command|what it measures
+PARTS=(
+  "paths|40|1|benchmarks/gpu_paths.py|grouped_mm, FlexAttention (S, S-1) + max_scores, offload, host-staged NS, NCCL: PASS/FAIL each"
+  "recipe|150|1|benchmarks/gpu_recipe.py|the H200-sized recipe: tokens/s, MFU (989 TFLOP/s and measured GEMM), memory, syncs, phases, offload stall"
+  "attention|45|1|benchmarks/gpu_attention.py|FlexAttention document mask vs dense-mask SDPA, MLA first: time, memory, difference"
+  "offload|60|0|benchmarks/gpu_offload.py|ActivationOffload vs activation checkpointing: peak memory, tokens/s"
+  "muon|45|0|benchmarks/muon_gpu_step.py|Muon step with fp32 host state: staged vs serial copies, vs on-device Muon and AdamW"
+  "strategy|30|0|benchmarks/gpu_strategy.py|MoEFSDPStrategy default variant: tokens/s, MFU, allocator retries"
+)
+selected=()
+for row in "${PARTS[@]}"; do
+    name=${row%%|*}
+    if [[ -z ${GPU_ALL_PARTS:-} || ,${GPU_ALL_PARTS}, == *,$name,* ]]; then selected+=("$row"); fi
+done
+for want in ${GPU_ALL_PARTS//,/ }; do
+    printf '%s\n' "${PARTS[@]}" | grep -q "^$want|" || { echo "gpu_all: GPU_ALL_PARTS names an unknown part '$want'; parts: $(printf '%s ' "${PARTS[@]%%|*}")"; exit 2; }
+done
+
+if ((list)); then
+    total=0
+    for row in "${selected[@]}"; do
+        IFS='|' read -r name box compiles script what <<<"$row"
+        total=$((total + box))
+        printf '%-9s %4s s  %s\n' "$name" "$box" "$what"
+        [[ $name == recipe ]] && "$python" "$script" --describe | sed 's/^/          /'
+    done
+    echo "boxes: ${total} s of a ${budget} s budget; start-up (machine facts, preflight) ~10-15 s, measured in each run"
+    exit 0
+fi
+
 out=${OUT:-gpu_results}
 mkdir -p "$out"
 cache=${GPU_ALL_CACHE:-/tmp/moe_lightning_compile_cache}
+carried=${GPU_ALL_CACHE_TGZ:-.gpu_cache/compile_cache.tgz}
+mkdir -p "$cache"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD TORCHINDUCTOR_CACHE_DIR=$cache/inductor TRITON_CACHE_DIR=$cache/triton
 start=$SECONDS
-failed=()
-python=${PYTHON:-python3}
-echo "gpu_all: total budget ${budget} s; parts: recipe(150) offload(80) attention(50) muon(60) strategy(50)"
-{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
-  "$python" -c "import torch, lightning; print('torch', torch.__version__, 'lightning', lightning.__version__, \
-'gpus', torch.cuda.device_count())"; } 2>&1 | tee "$out/machine.txt"
+report=$out/gpu_all.md
+{
+    echo "# gpu_all $(date -u +%Y-%m-%dT%H:%M:%SZ), budget ${budget} s, parts: $(printf '%s ' "${selected[@]%%|*}")"
+    [[ -f $carried ]] && tar xzf "$carried" -C "$cache" && echo "compile cache: unpacked $carried ($(du -sh "$cache" | cut -f1))"
+    "$python" - <<'EOF'
+import subprocess, torch
+print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, cuDNN {torch.backends.cudnn.version()}", end="")
+if torch.cuda.is_available():
+    smi = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
+                         capture_output=True, text=True).stdout.strip()
+    nccl = ".".join(map(str, torch.cuda.nccl.version())) if torch.distributed.is_nccl_available() else "none"
+    b = torch.backends.cuda
+    print(f", NCCL {nccl}\nGPU: {smi}, {torch.cuda.device_count()} device(s), capability "
+          f"{torch.cuda.get_device_capability()}\nSDPA backends enabled: flash {b.flash_sdp_enabled()}, "
+          f"mem_efficient {b.mem_efficient_sdp_enabled()}, cudnn {b.cudnn_sdp_enabled()}, math {b.math_sdp_enabled()}")
+else:
+    print("\nGPU: none (CPU)")
+EOF
+} 2>&1 | tee "$report"
+compiles=0
+if ((${#dry[@]} == 0)); then
+    "$python" benchmarks/gpu_preflight.py 2>&1 | tee -a "$report"
+    compiles=${PIPESTATUS[0]}  # 0: Triton's launcher builds; otherwise the parts that compile kernels are skipped
+fi
+echo "start-up: $((SECONDS - start)) s (machine facts, preflight)" | tee -a "$report"
+failed=() rows=()
 
-"$python" benchmarks/gpu_preflight.py | tee "$out/preflight.txt"
-compiles=${PIPESTATUS[0]}  # 0: Triton's launcher builds; otherwise the parts that compile kernels are skipped
-statuses=()
-
-part() {  # part NAME BOX_SECONDS COMPILES COMMAND...: run within min(BOX, budget left), record the outcome
-    local name=$1 box=$2 needs_compiler=$3; shift 3
-    if ((needs_compiler && compiles != 0)); then
-        echo "gpu_all: SKIPPED $name (Triton cannot build its launcher, see above)"; failed+=("$name:no-compiler")
-        statuses+=("$name|skipped: no C compiler or Python.h"); return
-    fi
+part() {  # part NAME BOX NEEDS_TRITON SCRIPT: run within min(BOX, budget left), record its figure and outcome
+    local name=$1 box=$2 needs_compiler=$3 script=$4 outcome
+    rm -f "$out/$name.log"  # a log of an earlier run in the same folder is not this run's figure
     local left=$((budget - (SECONDS - start)))
-    if ((left < 15)); then
-        echo "gpu_all: SKIPPED $name (${left} s of budget left)"; failed+=("$name:skipped")
-        statuses+=("$name|skipped: ${left} s of budget left"); return
+    if ((needs_compiler && compiles != 0)); then
+        outcome="skipped: Triton cannot build its launcher"; failed+=("$name:no-compiler")
+    elif ((left < 15)); then
+        outcome="skipped: ${left} s of budget left"; failed+=("$name:skipped")
+    else
+        ((box > left)) && box=$left
+        echo "gpu_all: --- $name (time box ${box} s, $((SECONDS - start)) s elapsed) ---"
+        local t0=$SECONDS
+        GPU_ALL_BOX_S=$box timeout --kill-after=5 "$box" "$python" "$script" "${dry[@]}" 2>&1 | tee "$out/$name.log"
+        local rc=$? took=$((SECONDS - t0))
+        if ((rc == 0)); then outcome="ok in ${took} s"
+        elif ((rc == 124 || rc == 137)); then outcome="TIMEOUT after ${box} s"; failed+=("$name:timeout")
+        else outcome="FAILED (exit $rc) after ${took} s"; failed+=("$name:exit$rc"); fi
     fi
-    ((box > left)) && box=$left
-    echo "gpu_all: --- $name (time box ${box} s, $((SECONDS - start)) s elapsed) ---"
-    local t0=$SECONDS
-    GPU_ALL_BOX_S=$box timeout --kill-after=5 "$box" "$@" 2>&1 | tee "$out/$name.log"
-    local rc=$? took=$((SECONDS - t0))
-    if ((rc == 0)); then echo "gpu_all: ok $name"; statuses+=("$name|ok in ${took} s")
-    elif ((rc == 124 || rc == 137)); then echo "gpu_all: TIMEOUT $name after ${box} s"; failed+=("$name:timeout")
-        statuses+=("$name|TIMEOUT after ${box} s")
-    else echo "gpu_all: FAILED $name (exit $rc)"; failed+=("$name:exit$rc"); statuses+=("$name|FAILED (exit $rc)"); fi
+    echo "gpu_all: $name: $outcome"
+    local figure
+    figure=$(grep -h '^figure: ' "$out/$name.log" 2>/dev/null | tail -1)
+    figure=${figure#figure: }
+    if [[ -n $figure ]]; then rows+=("| $figure | $outcome |")
+    else rows+=("| $name | (no figure) | - | FAIL | $outcome |"); fi
 }
 
-# recipe: one MLA + Muon + QK-clip + MTP + document-masked + offloaded 1t-mini step: tokens/s, MFU, peak memory,
-# host syncs per step, offload copies against compute (measured overlap); prints its own Markdown table
-part recipe 150 1 "$python" benchmarks/gpu_smoke.py
-part offload 80 0 "$python" benchmarks/gpu_offload.py           # peak memory / tokens/s: off, checkpoint, prefetch
-part attention 50 1 "$python" benchmarks/gpu_attention.py       # FlexAttention document mask vs dense-mask SDPA
-part muon 60 0 "$python" benchmarks/muon_gpu_step.py --cases adamw,muon,muon_offload_ns_gpu,muon_offload_ns_gpu_serial
-part strategy 50 0 "$python" benchmarks/gpu_strategy.py         # one variant on 1 GPU; unshard/prefetch on >= 2
-# (benchmarks/block_memory.py counts saved bytes exactly on CPU: not worth GPU time)
+for row in "${selected[@]}"; do
+    IFS='|' read -r name box compiles_needed script what <<<"$row"
+    part "$name" "$box" "$compiles_needed" "$script"
+done
 
-echo "gpu_all: done in $((SECONDS - start)) s of ${budget} s"
-echo
-echo "| part | outcome |"
-echo "| --- | --- |"
-for row in "${statuses[@]}"; do echo "| ${row%%|*} | ${row#*|} |"; done
-[[ -f $out/recipe.log ]] && { echo; grep '^|' "$out/recipe.log"; }
-echo
-if ((${#failed[@]})); then echo "gpu_all: FAILED PARTS: ${failed[*]}"; exit 1; fi
-echo "gpu_all: all parts ok"
+if [[ -d $cache && -n $(ls -A "$cache" 2>/dev/null) ]]; then
+    tar czf "$out/compile_cache.tgz" -C "$cache" . 2>/dev/null
+    size=$(stat -c %s "$out/compile_cache.tgz")
+    if ((size > 16 * 1024 * 1024)); then
+        rm -f "$out/compile_cache.tgz"; cache_note="compile cache: $((size >> 20)) MiB packed, over the 16 MiB a file may be: not kept"
+    else cache_note="compile cache: $out/compile_cache.tgz, $((size >> 10)) KiB (carry it as .gpu_cache/compile_cache.tgz)"; fi
+else cache_note="compile cache: empty (nothing compiled)"; fi
+{
+    echo
+    echo "gpu_all: done in $((SECONDS - start)) s of ${budget} s; $cache_note"
+    echo
+    echo "| part | key number | target | pass/fail | outcome |"
+    echo "| --- | --- | --- | --- | --- |"
+    printf '%s\n' "${rows[@]}"
+    echo
+    if ((${#failed[@]})); then echo "gpu_all: FAILED PARTS: ${failed[*]} (rerun: GPU_ALL_PARTS=$(printf '%s\n' "${failed[@]%%:*}" | paste -sd,) bash benchmarks/gpu_all.sh)"
+    else echo "gpu_all: all parts ok"; fi
+} | tee -a "$report"
+((${#failed[@]} == 0))
