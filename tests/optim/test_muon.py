@@ -48,12 +48,14 @@ def test_matches_torch_muon_on_2d(adjust_lr_fn, nesterov):
         assert torch.equal(p, q)
 
 
-def test_expert_stack_step_equals_torch_muon_per_expert():
-    """A [E, m, n] stack is E independent matrices: same momentum, NS and shape-based LR scale."""
+@pytest.mark.parametrize("adjust_lr_fn", ["original", "match_rms_adamw"])
+def test_expert_stack_step_equals_torch_muon_per_expert(adjust_lr_fn):
+    """A [E, m, n] stack is E independent matrices: same momentum, NS and shape-based LR scale (of one expert's
+    [m, n], under either rule)."""
     ours, _ = twin_params([(4, 12, 20)])
     theirs = [torch.nn.Parameter(e.detach().clone()) for e in ours[0]]
-    opt_a = Muon(ours, lr=0.02, adjust_lr_fn="original", ns_dtype="bfloat16")
-    opt_b = torch.optim.Muon(theirs, lr=0.02, adjust_lr_fn="original")
+    opt_a = Muon(ours, lr=0.02, adjust_lr_fn=adjust_lr_fn, ns_dtype="bfloat16")
+    opt_b = torch.optim.Muon(theirs, lr=0.02, adjust_lr_fn=adjust_lr_fn)
     for _ in range(3):
         ours[0].grad = torch.randn_like(ours[0])
         for e, q in enumerate(theirs):
