@@ -132,6 +132,17 @@ def run_child(index: int, args, timeout: float) -> dict:
     return {**json.loads(lines[-1]), "status": "ok"}
 
 
+def figure_line(results: list[dict]) -> str:
+    """The part's figure: the first variant's tokens/s and MFU (one GPU runs the default variant only)."""
+    ok = [r for r in results if r.get("tokens_per_s")]
+    if not ok:
+        return "figure: strategy | no variant finished | MFU >= 20% | FAIL"
+    r = ok[0]
+    mfu = f", MFU {r['mfu']:.1%}" if r.get("mfu") is not None else ""
+    return (f"figure: strategy | {r['tokens_per_s']:,.0f} tokens/s{mfu}, {r.get('alloc_retries', 0)} allocator retries "
+            f"| MFU >= 20% | {'PASS' if (r.get('mfu') or 0) >= 0.2 else 'FAIL'}")
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, all variants in this process")
@@ -147,6 +158,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         results = [run_variant(v, DRY, 1, 1, args.peak_flops) for v in VARIANTS]
         for result in results:
             print(json.dumps(result), flush=True)
+        print(figure_line(results), flush=True)
         return results
     if args.variant is not None:
         result = run_variant(VARIANTS[args.variant], GPU, args.warmup, args.steps, args.peak_flops, args.devices)
@@ -169,6 +181,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         share = (deadline - time.monotonic()) / (len(indices) - position)  # what is left, split evenly
         results.append(run_child(i, args, max(share, 1.0)))
         print(json.dumps(results[-1]), flush=True)
+    print(figure_line(results), flush=True)
     if any(r["status"] != "ok" for r in results):
         raise SystemExit(1)
     return results
