@@ -119,7 +119,15 @@ class Stack(Source):
                 raise _shape_error(name, key, shape_of(key), shape[1:])
 
     def read(self, get, index):
-        return torch.stack([get(self._keys[e])[index[1:]] for e in range(*index[0].indices(len(self._keys)))])
+        """Filled one expert at a time: the region plus one expert in memory, not twice the region."""
+        experts = range(*index[0].indices(len(self._keys)))
+        out = None
+        for i, e in enumerate(experts):
+            piece = get(self._keys[e])[index[1:]]
+            if out is None:
+                out = piece.new_empty((len(experts), *piece.shape))
+            out[i] = piece
+        return out
 
     def write(self, tensor, name):
         return {key: tensor[e] for e, key in enumerate(self._keys)}
