@@ -105,3 +105,35 @@ def test_cp4_forward_and_backward_equal_one_process(tmp_path):
     results = json.loads((tmp_path / "cp4.json").read_text())
     _check_against_one_process(results)
     assert results["mla-causal"]["expected_bytes"] == 2 * 64 * (12 + 4) * 4 * 3 // 4
+
+
+def test_benchmark_prints_latent_and_expanded_bytes_at_the_1t_shape(capsys):
+    from tests.support.benchmark_script import load_benchmark
+
+    load_benchmark("context_parallel").wire([1, 4])
+    out = capsys.readouterr().out
+    assert "latent + rotary key 576, expanded K and V 40960 (71.1x)" in out
+    assert f"{65536 * 576 * 2 * 3 / 4 / 2**20:.1f} MiB" in out  # S x width x 2 B x (N-1)/N, N = 4
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_the_benchmarks_kernel_emulation_computes_sdpa(masked):
+    """The memory count replaces SDPA by a chunked function that keeps what GPU kernels keep: it must compute the
+    same attention, folded query heads (the shard path) included."""
+    from tests.support.benchmark_script import load_benchmark
+
+    bench = load_benchmark("context_parallel")
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 24, 8, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(2, 2, 40, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    mask = torch.rand(2, 1, 24, 40, generator=g) > 0.3 if masked else None
+    mask = None if mask is None else mask | (torch.arange(40) == 0)  # no row without a key
+    kw = dict(attn_mask=mask) if masked else dict(is_causal=True)
+    expected = F.scaled_dot_product_attention(q, k, v, scale=0.5, enable_gqa=True, **kw) if masked else \
+        F.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), scale=0.5,
+                                       attn_mask=dense_causal(24, 40))
+    torch.testing.assert_close(bench._kernel_sdpa(q, k, v, scale=0.5, enable_gqa=True, **kw), expected)
+
+
+def dense_causal(S: int, T: int) -> torch.Tensor:
+    return (torch.arange(T - S, T)[:, None] >= torch.arange(T))[None, None]
