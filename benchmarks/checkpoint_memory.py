@@ -22,7 +22,7 @@ import re, sys
 from pathlib import Path
 import torch
 from moe_lightning.checkpoint.loading import read_checkpoint
-from moe_lightning.checkpoint.sharded import save_file
+from moe_lightning.checkpoint.commit import save_file
 
 def peak():
     return int(re.search(r"VmHWM:\\s+(\\d+) kB", Path("/proc/self/status").read_text()).group(1)) * 1024

@@ -4,7 +4,7 @@
 
 For each config (``configs/<name>.yaml``: model shape, data batch size and sequence length) two copies of
 the same initial model run forward, backward and an AdamW step on the same random batch, in fp32: eager,
-then compiled with ``moe_lightning.training.module.compile_blocks`` (``fullgraph=True``, Inductor). Compile time is
+then compiled with ``moe_lightning.parallel.compile.compile_blocks`` (``fullgraph=True``, Inductor). Compile time is
 the compiled model's first step minus an eager step. One JSON line per config, printed as soon as it ends;
 ``first_loss_rel_diff`` compares the two models' loss on the first step (same weights, same batch).
 """
@@ -20,7 +20,7 @@ import torch.nn.functional as F
 import yaml
 
 from moe_lightning.model import MoETransformer
-from moe_lightning.training.module import compile_blocks
+from moe_lightning.parallel.compile import compile_blocks
 from moe_lightning.planner.plan import load_model_config
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from moe_lightning.model import MoEConfig
-from moe_lightning.checkpoint import sharded as ckpt
+from moe_lightning.checkpoint.commit import OLD_SUFFIX
+from moe_lightning.checkpoint.discovery import checkpoint_metadata
 
 # MoEConfig fields a resumed run may change: they steer training, not what the weights compute.
 MAY_CHANGE = frozenset({"bias_update_rate", "aux_loss_coef", "z_loss_coef", "init_std", "max_seq_len",
@@ -32,9 +33,9 @@ def checkpoint_state(ckpt_path: str | Path) -> dict | None:
     """The plain data of a single-file or sharded checkpoint (hyperparameters, loop state), read without tensors
     or code; ``None`` for what Lightning resolves itself."""
     path = Path(ckpt_path)
-    if not path.exists() and not path.with_name(path.name + ckpt.OLD_SUFFIX).exists():
+    if not path.exists() and not path.with_name(path.name + OLD_SUFFIX).exists():
         return None  # "last", "best", a remote URL...: Lightning resolves those itself
-    return ckpt.checkpoint_metadata(path)  # the package's one reader and unpickling rule
+    return checkpoint_metadata(path)  # the package's one reader and unpickling rule
 
 
 def config_fields(config: MoEConfig | dict) -> dict[str, Any]:

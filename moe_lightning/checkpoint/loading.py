@@ -7,7 +7,7 @@ Kinds, told apart by what is on disk:
 - the package's ``.pt`` (``write_model_file``: written by ``export`` and ``convert``);
 - a Hugging Face directory (``config.json`` + safetensors), through ``moe_lightning.hf.from_pretrained``.
 
-Every file is unpickled by ``checkpoint.load_metadata`` (plain data only), memory-mapped: what is not read (a
+Every file is unpickled by ``safe_load.load_metadata`` (plain data only), memory-mapped: what is not read (a
 ``.ckpt``'s optimizer state) costs no memory. The tokenizer comes from the checkpoint itself:
 ``TextDataModule.state_dict`` records it on every save.
 """
@@ -23,8 +23,10 @@ import torch
 from moe_lightning.dtypes import DTYPES
 from moe_lightning.hf import from_pretrained
 from moe_lightning.model import MoEConfig, MoETransformer
-from moe_lightning.checkpoint.sharded import (METADATA_FILE, load_metadata, read_sharded_tensors, resolve_checkpoint, save_file,
-                                  sharded_model_index, single_process_dcp)
+from moe_lightning.checkpoint.commit import METADATA_FILE, resolve_checkpoint, save_file
+from moe_lightning.checkpoint.discovery import checkpoint_metadata
+from moe_lightning.checkpoint.safe_load import load_metadata, single_process_dcp
+from moe_lightning.checkpoint.sharded import read_sharded_tensors, sharded_model_index
 from moe_lightning.data.tokenizer import ByteTokenizer, HFTokenizer, tokenizer_from_spec
 
 MODEL_PREFIX = "model."  # MoELanguageModel holds the transformer as ``self.model``
@@ -36,7 +38,7 @@ def write_model_file(path: str | Path, config: dict, state_dict: dict[str, torch
     ``config`` (``MoEConfig`` fields), ``state_dict`` (``MoETransformer`` names), ``tokenizer`` (the spec the run
     recorded; ``None``: none recorded, e.g. converted from Hugging Face) and, optionally, ``stored_dtypes``
     (name -> dtype name of tensors held wider than the source stored them, so converting back is bit-identical).
-    Streamed to disk atomically (``checkpoint.save_file``)."""
+    Streamed to disk atomically (``commit.save_file``)."""
     payload = {"config": config, "state_dict": state_dict, "tokenizer": tokenizer}
     if stored_dtypes:
         payload["stored_dtypes"] = {name: str(dtype).removeprefix("torch.") for name, dtype in stored_dtypes.items()}
@@ -91,8 +93,6 @@ def recorded_tokenizer(metadata: dict) -> dict | None:
 
 def tokenizer_spec(checkpoint: str | Path) -> dict | None:
     """``recorded_tokenizer`` of any of our checkpoint kinds (tensors memory-mapped, not read)."""
-    from moe_lightning.checkpoint.sharded import checkpoint_metadata
-
     return recorded_tokenizer(checkpoint_metadata(checkpoint))
 
 

@@ -14,6 +14,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from moe_lightning.checkpoint import sharded as ckpt
+from moe_lightning.checkpoint.safe_load import CheckpointError
 
 
 def load_full_checkpoint(checkpoint: dict[str, Any], path: Path, lightning_module: nn.Module, model: nn.Module,
@@ -26,7 +27,7 @@ def load_full_checkpoint(checkpoint: dict[str, Any], path: Path, lightning_modul
     state = get_model_state_dict(model)
     missing, unexpected = [k for k in state if k not in full], [k for k in full if k not in state]
     if strict and (missing or unexpected):
-        raise ckpt.CheckpointError(
+        raise CheckpointError(
             f"{path} does not fit the model: {len(missing)} keys missing from it {missing[:3]}, {len(unexpected)} "
             f"unexpected in it {unexpected[:3]}. Resume with the model config it was saved with, or set the "
             f"LightningModule's strict_loading = False to load only the matching keys.")
@@ -48,7 +49,7 @@ def sharded_optimizer_state(optimizer: torch.optim.Optimizer, saved: dict, exper
     Groups match by position, parameters by the groups' ``param_names`` (ids follow the writer's order);
     ``experts`` holds the ids of expert parameters (split by ``ep`` outside their DTensor mesh)."""
     if len(saved["param_groups"]) != len(optimizer.param_groups):
-        raise ckpt.CheckpointError(f"{path}: its optimizer has {len(saved['param_groups'])} parameter groups, "
+        raise CheckpointError(f"{path}: its optimizer has {len(saved['param_groups'])} parameter groups, "
                                    f"this run's {len(optimizer.param_groups)}: resume with the same optimizer.")
 
     def shard(value: Any, p: torch.Tensor, what: str) -> Any:
@@ -66,7 +67,7 @@ def sharded_optimizer_state(optimizer: torch.optim.Optimizer, saved: dict, exper
             by_name = dict(zip(theirs["param_names"], ids))
             absent = [name for name in ours["param_names"] if name not in by_name]
             if absent:
-                raise ckpt.CheckpointError(
+                raise CheckpointError(
                     f"{path}: its optimizer state has no parameter {absent[0]!r} ({len(absent)} missing; it "
                     f"holds {theirs['param_names'][:3]}...): resume with the model and optimizer it was saved with.")
             ids = [by_name[name] for name in ours["param_names"]]

@@ -1,28 +1,16 @@
-"""The checkpoint layer: every save (single file streamed through ``durable``; sharded, in the foreground or the
-background, committed atomically with the ranks agreeing on the outcome), the one unpickling rule
-(``load_metadata``), reading a sharded checkpoint in one process, and the cheap completeness check
-(``verify_checkpoint``) that choosing ``--ckpt_path last`` relies on. ``loading.py`` reads models through it;
-``runs.py`` chooses ``last`` and settles unfinished saves through it.
+"""Sharded checkpoint directories: ``ShardedCheckpointer`` writes them (in the foreground or the background, committed
+atomically with the ranks agreeing on the outcome) and reads them into a sharded model; one process reads their
+model tensors by name (``sharded_model_index``, ``read_sharded_tensors``: ``loading.py``'s reader).
 
 With expert parallelism each rank's FSDP DTensor for an expert stack only covers its ``E / ep``
 experts, so two ``ep`` ranks would write different data under the same name. Before saving (and
 loading), those tensors are re-described, without copying, as DTensors on the full expert mesh
 with the ``ep`` split included: the checkpoint always holds global ``[E, ...]`` stacks and can be
 loaded at any world size or ``ep``.
-
-Loading never runs code from a file: metadata is plain data (the model config as a dict) and is read with
-``torch.load(weights_only=True)``; DCP's own ``.metadata`` is unpickled admitting only the classes it is made of
-(``SafeReader``), and its non-tensor items are read with ``weights_only=True`` (``SafeLoadPlanner``; DCP's
-default reader and planner unpickle both without limits). Every sharded read goes through ``load_sharded``.
 """
 
 import io
-import os
-import pickle
-import re
 import shutil
-import warnings
-import zipfile
 from concurrent.futures import Future
 from contextlib import contextmanager
 from pathlib import Path
@@ -32,164 +20,19 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint._traverse import set_element
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch import nn
 
+from moe_lightning.checkpoint.commit import (MARKER_FILE, METADATA_FILE, PARTIAL_SUFFIX, commit_directory, is_disk_full,
+                                             remove, written_by_us)
+from moe_lightning.checkpoint.safe_load import CheckpointError, SafeReader, load_metadata, load_sharded
+from moe_lightning.model import GroupedExperts
 from moe_lightning.run import durable
-from moe_lightning.model import GroupedExperts, MoEConfig
-
-METADATA_FILE = "meta.pt"  # Lightning's name for the non-tensor part of a sharded checkpoint
-PARTIAL_SUFFIX = durable.PARTIAL_SUFFIX
-OLD_SUFFIX = ".old"
-MARKER_FILE = ".written-by-moe-lightning"  # in every checkpoint directory we create: clean-up removes only these
-
-
-def written_by_us(directory: Path) -> bool:
-    return (directory / MARKER_FILE).is_file()
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint could not be written, or would not be read safely; the message names the path."""
-
-
-def load_metadata(path: Path | io.BytesIO, mmap: bool = False) -> dict[str, Any]:
-    """The one rule for unpickling any file of ours (a ``.ckpt``, ``meta.pt``, a ``.pt``): plain data only
-    (tensors, numbers, strings, containers), plus ``MoEConfig``, which older checkpoints stored as the dataclass
-    (restored field by field: no code of the file runs). ``mmap``: tensors are mapped, not read, so a look at
-    the step or the config, or reading the model out of a file that also holds optimizer state, costs only
-    what it touches."""
-    try:
-        with torch.serialization.safe_globals([MoEConfig]):
-            return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
-    except pickle.UnpicklingError as error:
-        raise unsafe_file_error(path, error) from None
-
-
-def checkpoint_metadata(path: str | Path) -> dict[str, Any]:
-    """The non-tensor state of a single-file or sharded checkpoint (``meta.pt``), tensors mapped, not read."""
-    return load_metadata(metadata_file(resolve_checkpoint(Path(path))), mmap=True)
-
-
-@contextmanager
-def single_process_dcp():
-    """DCP warns "torch.distributed is disabled ... assuming the intent is to load in a single process" even when
-    told so (``no_dist=True``): it is the intent here (export, generate read a sharded checkpoint in one process)."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
-        yield
-
-
-def unsafe_file_error(path: Path | io.BytesIO, error: pickle.UnpicklingError, item: str = "") -> CheckpointError:
-    """``item``: which entry of the file, where it holds several."""
-    return CheckpointError(
-        f"Refusing to load {path}{item}: it holds pickled objects other than plain data, and unpickling them could "
-        f"run code from the file ({_pickle_reason(error)}). Checkpoints written by moe_lightning hold only plain "
-        "data; load only files you trust, and re-save a trusted old one with its objects converted to dicts.")
-
-
-def _pickle_reason(error: pickle.UnpicklingError) -> str:
-    found = re.search(r"GLOBAL (\S+)", str(error))
-    return f"it names {found.group(1)}" if found else str(error).strip().split("\n")[0][:200]
-
-
-# What DCP's ``.metadata`` pickle is made of (torch 2.11 to 2.13), besides torch dtypes: nothing else is unpickled.
-_DCP_METADATA_GLOBALS = {
-    "torch.distributed.checkpoint.metadata": {"Metadata", "MetadataIndex", "StorageMeta", "TensorProperties",
-                                              "TensorStorageMetadata", "BytesStorageMetadata",
-                                              "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING"},
-    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
-    "torch": {"Size"},
-    "torch.serialization": {"_get_layout"},  # a torch.layout from its name
-    "pathlib": {"Path", "PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"},  # the checkpoint_id
-}
-_DCP_METADATA_GLOBALS["pathlib._local"] = _DCP_METADATA_GLOBALS["pathlib"]  # Python >= 3.13
-
-
-class _ForbiddenGlobal(pickle.UnpicklingError):
-    pass
-
-
-class _DCPMetadataUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str):
-        if name in _DCP_METADATA_GLOBALS.get(module, ()) or (
-                module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
-            return super().find_class(module, name)
-        raise _ForbiddenGlobal(f"GLOBAL {module}.{name} is not a class of DCP metadata")
-
-
-class SafeReader(FileSystemReader):
-    """DCP's file reader, except that ``.metadata`` is unpickled admitting only DCP's metadata classes (and read
-    once: ``load_sharded`` reads it before ``dcp.load``, which would bury a refusal in its own report)."""
-
-    _metadata: Metadata | None = None
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        if self._metadata is None or kwargs.get("rank") is not None:
-            self._metadata = self._read_metadata(kwargs.get("rank"))
-        self._metadata.storage_meta.load_id = self.load_id
-        return self._metadata
-
-    def _read_metadata(self, rank: int | None) -> Metadata:
-        path = self._get_metadata_path(rank)
-        try:
-            with self.fs.create_stream(path, "rb") as file:
-                metadata = _DCPMetadataUnpickler(file).load()
-        except _ForbiddenGlobal as error:
-            raise CheckpointError(
-                f"Refusing to load {path}: DCP metadata holds only DCP's own metadata classes, and unpickling "
-                f"anything else could run code from the file ({_pickle_reason(error)}). Load only checkpoints you "
-                "trust.") from None
-        except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError) as error:
-            raise CheckpointError(f"{path} is not a readable DCP metadata file ({type(error).__name__}: {error}): "
-                                  "the checkpoint is damaged or was not written by DCP.") from None
-        if not isinstance(metadata, Metadata):
-            raise CheckpointError(f"{path} is not DCP metadata (it holds a {type(metadata).__name__}).")
-        if getattr(metadata, "storage_meta", None) is None:  # as FileSystemReader does
-            metadata.storage_meta = StorageMeta()
-        return metadata
-
-
-class SafeLoadPlanner(DefaultLoadPlanner):
-    """DCP's default load planner, except that non-tensor items are read as plain data only
-    (``torch.load(weights_only=True)``, where DCP's own uses ``weights_only=False``)."""
-
-    def __init__(self, reader: SafeReader):
-        super().__init__()
-        self.reader = reader
-
-    def load_bytes(self, read_item, value: io.BytesIO) -> None:
-        fqn = read_item.dest_index.fqn
-        try:
-            loaded = torch.load(value, weights_only=True)
-        except pickle.UnpicklingError as error:
-            where = self.reader.storage_data[read_item.storage_index].relative_path
-            raise unsafe_file_error(Path(self.reader.path) / where, error, f" (item {fqn})") from None
-        if self.flatten_state_dict:  # where DefaultLoadPlanner.load_bytes puts it
-            set_element(self.original_state_dict, self.mappings[fqn], loaded)
-        else:
-            self.state_dict[fqn] = loaded
-
-
-def load_sharded(state: dict[str, Any], path: Path, no_dist: bool = False) -> None:
-    """``dcp.load`` through ``SafeReader`` and ``SafeLoadPlanner``; a refusal is raised as itself, not inside
-    DCP's per-rank report."""
-    reader = SafeReader(path)
-    reader.read_metadata()
-    try:
-        dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(reader), no_dist=no_dist)
-    except dcp.api.CheckpointException as error:
-        refused = [e for e, _ in error.failures.values() if isinstance(e, CheckpointError)]
-        if refused:
-            raise refused[0] from None
-        raise
-
 
 def expert_parameter_names(module: nn.Module) -> set[str]:
     return {f"{name}.{p}" if name else p for name, m in module.named_modules() if isinstance(m, GroupedExperts)
@@ -238,47 +81,11 @@ def global_expert_views(state: dict[str, Any], names: set[str], expert_mesh: Dev
             container[key] = value
 
 
-DISK_FULL = durable.DISK_FULL
-
-
-def disk_full_error(path: Path, needed: int | None) -> CheckpointError:
-    """One line for a save the disk had no room for (``needed``: bytes this process writes, when known)."""
-    free = shutil.disk_usage(path.parent if path.parent.exists() else Path.cwd()).free
-    size = f"{needed:,} bytes needed, " if needed is not None else ""
-    return CheckpointError(f"Checkpoint {path} was not written: the disk is full ({size}{free:,} bytes free on "
-                           f"{path.parent}). Earlier checkpoints are intact; free space or save elsewhere.")
-
-
 def _describe(error: BaseException) -> str:
     """One line for a failed write; DCP's exception lists each rank's error with its frames: keep the errors."""
     if isinstance(error, dcp.api.CheckpointException):
         return "; ".join(f"rank {rank}: {failure!r}" for rank, (failure, _) in sorted(error.failures.items()))
     return repr(error)
-
-
-def is_disk_full(error: BaseException) -> bool:
-    """ENOSPC/EDQUOT anywhere in ``error``'s chain or DCP's per-rank failures; torch's zip writer reports a short
-    write as "unexpected pos"."""
-    seen = set()
-    while error is not None and id(error) not in seen:
-        seen.add(id(error))
-        if getattr(error, "errno", None) in DISK_FULL or "unexpected pos" in str(error):
-            return True
-        if isinstance(error, dcp.api.CheckpointException):
-            return any(is_disk_full(e) for e, _ in error.failures.values())
-        error = error.__cause__ or error.__context__
-    return False
-
-
-def save_file(obj: Any, path: Path) -> None:
-    """``torch.save`` streamed into ``path`` through ``durable.write_with`` (beside, synced, renamed, folder
-    synced): never a truncated file under ``path``, never a whole-checkpoint buffer in memory."""
-    try:
-        durable.write_with(path, lambda file: torch.save(obj, file))
-    except Exception as error:  # torch's zip writer reports a full disk as a RuntimeError ("unexpected pos")
-        if is_disk_full(error):
-            raise disk_full_error(path, None) from None
-        raise
 
 
 def local_part(full: torch.Tensor, like: torch.Tensor, name: str) -> torch.Tensor:
@@ -292,68 +99,6 @@ def local_part(full: torch.Tensor, like: torch.Tensor, name: str) -> torch.Tenso
     return full[tuple(slice(o, o + s) for o, s in zip(offset, shape))]
 
 
-def commit_directory(partial: Path, path: Path) -> None:
-    """Replace ``path`` by the fully written ``partial``; a crash at any point leaves a loadable checkpoint, and
-    once this returns the new directory survives a power loss. Its files were synced by their writers
-    (``durable``, DCP's ``sync_files``); here its entries and the renames are."""
-    durable.fsync_directory(partial)
-    old = path.with_name(path.name + OLD_SUFFIX)
-    remove(old)
-    if os.path.lexists(path):  # a symlink (``save_last="link"``) is moved aside as a link, never followed
-        os.replace(path, old)
-    os.replace(partial, path)
-    durable.fsync_directory(path.parent)
-    remove(old)
-
-
-def remove(path: Path) -> None:
-    """Delete a checkpoint file or directory; a symlink is unlinked, never followed (its target is another save)."""
-    if path.is_symlink() or path.is_file():
-        path.unlink()
-    elif path.is_dir():
-        shutil.rmtree(path)
-
-
-def resolve_checkpoint(path: Path) -> Path:
-    """``path``, or its previous version if a crash fell between the two renames of a commit."""
-    old = path.with_name(path.name + OLD_SUFFIX)
-    if not path.exists() and old.exists():
-        return old
-    if not path.exists():
-        raise FileNotFoundError(f"ckpt_path={str(path)!r} does not exist.")
-    return path
-
-
-def verify_checkpoint(path: Path) -> None:
-    """Raise ``CheckpointError`` saying what is wrong unless ``path`` is complete as far as can be checked without
-    loading it. A file: its zip directory and every entry's CRC-32 (reads the file once). A sharded directory:
-    ``meta.pt`` likewise, DCP's ``.metadata`` readable, and every shard file it names present and at least as long
-    as the items it holds there (sizes only: no tensor is read)."""
-    if not path.is_dir():
-        _verify_zip(path)
-        return
-    _verify_zip(path / METADATA_FILE)
-    needed: dict[str, int] = {}
-    for item in SafeReader(path).read_metadata().storage_data.values():
-        needed[item.relative_path] = max(needed.get(item.relative_path, 0), item.offset + item.length)
-    for name, size in sorted(needed.items()):
-        shard = path / name
-        if not shard.is_file():
-            raise CheckpointError(f"{shard} is missing: its DCP metadata lists it.")
-        if (actual := shard.stat().st_size) < size:
-            raise CheckpointError(f"{shard} holds {actual:,} bytes; its DCP metadata needs {size:,}: truncated.")
-
-
-def _verify_zip(path: Path) -> None:
-    try:
-        with zipfile.ZipFile(path) as archive:
-            damaged = archive.testzip()
-    except (zipfile.BadZipFile, OSError, EOFError, ValueError) as error:
-        raise CheckpointError(f"{path} is not a complete checkpoint file ({type(error).__name__}: {error}).") from None
-    if damaged is not None:
-        raise CheckpointError(f"{path}: its entry {damaged} fails its CRC-32 check: the file is damaged.")
-
-
 def _local_bytes(state: dict[str, Any]) -> int:
     """Bytes of the tensors this rank writes (its shards), in a nested state dict."""
     if isinstance(state, dict):
@@ -364,19 +109,6 @@ def _local_bytes(state: dict[str, Any]) -> int:
         local = state.to_local() if isinstance(state, DTensor) else state
         return local.numel() * local.element_size()
     return 0
-
-
-def metadata_file(path: Path) -> Path:
-    """The file holding a checkpoint's non-tensor state: ``path`` itself, or a sharded directory's ``meta.pt``.
-    A directory that is no checkpoint is refused here, before anything is built."""
-    if not path.is_dir():
-        return path
-    if not (path / METADATA_FILE).is_file():
-        inside = sorted(p.name for p in path.iterdir() if p.name.endswith(".ckpt"))[:3]
-        hint = f" It holds {', '.join(inside)}: pass one of those." if inside else ""
-        raise ValueError(f"ckpt_path={str(path)!r} is a directory but not a checkpoint (a sharded checkpoint "
-                         f"directory holds {METADATA_FILE} and DCP's .metadata).{hint}")
-    return path / METADATA_FILE
 
 
 class _HostCopyWriter(FileSystemWriter):
@@ -491,7 +223,7 @@ class ShardedCheckpointer:
                 if not is_disk_full(failure):
                     raise  # every rank has it: DCP gathers the ranks' results
                 self._discard(partial)  # every rank's write has failed: give the space back
-                raise disk_full_error(path, _local_bytes(state)) from None
+                raise durable.disk_full_error(path, _local_bytes(state)) from None
         self._commit(partial, path)
 
     def poll(self) -> None:
@@ -513,7 +245,7 @@ class ShardedCheckpointer:
             self._after_commit.clear()  # the checkpoints they name stay: the save that replaced them failed
             if is_disk_full(failure):
                 self._discard(partial)  # as for a save in the foreground: the space goes back
-                error = disk_full_error(path, None)
+                error = durable.disk_full_error(path)
             else:
                 error = CheckpointError(f"Asynchronous checkpoint {path} failed while writing ({_describe(failure)}): "
                                         f"it was not committed (its files stay in {partial}); earlier checkpoints are "
@@ -540,7 +272,7 @@ class ShardedCheckpointer:
         if not is_disk_full(failure):
             return failure
         self._discard(partial)
-        return disk_full_error(path, needed)
+        return durable.disk_full_error(path, needed)
 
     def _discard(self, partial: Path) -> None:
         """Delete a failed save's ``partial`` folder on rank 0, only if it carries the marker ``save`` wrote into it

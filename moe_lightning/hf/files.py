@@ -14,7 +14,7 @@ from safetensors import safe_open
 from safetensors.torch import save
 
 from moe_lightning.run import durable
-from moe_lightning.checkpoint import sharded as ckpt
+from moe_lightning.checkpoint import commit as ckpt
 from moe_lightning.hf.mapping import HFFormatError
 
 INDEX = "model.safetensors.index.json"

@@ -43,11 +43,19 @@ def fsync_directory(path: Path) -> None:
         os.close(fd)
 
 
-def disk_full_message(path: Path) -> str:
+def disk_full_message(path: Path, needed: int | None = None) -> str:
+    """``needed``: the bytes this process was writing, where the writer knows them (a sharded checkpoint's shards)."""
     folder = path.parent if path.parent.exists() else Path.cwd()
     free = shutil.disk_usage(folder).free
-    return (f"{path} was not written: the disk is full ({free:,} bytes free on {folder}). "
+    size = f"{needed:,} bytes needed, " if needed is not None else ""
+    return (f"{path} was not written: the disk is full ({size}{free:,} bytes free on {folder}). "
             "What was there before is intact; free space or write elsewhere.")
+
+
+def disk_full_error(path: Path, needed: int | None = None) -> DiskFullError:
+    """The package's one disk-full error, for writers that learn of a full disk other than from ``atomic_write``
+    (torch's zip writer, DCP)."""
+    return DiskFullError(errno.ENOSPC, disk_full_message(path, needed))
 
 
 @contextmanager

@@ -42,10 +42,10 @@ Private names of classes the package subclasses or drives, used where named:
   the summary without FLOPs looks like Lightning's; no public formatter).
 - ``strategy.py``: ``ModelParallelStrategy._setup_distributed``, ``_device_mesh`` and
   ``_save_distributed_checkpoint`` (the strategy builds its own mesh and checkpoint layout on Lightning's);
-  ``_PATH`` (Lightning's path type, in the signatures it overrides); the evaluation loops' ``inference_mode``
-  set to False in ``setup`` (a public attribute of private loop classes: Lightning decides no_grad vs
-  inference_mode from the strategy's class, and FSDP2's all-gather buffers made under inference_mode break the
-  next training step; no setting chooses it).
+  ``_PATH`` (Lightning's path type, in the signatures it overrides); the evaluation loops' ``inference_mode``,
+  set through ``evaluate_under_no_grad`` here (a public attribute of private loop classes: Lightning decides
+  no_grad vs inference_mode from the strategy's class, and FSDP2's all-gather buffers made under inference_mode
+  break the next training step; no setting chooses it).
 """
 
 import signal
@@ -66,6 +66,16 @@ def logs_written(trainer) -> bool:
     micro-batch on the ``log_every_n_steps`` grid (its ``update_train_step_metrics``). Log per-step numbers only
     then: each Python number logged becomes a device tensor through a blocking host-to-device copy."""
     return optimizer_step_ends(trainer) and bool(trainer._logger_connector.should_update_logs or trainer.fast_dev_run)
+
+
+def evaluate_under_no_grad(trainer) -> None:
+    """Run a standalone validate/test/predict under ``torch.no_grad``, as inside fit. Lightning would choose
+    ``torch.inference_mode`` unless the backend is gloo or the strategy is its own ``FSDPStrategy``
+    (``loops/utilities.py``, ``_no_grad_context``); FSDP2's all-gather buffers made there are inference tensors, and
+    the next training all-gather writes into them and fails ("Inplace update to inference tensor outside
+    InferenceMode")."""
+    for loop in (trainer.validate_loop, trainer.test_loop, trainer.predict_loop):
+        loop.inference_mode = False
 
 
 def write_step_metrics(trainer) -> None:

@@ -1,7 +1,7 @@
 """The LightningModule: builds the model late, computes the loss, balances experts, logs what matters."""
 
 import dataclasses
-from functools import cache, partial
+from functools import partial
 
 import lightning as L
 import torch
@@ -16,44 +16,11 @@ from moe_lightning.training.callbacks.final_checkpoint import FinalCheckpoint
 from moe_lightning.training.callbacks.nonfinite import NonFiniteGuard
 from moe_lightning.model.sampling import stream
 from moe_lightning.training.lightning_internals import logs_written, optimizer_step_ends
-from moe_lightning.model import LocalTokenDispatcher, MoEConfig, MoETransformer, mtp
+from moe_lightning.model import MoEConfig, MoETransformer, mtp
 from moe_lightning.optim import WarmupCosineLR, param_groups
+from moe_lightning.parallel.parallelize import parallelize_moe
 from moe_lightning.checkpoint.compat import check_resume
 from moe_lightning.training.callbacks.preemption import Preemption
-
-
-def compile_blocks(layers: torch.nn.ModuleList, backend: str = "inductor") -> None:
-    """``torch.compile`` each block's ``forward`` in place (per block: the graphs are small and shared).
-
-    Only ``forward`` is compiled (through a subclass, as FSDP2 itself swaps the class), never the module's
-    ``__call__``: FSDP2's hooks stay eager around the compiled graph, so the order against sharding does not
-    matter, and parameter names are unchanged. ActivationOffload's checkpoint wrapper is an instance
-    ``forward`` bound to the class's ``forward`` when applied, so compile must come first (Lightning's fit
-    does: ``configure_model`` runs before the callback's ``on_fit_start``); the other order is refused.
-    Compilation happens at the first call, after sharding. Blocks with local MoE dispatch compile with
-    ``fullgraph=True``; the all-to-all dispatch of expert parallelism needs its split sizes on the host and
-    runs eagerly between two graphs.
-    """
-    for index, block in enumerate(layers):
-        if "forward" in block.__dict__:
-            raise RuntimeError(f"compile_blocks: model.layers[{index}] already has an instance-level forward (e.g. "
-                               "ActivationOffload applied), which would keep calling the eager forward; compile "
-                               "the blocks before applying ActivationOffload.")
-    for block in layers:
-        block.__class__ = _compiled_class(type(block), backend)
-
-
-@cache
-def _compiled_class(cls: type, backend: str) -> type:
-    whole = torch.compile(cls.forward, fullgraph=True, backend=backend)
-    split = torch.compile(cls.forward, backend=backend)
-
-    def forward(self, *args, **kwargs):
-        dispatcher = getattr(self.ffn, "dispatcher", None)
-        local = dispatcher is None or isinstance(dispatcher, LocalTokenDispatcher)
-        return (whole if local else split)(self, *args, **kwargs)
-
-    return type(f"Compiled{cls.__name__}", (cls,), {"forward": forward, "__doc__": cls.__doc__})
 
 
 def default_optimizer(groups) -> torch.optim.Optimizer:
@@ -97,7 +64,7 @@ class MoELanguageModel(L.LightningModule):
             safetensors the weights, read by each rank for its shards.
         loss_chunk_size: Tokens per chunk of the output head + cross-entropy (``moe_lightning.model.loss``), so
             the ``[tokens, vocab]`` logits never exist at once; ``None``: one full-logits cross-entropy.
-        compile: ``torch.compile`` every block's forward (see ``compile_blocks``); works in fp32 and bf16,
+        compile: ``torch.compile`` every block's forward (``parallel.compile.compile_blocks``); works in fp32 and bf16,
             on CPU and GPU, with ``MoEFSDPStrategy`` and ``ActivationOffload``.
     """
 
@@ -130,20 +97,22 @@ class MoELanguageModel(L.LightningModule):
         self.val_loss_mean = torchmetrics.aggregation.MeanMetric()
 
     def configure_model(self) -> None:
-        """Build once; under ``trainer.init_module(empty_init=True)`` this lands on the meta device."""
+        """Build once; under ``trainer.init_module(empty_init=True)`` this lands on the meta device. A strategy that
+        gives the module a device mesh (``MoEFSDPStrategy``) parallelizes it, compile included (``parallelize_moe``);
+        on any other the blocks are compiled here."""
         if self.model is None:
             self.model = MoETransformer(self.config)
             if self.pretrained is not None and not self.model.tok_embeddings.weight.is_meta:
-                self.fill_pretrained(self.model.state_dict(prefix="model."))
-            if self.compile_each_block:
-                compile_blocks(self.model.layers)
+                self.fill_pretrained(self.model.state_dict())
+            if self.device_mesh is None:
+                parallelize_moe(self.model, None, compile=self.compile_each_block)
 
     def fill_pretrained(self, state: dict[str, torch.Tensor]) -> None:
-        """Copy the ``pretrained`` weights into ``state`` (this module's state dict, plain or sharded, in place).
+        """Copy the ``pretrained`` weights into ``state`` (the transformer's state dict, plain or sharded, in place).
 
         Strategies that build the model on the meta device call this after sharding, so each rank reads
         only its own slices."""
-        hf.fill_state_dict({k[len("model."):]: t for k, t in state.items() if k.startswith("model.")}, self.pretrained)
+        hf.fill_state_dict(state, self.pretrained)
         self._pretrained_filled = True
 
     def on_fit_start(self) -> None:
@@ -303,9 +272,10 @@ class MoELanguageModel(L.LightningModule):
             checkpoint["hyper_parameters"]["config"] = dataclasses.asdict(self.config)
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
-        """Refuse a checkpoint of another model before its weights are loaded: every path Lightning resolves itself
-        (``Trainer.fit(ckpt_path=...)`` from Python, ``last``/``best``, remote files) passes here. (``moe-lightning``
-        also runs ``resume.check_checkpoint`` before anything is built; the data is checked at restore.)"""
+        """The backup of the resume guard, for what the CLI cannot see: ``Trainer.fit(ckpt_path=...)`` from Python,
+        ``best``, remote files. Refuses a checkpoint of another model before its weights are loaded (every strategy,
+        ``MoEFSDPStrategy`` included, loads them after this hook). The guard is ``compat.check_checkpoint``, which
+        ``moe-lightning`` runs before anything is built."""
         check_resume(checkpoint.get("hyper_parameters") or {}, {"config": self.config}, None)
         self.tokens_seen = checkpoint.get("tokens_seen", 0)
         self._pending_expert_counts = None

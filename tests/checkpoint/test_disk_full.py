@@ -13,8 +13,10 @@ import pytest
 import torch
 
 from moe_lightning.commands.main import run
-from moe_lightning.checkpoint import sharded as ckpt
-from moe_lightning.checkpoint.sharded import CheckpointError, ShardedCheckpointer
+from moe_lightning.checkpoint import commit as ckpt
+from moe_lightning.checkpoint.safe_load import CheckpointError, load_metadata
+from moe_lightning.checkpoint.sharded import ShardedCheckpointer, _HostCopyWriter
+from moe_lightning.run.durable import DiskFullError
 from moe_lightning.run.locks import LOCK_FILE
 
 TINY = Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml"
@@ -56,13 +58,13 @@ def test_disk_full_during_a_single_file_save_leaves_the_previous_checkpoint_and_
     """Before: a truncated ``epoch=0-step=2.ckpt`` under its final name, and resume failed in the zip reader."""
     folder = tmp_path / "ckpt"
     disk_full_after(2)  # the folder lock's holder record and step 1 are written; step 2 fills the disk
-    with pytest.raises(CheckpointError) as error:
+    with pytest.raises(DiskFullError) as error:
         run(quick(tmp_path, "--trainer.max_steps=3", "--trainer.callbacks+=ModelCheckpoint",
                   f"--trainer.callbacks.dirpath={folder}", "--trainer.callbacks.every_n_train_steps=1",
                   "--trainer.callbacks.save_top_k=-1"))
     line = last_line(error.value)
-    assert f"Checkpoint {folder / 'epoch=0-step=2.ckpt'} was not written: the disk is full (" in line
-    assert "Earlier checkpoints are intact" in line
+    assert f"{folder / 'epoch=0-step=2.ckpt'} was not written: the disk is full (" in line
+    assert "What was there before is intact" in line
     assert sorted(p.name for p in folder.iterdir()) == [LOCK_FILE, "epoch=0-step=1.ckpt"]  # the lock file stays
     assert torch.load(folder / "epoch=0-step=1.ckpt", weights_only=True)["global_step"] == 1
 
@@ -71,7 +73,7 @@ def test_a_single_file_save_replaces_the_old_file_only_when_complete(tmp_path, d
     path = tmp_path / "last.ckpt"
     ckpt.save_file({"step": 1, "w": torch.ones(3)}, path)
     disk_full_after(0)
-    with pytest.raises(CheckpointError, match=r"last.ckpt was not written: the disk is full \(\d[\d,]* bytes free"):
+    with pytest.raises(DiskFullError, match=r"last.ckpt was not written: the disk is full \(\d[\d,]* bytes free"):
         ckpt.save_file({"step": 2, "w": torch.zeros(100_000)}, path)
     assert torch.load(path, weights_only=True)["step"] == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
@@ -102,7 +104,7 @@ def test_a_single_file_save_syncs_the_folder_after_the_rename(tmp_path, durabili
     assert described == [("fsync", "file"), ("replace", "last.ckpt"), ("fsync", "folder")]
 
 
-class FillingWriter(ckpt._HostCopyWriter):
+class FillingWriter(_HostCopyWriter):
     """DCP's writer on a disk that fills up: every file it opens raises ENOSPC after 4 KiB."""
 
     def __init__(self, path):
@@ -145,13 +147,13 @@ def test_disk_full_during_a_sharded_save_says_so_and_keeps_the_previous_checkpoi
     saver.save({"w": torch.ones(4)}, {"global_step": 1}, path, set(), None)
     saver.storage_writer = FillingWriter
     state = {"w": torch.randn(300_000)}
-    with pytest.raises(CheckpointError) as error:
+    with pytest.raises(DiskFullError) as error:
         saver.save(state, {"global_step": 2}, path, set(), None)
     line = last_line(error.value)
-    assert f"Checkpoint {path} was not written: the disk is full (1,200,000 bytes needed, " in line, line
-    assert "Earlier checkpoints are intact" in line
+    assert f"{path} was not written: the disk is full (1,200,000 bytes needed, " in line, line
+    assert "What was there before is intact" in line
     assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]  # no .partial left taking space
-    assert ckpt.load_metadata(path / ckpt.METADATA_FILE)["global_step"] == 1
+    assert load_metadata(path / ckpt.METADATA_FILE)["global_step"] == 1
 
 
 def test_disk_full_during_a_background_sharded_save_removes_its_partial_folder(tmp_path):
@@ -162,10 +164,10 @@ def test_disk_full_during_a_background_sharded_save_removes_its_partial_folder(t
     saver.save({"w": torch.ones(4)}, {"global_step": 1}, path, set(), None)
     saver.storage_writer = FillingWriter
     saver.save({"w": torch.randn(300_000)}, {"global_step": 2}, path, set(), None, background=True)
-    with pytest.raises(CheckpointError, match=r"last.ckpt was not written: the disk is full"):
+    with pytest.raises(DiskFullError, match=r"last.ckpt was not written: the disk is full"):
         saver.wait()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
-    assert ckpt.load_metadata(path / ckpt.METADATA_FILE)["global_step"] == 1
+    assert load_metadata(path / ckpt.METADATA_FILE)["global_step"] == 1
 
 
 @pytest.mark.slow
@@ -226,14 +228,14 @@ def test_a_single_file_resume_under_strict_loading_names_missing_and_unexpected_
     saved = {"a.weight": torch.ones(2, 2), "a.bias": torch.ones(2), "c.weight": torch.ones(2, 2)}
     strategy, module, path = _single_file_strategy(tmp_path, True, saved)
     with pytest.raises(CheckpointError) as error:
-        strategy._load_single_file(path)
+        strategy.load_model_state_dict(strategy.load_checkpoint(path))
     line = last_line(error.value)
     assert "2 keys missing from it ['b.weight', 'b.bias'], 1 unexpected in it ['c.weight']" in line, line
     assert "strict_loading = False" in line
     assert not torch.equal(module.a.weight, torch.ones(2, 2))  # refused before copying anything
 
     strategy, module, path = _single_file_strategy(tmp_path, False, saved)
-    strategy._load_single_file(path)  # non-strict: the matching keys load
+    strategy.load_model_state_dict(strategy.load_checkpoint(path))  # non-strict: the matching keys load
     assert torch.equal(module.a.weight, torch.ones(2, 2))
 
 
@@ -243,4 +245,4 @@ def test_a_single_file_resume_with_a_renamed_parameter_names_it(tmp_path):
     saved = {key: torch.ones(2, 2) if key.endswith("weight") else torch.ones(2) for key in module_keys}
     strategy, _, path = _single_file_strategy(tmp_path, True, saved, ["a.weight", "a.bias", "b.weight", "b.bias_old"])
     with pytest.raises(CheckpointError, match=r"one.ckpt: its optimizer state has no parameter 'b.bias' \(1 missing"):
-        strategy._load_single_file(path)
+        strategy.load_model_state_dict(strategy.load_checkpoint(path))

@@ -23,7 +23,7 @@ from moe_lightning import MoEConfig, MoETransformer
 from moe_lightning.commands.main import run
 from moe_lightning.commands.generate import main as generate_main
 from moe_lightning.checkpoint.loading import load_model
-from moe_lightning.checkpoint.sharded import CheckpointError, SafeReader, load_sharded
+from moe_lightning.checkpoint.safe_load import CheckpointError, SafeReader, load_sharded
 from tests.support.distributed import REPO_ROOT, clean_env, free_port
 
 SMALL = dict(vocab_size=260, dim=32, n_layers=2, n_heads=2, n_kv_heads=1, max_seq_len=32, ffn_hidden=64,
@@ -168,4 +168,4 @@ def test_fit_ckpt_path_refuses_crafted_sharded_checkpoints(tmp_path):
         result = fit("--trainer.max_steps=2", f"--ckpt_path={folder}")
         assert result.returncode != 0 and not marker.exists()
         last = [line for line in result.stderr.splitlines() if line.strip()][-1]
-        assert f"moe_lightning.checkpoint.sharded.CheckpointError: Refusing to load {file}" in last, last  # [rank0]: ...
+        assert f"moe_lightning.checkpoint.safe_load.CheckpointError: Refusing to load {file}" in last, last  # [rank0]: ...

@@ -16,9 +16,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from moe_lightning.run import folders as runs
 from moe_lightning.training.callbacks.resume import agree_on_resume
+from moe_lightning.checkpoint import discovery
 from moe_lightning.checkpoint import sharded as ckpt
+from moe_lightning.checkpoint.commit import METADATA_FILE, save_file
+from moe_lightning.checkpoint.safe_load import CheckpointError
 
 
 def say(scenario: str, step, error: BaseException | None) -> None:
@@ -36,7 +38,7 @@ def disk_full_in_meta(folder: Path) -> None:
     def full(file, mode="r", *args, **kwargs):  # what a full disk does to whoever writes meta.pt, however
         opened = real_open(file, mode, *args, **kwargs)
         name = os.readlink(f"/proc/self/fd/{file}") if isinstance(file, int) else str(file)
-        return _Full(opened) if "w" in mode and Path(name).name.startswith(ckpt.METADATA_FILE) else opened
+        return _Full(opened) if "w" in mode and Path(name).name.startswith(METADATA_FILE) else opened
 
     if dist.get_rank() == 0:
         io.open = full
@@ -90,7 +92,7 @@ def async_failure(folder: Path) -> None:
     for step in range(60):
         try:
             saver.poll()
-        except ckpt.CheckpointError as error:
+        except CheckpointError as error:
             say("async", step, error)
             break
         time.sleep(0.1)
@@ -104,10 +106,10 @@ def disagreeing_last(folder: Path) -> None:
     root = folder / "last"
     if dist.get_rank() == 0:
         root.mkdir()
-        ckpt.save_file({"global_step": 1}, root / "step=1.ckpt")
-        ckpt.save_file({"global_step": 2}, root / "step=2.ckpt")
+        save_file({"global_step": 1}, root / "step=1.ckpt")
+        save_file({"global_step": 2}, root / "step=2.ckpt")
     dist.barrier()
-    real = ckpt.load_metadata
+    real = discovery.load_metadata
 
     def eio(path, *args, **kwargs):  # the read of the newest file fails on rank 1 only
         if Path(path).name == "step=2.ckpt":
@@ -115,10 +117,10 @@ def disagreeing_last(folder: Path) -> None:
         return real(path, *args, **kwargs)
 
     if dist.get_rank() == 1:
-        ckpt.load_metadata = eio
+        discovery.load_metadata = eio
     error = None
     try:
-        newest = runs.newest_checkpoint([root])
+        newest = discovery.newest_checkpoint([root])
         agree_on_resume(str(newest[0]) if newest else None)
     except Exception as failure:
         error = failure

@@ -17,9 +17,9 @@ import torch
 from lightning.pytorch.callbacks import Callback
 
 from moe_lightning import MoELanguageModel, TextDataModule
-from moe_lightning.training import module as module_lib
+from moe_lightning.parallel import parallelize as parallelize_lib
 from moe_lightning.training.callbacks import ActivationOffload
-from moe_lightning.training.module import compile_blocks
+from moe_lightning.parallel.compile import compile_blocks
 from moe_lightning.training.strategy import MoEFSDPStrategy
 from tests.parallel.test_compile import CONFIG
 
@@ -52,7 +52,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     eager, _, _ = fit(False, args.ep)
-    with mock.patch.object(module_lib, "compile_blocks", partial(compile_blocks, backend="aot_eager")):
+    with mock.patch.object(parallelize_lib, "compile_blocks", partial(compile_blocks, backend="aot_eager")):
         compiled, classes, offloaded = fit(True, args.ep)
     if int(os.environ.get("RANK", "0")) == 0:
         Path(args.out).write_text(json.dumps({"eager": eager, "compiled": compiled, "compiled_classes": classes,

@@ -15,11 +15,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moe_lightning.training import module as module_lib
+from moe_lightning.parallel import parallelize as parallelize_lib
 from moe_lightning.training.callbacks import ActivationOffload
 from moe_lightning.model import MoEConfig, MoETransformer
 from moe_lightning.model.transformer import Block
-from moe_lightning.training.module import MoELanguageModel, compile_blocks
+from moe_lightning.parallel.compile import compile_blocks
+from moe_lightning.training.module import MoELanguageModel
 from tests.support.distributed import LAUNCHERS, run_ranks
 
 CONFIG = MoEConfig(vocab_size=64, dim=32, n_layers=3, n_heads=4, n_kv_heads=2, max_seq_len=32, ffn_hidden=64,
@@ -81,7 +82,7 @@ def test_compiling_blocks_already_wrapped_by_offload_is_refused():
 
 
 def test_compile_flag_compiles_the_blocks_the_module_builds():
-    with mock.patch.object(module_lib, "compile_blocks", partial(compile_blocks, backend="aot_eager")):
+    with mock.patch.object(parallelize_lib, "compile_blocks", partial(compile_blocks, backend="aot_eager")):
         compiled = MoELanguageModel(CONFIG, compile=True)
         compiled.configure_model()
     assert all(type(block).__name__ == "CompiledBlock" for block in compiled.model.layers)

@@ -6,7 +6,9 @@ import torch
 from lightning.pytorch.loggers import CSVLogger
 
 from moe_lightning.checkpoint.discovery import newest_checkpoint
-from moe_lightning.checkpoint.sharded import MARKER_FILE, METADATA_FILE, ShardedCheckpointer, CheckpointError
+from moe_lightning.checkpoint.commit import MARKER_FILE, METADATA_FILE
+from moe_lightning.checkpoint.safe_load import CheckpointError
+from moe_lightning.checkpoint.sharded import ShardedCheckpointer
 from moe_lightning.run.folders import create_version_folder, remove_unfinished_saves
 from moe_lightning.training.callbacks.run_folders import allocate_run_folder
 from tests.training.test_preemption import finish, fit_command, launch, losses

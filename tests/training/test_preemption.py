@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from moe_lightning.commands.main import run
-from moe_lightning.checkpoint.sharded import METADATA_FILE
+from moe_lightning.checkpoint.commit import METADATA_FILE
 from moe_lightning.run.exits import EXIT_MAX_TIME
 from moe_lightning.training.callbacks.preemption import Preemption
 from tests.support.distributed import REPO_ROOT, clean_env, free_port

@@ -1,6 +1,8 @@
 """QK-clip: the recorded per-head max logits against a float64 recomputation, the rescaling against a float64
-reference, a step's effect on the same batch, ActivationOffload, 1 process against 2, and the argument errors."""
+reference, a step's factors and effect on the same batch against float64 maxima, ActivationOffload, 1 process
+against 2 (every rank's rows against a float64 clip), and the argument errors."""
 
+import copy
 import csv
 import json
 import math
@@ -245,11 +247,12 @@ def test_after_a_step_every_head_is_at_most_the_threshold_on_the_same_batch(tmp_
     maxima = torch.cat([a.max_logits for a in attention_modules(probe)])
     threshold = float(maxima.median())  # about half of the heads clipped
 
-    inputs, weights = {}, {}
+    inputs, weights, copies = {}, {}, {}
 
     class Capture(L.Callback):
         def on_fit_start(self, trainer, pl_module):
             for i, attention in enumerate(attention_modules(pl_module)):
+                copies[i] = copy.deepcopy(attention)  # the weights the step's forward sees
                 attention.register_forward_pre_hook(partial(self.keep_input, i), with_kwargs=True)
                 weights[i] = {n: w.detach().clone() for n, w in qk_weights(attention).items()}
 
@@ -260,7 +263,11 @@ def test_after_a_step_every_head_is_at_most_the_threshold_on_the_same_batch(tmp_
     qk_clip = QKClip(threshold=threshold)
     trainer, model = fit(tmp_path, config, [Capture(), qk_clip], partial(torch.optim.SGD, lr=0.0))
     recorded = qk_clip.last_max_logits
-    torch.testing.assert_close(recorded.flatten(), maxima, rtol=1e-6, atol=0)
+    doc_BS = document_ids(batches(1)[:, :-1], 0)
+    S_LH = torch.stack([float64_max_logits(copies[i], inputs[i][0], doc_BS) for i in sorted(copies)])
+    torch.testing.assert_close(recorded.double(), S_LH, rtol=2e-6, atol=1e-6)  # as in the recording test above
+    torch.testing.assert_close(qk_clip.last_gamma.double(), torch.where(S_LH > threshold, threshold / S_LH, 1.0),
+                               rtol=2e-6, atol=0)  # gamma = tau / S_h
     for i, attention in enumerate(attention_modules(model)):
         attention.train()
         attention.record_max_logits, attention.max_logits = True, None
@@ -305,12 +312,27 @@ def test_one_process_equals_two_under_moe_fsdp_strategy(tmp_path):
     run_ranks(script, 1, "--out", str(tmp_path / "single.json"))
     run_ranks(script, 2, "--ep", "2", "--offload", "--out", str(tmp_path / "two.json"))
     single, two = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("single", "two"))
-    assert two["shard_diff"] == 0.0 and single["shard_diff"] == 0.0  # each rank scaled exactly its own rows
+    # The launcher's last clip (fixed maxima) against its float64 recomputation, rank by rank: scaled rows to a few
+    # fp32 roundings (gamma, its square root, the product: each <= 2^-24 relative), the others bit for bit.
+    fixed_LH = torch.tensor([[8.0, 3.0, 5.0], [2.0, 6.0, 4.0], [4.5, 1.0, 9.0]], dtype=torch.float64)
+    for run, world in ((single, 1), (two, 2)):
+        torch.testing.assert_close(torch.tensor(run["clip_gammas"], dtype=torch.float64),
+                                   torch.where(fixed_LH > 4.0, 4.0 / fixed_LH, 1.0), rtol=1e-7, atol=0)
+        assert len(run["ranks"]) == world
+        for rank in run["ranks"]:
+            assert rank["max_rel_diff"] < 1e-6 and rank["unscaled_diff"] == 0.0, rank
+        full_rows = {name: len(weight) for name, weight in run["weights"].items()}
+        assert {name: sum(r["rows"][name] for r in run["ranks"]) for name in full_rows} == full_rows
+    assert all(0 < rows < len(two["weights"][name]) for rank in two["ranks"] for name, rows in rank["rows"].items())
     assert len(single["max_logits"]) == len(two["max_logits"]) == 4
     clipped_somewhere = False
     for step_single, step_two, gamma_single, gamma_two in zip(single["max_logits"], two["max_logits"],
                                                               single["gammas"], two["gammas"]):
         a, b = torch.tensor(step_single), torch.tensor(step_two)
+        for maxima, gammas in ((a, gamma_single), (b, gamma_two)):  # gamma = tau / S_h, recomputed in float64
+            S = maxima.double()
+            torch.testing.assert_close(torch.tensor(gammas, dtype=torch.float64),
+                                       torch.where(S > 4.0, 4.0 / S, 1.0), rtol=1e-7, atol=0)
         # Muon's Newton-Schulz amplifies the ranks' different reduction order (~1e-7) to ~1e-5 over 4 steps
         torch.testing.assert_close(b, a, rtol=1e-4, atol=0)
         clear = (a - 4.0).abs() > 4e-3  # heads not within 1e-3 of the threshold: the same decision
@@ -351,7 +373,7 @@ def test_compiled_blocks_record_what_eager_records():
     """Per-block ``torch.compile`` with ``fullgraph=True`` (``aot_eager``: Dynamo and AOTAutograd, no Inductor
     code generation) captures the recording as part of the graph, and two forwards fold into a running maximum."""
     from moe_lightning.model import MoETransformer
-    from moe_lightning.training.module import compile_blocks
+    from moe_lightning.parallel.compile import compile_blocks
     torch.manual_seed(0)
     config = MoEConfig(**MLA, **DOCS, init_std=0.3)
     eager, compiled = MoETransformer(config), MoETransformer(config)

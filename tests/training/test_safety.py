@@ -23,7 +23,7 @@ from moe_lightning.training.callbacks.preemption import Preemption
 from moe_lightning.commands.cli import default_precision
 from moe_lightning.commands.main import run
 from moe_lightning.model.config import ConfigError
-from moe_lightning.checkpoint.sharded import MARKER_FILE
+from moe_lightning.checkpoint.commit import MARKER_FILE
 from moe_lightning.checkpoint.compat import ResumeMismatchError
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"

@@ -58,8 +58,9 @@ class _Boundary:
 class ActivationOffload(L.Callback):
     """Checkpoint every block and keep the offloaded blocks' inputs in host memory between forward and backward.
 
-    Applied at ``on_fit_start``, i.e. after a strategy has sharded the model (FSDP2 composes: its hooks
-    still run around each block), and removed at ``on_fit_end``.
+    Applied by ``MoEFSDPStrategy`` inside ``parallelize_moe`` (after compile, before sharding: see that function for
+    the order), or at ``on_fit_start`` on any other strategy or a model sharded by an earlier fit (FSDP2 composes:
+    its hooks still run around each block); removed at ``on_fit_end``.
 
     Args:
         prefetch: How many offloaded inputs ahead to copy back during backward (0: copy on demand).
@@ -95,7 +96,12 @@ class ActivationOffload(L.Callback):
 
     # ---- Lightning hooks -------------------------------------------------------------------------
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.apply(find_blocks(pl_module), find_mtp_blocks(pl_module) if self.mtp else ())
+        if self._layers is None:  # not applied by the strategy (parallelize_moe)
+            self.wrap(pl_module)
+
+    def wrap(self, model: nn.Module) -> None:
+        """``apply`` to the blocks of ``model`` (a LightningModule or the transformer itself)."""
+        self.apply(find_blocks(model), find_mtp_blocks(model) if self.mtp else ())
 
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.remove()

@@ -1,0 +1,110 @@
+"""``parallelize_moe``: the one function that turns a built ``MoETransformer`` into the model a run trains.
+
+The order, and why:
+
+    1. expert parallelism  each rank keeps its ``E / ep`` experts; the all-to-all dispatcher goes on every MoE layer
+    2. compile             each block's class becomes one with a compiled ``forward`` (``compile.py``)
+    3. block wrapping      activation checkpointing and offload (``ActivationOffload``): an instance ``forward`` bound
+                           to the class's, so it comes after 2 (before, it would keep calling the eager forward)
+    4. FSDP units          ``fully_shard`` on each unit (``fsdp.apply_fsdp``): FSDP2's hooks run in ``__call__``,
+                           around whatever ``forward`` 2 and 3 left, so neither changes what a unit gathers
+    5. prefetch            which units each unit all-gathers ahead; all-gathers in the compute stream's pool
+    6. materialize         a meta-device build only: allocate the local shards and initialise them, or copy the
+                           released weights in (after 4, so each rank touches only its own slices)
+
+A step is skipped when its argument says so: without ``sharding`` (one device, or a strategy that shards nothing)
+only 2 and 3 run. Nothing here reads a trainer or a strategy: ``MoEFSDPStrategy.setup`` calls it once with its
+arguments; on other strategies the module calls it for 2 and ``ActivationOffload`` applies 3 when fit starts.
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
+
+from moe_lightning.checkpoint.sharded import expert_parameter_names, global_expert_views
+from moe_lightning.dtypes import DTYPES
+from moe_lightning.model import MoETransformer
+from moe_lightning.parallel import fsdp
+from moe_lightning.parallel.compile import compile_blocks
+from moe_lightning.parallel.expert_parallel import apply_expert_parallel
+from moe_lightning.parallel.mesh import MeshError, MeshLayout
+
+
+@dataclass(frozen=True)
+class Sharding:
+    """How ``parallelize_moe`` shards (``MoEFSDPStrategy`` builds it from its arguments and the mesh layout)."""
+
+    layout: MeshLayout
+    dense_mesh: DeviceMesh
+    expert_mesh: DeviceMesh | None  # ("replicate", "ep", "efsdp") under expert parallelism, else None
+    param_dtype: torch.dtype | None
+    reduce_dtype: torch.dtype | None
+    reshard_after_forward: bool
+    cpu_offload: bool
+    prefetch_depth: int
+    unshard_async_op: bool
+    ranks_per_node: int  # picks flat or hierarchical expert dispatch
+    param_device: torch.device  # where the shards live (host memory under cpu_offload)
+    buffer_device: torch.device  # the compute device
+    seed: int  # of a meta-device build: the run's seed plus the shard rank (replicas agree, shards differ)
+
+
+def check_strategy_arguments(replicate_size: int, shard_size: int | str, expert_parallel_size: int, param_dtype: str,
+                             reduce_dtype: str, prefetch_depth: int, save_distributed_checkpoint: bool,
+                             async_checkpoint: bool) -> None:
+    """What ``MoEFSDPStrategy``'s arguments can be checked for before any launch; messages name ``strategy.<field>``."""
+    for name, value in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)):
+        if value != "auto" and value not in DTYPES:
+            raise MeshError(f"strategy.{name}={value!r}: use one of 'auto', {', '.join(map(repr, DTYPES))}.")
+    if not isinstance(prefetch_depth, int) or prefetch_depth < 0:
+        raise MeshError(f"strategy.prefetch_depth={prefetch_depth!r}: must be an integer >= 0.")
+    MeshLayout.check_arguments(replicate_size, shard_size, expert_parallel_size)
+    if not save_distributed_checkpoint and expert_parallel_size > 1:
+        raise MeshError("strategy.save_distributed_checkpoint=False gathers full tensors per rank, which with "
+                        f"expert_parallel_size={expert_parallel_size} hold only local experts: keep sharded "
+                        "checkpoints and export a single file with `moe-lightning export`.")
+    if async_checkpoint and not save_distributed_checkpoint:
+        raise MeshError("strategy.async_checkpoint=True writes sharded checkpoints in the background: keep "
+                        "strategy.save_distributed_checkpoint=True.")
+
+
+def parallelize_moe(model: MoETransformer, sharding: Sharding | None, *, compile: bool = False,
+                    wrap_blocks: Callable[[MoETransformer], None] | None = None,
+                    fill_pretrained: Callable[[dict[str, torch.Tensor]], None] | None = None) -> list[str]:
+    """Apply the steps above to ``model``, in place; returns what to log. ``wrap_blocks(model)`` wraps the blocks'
+    forwards; ``fill_pretrained(state)`` copies released weights into ``state`` (the model's state dict, expert
+    stacks as global views) when the model was built on the meta device. A model already sharded is left as it is."""
+    if isinstance(model, FSDPModule):
+        return []
+    messages, on_meta = [], any(p.device.type == "meta" for p in model.parameters())
+    if sharding is not None:
+        layout, E = sharding.layout, model.config.num_experts
+        MeshLayout.resolve(layout.world_size, layout.replicate, layout.shard, layout.ep, E)
+        if layout.ep > 1:
+            messages.append(apply_expert_parallel(model.moe_layers(), sharding.expert_mesh["ep"].get_group()))
+    if compile:
+        compile_blocks(model.layers)
+    if wrap_blocks is not None:
+        wrap_blocks(model)
+    if sharding is None:
+        return messages
+    placement, message = layout.expert_placement(E)
+    messages.append(message)
+    policy = fsdp.FSDPPolicy(param_dtype=sharding.param_dtype, reduce_dtype=sharding.reduce_dtype,
+                             reshard_after_forward=sharding.reshard_after_forward, cpu_offload=sharding.cpu_offload,
+                             expert_placement=placement)
+    expert_fsdp_mesh = MeshLayout.expert_fsdp_mesh(sharding.expert_mesh) if sharding.expert_mesh is not None else None
+    stages = fsdp.apply_fsdp(model, sharding.dense_mesh, expert_fsdp_mesh, policy)
+    fsdp.set_prefetch(model, stages, sharding.prefetch_depth)
+    if sharding.unshard_async_op:
+        fsdp.set_unshard_async_op(model)
+    if on_meta:  # (otherwise fully_shard has moved the buffers to the mesh's device)
+        fsdp.materialize(model, sharding.param_device, sharding.buffer_device, sharding.seed)
+        if fill_pretrained is not None:
+            with global_expert_views(model.state_dict(keep_vars=True), expert_parameter_names(model),
+                                     sharding.expert_mesh) as state:
+                fill_pretrained(state)
+    return messages
