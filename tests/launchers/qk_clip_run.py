@@ -1,17 +1,20 @@
 """A few Muon steps at a high learning rate with QKClip (one process, or MoEFSDPStrategy ranks); rank 0 writes JSON:
-every step's combined max logits and clip factors, and the final full query/key weights. Launched by
+every step's combined max logits and clip factors, the final full query/key weights, and every rank's difference
+between its own rows after one more clip and a float64 reference of that clip. Launched by
 tests/training/test_qk_clip.py."""
 
 import argparse
 import json
 import os
+import re
 from functools import partial
 from pathlib import Path
 
 import lightning as L
 import torch
+import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from moe_lightning import MoEConfig, MoELanguageModel, TextDataModule
 from moe_lightning.training.callbacks import ActivationOffload, QKClip
@@ -57,21 +60,56 @@ def main() -> None:
     model = MoELanguageModel(MoEConfig(**MLA), optimizer=partial(Muon, lr=0.05, adamw_lr=0.01))
     trainer.fit(model, TextDataModule(source=os.__file__, seq_len=32, batch_size=4 // world, val_fraction=0.05))
     weights = full_qk_weights(model)
-    # One more clip with fixed maxima on the (sharded) weights: each rank scales only its own rows, so the
-    # gathered result must equal the same scaling of the gathered weights bit for bit.
-    attentions = attention_modules(model)
+    # One more clip with fixed maxima on the (sharded) weights: each rank must scale exactly its own rows as a float64
+    # recomputation of the K2 rule on the gathered weights says. Every rank measures its own shard.
     max_logits_LH = torch.tensor([[8.0, 3.0, 5.0], [2.0, 6.0, 4.0], [4.5, 1.0, 9.0]])
-    gamma_LH = clip_qk_(attentions, max_logits_LH, THRESHOLD, 0.5)
-    clipped = full_qk_weights(model)
-    shard_diff = 0.0
-    for attention, gamma_H in zip(attentions, gamma_LH):
-        for param, factor_R in attention.qk_clip_scales(gamma_H, 0.5):
-            name = next(n for n, p in model.model.named_parameters() if p is param)
-            expected = torch.tensor(weights[name]) * factor_R[:, None]
-            shard_diff = max(shard_diff, (torch.tensor(clipped[name]) - expected).abs().max().item())
+    gamma_LH = clip_qk_(attention_modules(model), max_logits_LH, THRESHOLD, 0.5)
+    expected = float64_clip(weights, max_logits_LH, THRESHOLD, 0.5)
+    mine = {"rows": {}, "max_rel_diff": 0.0, "unscaled_diff": 0.0}
+    for name, param in model.model.named_parameters():
+        if name not in expected:
+            continue
+        before, after = torch.tensor(weights[name], dtype=torch.float64), expected[name]
+        if isinstance(param, DTensor):  # this rank's rows of the full tensors, by the parameter's own placement
+            before = distribute_tensor(before, param.device_mesh, param.placements).to_local()
+            after = distribute_tensor(after, param.device_mesh, param.placements).to_local()
+            param = param.to_local()
+        ours = param.detach().double()
+        scaled = (after != before).any(-1)
+        mine["rows"][name] = len(ours)
+        if scaled.any():
+            mine["max_rel_diff"] = max(mine["max_rel_diff"], ((ours - after) / after).abs()[scaled].max().item())
+        if (~scaled).any():
+            mine["unscaled_diff"] = max(mine["unscaled_diff"], (ours - before).abs()[~scaled].max().item())
+    ranks = [None] * world
+    if dist.is_initialized():
+        dist.all_gather_object(ranks, mine)
+    else:
+        ranks = [mine]
     if trainer.is_global_zero:
         Path(args.out).write_text(json.dumps({"max_logits": steps.max_logits, "gammas": steps.gammas,
-                                              "weights": weights, "shard_diff": shard_diff}))
+                                              "weights": weights, "clip_gammas": gamma_LH.tolist(), "ranks": ranks}))
+
+
+def float64_clip(weights: dict[str, list], max_logits_LH: torch.Tensor, threshold: float, alpha: float
+                 ) -> dict[str, torch.Tensor]:
+    """Kimi K2's rule for MLA, head by head in float64 on the gathered weights: gamma = threshold / S_h for heads
+    with S_h > threshold; the head's non-rotary query rows x gamma^alpha, its rotary query rows x gamma, its
+    non-rotary key rows (in wkv_b) x gamma^(1 - alpha); values and the shared rotary key (wkv_a) untouched."""
+    N, R, V = MLA["qk_nope_head_dim"], MLA["qk_rope_head_dim"], MLA["v_head_dim"]
+    out = {}
+    for name, weight in weights.items():
+        layer, kind = re.search(r"layers\.(\d+)\..*attention\.(\w+)\.weight$", name).groups()
+        w = torch.tensor(weight, dtype=torch.float64)
+        for h, S in enumerate(max_logits_LH[int(layer)].double().tolist()):
+            gamma = threshold / S if S > threshold else 1.0
+            if kind == "wq":
+                w[h * (N + R):h * (N + R) + N] *= gamma ** alpha
+                w[h * (N + R) + N:(h + 1) * (N + R)] *= gamma
+            elif kind == "wkv_b":
+                w[h * (N + V):h * (N + V) + N] *= gamma ** (1 - alpha)
+        out[name] = w
+    return out
 
 
 def full_qk_weights(model: MoELanguageModel) -> dict[str, list]:

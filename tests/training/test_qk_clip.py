@@ -320,7 +320,7 @@ def test_one_process_equals_two_under_moe_fsdp_strategy(tmp_path):
                                    torch.where(fixed_LH > 4.0, 4.0 / fixed_LH, 1.0), rtol=1e-7, atol=0)
         assert len(run["ranks"]) == world
         for rank in run["ranks"]:
-            assert rank["max_rel_diff"] < 1e-6 and rank["unscaled_diff"] == 0.0, rank
+            assert rank["max_rel_diff"] < 3e-7 and rank["unscaled_diff"] == 0.0, rank  # measured: 9e-8
         full_rows = {name: len(weight) for name, weight in run["weights"].items()}
         assert {name: sum(r["rows"][name] for r in run["ranks"]) for name in full_rows} == full_rows
     assert all(0 < rows < len(two["weights"][name]) for rank in two["ranks"] for name, rows in rank["rows"].items())
