@@ -5,9 +5,10 @@ another shape would silently win. Instead the command line always wins, and ``ch
 anything is built (``moe-lightning`` runs it once, for every subcommand and every ``ckpt_path``, ``last``
 resolved): a model that differs in its shape or function (one line per differing field; training knobs may
 change), and a training position saved on other data (another source, mixture, seq_len, shuffle or split),
-whatever kind of source it is. Paths Lightning resolves itself (``best``, remote files, ``Trainer.fit`` from
-Python) are checked when it hands the checkpoint over: the model in ``MoELanguageModel.on_load_checkpoint``, the data
-when the loader's position is restored.
+whatever kind of source it is: the guard. Paths Lightning resolves itself (``best``, remote files, ``Trainer.fit``
+from Python) are checked when it hands the checkpoint over, by one backup each: the model in
+``MoELanguageModel.on_load_checkpoint`` (before any strategy loads a weight), the data in ``check_position`` when the
+loader's position is restored.
 """
 
 import dataclasses
@@ -100,9 +101,9 @@ def check_order(saved: dict, ckpt_path: str | None) -> None:
 
 def check_data(saved: dict, current: dict, ckpt_path: str | None) -> None:
     """Refuse a position saved on other data: every description field both sides have must agree (a field only
-    one side has, from an older or newer version, is not compared)."""
-    differ = [f"data {name}: checkpoint {saved[name]!r}, requested {current[name]!r}"
-              for name in current if name in saved and saved[name] != current[name]]
+    one side has, from an older or newer version, is not compared), and the mixture always (none: one corpus)."""
+    differ = [f"data {name}: checkpoint {saved.get(name)!r}, requested {current[name]!r}"
+              for name in current if (name in saved or name == "mixture") and saved.get(name) != current[name]]
     if differ:
         raise ResumeMismatchError(
             f"{_named(ckpt_path)} was trained on other data, so its position in the training order means nothing "
@@ -110,9 +111,17 @@ def check_data(saved: dict, current: dict, ckpt_path: str | None) -> None:
             "max_tokens and shuffle_seed it was trained with, or start a new run without --ckpt_path.")
 
 
+def check_position(saved: dict, current: dict) -> None:
+    """The backup of the data check, for the paths ``check_checkpoint`` never sees (``Trainer.fit(ckpt_path=...)``
+    from Python, ``best``): the data a restored position was saved on (``current``: ``TextDataModule.description``),
+    then its order."""
+    check_data(saved, current, None)
+    check_order(saved, None)
+
+
 def check_checkpoint(ckpt_path: str | Path, model_args: dict[str, Any], data=None,
                      check_tokenizer: Callable[[], None] = lambda: None, training: bool = True) -> list[str]:
-    """The one resume check, before anything is built: the model (``check_resume``), then the tokenizer (the
+    """The resume guard, run once by ``moe-lightning`` before anything is built: the model (``check_resume``), then the tokenizer (the
     caller's ``check_tokenizer``: other ids would also make other data, and that says it better), then, when
     ``data`` describes itself (``TextDataModule.description``; it is set up for that, so the caller passes ``None``
     when that would mean tokenizing text the run has not tokenized yet: the restore checks it then) and the checkpoint

@@ -185,8 +185,9 @@ class MoECLI(LightningCLI):
         line): the command line wins, and ``_check_resume`` refuses a checkpoint of another model or data."""
 
     def _check_resume(self, data=None) -> None:
-        """The one resume check (``resume.check_checkpoint``), after ``last`` is resolved and before the model is
-        built or the run writes anything: the model for every subcommand, the data's position for ``fit``."""
+        """The resume guard (``compat.check_checkpoint``), after ``last`` is resolved and before the model is built
+        or the run writes anything: the model for every subcommand, the data's position for ``fit``. (What the CLI
+        cannot see has one backup each: ``MoELanguageModel.on_load_checkpoint``, ``compat.check_position``.)"""
         ckpt_path = self.config_init[self.subcommand].get("ckpt_path")
         if not ckpt_path:
             return

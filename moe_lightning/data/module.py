@@ -9,7 +9,7 @@ from typing import Any
 import lightning as L
 from torch.utils.data import ConcatDataset, DataLoader, SequentialSampler
 
-from moe_lightning.checkpoint.compat import check_data, check_order
+from moe_lightning.checkpoint.compat import check_order, check_position
 from moe_lightning.data.tokenizer import load_tokenizer, tokenizer_identity
 from moe_lightning.data.sampling import (InOrderSampler, MixtureSampler, MixtureSequences, PackedSequences, ResumableSampler,
                        split_indices)
@@ -223,7 +223,7 @@ class TextDataModule(L.LightningDataModule):
             if self.is_mixture else None
 
     def description(self) -> dict:
-        """What a position in the training order is a position in (saved with it; ``resume.check_checkpoint``
+        """What a position in the training order is a position in (saved with it; ``compat.check_checkpoint``
         refuses to resume it in another): the sources, their sequence counts, seq_len, the shuffle, and the tokens
         of the first and last training sequence."""
         ends = [self.train_set[i].numpy().tobytes() for i in (0, len(self.train_set) - 1)]
@@ -251,13 +251,7 @@ class TextDataModule(L.LightningDataModule):
         return {"epoch": self.trainer.current_epoch, "samples": processed * global_batch, **self.description()}
 
     def _restore(self, state: dict) -> tuple[int, int]:
-        saved, ours = state.get("mixture"), self._mixture_signature()
-        if saved != ours:
-            raise ValueError(f"data.source: the checkpoint was trained on the mixture {saved} (name, weight, training "
-                             f"sequences) but this run has {ours}; its position means nothing in another mixture. "
-                             "Resume with the same sources, weights and seq_len, or start a new run.")
-        check_data(state, self.description(), None)  # as the CLI does before building (Python users)
-        check_order(state, None)
+        check_position(state, self.description())  # the backup of the CLI's guard, for Python users
         return state["epoch"], state["samples"]
 
     def state_dict(self) -> dict:
