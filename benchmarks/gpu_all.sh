@@ -44,7 +44,8 @@ for row in "${PARTS[@]}"; do
     name=${row%%|*}
     if [[ -z ${GPU_ALL_PARTS:-} || ,${GPU_ALL_PARTS}, == *,$name,* ]]; then selected+=("$row"); fi
 done
-for want in ${GPU_ALL_PARTS//,/ }; do
+parts_wanted=${GPU_ALL_PARTS:-}
+for want in ${parts_wanted//,/ }; do
     printf '%s\n' "${PARTS[@]}" | grep -q "^$want|" || { echo "gpu_all: GPU_ALL_PARTS names an unknown part '$want'; parts: $(printf '%s ' "${PARTS[@]%%|*}")"; exit 2; }
 done
 

@@ -227,7 +227,7 @@ class Probe(L.Callback):
         summary = {"device": torch.cuda.get_device_name() if self._cuda(pl_module) else "cpu",
                    "model": self.describe_line, "routing": "as trained (no forced balance)",
                    "step": row["step"], "step_s": row["step_s"], "tokens_per_s": row["tokens_per_s"],
-                   "achieved_tflops": row["achieved_tflops"], "mfu_vs_989": row["mfu"],
+                   "achieved_tflops": row["achieved_tflops"], "achieved_flops": round(achieved), "mfu_vs_989": row["mfu"],
                    "gemm_ceiling_tflops": round(self.gemm_flops / 1e12, 1) if self.gemm_flops else None,
                    "mfu_vs_gemm_ceiling": round(achieved / self.gemm_flops, 4) if self.gemm_flops else None,
                    "phases_ms": {"forward": round(elapsed("start", "forward"), 1),

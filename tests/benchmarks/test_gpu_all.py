@@ -5,6 +5,7 @@ test (succeed, fail, hang), so the driver's budget, time boxes and exit status a
 """
 
 import json
+import math
 import os
 import signal
 import stat
@@ -21,55 +22,102 @@ from tests.support.benchmark_script import load_benchmark
 from tests.support.distributed import REPO_ROOT, clean_env
 
 FAKE_PYTHON = """#!/usr/bin/env bash
-# stand-in interpreter: "-c" prints a version line; a benchmark script behaves as $BEHAVIOUR_<name> says
-[[ $1 == -c ]] && { echo "torch fake lightning fake gpus 1"; exit 0; }
+# stand-in interpreter: "-" (the machine facts) prints a line; a part behaves as $BEHAVIOUR_<script name> says
+[[ $1 == - ]] && { cat >/dev/null; echo "torch fake"; exit 0; }
 name=$(basename "$1" .py)
-echo "{\\"part\\": \\"$name\\", \\"box_s\\": $GPU_ALL_BOX_S}"
+echo "{\\"part\\": \\"$name\\", \\"box_s\\": $GPU_ALL_BOX_S, \\"args\\": \\"${*:2}\\"}"
 case $(printenv "BEHAVIOUR_$name") in
   fail) echo "{\\"part\\": \\"$name\\", \\"status\\": \\"failed\\"}"; exit 3 ;;
-  hang) echo "{\\"part\\": \\"$name\\", \\"started\\": true}"; sleep 60 ;;
-  *) echo "{\\"part\\": \\"$name\\", \\"status\\": \\"ok\\"}" ;;
+  hang) echo "figure: $name | early | t | PASS"; sleep 60 ;;
+  *) echo "figure: $name | 42 things | >= 1 | PASS" ;;
 esac
 """
+ORDER = ["paths", "recipe", "attention", "offload", "muon", "strategy"]
 
 
-def run_gpu_all(tmp_path: Path, budget: int, **behaviour: str) -> subprocess.CompletedProcess:
+def run_gpu_all(tmp_path: Path, *args: str, python: str | None = None, **env: str) -> subprocess.CompletedProcess:
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
     fake = bin_dir / "python"
     fake.write_text(FAKE_PYTHON)
     fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
-    env = clean_env(PYTHON=str(fake), OUT=str(tmp_path / "out"),
-                    **{f"BEHAVIOUR_{k}": v for k, v in behaviour.items()})
-    return subprocess.run(["bash", str(REPO_ROOT / "benchmarks" / "gpu_all.sh"), str(budget)], env=env,
-                          capture_output=True, text=True, timeout=120)
+    behaviour = {f"BEHAVIOUR_{k}": v for k, v in env.items() if not k.isupper()}
+    env = clean_env(PYTHON=python or str(fake), OUT=str(tmp_path / "out"),
+                    GPU_ALL_CACHE=str(tmp_path / "cache"), GPU_ALL_CACHE_TGZ=str(tmp_path / "none.tgz"),
+                    **behaviour, **{k: v for k, v in env.items() if k.isupper()})
+    return subprocess.run(["bash", str(REPO_ROOT / "benchmarks" / "gpu_all.sh"), *args], env=env,
+                          capture_output=True, text=True, timeout=300)
 
 
-def test_gpu_all_runs_every_part_reports_failures_and_exits_nonzero(tmp_path):
-    done = run_gpu_all(tmp_path, 420, muon_gpu_step="fail")
-    lines = done.stdout.splitlines()
-    assert "gpu_all: total budget 420 s" in lines[0]
-    parts = [line.split("--- ")[1].split(" ")[0] for line in lines if line.startswith("gpu_all: --- ")]
-    assert parts == ["recipe", "offload", "attention", "muon", "strategy"]  # the 1T recipe first, then by value
-    assert "gpu_all: FAILED muon (exit 3)" in lines and "gpu_all: ok strategy" in lines
+def parts_run(stdout: str) -> list[str]:
+    return [line.split("--- ")[1].split(" ")[0] for line in stdout.splitlines() if line.startswith("gpu_all: --- ")]
+
+
+def table(stdout: str) -> list[str]:
+    return [line for line in stdout.splitlines() if line.startswith("| ")]
+
+
+def test_gpu_all_runs_every_part_reports_failures_in_one_table_and_exits_nonzero(tmp_path):
+    done = run_gpu_all(tmp_path, gpu_preflight="ok", muon_gpu_step="fail")
+    assert parts_run(done.stdout) == ORDER  # the path check first, then the recipe, then by value
+    assert "gpu_all: muon: FAILED (exit 3)" in done.stdout and "gpu_all: strategy: ok in " in done.stdout
     assert done.returncode == 1 and "FAILED PARTS: muon:exit3" in done.stdout
-    assert (tmp_path / "out" / "strategy.log").read_text().splitlines() == [
-        '{"part": "gpu_strategy", "box_s": 50}', '{"part": "gpu_strategy", "status": "ok"}']  # told its time box
-    # the boxes add up to at most 7 minutes (a rerun fits the 15-minute lease), and the parts share one cache
-    boxes = [int(line.split("time box ")[1].split(" ")[0]) for line in lines if "time box" in line]
-    assert sum(boxes) <= 400
-    # the summary table: one row per part with its outcome
-    assert "| muon | FAILED (exit 3) |" in lines and "| part | outcome |" in lines
-    assert any(line.startswith("| recipe | ok in ") for line in lines)
+    assert "GPU_ALL_PARTS=muon bash benchmarks/gpu_all.sh" in done.stdout  # the rerun, spelled out
+    log = (tmp_path / "out" / "strategy.log").read_text().splitlines()
+    assert json.loads(log[0])["box_s"] == 30  # told its time box
+    boxes = [int(line.split("time box ")[1].split(" ")[0]) for line in done.stdout.splitlines() if "time box" in line]
+    assert sum(boxes) <= 420 - 40  # room for the start-up inside the 420 s budget
+    # one table: the machine facts first, then a row per part (its figure, or why it has none)
+    rows = table(done.stdout)
+    assert rows[0] == "| part | key number | target | pass/fail | outcome |"
+    assert [row.split(" | ")[0][2:] for row in rows[2:]] == [  # the stand-in names its figure by its script
+        "gpu_paths", "gpu_recipe", "gpu_attention", "gpu_offload", "muon", "gpu_strategy"]
+    assert rows[2].startswith("| gpu_paths | 42 things | >= 1 | PASS | ok in ")
+    assert rows[6].startswith("| muon | (no figure) | - | FAIL | FAILED (exit 3)")
+    report = (tmp_path / "out" / "gpu_all.md").read_text()
+    assert report.index("torch fake") < report.index("start-up: ") < report.index("| part | key number")
+    files = sorted(p.name for p in (tmp_path / "out").iterdir())
+    assert len(files) <= 8 and files == sorted(["gpu_all.md", *(f"{name}.log" for name in ORDER)])
 
 
-def test_gpu_all_checks_the_triton_launcher_first_and_skips_only_the_compiled_parts(tmp_path):
-    done = run_gpu_all(tmp_path, 420, gpu_preflight="fail")
+def test_gpu_all_skips_only_the_compiled_parts_when_triton_cannot_build_its_launcher(tmp_path):
+    done = run_gpu_all(tmp_path, gpu_preflight="fail")
+    assert parts_run(done.stdout) == ["offload", "muon", "strategy"]
+    for name in ("paths", "recipe", "attention"):
+        assert f"gpu_all: {name}: skipped: Triton cannot build its launcher" in done.stdout
+    assert done.returncode == 1 and "paths:no-compiler" in done.stdout
+
+
+def test_gpu_all_exits_zero_only_when_every_part_succeeded(tmp_path):
+    done = run_gpu_all(tmp_path)
+    assert done.returncode == 0 and done.stdout.splitlines()[-1] == "gpu_all: all parts ok"
+
+
+def test_gpu_all_time_boxes_a_hanging_part_keeps_its_early_figure_and_skips_what_the_budget_cannot_hold(tmp_path):
+    done = run_gpu_all(tmp_path, "17", gpu_paths="hang")
+    assert "gpu_all: paths: TIMEOUT after 17 s" in done.stdout
+    assert "| gpu_paths | early | t | PASS | TIMEOUT after 17 s |" in done.stdout  # printed before the hang, kept
+    assert "gpu_all: strategy: skipped: " in done.stdout and done.returncode == 1
+
+
+def test_gpu_all_parts_selects_the_parts_to_rerun_and_refuses_an_unknown_one(tmp_path):
+    done = run_gpu_all(tmp_path, "--dry-run", GPU_ALL_PARTS="muon,paths")
+    assert parts_run(done.stdout) == ["paths", "muon"] and done.returncode == 0  # in the table's order
+    assert json.loads((tmp_path / "out" / "muon.log").read_text().splitlines()[0])["args"] == "--dry-run"
+    assert "gpu_preflight" not in (tmp_path / "out" / "gpu_all.md").read_text()  # a dry run compiles nothing
+    done = run_gpu_all(tmp_path, GPU_ALL_PARTS="muon,nope")
+    assert done.returncode == 2 and "unknown part 'nope'" in done.stdout
+
+
+def test_gpu_all_list_prints_each_part_its_box_and_the_recipes_model_without_a_gpu(tmp_path):
+    done = run_gpu_all(tmp_path, "--list", python=sys.executable)
     lines = done.stdout.splitlines()
-    assert "SKIPPED recipe (Triton cannot build its launcher" in done.stdout
-    assert "SKIPPED attention (Triton cannot build its launcher" in done.stdout
-    assert [line.split("--- ")[1].split(" ")[0] for line in lines if line.startswith("gpu_all: --- ")] == ["offload", "muon", "strategy"]
-    assert done.returncode == 1 and "recipe:no-compiler" in done.stdout
+    assert done.returncode == 0 and [line.split()[0] for line in lines if line[0] != " "][:6] == ORDER
+    assert lines[0].split()[1:3] == ["40", "s"]  # the path check's box
+    recipe = next(line for line in lines if "recipe model:" in line)
+    assert "6.33B parameters, 1.49B active" in recipe and "sequence 8192 x batch 2" in recipe
+    assert lines[-1].startswith("boxes: 370 s of a 420 s budget")
+    assert not (tmp_path / "out").exists()  # nothing run, nothing written
 
 
 def test_preflight_names_what_triton_lacks_in_one_line(monkeypatch, tmp_path, capsys):
@@ -94,19 +142,6 @@ def test_preflight_names_what_triton_lacks_in_one_line(monkeypatch, tmp_path, ca
     monkeypatch.delenv("CC")
     monkeypatch.setenv("PATH", str(tmp_path))
     assert preflight.problems()[0] == "no C compiler ($CC unset or missing, no gcc or clang on PATH)"
-
-
-def test_gpu_all_exits_zero_only_when_every_part_succeeded(tmp_path):
-    done = run_gpu_all(tmp_path, 420)
-    assert done.returncode == 0 and done.stdout.splitlines()[-1] == "gpu_all: all parts ok"
-
-
-def test_gpu_all_time_boxes_a_hanging_part_and_skips_what_the_budget_cannot_hold(tmp_path):
-    done = run_gpu_all(tmp_path, 17, gpu_offload="hang")
-    assert '{"part": "gpu_offload", "started": true}' in done.stdout  # printed before the hang, kept
-    assert "gpu_all: TIMEOUT offload" in done.stdout
-    assert "gpu_all: SKIPPED muon" in done.stdout and "gpu_all: SKIPPED strategy" in done.stdout
-    assert done.returncode == 1
 
 
 @pytest.fixture(scope="module")
@@ -169,67 +204,6 @@ def test_gpu_strategy_reports_a_child_that_fails_with_its_error(gpu_strategy, mo
     assert result["unshard_async_op"] is True and "devices" in result["stderr_tail"]
 
 
-@pytest.fixture(scope="module")
-def gpu_smoke():
-    return load_benchmark("gpu_smoke")
-
-
-def test_gpu_smoke_dry_run_trains_the_1t_mini_path_on_cpu(gpu_smoke, capsys):
-    summary = gpu_smoke.main(["--dry-run", "--peak-flops", "1e12"])
-    assert summary["steps"] == 2 and summary["seq_len"] == 1024 and summary["precision"] == "32-true"
-    assert summary["mtp_layers"] == 1 and summary["doc_len"] == 256  # the recipe: MTP and documents on
-    assert all(0 < loss < 10 for loss in summary["losses"])
-    out = capsys.readouterr().out.splitlines()
-    rows = [json.loads(line) for line in out if line.startswith('{"step"')]
-    assert [row["step"] for row in rows] == [0, 1]  # one line per step, printed as it ends
-    # MFU from the document-masked count: FLOPs per token below the whole-sequence causal count
-    from moe_lightning.planner.flops import training_flops_per_token
-    config = gpu_smoke.MoEConfig(**{**gpu_smoke.yaml.safe_load(open(gpu_smoke.CONFIG))["model"]["init_args"]["config"],
-                                    "mtp_layers": 1})
-    for row in rows:
-        flops_per_token = row["mfu"] * 1e12 / row["tokens_per_s"]
-        assert 0 < flops_per_token < training_flops_per_token(config, 1024)
-        assert flops_per_token == pytest.approx(training_flops_per_token(config, 1024, doc_len=256), rel=0.02)
-    table = [line for line in out if line.startswith("|")]
-    assert table[0] == "| measurement | value |" and any("MFU (document-masked" in line for line in table)
-
-
-def test_offload_overlap_is_measured_from_the_device_timeline(gpu_smoke):
-    """Copies of the boundary size against kernels on other streams, from the profiler's Chrome trace."""
-    def ev(cat, name, ts, dur, stream, nbytes=None):
-        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur,
-                "args": {"stream": stream, **({"bytes": nbytes} if nbytes else {})}}
-    trace = {"traceEvents": [
-        ev("kernel", "gemm", 0, 100, 7), ev("kernel", "gemm", 150, 100, 7), ev("kernel", "nccl", 90, 30, 9),
-        ev("gpu_memcpy", "Memcpy DtoH (Device -> Pinned)", 80, 40, 20, 4096),    # 80-120: covered 100 %
-        ev("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", 230, 40, 21, 4096),   # 230-270: 20 of 40 covered
-        ev("gpu_memcpy", "Memcpy HtoD (Pageable -> Device)", 0, 500, 7, 64),     # other size: not offload
-    ]}
-    timeline = gpu_smoke.offload_timeline(trace, 4096)
-    assert timeline["copies"] == 2 and timeline["overlap_fraction"] == pytest.approx(60 / 80)
-    assert timeline["timeline"] == [("out", 0.08, 0.04), ("in", 0.23, 0.04)]
-    assert gpu_smoke.offload_timeline(trace, 1)["overlap_fraction"] is None
-    assert gpu_smoke.merged([(0, 2), (1, 3), (5, 6)]) == [(0, 3), (5, 6)]
-
-
-def test_gpu_smoke_counts_every_blocking_cuda_call_and_names_the_package_frame(gpu_smoke):
-    """The profiler's CUDA runtime events, as ``events()`` gives them (name, enclosing op, that op's Python
-    stack, innermost first): stream, event and device synchronisation and synchronous copies count, launches
-    and asynchronous copies do not; each is named by the innermost frame of this package on the nearest stack."""
-    import moe_lightning
-    ours = str(Path(moe_lightning.__file__).resolve().parent / "module.py")
-    lightning_frame = str(Path(gpu_smoke.L.__file__).resolve().parent / "loops" / "x.py") + "(3): run"
-
-    def event(name, parent=None, stack=()):
-        return Namespace(name=name, cpu_parent=parent, stack=list(stack))
-    item = event("aten::item", stack=[f"{ours}(158): _loss", lightning_frame])
-    wait = event("aten::record_stream", stack=[lightning_frame])
-    events = [event("cudaLaunchKernel", item), event("cudaMemcpyAsync", item), event("cudaStreamSynchronize", item),
-              event("cudaEventSynchronize", wait), event("cudaDeviceSynchronize"), event("cudaMemcpy", item)]
-    assert gpu_smoke.sync_sites(events) == ["module.py(158): _loss", "x.py(3): run", "unknown",
-                                            "module.py(158): _loss"]
-
-
 def test_gpu_attention_reports_every_shape_before_failing_on_a_relative_difference(monkeypatch, capsys):
     """A wrong kernel must still leave the numbers of both shapes (GQA, then MLA) in the log; the difference is
     relative to the reference's magnitude (outputs and gradients reach ~30 at 8k tokens: an absolute bound
@@ -237,10 +211,90 @@ def test_gpu_attention_reports_every_shape_before_failing_on_a_relative_differen
     module = load_benchmark("gpu_attention")
     flex_attend = module.flex_attend
     monkeypatch.setattr(module, "flex_attend", lambda *args: flex_attend(*args) * 1.001)
-    with pytest.raises(AssertionError, match="gqa.*mla"):
+    with pytest.raises(AssertionError, match="mla.*gqa"):
         module.main(["--dry-run", "--runs", "1"])
     lines = capsys.readouterr().out.splitlines()
-    assert [line.split(":")[0] for line in lines] == ["gqa", "mla"]
-    assert all("max relative diff 1.0" in line for line in lines)  # 1e-3: the 0.1 % the stand-in kernel adds
+    assert [line.split(":")[0] for line in lines] == ["mla", "gqa", "figure"]  # the recipe's MLA shape first
+    assert all("max relative diff 1.0" in line for line in lines[:2])  # 1e-3: the 0.1 % the stand-in kernel adds
+    assert lines[2].startswith("figure: attention | MLA seq 96: ") and lines[2].endswith("| FAIL")
     big = torch.full((4,), 30.0)
     assert module.relative_diff(big + 0.125, big) == pytest.approx(0.125 / 30)
+
+
+def test_gpu_paths_dry_run_passes_every_check_and_names_a_failure_with_its_error_and_the_ln2_rescaling(capsys,
+                                                                                                        monkeypatch):
+    paths = load_benchmark("gpu_paths")
+    outcome = paths.main(["--dry-run"])
+    lines = capsys.readouterr().out.splitlines()
+    assert outcome == dict.fromkeys(["grouped_mm", "offload", "host_ns", "all_to_all", "flex_S", "flex_S-1"], "PASS")
+    checks = [line for line in lines if line.startswith("paths: ")]
+    assert len(checks) == 6 and all(line.split()[1] == "PASS" and line.split()[4] == "s)" for line in checks)
+    assert lines[-1] == "figure: paths | 6/6 checks pass | all 6 | PASS"
+    # a kernel whose max scores come back divided by ln 2 (torch 2.11's AuxRequest rescaling): named; later checks run
+    attend = paths.attend
+    monkeypatch.setattr(paths, "attend", lambda *a, **k: (lambda out, m: (out, m / math.log(2)))(*attend(*a, **k)))
+    monkeypatch.setattr(paths, "check_grouped_mm", lambda *a: 1 / 0)
+    outcome = paths.main(["--dry-run"])
+    lines = capsys.readouterr().out.splitlines()
+    assert outcome["grouped_mm"] == "FAIL" and outcome["offload"] == "PASS" and outcome["flex_S"] == "FAIL"
+    assert any(line.startswith("paths: FAIL grouped_mm (") and "ZeroDivisionError" in line for line in lines)
+    flex = next(line for line in lines if line.startswith("paths: FAIL flex_S ("))
+    assert "median ratio 1.4427 (= 1/ln 2: torch 2.11 rescales AuxRequest.max_scores)" in flex
+    assert lines[-1].endswith("(failed: grouped_mm, flex_S, flex_S-1) | all 6 | FAIL")
+
+
+@pytest.fixture(scope="module")
+def gpu_recipe():
+    return load_benchmark("gpu_recipe")
+
+
+def test_gpu_recipe_dry_run_prints_probe_and_summary_at_step_2_before_step_3(gpu_recipe, capsys):
+    summary = gpu_recipe.main(["--dry-run"])
+    out = capsys.readouterr().out.splitlines()
+    rows = [json.loads(line) for line in out if line.startswith('{"step"')]
+    assert [row["step"] for row in rows] == [0, 1, 2, 3] and [row["profiled"] for row in rows] == [0, 1, 0, 0]
+    summary_at = next(i for i, line in enumerate(out) if line.startswith('{"summary"'))
+    step3_at = next(i for i, line in enumerate(out) if line.startswith('{"step": 3'))
+    assert summary_at < step3_at  # printed before a later step can time out
+    assert summary["step"] == 2 and summary["routing"] == "as trained (no forced balance)"
+    assert all(0 < loss < 10 for loss in summary["losses"])
+    assert set(summary["phases_ms"]) == {"forward", "backward", "optimizer (clip + Muon + QK-clip)"}
+    assert all(ms > 0 for ms in summary["phases_ms"].values())
+    assert summary["offload"]["boundaries_out"] == 2 and summary["offload"]["copies_in"] == 2  # 3 blocks, not the last
+    # MFU from the package's count: per-token FLOPs between the document-masked and the whole-sequence count
+    from moe_lightning.planner.flops import training_flops_per_token
+    config = gpu_recipe.recipe_config(dry_run=True)
+    flops_per_token = summary["achieved_flops"] / summary["tokens_per_s"]
+    assert flops_per_token == pytest.approx(training_flops_per_token(config, 64, doc_len=16), rel=0.1)
+    figure = next(line for line in out if line.startswith("figure: recipe | "))
+    assert figure.endswith("| MFU >= 20% of 989 TFLOP/s | FAIL")  # a CPU is far from it
+    table = [line for line in out if line.startswith("| ")]
+    assert table[0] == "| measurement | value |" and any(line.startswith("| MFU vs measured bf16 GEMM") for line in table)
+
+
+def test_recipe_describe_counts_the_h200_model_with_the_planner(gpu_recipe, capsys):
+    gpu_recipe.main(["--describe"])
+    line = capsys.readouterr().out.strip()
+    assert line.startswith("recipe model: 6.33B parameters, 1.49B active (planner/flops.py), MLA, 32 experts top-4 + 2")
+    config = gpu_recipe.recipe_config()
+    assert config.attention == "mla" and config.mtp_layers == 1 and config.document_masking and gpu_recipe.SEQ_LEN >= 8192
+
+
+def test_recipe_pools_and_offload_stall_are_read_from_snapshot_and_events(gpu_recipe):
+    gib = 1 << 30
+    snapshot = [{"stream": 7, "total_size": 4 * gib, "allocated_size": 3 * gib},
+                {"stream": 7, "total_size": 2 * gib, "allocated_size": 2 * gib},
+                {"stream": 9, "total_size": gib, "allocated_size": 0}]
+    assert gpu_recipe.stream_pools(snapshot, {7: "compute"}) == {
+        "compute": {"reserved_gib": 6.0, "allocated_gib": 5.0, "cached_unused_gib": 1.0},
+        "stream 9": {"reserved_gib": 1.0, "allocated_gib": 0.0, "cached_unused_gib": 1.0}}
+
+    class Event:  # stand-in timing event: elapsed_time(end) = end's time - this one's, in ms
+        def __init__(self, t):
+            self.t = t
+
+        def elapsed_time(self, other):
+            return other.t - self.t
+    offload = gpu_recipe.TimedOffload()
+    offload.waits = [(Event(10), Event(12.5)), (Event(20), Event(19)), (Event(30), Event(30.5))]
+    assert offload.exposed_ms() == (3.0, 2)  # the copy ending before compute reached the wait costs nothing
