@@ -76,9 +76,9 @@ class _GatherSequence(torch.autograd.Function):
         grads = [some.new_zeros(B, N * s, w) if g is None else g for g, w in zip(grad_BT, ctx.widths)]
         chunks_B2NcX = torch.cat([g.reshape(B, N * s, -1) for g in grads], dim=-1).view(B, 2 * N, c, -1)
         per_rank_NB2cX = torch.stack([chunks_B2NcX[:, :N], chunks_B2NcX[:, N:].flip(1)], dim=2).transpose(0, 1)
-        per_rank_NB2cX = per_rank_NB2cX.reshape(N * B, s, -1)  # a copy, ranks stacked on dim 0
-        mine_BSX = per_rank_NB2cX.new_empty(B, s, per_rank_NB2cX.shape[-1])
-        dist.reduce_scatter_tensor(mine_BSX, per_rank_NB2cX, op=dist.ReduceOp.SUM, group=ctx.group)
+        send_NBSX = per_rank_NB2cX.reshape(N * B, s, -1)  # a copy, ranks stacked on dim 0
+        mine_BSX = send_NBSX.new_empty(B, s, send_NBSX.shape[-1])
+        dist.reduce_scatter_tensor(mine_BSX, send_NBSX, op=dist.ReduceOp.SUM, group=ctx.group)
         return (None, *(part.reshape(shape) for part, shape in zip(mine_BSX.split(ctx.widths, dim=-1), shapes)))
 
 
