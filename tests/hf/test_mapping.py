@@ -11,19 +11,18 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers  # the test extra provides it: a skip would hide every reference test here
 import yaml
 from safetensors.torch import load_file, save_file
 
-transformers = pytest.importorskip("transformers")
-
-from moe_lightning import MoEConfig, MoELanguageModel, hf  # noqa: E402
+from moe_lightning import MoEConfig, MoELanguageModel, hf
 from moe_lightning.commands import main as commands
-from moe_lightning.planner.flops import parameter_counts  # noqa: E402
-from moe_lightning.hf import HFFormatError  # noqa: E402
-from moe_lightning.hf.files import SafetensorsDir  # noqa: E402
-from moe_lightning.model import ConfigError, MoETransformer  # noqa: E402
+from moe_lightning.planner.flops import parameter_counts
+from moe_lightning.hf import HFFormatError
+from moe_lightning.hf.files import SafetensorsDir
+from moe_lightning.model import ConfigError, MoETransformer
 
-from tests.support.distributed import REPO_ROOT, run_ranks  # noqa: E402
+from tests.support.distributed import REPO_ROOT, run_ranks
 
 COMMON = dict(vocab_size=320, hidden_size=32, num_attention_heads=4, num_experts_per_tok=2)
 MLA = dict(kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, moe_intermediate_size=16,
