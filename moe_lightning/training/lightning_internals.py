@@ -40,9 +40,9 @@ Private names of classes the package subclasses or drives, used where named:
 - ``callbacks/console.py``: ``tqdm_progress._update_n`` (how Lightning's own bar sets its count and refreshes;
   the step bar counts ``global_step`` with it) and ``model_summary._format_summary_table`` (Lightning's table, so
   the summary without FLOPs looks like Lightning's; no public formatter).
-- ``strategy.py``: ``ModelParallelStrategy._setup_distributed``, ``_device_mesh`` and
-  ``_save_distributed_checkpoint`` (the strategy builds its own mesh and checkpoint layout on Lightning's);
-  ``_PATH`` (Lightning's path type, in the signatures it overrides); the evaluation loops' ``inference_mode``,
+- ``strategy.py`` and its checkpoint hooks (``checkpoint_io.py``): ``ModelParallelStrategy._setup_distributed``,
+  ``_device_mesh`` and ``_save_distributed_checkpoint`` (the strategy builds its own mesh and checkpoint layout on
+  Lightning's); ``_PATH`` (Lightning's path type, in the signatures it overrides); the evaluation loops' ``inference_mode``,
   set through ``evaluate_under_no_grad`` here (a public attribute of private loop classes: Lightning decides
   no_grad vs inference_mode from the strategy's class, and FSDP2's all-gather buffers made under inference_mode
   break the next training step; no setting chooses it).
