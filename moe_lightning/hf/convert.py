@@ -15,7 +15,7 @@ from moe_lightning.dtypes import DTYPES
 from moe_lightning.checkpoint.loading import export_main as export_file
 from moe_lightning.checkpoint.loading import open_checkpoint, write_model_file
 from moe_lightning.model import MoEConfig
-from moe_lightning.hf import fp8
+import moe_lightning.hf.fp8 as fp8
 from moe_lightning.hf.pretrained import FAMILIES, from_pretrained, stored_dtype_getter, write_pretrained
 from moe_lightning.hf.tokenizer_files import tokenizer_files
 

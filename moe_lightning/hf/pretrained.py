@@ -11,7 +11,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from moe_lightning.model import MoEConfig, MoETransformer
-from moe_lightning.hf import fp8
+import moe_lightning.hf.fp8 as fp8
 from moe_lightning.hf.deepseek import DeepseekV2, DeepseekV3
 from moe_lightning.hf.ernie import Ernie45Moe
 from moe_lightning.hf.glm4_moe import Glm4Moe
