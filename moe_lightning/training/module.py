@@ -217,6 +217,12 @@ class MoELanguageModel(L.LightningModule):
         for moe, counts_E in zip(self.model.moe_layers(), counts_LE):
             moe.router.update_bias(counts_E, self.config.bias_update_rate)
 
+    def on_validation_epoch_start(self) -> None:
+        self.val_loss_mean.reset()  # state made in this loop's grad mode (a standalone run's are inference tensors)
+
+    def on_test_epoch_start(self) -> None:
+        self.val_loss_mean.reset()
+
     def validation_step(self, batch_BS1: torch.Tensor, batch_idx: int, dataloader_idx: int = 0) -> None:
         loss = self._loss(batch_BS1)
         self.val_loss_mean.update(loss)
