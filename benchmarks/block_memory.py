@@ -36,7 +36,8 @@ sys.path.insert(0, str(ROOT))
 
 from moe_lightning.model import MoEConfig  # noqa: E402
 from moe_lightning.model.transformer import Block  # noqa: E402
-from moe_lightning.planner.plan import block_working_set_bytes, load_model_config  # noqa: E402
+from moe_lightning.planner.plan import block_working_set_bytes
+from moe_lightning.planner.run_config import load_model_config  # noqa: E402
 from tests.support.block_reference import half_saved_bytes  # noqa: E402
 
 BUILT_EXPERTS = 16

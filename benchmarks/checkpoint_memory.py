@@ -21,7 +21,7 @@ CHILD = """
 import re, sys
 from pathlib import Path
 import torch
-from moe_lightning.checkpoint.loading import read_checkpoint
+from moe_lightning.commands.loading import read_checkpoint
 from moe_lightning.checkpoint.commit import save_file
 
 def peak():

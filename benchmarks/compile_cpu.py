@@ -21,7 +21,7 @@ import yaml
 
 from moe_lightning.model import MoETransformer
 from moe_lightning.parallel.compile import compile_blocks
-from moe_lightning.planner.plan import load_model_config
+from moe_lightning.planner.run_config import load_model_config
 
 ROOT = Path(__file__).resolve().parents[1]
 

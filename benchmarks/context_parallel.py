@@ -42,7 +42,7 @@ TINY_MLA = dict(attention="mla", q_lora_rank=0, kv_lora_rank=64, qk_nope_head_di
 
 
 def wire(sizes: list[int]) -> None:
-    from moe_lightning.planner.plan import load_model_config
+    from moe_lightning.planner.run_config import load_model_config
 
     c = load_model_config(ROOT / "configs" / "1t.yaml")
     latent = c.kv_lora_rank + c.qk_rope_head_dim

@@ -211,7 +211,7 @@ print("RATE", batches * 16 / (time.perf_counter() - start))
 TRAIN = """
 import sys, time, torch, yaml
 from moe_lightning import MoETransformer
-from moe_lightning.planner.plan import load_model_config
+from moe_lightning.planner.run_config import load_model_config
 torch.manual_seed(0)
 model = MoETransformer(load_model_config(sys.argv[1]))
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)

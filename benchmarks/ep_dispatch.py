@@ -103,7 +103,7 @@ def main(argv=None) -> None:
     parser.add_argument("--routing", nargs="+", default=["unrestricted", "node-limited", "empty-rank"])
     args = parser.parse_args(argv)
     dist.init_process_group("gloo")
-    rank, ep, per_node = dist.get_rank(), dist.get_world_size(), int(os.environ["LOCAL_WORLD_SIZE"])
+    rank, ep = dist.get_rank(), dist.get_world_size()
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
     group = dist.group.WORLD
     hierarchical, _ = make_dispatcher(group, args.experts // ep)

@@ -15,7 +15,7 @@ import yaml
 
 from moe_lightning import MoEConfig, MoETransformer
 from moe_lightning.model import GroupedExperts
-from moe_lightning.planner.plan import load_model_config
+from moe_lightning.planner.run_config import load_model_config
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 

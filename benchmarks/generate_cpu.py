@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from moe_lightning import MoETransformer
-from moe_lightning.planner.plan import load_model_config
+from moe_lightning.planner.run_config import load_model_config
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 MLA = dict(attention="mla", q_lora_rank=64, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32)

@@ -15,7 +15,7 @@ import yaml
 from gpu_offload import run_mode
 
 from moe_lightning.model import MoETransformer
-from moe_lightning.planner.plan import load_model_config
+from moe_lightning.planner.run_config import load_model_config
 
 
 def main(argv: list[str] | None = None) -> dict:

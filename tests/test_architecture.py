@@ -62,6 +62,40 @@ def test_the_package_has_no_import_circle():
     assert len(graph) > 40 and not circles
 
 
+LAYERS = ["run", "model", "optim", "checkpoint", "parallel", "data", "hf", "planner", "training", "commands"]
+LIGHTNING_USERS = ("moe_lightning.training", "moe_lightning.data.module", "moe_lightning.commands.cli")
+
+
+def test_each_folder_imports_only_the_folders_listed_above_it():
+    """README's Layout: the folders are layers in this order (``dtypes`` is a leaf any of them may use). Before:
+    run -> checkpoint -> hf -> checkpoint (loading sat in checkpoint/, convert in hf/)."""
+    assert sorted(LAYERS) == sorted(p.name for p in PACKAGE.iterdir() if p.is_dir() and p.name != "__pycache__")
+    upward = []
+    for module, targets in import_graph().items():
+        folder = module.split(".")[1] if module.count(".") >= 1 else None
+        if folder not in LAYERS:
+            continue
+        for target in targets:
+            other = target.split(".")[1] if target.count(".") >= 1 else None
+            if other in LAYERS and other != folder and LAYERS.index(other) > LAYERS.index(folder):
+                upward.append(f"{module} -> {target}")
+    assert upward == []
+
+
+def test_only_training_the_data_module_and_the_cli_import_lightning():
+    """So ``plan``, ``tokenize``, ``convert`` and ``generate`` start without Lightning (seconds to import).
+    Before: optim/muon.py imported it for one log line."""
+    users = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        module = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+            if any(n.split(".")[0] in ("lightning", "pytorch_lightning", "lightning_fabric") for n in names):
+                users.append(module)
+    assert users and all(u.startswith(LIGHTNING_USERS) for u in users), sorted(set(users))
+
+
 def test_test_only_code_is_not_in_the_package():
     assert not (PACKAGE / "parallel" / "comm.py").exists()
     import moe_lightning.commands.generate as generate

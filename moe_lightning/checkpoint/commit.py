@@ -1,5 +1,6 @@
 """A checkpoint on disk: its file names, the single-file writer, the atomic commit of a sharded directory, removal,
-and the cheap completeness check (``verify_checkpoint``) that choosing ``--ckpt_path last`` relies on.
+the cheap completeness check (``verify_checkpoint``) that choosing ``--ckpt_path last`` relies on, and the
+settling of saves a stopped run left unfinished.
 
 A sharded save is written into ``<path>.partial`` (which holds ``MARKER_FILE`` first: clean-up removes only folders
 that carry it) and renamed over ``path`` once complete; the previous one is moved to ``<path>.old`` for the moment
@@ -8,7 +9,9 @@ between the two renames. A full disk is raised as ``durable.DiskFullError``, the
 
 import os
 import shutil
+import sys
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -127,3 +130,33 @@ def metadata_file(path: Path) -> Path:
         raise ValueError(f"ckpt_path={str(path)!r} is a directory but not a checkpoint (a sharded checkpoint "
                          f"directory holds {METADATA_FILE} and DCP's .metadata).{hint}")
     return path / METADATA_FILE
+
+
+def _to_stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def remove_unfinished_saves(folders: set[Path], keep: Path | None = None,
+                            say: Callable[[str], object] = _to_stderr) -> list[Path]:
+    """Settle ``*.partial`` directories that carry the marker our checkpointer writes (saves of a run stopped
+    while writing): one whose write completed (a background save killed before its commit, possibly the only copy
+    left after a rotation) is committed under its name; the others, never loadable, are deleted, each ``say``-ing
+    so. Files, unmarked directories and ``keep`` (the path the user passed) stay. Returns the deleted ones."""
+    removed = []
+    for folder in folders:
+        for partial in sorted(folder.glob(f"*{PARTIAL_SUFFIX}")) if folder.is_dir() else ():
+            if partial.is_symlink() or not partial.is_dir() or not written_by_us(partial):
+                continue
+            if keep is not None and partial.resolve() == keep.resolve():
+                continue
+            try:
+                verify_checkpoint(partial)
+            except Exception:
+                remove(partial)
+                removed.append(partial)
+                say(f"removed {partial}: an unfinished checkpoint of a run stopped while saving")
+                continue
+            final = partial.with_name(partial.name[:-len(PARTIAL_SUFFIX)])
+            commit_directory(partial, final)
+            say(f"committed {final}: its save was complete when the run stopped (before its commit)")
+    return removed

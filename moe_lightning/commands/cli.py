@@ -22,11 +22,12 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from moe_lightning.data import TextDataModule
 from moe_lightning.run.durable import write_text
 from moe_lightning.commands.generate import add_sampling_arguments, encode_prompt, read_prompts, sampling_from, warn_long_prompts
-from moe_lightning.checkpoint.loading import checkpoint_tokenizer
+from moe_lightning.commands.loading import checkpoint_tokenizer
 from moe_lightning.training.module import MoELanguageModel
 from moe_lightning.checkpoint.compat import check_checkpoint
 from moe_lightning.data.tokenizer import load_tokenizer, tokenizer_identity
-from moe_lightning.run.folders import remove_empty_run_folder, remove_unfinished_saves
+from moe_lightning.checkpoint.commit import remove_unfinished_saves
+from moe_lightning.run.folders import remove_empty_run_folder
 from moe_lightning.training.callbacks.preemption import exit_if_stopped_by_max_time
 from moe_lightning.training.callbacks.resume import resolve_last
 from moe_lightning.training.callbacks.run_folders import ReleaseLocks, allocate_run_folder, lock_run_folders

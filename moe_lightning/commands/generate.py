@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--num-samples={args.num_samples}: must be >= 1.")
     prompt = read_prompt_file(args.prompt_file) if args.prompt_file is not None else args.prompt or ""
 
-    from moe_lightning.checkpoint.loading import load_model  # after argument checks: loading a checkpoint is the slow part
+    from moe_lightning.commands.loading import load_model  # after argument checks: loading a checkpoint is the slow part
 
     loaded = load_model(args.checkpoint, device=args.device, dtype=dtype)
     prompt_1S = encode_prompt(loaded.tokenizer, prompt, args.device)

@@ -13,8 +13,9 @@ from moe_lightning.checkpoint.compat import check_order, check_position
 from moe_lightning.data.tokenizer import load_tokenizer, tokenizer_identity
 from moe_lightning.data.sampling import (InOrderSampler, MixtureSampler, MixtureSequences, PackedSequences, ResumableSampler,
                        split_indices)
-from moe_lightning.data.sources import info, is_token_source, parse_sources, resolve_source
+from moe_lightning.data.sources import is_token_source, parse_sources, resolve_source
 from moe_lightning.data.tokens import TokenStream, open_shard_folder, open_tokens
+from moe_lightning.run.console import info
 
 ORDER = "feistel-v1"  # the shuffle (sampling.Shuffle): a position is a position in this order only
 

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, DistributedSampler
 
-from moe_lightning.data.sources import info
+from moe_lightning.run.console import info
 from moe_lightning.data.tokens import TokenStream
 
 PATTERN_LENGTH = 10_000  # the mixture repeats a fixed pattern of this many draws

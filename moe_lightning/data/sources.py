@@ -6,7 +6,6 @@ A remote reader (object storage) would add one more branch to ``resolve_source``
 
 import glob
 import json
-import logging
 import math
 import os
 import re
@@ -15,6 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
+from moe_lightning.run.console import info
+
 TEXT_SUFFIXES = {".txt", ".md", ".rst", ".py", ".c", ".h", ".json", ".yaml", ".yml", ".toml", ".html", ".tex"}
 TABLE_SUFFIXES = {".parquet", ".arrow"}  # read through pyarrow, one document per row
 READ_SUFFIXES = TEXT_SUFFIXES | {".jsonl"} | TABLE_SUFFIXES  # what a folder source reads
@@ -22,17 +23,6 @@ MANIFEST = "manifest.json"  # the index of a shard folder written by `moe-lightn
 SEGMENT_CHARS = 1 << 19  # a longer document is encoded in pieces of about this many characters, cut between words
 MAX_SEGMENT_CHARS = 1 << 22  # a run this long without whitespace (a blob, not prose) is cut where it reaches it
 WORD_END = re.compile(r"[\x21-\x7e][ \t\n\r\x0b\x0c]")  # an ASCII non-space then whitespace: a cut between words
-
-# Lightning's console handler sits on "lightning.pytorch": these lines appear where Lightning's own do.
-log = logging.getLogger("lightning.pytorch.moe_lightning.data")
-
-
-def info(message: str) -> None:
-    """Log once per job (rank 0), as Lightning's ``rank_zero_info`` does, without importing Lightning."""
-    rank = next((os.environ[k] for k in ("RANK", "LOCAL_RANK", "SLURM_PROCID") if k in os.environ), "0")
-    if rank == "0":
-        log.info(message)
-
 
 def stdlib_files() -> list[Path]:
     """The interpreter's own standard library sources, in a stable order (installed packages excluded)."""

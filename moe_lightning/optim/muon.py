@@ -14,6 +14,7 @@ from moe_lightning.optim.flexshard import (RowExchange, check_trainable_agree, c
                         plan_shard_groups)
 from moe_lightning.optim.muon_groups import split_by_algorithm
 from moe_lightning.optim.newton_schulz import coefficient_schedule, newton_schulz, ns_dtype_for
+from moe_lightning.run.console import info
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -125,8 +126,7 @@ class Muon(torch.optim.Optimizer):
             why = "as set (ns_dtype)" if self.ns_dtype != "auto" else (
                 "this CPU has no bf16 matmul units (ns_dtype: bfloat16 forces it)" if dtype == torch.float32
                 else "bf16 matmuls are fast here")
-            from lightning.pytorch.utilities import rank_zero_info  # here: `plan` reads this package without Lightning
-            rank_zero_info(f"Muon: Newton–Schulz runs in {str(dtype).removeprefix('torch.')} on {device}: {why}.")
+            info(f"Muon: Newton–Schulz runs in {str(dtype).removeprefix('torch.')} on {device}: {why}.")
         return self._ns_dtypes[device]
 
     @torch.no_grad()

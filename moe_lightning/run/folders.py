@@ -1,19 +1,14 @@
-"""Run folders: created exclusively, removed only when a failed run created them and left nothing, and the unfinished
-saves in them settled, touching only what this package wrote.
+"""Run folders: created exclusively, and removed only when a failed run created them and left nothing.
 
 - **Run folders** (``version_N``) are created with an exclusive ``mkdir``: two jobs starting at once in one
   folder get different versions. Only a folder this run created may later be removed
   (``remove_empty_run_folder``). Pinning a Lightning logger to it is ``training/callbacks/run_folders.py``'s.
-- **Clean-up** of unfinished saves touches only ``*.partial`` directories that carry the marker file the sharded
-  checkpointer writes into every directory it creates, never the path the user passed, never anything else: a
-  complete one (killed before its commit) is committed, the others are removed.
+- Settling the unfinished saves inside them is ``checkpoint/commit.py``'s ``remove_unfinished_saves``.
 """
 
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from moe_lightning.checkpoint import commit as ckpt
 from moe_lightning.run.locks import HOLDER_SUFFIX, LOCK_FILE
 
 
@@ -72,33 +67,3 @@ def remove_empty_run_folder(log_dir: Path, release: Callable[[], object] = lambd
     except OSError:
         return False
     return True
-
-
-def _to_stderr(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
-
-
-def remove_unfinished_saves(folders: set[Path], keep: Path | None = None,
-                            say: Callable[[str], object] = _to_stderr) -> list[Path]:
-    """Settle ``*.partial`` directories that carry the marker our checkpointer writes (saves of a run stopped
-    while writing): one whose write completed (a background save killed before its commit, possibly the only copy
-    left after a rotation) is committed under its name; the others, never loadable, are deleted, each ``say``-ing
-    so. Files, unmarked directories and ``keep`` (the path the user passed) stay. Returns the deleted ones."""
-    removed = []
-    for folder in folders:
-        for partial in sorted(folder.glob(f"*{ckpt.PARTIAL_SUFFIX}")) if folder.is_dir() else ():
-            if partial.is_symlink() or not partial.is_dir() or not ckpt.written_by_us(partial):
-                continue
-            if keep is not None and partial.resolve() == keep.resolve():
-                continue
-            try:
-                ckpt.verify_checkpoint(partial)
-            except Exception:
-                ckpt.remove(partial)
-                removed.append(partial)
-                say(f"removed {partial}: an unfinished checkpoint of a run stopped while saving")
-                continue
-            final = partial.with_name(partial.name[:-len(ckpt.PARTIAL_SUFFIX)])
-            ckpt.commit_directory(partial, final)
-            say(f"committed {final}: its save was complete when the run stopped (before its commit)")
-    return removed

@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 from moe_lightning import MoEConfig, MoETransformer
 from moe_lightning.commands.main import run
 from moe_lightning.commands.generate import main as generate_main
-from moe_lightning.checkpoint.loading import load_model
+from moe_lightning.commands.loading import load_model
 from moe_lightning.checkpoint.safe_load import CheckpointError, SafeReader, load_sharded
 from tests.support.distributed import REPO_ROOT, clean_env, free_port
 

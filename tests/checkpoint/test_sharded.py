@@ -86,7 +86,7 @@ def test_a_rotation_during_a_background_save_waits_for_its_commit_and_a_killed_c
     assert proc.returncode == -signal.SIGKILL, out
     assert step_of(tmp_path / "step=1.ckpt") == 1  # the removal waits for a commit that never came
     said = []
-    assert runs.remove_unfinished_saves({tmp_path}, say=said.append) == []
+    assert ckpt.remove_unfinished_saves({tmp_path}, say=said.append) == []
     assert any("committed" in m and "step=2.ckpt" in m for m in said)
     assert newest_checkpoint([tmp_path]) == (tmp_path / "step=2.ckpt", 2)
 
@@ -188,7 +188,7 @@ def test_the_final_checkpoint_never_overwrites_the_ranked_one_of_the_same_name(t
 READ_RSS = """
     import re, sys
     from pathlib import Path
-    from moe_lightning.checkpoint.loading import read_checkpoint
+    from moe_lightning.commands.loading import read_checkpoint
 
     def peak() -> int:
         return int(re.search(r"VmHWM:\\s+(\\d+) kB", Path("/proc/self/status").read_text()).group(1)) * 1024

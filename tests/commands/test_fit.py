@@ -10,7 +10,7 @@ import yaml
 from moe_lightning import MoEConfig, MoELanguageModel, TextDataModule
 from moe_lightning.commands.main import run
 from moe_lightning.planner.flops import parameter_counts
-from moe_lightning.planner.plan import load_model_config
+from moe_lightning.planner.run_config import load_model_config
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 

@@ -14,7 +14,7 @@ from moe_lightning.commands.main import COMMANDS, EXTRA_COMMANDS, run
 from moe_lightning.commands.generate import encode_prompt, stream_text
 from moe_lightning.model.sampling import Sampling, stream
 from moe_lightning.commands.generate import main as generate_main
-from moe_lightning.checkpoint.loading import export_checkpoint, load_model, read_checkpoint
+from moe_lightning.commands.loading import export_checkpoint, load_model, read_checkpoint
 from moe_lightning.training.strategy import MoEFSDPStrategy
 from moe_lightning.data.tokenizer import ByteTokenizer, HFTokenizer, tokenizer_from_spec
 
@@ -164,12 +164,12 @@ def test_generate_names_a_prompt_file_that_is_not_utf8(tmp_path):
                                                  (["--dtype", "float32"], "cuda", torch.float32),
                                                  (["--dtype", "bfloat16"], "cpu", torch.bfloat16)])
 def test_generate_dtype_defaults_to_bf16_on_cuda_only(argv, device, dtype, monkeypatch, tmp_path):
-    import moe_lightning.checkpoint.loading
+    import moe_lightning.commands.loading
 
     def record(checkpoint, device, dtype):
         raise RuntimeError(f"load_model({device}, {dtype})")
 
-    monkeypatch.setattr(moe_lightning.checkpoint.loading, "load_model", record)
+    monkeypatch.setattr(moe_lightning.commands.loading, "load_model", record)
     with pytest.raises(RuntimeError, match=rf"load_model\({device}, {dtype}\)"):
         generate_main([str(tmp_path / "x.ckpt"), "--device", device, *argv])
 

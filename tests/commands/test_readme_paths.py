@@ -65,7 +65,7 @@ def test_export_hf_of_a_byte_run_reads_back_in_tokenizers_transformers_and_gener
 
 
 def test_load_model_unpacks_as_the_readme_writes(tmp_path):
-    from moe_lightning.checkpoint.loading import load_model
+    from moe_lightning.commands.loading import load_model
 
     ckpt = byte_run_checkpoint(tmp_path)
     model, tokenizer = load_model(ckpt)

@@ -330,7 +330,6 @@ def test_killed_two_process_mixture_run_resumes_exactly_on_two_and_on_one_proces
     sequences are trained in each step (none repeated or skipped) and the losses agree to 1e-5 (gradients are
     reduced in another order, see test_strategy)."""
     import json
-    from pathlib import Path
     from tests.support.distributed import run_ranks
     run = LAUNCHERS / "data_resume_run.py"
     source = json.dumps([{"path": sources[0], "weight": 3}, {"path": sources[1], "weight": 1}])

@@ -21,7 +21,7 @@ from safetensors.torch import load_file, save_file
 transformers = pytest.importorskip("transformers")
 
 from moe_lightning import MoELanguageModel, hf  # noqa: E402
-from moe_lightning.checkpoint.loading import load_model  # noqa: E402
+from moe_lightning.commands.loading import load_model  # noqa: E402
 from moe_lightning.commands import main as commands  # noqa: E402
 from moe_lightning.hf import HFFormatError, fp8  # noqa: E402
 from moe_lightning.hf.files import SafetensorsDir  # noqa: E402

@@ -11,7 +11,6 @@ Observed: 0 on 2 ranks, 1.9e-5 on 4 ranks.
 """
 
 import json
-from pathlib import Path
 
 import pytest
 

@@ -17,7 +17,7 @@ from moe_lightning.model import MoEConfig, MoETransformer
 from moe_lightning.optim import Muon, muon_param_groups, newton_schulz, param_groups
 from moe_lightning.optim.flexshard import lpt_owners
 from moe_lightning.optim.newton_schulz import POLAR_EXPRESS, coefficient_schedule
-from moe_lightning.planner.plan import load_model_config
+from moe_lightning.planner.run_config import load_model_config
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 QUINTIC5 = coefficient_schedule("quintic", 5)
@@ -220,7 +220,7 @@ def test_newton_schulz_dtype_follows_what_the_cpu_runs_fast(monkeypatch):
     records = []
     handler = logging.Handler(logging.INFO)
     handler.emit = records.append
-    logger = logging.getLogger("lightning.pytorch.utilities.rank_zero")  # where rank_zero_info writes
+    logger = logging.getLogger("lightning.pytorch.moe_lightning")  # where run.console.info writes
     logger.addHandler(handler)
     try:
         step_both(ours, [], opt, torch.optim.SGD([torch.zeros(1, requires_grad=True)]), steps=2)

@@ -8,7 +8,6 @@ kernels (where fp32 ``_grouped_mm`` used to fail); only Inductor's code generati
 
 import json
 from functools import partial
-from pathlib import Path
 from unittest import mock
 
 import pytest

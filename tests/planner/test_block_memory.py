@@ -9,7 +9,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from moe_lightning.model import MoEConfig
 from moe_lightning.model.transformer import Block
-from moe_lightning.planner.plan import block_working_set_bytes, load_model_config
+from moe_lightning.planner.plan import block_working_set_bytes
+from moe_lightning.planner.run_config import load_model_config
 from tests.support.block_reference import half_saved_bytes, plain_computation
 from tests.support.distributed import REPO_ROOT
 

@@ -9,7 +9,7 @@ import torch
 from moe_lightning.commands.main import run
 from moe_lightning.planner.flops import parameter_counts
 from moe_lightning.model import MoEConfig, MoETransformer
-from moe_lightning.planner.plan import load_model_config
+from moe_lightning.planner.run_config import load_model_config
 from tests.support.distributed import REPO_ROOT
 
 

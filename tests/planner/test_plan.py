@@ -96,7 +96,7 @@ def test_plan_prices_the_units_fsdp_really_builds(one_rank_group, tied, ep):
 def test_plan_prints_units_that_fit_the_model(capsys):
     """configs/tiny.yaml printed "total 0.00 B" parameters and "0.0 GFLOP per token" (issue 33, 7)."""
     from moe_lightning.planner.flops import parameter_counts
-    from moe_lightning.planner.plan import load_model_config
+    from moe_lightning.planner.run_config import load_model_config
 
     tiny = str(REPO_ROOT / "configs" / "tiny.yaml")
     counts = parameter_counts(load_model_config(tiny))
@@ -406,7 +406,8 @@ def test_plan_composes_configs_as_fit_does(tmp_path, shipped):
     """plan composes ``--config`` files without fit's parser (LightningCLI imports Lightning): the inputs it plans,
     defaults included, and the model config equal those of the values fit's own parser composes."""
     from moe_lightning.commands.cli import compose_configs
-    from moe_lightning.planner.plan import PLANNED, load_model_config, read_config, run_inputs
+    from moe_lightning.planner.plan import PLANNED
+    from moe_lightning.planner.run_config import load_model_config, read_config, run_inputs
 
     override = tmp_path / "override.yaml"
     override.write_text(yaml.safe_dump(COMPOSED[shipped]))

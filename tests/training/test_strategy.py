@@ -22,7 +22,7 @@ import torch.distributed.checkpoint as dcp
 
 from moe_lightning import MoEConfig, MoELanguageModel, MoETransformer
 from moe_lightning.parallel import MeshError, MeshLayout
-from moe_lightning.checkpoint.loading import export_checkpoint
+from moe_lightning.commands.loading import export_checkpoint
 from moe_lightning.checkpoint.safe_load import CheckpointError
 from moe_lightning.checkpoint.sharded import ShardedCheckpointer
 from moe_lightning.parallel.clip import clip_grads_

@@ -12,8 +12,8 @@ from pathlib import Path
 import torch
 
 from moe_lightning.dtypes import DTYPES
-from moe_lightning.checkpoint.loading import export_main as export_file
-from moe_lightning.checkpoint.loading import open_checkpoint, write_model_file
+from moe_lightning.commands.loading import export_main as export_file
+from moe_lightning.commands.loading import open_checkpoint, write_model_file
 from moe_lightning.model import MoEConfig
 import moe_lightning.hf.fp8 as fp8
 from moe_lightning.hf.pretrained import FAMILIES, from_pretrained, stored_dtype_getter, write_pretrained
@@ -99,7 +99,7 @@ def convert_main(argv: list[str] | None = None) -> None:
 
 def export_main(argv: list[str] | None = None) -> None:
     """``moe-lightning export CKPT --hf --out DIR`` writes a Hugging Face directory; without ``--hf`` the
-    single-file export of ``moe_lightning.checkpoint.loading`` runs."""
+    single-file export of ``moe_lightning.commands.loading`` runs."""
     if "--hf" not in (argv or []):
         return export_file(argv)
     parser = argparse.ArgumentParser(prog="moe-lightning export --hf", description=export_main.__doc__)
