@@ -58,6 +58,30 @@ def _pack(pieces: list[tuple[torch.Tensor, torch.Tensor | None]]
     return buffer, layout, where
 
 
+FP8_BLOCK = 128  # columns sharing one scale, as DeepEP's FP8 dispatch
+
+
+def quantize_rows(x_RD: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x_RD`` as ``dtype`` (float8) with one fp32 scale per 128-column block (the last block may be narrower).
+
+    Scales are powers of two (the block's absolute maximum over the format's largest value, rounded up to one): the
+    dequantized values are exact in bf16/fp32 and quantizing them again gives the same values, so the
+    hierarchical dispatcher's second hop adds no error. Costs up to one bit of range against an exact ``amax / 448`` scale."""
+    R, D = x_RD.shape
+    B = -(-D // FP8_BLOCK)
+    padded_RBb = torch.nn.functional.pad(x_RD.float(), (0, B * FP8_BLOCK - D)).view(R, B, FP8_BLOCK)
+    amax_RB = padded_RBb.abs().amax(-1).clamp_min(torch.finfo(torch.float32).tiny) / torch.finfo(dtype).max
+    mantissa, exponent = torch.frexp(amax_RB)  # amax = m * 2^e, m in [0.5, 1): 2^e, or 2^(e-1) when m = 0.5
+    scale_RB = torch.ldexp(torch.ones_like(amax_RB), exponent - (mantissa == 0.5).to(exponent.dtype))
+    q_RD = (padded_RBb / scale_RB[..., None]).view(R, -1)[:, :D].to(dtype)
+    return q_RD, scale_RB
+
+
+def dequantize_rows(q_RD: torch.Tensor, scale_RB: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    D = q_RD.shape[1]
+    return (q_RD.float() * scale_RB.repeat_interleave(FP8_BLOCK, 1)[:, :D]).to(dtype)
+
+
 def _unpack(buffer: torch.Tensor, layout: list[tuple[torch.dtype, int]] | None, where: list[int]
             ) -> list[torch.Tensor]:
     if layout is None:
@@ -74,14 +98,28 @@ class _Exchange:
 
     Its backward runs the reverse exchange of the floating-point rows' gradients the same way: launched by
     ``_Land.backward``, awaited by ``_Launch.backward``, so whatever autograd runs in between overlaps it. The
-    gradients are multiplied by ``grad_scale``."""
+    gradients are multiplied by ``grad_scale``.
 
-    def __init__(self, group: dist.ProcessGroup, send_splits: list[int], recv_splits: list[int], grad_scale: float):
+    ``quantize`` (a float8 dtype): the forward sends the first piece's rows in it with their block scales
+    (:func:`quantize_rows`) and lands them dequantized to the piece's dtype; the backward sends the gradients in
+    the training dtype (the quantization's gradient is taken as the identity)."""
+
+    def __init__(self, group: dist.ProcessGroup, send_splits: list[int], recv_splits: list[int], grad_scale: float,
+                 quantize: torch.dtype | None = None):
         self.group, self.send_splits, self.recv_splits, self.grad_scale = group, send_splits, recv_splits, grad_scale
+        self.quantize, self._dequantize_to = quantize, None
         self._work = self._buffers = self._layout = self._where = None
 
-    def launch(self, pieces: list[tuple[torch.Tensor, torch.Tensor | None]], send: list[int], recv: list[int]):
+    def launch(self, pieces: list[tuple[torch.Tensor, torch.Tensor | None]], send: list[int], recv: list[int],
+               forward: bool = False):
+        if forward and self.quantize is not None:
+            (x, index), *rest = pieces
+            q, scale = quantize_rows(x.detach().view(x.shape[0], -1), self.quantize)
+            self._dequantize_to = x.dtype
+            pieces = [(q.view(torch.uint8), index), (scale, index), *rest]
+            del q, scale  # the packed buffer holds them; nothing else must
         buffer, self._layout, self._where = _pack(pieces)
+        del pieces
         out = buffer.new_empty((sum(recv), *buffer.shape[1:]))
         self._work = dist.all_to_all_single(out, buffer, recv, send, group=self.group, async_op=True)
         self._buffers = (buffer, out)  # the send buffer lives until the exchange completes
@@ -90,6 +128,10 @@ class _Exchange:
         self._work.wait()
         out = _unpack(self._buffers[1], self._layout, self._where)
         self._work = self._buffers = None  # the send buffer is released here, the received rows live on in `out`
+        if self._dequantize_to is not None:
+            q, scale, *rest = out
+            out = [dequantize_rows(q.view(self.quantize), scale, self._dequantize_to), *rest]
+            self._dequantize_to = None
         return out
 
 
@@ -102,7 +144,7 @@ class _Launch(torch.autograd.Function):
         ctx.shapes = [s.shape for s in sources]
         ctx.save_for_backward(*(i for i in indices if i is not None))
         ctx.has_index = [i is not None for i in indices]
-        exchange.launch(list(zip(sources, indices)), exchange.send_splits, exchange.recv_splits)
+        exchange.launch(list(zip(sources, indices)), exchange.send_splits, exchange.recv_splits, forward=True)
         return sources[0].new_empty(0)  # a token linking _Land to the sources in the graph
 
     @staticmethod
@@ -140,9 +182,11 @@ class _Land(torch.autograd.Function):
         return None, torch.empty(0, dtype=dtype, device=device)
 
 
-def _launch(group, send_splits, recv_splits, grad_scale, *pieces: tuple[torch.Tensor, torch.Tensor | None]):
-    """Start exchanging rows ``tensor[index]`` of each piece; returns the handle :func:`_land` takes."""
-    exchange = _Exchange(group, send_splits, recv_splits, grad_scale)
+def _launch(group, send_splits, recv_splits, grad_scale, *pieces: tuple[torch.Tensor, torch.Tensor | None],
+            quantize: torch.dtype | None = None):
+    """Start exchanging rows ``tensor[index]`` of each piece (the first in ``quantize`` when given); returns the
+    handle :func:`_land` takes."""
+    exchange = _Exchange(group, send_splits, recv_splits, grad_scale, quantize)
     return exchange, _Launch.apply(exchange, tuple(i for _, i in pieces), *(t for t, _ in pieces))
 
 
@@ -176,17 +220,19 @@ def _bounds(T: int, chunks: int) -> list[tuple[int, int]]:
 
 
 def _through_experts(group, grad_scale, x_RD, weights_RK, experts_RK, send_splits, recv_splits, recv_counts_PE,
-                     experts: GroupedExperts) -> Iterator[None]:
+                     experts: GroupedExperts, quantize: torch.dtype | None = None) -> Iterator[None]:
     """One copy of each row per chosen expert (``experts_RK`` indexes this group's experts; -1: none) to the
     expert's rank, through the experts (weighted), back, and summed into the rows. A generator: it yields after
     each launch (the scheduler runs other chunks meanwhile) and returns ``y_RD``.
 
-    The dispatch exchange's backward multiplies by ``grad_scale`` and the return's by its inverse."""
+    The dispatch exchange's backward multiplies by ``grad_scale`` and the return's by its inverse; ``quantize``:
+    the dispatch's hidden rows go in that float8 dtype (the return and all gradients in the rows' dtype)."""
     P, local, K = len(recv_splits), experts.num_experts, experts_RK.shape[1]
     choice = torch.where(experts_RK >= 0, experts_RK, P * local).flatten()  # "none" sorts last and is cut
     order = choice.argsort(stable=True)[:sum(send_splits)]
     row_of_copy = order // K
-    handle = _launch(group, send_splits, recv_splits, grad_scale, (x_RD, row_of_copy), (weights_RK.reshape(-1, 1), order))
+    handle = _launch(group, send_splits, recv_splits, grad_scale, (x_RD, row_of_copy),
+                     (weights_RK.reshape(-1, 1), order), quantize=quantize)
     yield
     x_recv, weight_recv = _land(handle)
     del handle
@@ -250,8 +296,7 @@ class AllToAllTokenDispatcher:
 
     def __init__(self, group: dist.ProcessGroup, overlap_chunks: int = 1, scale_in_exchange: bool = True,
                  dispatch_dtype: torch.dtype | None = None):
-        check_dispatch_dtype(dispatch_dtype)
-        self.group, self.chunks, self.dispatch_dtype = group, overlap_chunks, dispatch_dtype
+        self.group, self.chunks, self.dispatch_dtype = group, overlap_chunks, check_dispatch_dtype(dispatch_dtype)
         self.ep = dist.get_world_size(group)
         self.grad_scale = float(self.ep) if scale_in_exchange else 1.0
 
@@ -265,7 +310,7 @@ class AllToAllTokenDispatcher:
         recv_PCE = _exchange_counts(send_CPE.transpose(0, 1).reshape(P, C * El), self.group).view(P, C, El)
         splits = torch.stack([send_CPE.sum(2), recv_PCE.sum(2).T]).tolist()  # one sync for every chunk
         flows = [_through_experts(self.group, self.grad_scale, x_TD[a:b], weights_TK[a:b], experts_TK[a:b],
-                                  splits[0][c], splits[1][c], recv_PCE[:, c], experts)
+                                  splits[0][c], splits[1][c], recv_PCE[:, c], experts, self.dispatch_dtype)
                  for c, (a, b) in enumerate(bounds)]
         return _joined(*_pipeline(flows, overlap))
 
@@ -291,8 +336,7 @@ class HierarchicalTokenDispatcher:
     def __init__(self, group: dist.ProcessGroup, inter: dist.ProcessGroup, intra: dist.ProcessGroup,
                  nodes: int, local: int, position_E: list[int] | None = None, overlap_chunks: int = 1,
                  scale_in_exchange: bool = True, dispatch_dtype: torch.dtype | None = None):
-        check_dispatch_dtype(dispatch_dtype)
-        self.dispatch_dtype = dispatch_dtype
+        self.dispatch_dtype = check_dispatch_dtype(dispatch_dtype)
         self.group, self.inter, self.intra, self.nodes, self.local = group, inter, intra, nodes, local
         self.ep, self.chunks, self.position_E = nodes * local, overlap_chunks, position_E
         self.grad_scale = float(self.ep) if scale_in_exchange else 1.0
@@ -335,13 +379,14 @@ class HierarchicalTokenDispatcher:
         on_node_RK = node_TK[token_of_row] == node_of_row[:, None]
         node_experts_RK = torch.where(on_node_RK, experts_TK[token_of_row] - node_of_row[:, None] * per_node, -1)
         handle = _launch(self.inter, inter_send, inter_recv, self.grad_scale, (x_TD, token_of_row),
-                         (weights_TK, token_of_row), (node_experts_RK.to(torch.int32), None))
+                         (weights_TK, token_of_row), (node_experts_RK.to(torch.int32), None),
+                         quantize=self.dispatch_dtype)
         del node_experts_RK, on_node_RK
         yield
         x_RD, weights_RK, node_experts_RK = _land(handle)
         del handle
         y_RD = yield from _through_experts(self.intra, 1.0, x_RD, weights_RK, node_experts_RK, intra_send,
-                                           intra_recv, recv_counts_PE, experts)
+                                           intra_recv, recv_counts_PE, experts, self.dispatch_dtype)
         del x_RD, weights_RK
         handle = _launch(self.inter, inter_recv, inter_send, 1.0 / self.grad_scale, (y_RD, None))
         del y_RD
@@ -460,10 +505,12 @@ def check_overlap_chunks(overlap_chunks: int) -> None:
                          f"chunking; 2-4 hide the exchange behind the experts).")
 
 
-def check_dispatch_dtype(dispatch_dtype: torch.dtype | None) -> None:
-    if dispatch_dtype is not None:
-        raise NotImplementedError(f"strategy.dispatch_dtype={dispatch_dtype}: FP8 dispatch is not built yet; leave "
-                                  f"it null")
+def check_dispatch_dtype(dispatch_dtype: torch.dtype | str | None) -> torch.dtype | None:
+    """The dispatch hops' dtype for the hidden rows: None (the training dtype) or float8_e4m3fn (also by name)."""
+    if dispatch_dtype is None or dispatch_dtype in (torch.float8_e4m3fn, "float8_e4m3fn"):
+        return None if dispatch_dtype is None else torch.float8_e4m3fn
+    raise ValueError(f"strategy.dispatch_dtype={dispatch_dtype!r}: must be null (the training dtype) or "
+                     f"'float8_e4m3fn' (FP8 dispatch with a scale per 128 columns).")
 
 
 def make_dispatcher(group: dist.ProcessGroup, experts_per_rank: int, node: Hashable | None = None,
@@ -477,7 +524,7 @@ def make_dispatcher(group: dist.ProcessGroup, experts_per_rank: int, node: Hasha
     :func:`node_identity`). A group whose every node holds the same number of its ranks, on several nodes, gets
     hierarchical dispatch; any other group flat all-to-all, with the reason."""
     check_overlap_chunks(overlap_chunks)
-    check_dispatch_dtype(dispatch_dtype)
+    dispatch_dtype = check_dispatch_dtype(dispatch_dtype)
     group_ranks = dist.get_process_group_ranks(group)
     table = [None] * dist.get_world_size()
     dist.all_gather_object(table, (node_identity() if node is None else node, tuple(group_ranks)))
@@ -486,6 +533,7 @@ def make_dispatcher(group: dist.ProcessGroup, experts_per_rank: int, node: Hasha
     layout = plans[tuple(group_ranks)]
     options = dict(overlap_chunks=overlap_chunks, scale_in_exchange=scale_in_exchange, dispatch_dtype=dispatch_dtype)
     chunks = f", {overlap_chunks} overlap chunk{'s' if overlap_chunks > 1 else ''}"
+    chunks += ", FP8 dispatch (float8_e4m3fn, a power-of-two scale per 128 columns)" if dispatch_dtype else ""
     if isinstance(layout, str):
         how = "flat all-to-all dispatch " + (layout if layout.startswith("within") else f"(not hierarchical: {layout})")
         return AllToAllTokenDispatcher(group, **options), how + chunks

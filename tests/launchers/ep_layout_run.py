@@ -4,6 +4,7 @@ Every rank holds its own tokens; groups of ``--ep`` neighbouring ranks split the
 FSDP-sharded over the ranks holding the same experts (``MeshLayout``'s expert mesh), as the strategy shards them.
 The reference is the whole layer run on the rank's tokens: output, input gradient and router/shared gradients
 compare per rank; an expert's weight gradient with the world's mean (what data parallelism at ``ep = 1`` gives).
+``--fp8``: FP8 dispatch, against a reference whose experts see their rows quantized the same way.
 ``--node-of`` gives each rank's node explicitly (e.g. a cyclic placement), else the launcher's identity is used.
 Rank 0 prints one JSON line: every rank's dispatcher message, the largest relative differences, and the fraction
 of input-gradient elements that are not bitwise equal to the reference.
@@ -18,7 +19,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from moe_lightning.model import MoEConfig
 from moe_lightning.model.moe import MoELayer
-from moe_lightning.parallel.expert_parallel import apply_expert_parallel, divide_expert_gradients
+from moe_lightning.parallel.expert_parallel import apply_expert_parallel, divide_expert_gradients, quantize_rows
+from moe_lightning.parallel.expert_parallel import dequantize_rows
 from moe_lightning.parallel.mesh import MeshLayout
 
 
@@ -27,6 +29,16 @@ def layer(config: MoEConfig, dtype: torch.dtype) -> MoELayer:
     moe = MoELayer(config)
     moe.init_weights(std=config.dim ** -0.5, out_std=config.expert_hidden ** -0.5)  # O(1) activations
     return moe.to(dtype)
+
+
+def fp8_expert_inputs(moe: MoELayer) -> None:
+    """The reference for FP8 dispatch: its experts see each row quantized and dequantized as the dispatch sends it
+    (per row, so the same whether done before or after copying rows), gradients passed straight through."""
+    def hook(_, args):
+        x_RD, *rest = args
+        q, scale = quantize_rows(x_RD.detach(), torch.float8_e4m3fn)
+        return (x_RD + (dequantize_rows(q, scale, x_RD.dtype) - x_RD).detach(), *rest)
+    moe.experts.register_forward_pre_hook(hook)
 
 
 def main() -> None:
@@ -39,6 +51,7 @@ def main() -> None:
     parser.add_argument("--experts", type=int, default=12)
     parser.add_argument("--top-k", type=int, default=2)
     parser.add_argument("--tokens", type=int, default=48)
+    parser.add_argument("--fp8", action="store_true", help="FP8 dispatch; the reference quantizes its experts' input")
     args = parser.parse_args()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -53,6 +66,8 @@ def main() -> None:
     g = torch.randn(1, args.tokens, config.dim, generator=gen).to(dtype)
 
     full = layer(config, dtype)
+    if args.fp8:
+        fp8_expert_inputs(full)
     x_ref = x.clone().requires_grad_()
     y_ref = full(x_ref)
     (y_ref * g).sum().backward()
@@ -61,7 +76,8 @@ def main() -> None:
     moe.router.to(dtype), moe.shared_experts.to(dtype)
     node = args.node_of.split(",")[rank] if args.node_of else None
     message = apply_expert_parallel([moe], expert_mesh["ep"].get_group(), node=node, overlap_chunks=args.chunks,
-                                    scale_in_exchange=args.scale == "exchange")
+                                    scale_in_exchange=args.scale == "exchange",
+                                    dispatch_dtype=torch.float8_e4m3fn if args.fp8 else None)
     unit = fully_shard(moe.experts, mesh=efsdp, mp_policy=MixedPrecisionPolicy(param_dtype=dtype,
                                                                                reduce_dtype=torch.float32))
     if args.scale == "fsdp":

@@ -15,7 +15,9 @@ import torch.distributed as dist
 
 from moe_lightning.model import MoEConfig
 from moe_lightning.model.moe import MoELayer
-from moe_lightning.parallel.expert_parallel import AllToAllTokenDispatcher, apply_expert_parallel
+from moe_lightning.parallel.expert_parallel import (AllToAllTokenDispatcher, apply_expert_parallel, dequantize_rows,
+                                                    quantize_rows)
+from tests.launchers.ep_layout_run import fp8_expert_inputs
 from tests.support.distributed import LAUNCHERS, REPO_ROOT, run_nodes, run_ranks
 
 SCRIPT = LAUNCHERS / "ep_layout_run.py"
@@ -156,3 +158,79 @@ def test_overlap_chunks_must_be_a_positive_integer(one_rank_group):
         apply_expert_parallel([moe], one_rank_group, overlap_chunks=0)
     assert isinstance(moe.dispatcher, type(MoELayer(MoEConfig(dim=16, num_experts=4)).dispatcher))
     assert not isinstance(moe.dispatcher, AllToAllTokenDispatcher)  # refused before any collective or change
+
+
+def test_fp8_rows_round_to_e4m3_with_power_of_two_block_scales():
+    """Each element within half an e4m3 step: 2^-4 of its magnitude (3 mantissa bits), or half the subnormal step
+    2^-10 x scale below the normal range; a block's scale is a power of two with its maximum in [224, 448]; the
+    dequantized values are exact in bf16 and quantize again to themselves (the hierarchical dispatcher's second
+    hop adds no error; a block whose maximum rounded to 224 may take half the scale, same values)."""
+    gen = torch.Generator().manual_seed(0)
+    x_RD = torch.randn(64, 300, generator=gen) * torch.logspace(-3, 3, 64)[:, None]  # 3 blocks, the last of 44
+    x_RD[5, 128:256] = 0  # an all-zero block
+    q, scale_RB = quantize_rows(x_RD, torch.float8_e4m3fn)
+    assert q.dtype == torch.float8_e4m3fn and scale_RB.shape == (64, 3) and scale_RB.dtype == torch.float32
+    assert torch.equal(torch.frexp(scale_RB).mantissa, torch.full_like(scale_RB, 0.5))  # powers of two
+    back = dequantize_rows(q, scale_RB, torch.float32)
+    expanded = scale_RB.repeat_interleave(128, 1)[:, :300]
+    assert ((back - x_RD).abs() <= torch.maximum(x_RD.abs() * 2 ** -4, expanded * 2 ** -10)).all()
+    block_max = q.float().abs()[:, :256].unflatten(1, (2, 128)).amax(-1)  # the two full blocks
+    assert ((block_max >= 224) & (block_max <= 448) | (block_max == 0)).all() and block_max[5, 1] == 0
+    assert torch.equal(dequantize_rows(*quantize_rows(back, torch.float8_e4m3fn), torch.float32), back)
+    assert torch.equal(dequantize_rows(*quantize_rows(back.bfloat16(), torch.float8_e4m3fn), torch.bfloat16),
+                       back.bfloat16()) and torch.equal(back.bfloat16().float(), back)  # exact in bf16 too
+
+
+def test_fp8_dispatch_on_one_rank_is_the_layer_with_quantized_expert_inputs(one_rank_group):
+    """One rank, 2 chunks: outputs and gradients equal a one-process layer whose experts see their input rows
+    quantized (straight-through gradient), fp32 sum order only (1e-6); the backward exchanges stay fp32 (the
+    dispatch's gradient launch is 4-byte rows). Against the unquantized layer: each expert input within 2^-4 of
+    itself (half e4m3's 2^-3 step), which the experts (O(1) gains at this init) carry into the output: within 2^-3
+    of the largest entry (measured ~1e-2)."""
+    events = []
+    torch.manual_seed(0)
+    config = MoEConfig(dim=32, num_experts=4, top_k=2, expert_hidden=16, n_shared_experts=1)
+    moe = MoELayer(config)
+    moe.init_weights(std=32 ** -0.5, out_std=16 ** -0.5)
+    plain, quantized = MoELayer(config), MoELayer(config)
+    plain.load_state_dict(moe.state_dict()), quantized.load_state_dict(moe.state_dict())
+    fp8_expert_inputs(quantized)
+    message = apply_expert_parallel([moe], one_rank_group, overlap_chunks=2, dispatch_dtype="float8_e4m3fn")
+    assert "FP8 dispatch" in message
+    x = torch.randn(1, 16, 32, requires_grad=True)
+    g = torch.randn(1, 16, 32)
+    y = moe(x)
+    launch = dist.all_to_all_single
+    dist.all_to_all_single = lambda out, inp, *a, **k: events.append((inp.dtype, inp.shape[1])) or launch(out, inp, *a, **k)
+    try:
+        (y * g).sum().backward()
+    finally:
+        dist.all_to_all_single = launch
+    assert set(events) == {(torch.float32, 32), (torch.uint8, 33 * 4)}, events  # fp32 rows + fp32 weight: 132 B
+    for ref, tolerance in ((quantized, 1e-6), (plain, 2 ** -3)):
+        x_ref = x.detach().clone().requires_grad_()
+        y_ref = ref(x_ref)
+        (y_ref * g).sum().backward()
+        scale = y_ref.abs().max()
+        assert (y - y_ref).abs().max() <= tolerance * scale, (tolerance, (y - y_ref).abs().max() / scale)
+        if ref is quantized:
+            torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-6, atol=1e-6)
+            for (name, p), p_ref in zip(moe.named_parameters(), ref.parameters()):
+                torch.testing.assert_close(p.grad, p_ref.grad, rtol=1e-5, atol=1e-6, msg=name)
+    assert (y - plain(x)).abs().max() > 0  # the dispatch did quantize
+
+
+def test_fp8_dispatch_hierarchical_2x2_equals_the_quantized_layer():
+    """The cyclic 2 x 2 layout, top-3, 3 chunks, FP8 dispatch: both hops quantize (the second exactly re-creates
+    the first's bytes: power-of-two scales), so every rank equals one process whose experts see quantized rows,
+    within fp32 sum order (1e-5; measured 3e-7)."""
+    result = result_of(run_ranks(SCRIPT, 4, "--ep", "4", "--node-of", "a,b,b,a", "--experts", "8", "--top-k", "3",
+                                 "--chunks", "3", "--fp8", timeout=240)[0])
+    assert all("hierarchical dispatch over 2 nodes x 2 ranks" in m and "FP8 dispatch" in m for m in result["messages"])
+    assert max(result["relative_max_differences"].values()) < 1e-5, result
+
+
+def test_dispatch_dtype_must_be_null_or_float8_e4m3fn(one_rank_group):
+    moe = MoELayer(MoEConfig(dim=16, num_experts=4, top_k=2, expert_hidden=8))
+    with pytest.raises(ValueError, match=r"strategy.dispatch_dtype='float8_e5m2': must be null .* or 'float8_e4m3fn'"):
+        apply_expert_parallel([moe], one_rank_group, dispatch_dtype="float8_e5m2")
