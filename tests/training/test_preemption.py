@@ -75,6 +75,28 @@ def test_sigterm_saves_exits_nonzero_and_the_identical_command_resumes_exactly(t
 
 
 
+def test_a_relaunch_after_a_preemption_before_the_first_periodic_save_leaves_last_ckpt_newest(tmp_path, capfd):
+    """Issue 33, item 2. A ``ModelCheckpoint`` with a fixed ``dirpath`` and ``save_last``, preempted at step 3
+    before its first periodic save (every 100 steps); the relaunch resumes and ends at step 5. Before: the relaunch
+    wrote ``last-v1.ckpt`` (step 5) and left ``last.ckpt`` at step 3, which generate/export then read silently
+    (the preemption save had not told the callback that ``last.ckpt`` was its own)."""
+    folder = tmp_path / "ck"
+    command = quick(tmp_path / "job", *SMALLER, "--trainer.max_steps=5", "--ckpt_path=last",
+                    "--trainer.callbacks=[]", "--trainer.callbacks+=ModelCheckpoint",
+                    f"--trainer.callbacks.dirpath={folder}", "--trainer.callbacks.every_n_train_steps=100",
+                    "--trainer.callbacks.save_last=true", SIGNAL_AT, "--trainer.callbacks.step=2")
+    with pytest.raises(SystemExit) as stopped:
+        run(command)
+    assert stopped.value.code == 128 + signal.SIGTERM and step_of(folder / "last.ckpt") == 3
+    cli = run(command)  # the identical command, relaunched: resumes from last.ckpt and finishes
+    assert cli.trainer.global_step == 5
+    assert sorted(p.name for p in folder.glob("*.ckpt")) == ["epoch=0-step=5.ckpt", "last.ckpt"]
+    assert step_of(folder / "last.ckpt") == 5
+    final = torch.load(folder / "epoch=0-step=5.ckpt", map_location="cpu", weights_only=True)["state_dict"]
+    last = torch.load(folder / "last.ckpt", map_location="cpu", weights_only=True)["state_dict"]
+    assert final.keys() == last.keys() and all(torch.equal(final[k], last[k]) for k in final)
+
+
 def test_sigterm_while_the_model_is_built_says_there_is_nothing_to_save_and_exits_143(tmp_path, capfd,
                                                                                      lightning_log):
     """Issue 26, item 7. Before: the default action (exit 143 with no word): Lightning installs its handler only

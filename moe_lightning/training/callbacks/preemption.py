@@ -156,13 +156,19 @@ class Preemption(Callback):
 
     # ---- the save ---------------------------------------------------------------------------------------
     @staticmethod
-    def checkpoint_path(trainer) -> Path:
+    def _checkpointer(trainer) -> ModelCheckpoint | None:
+        """The first ``ModelCheckpoint`` with a folder: the one whose ``last.ckpt`` a preemption writes."""
+        return next((c for c in trainer.checkpoint_callbacks if isinstance(c, ModelCheckpoint)
+                     and c.dirpath is not None), None)
+
+    @classmethod
+    def checkpoint_path(cls, trainer) -> Path:
         """``last.ckpt`` (the first ``ModelCheckpoint``'s ``CHECKPOINT_NAME_LAST``) in its folder, where
         ``--ckpt_path last`` looks; without a ``ModelCheckpoint``, ``<log_dir>/checkpoints/last.ckpt``."""
-        for callback in trainer.checkpoint_callbacks:
-            if isinstance(callback, ModelCheckpoint) and callback.dirpath is not None:
-                metrics = {"epoch": torch.tensor(trainer.current_epoch), "step": torch.tensor(trainer.global_step)}
-                return Path(callback.format_checkpoint_name(metrics, filename=callback.CHECKPOINT_NAME_LAST))
+        callback = cls._checkpointer(trainer)
+        if callback is not None:
+            metrics = {"epoch": torch.tensor(trainer.current_epoch), "step": torch.tensor(trainer.global_step)}
+            return Path(callback.format_checkpoint_name(metrics, filename=callback.CHECKPOINT_NAME_LAST))
         return Path(trainer.log_dir or trainer.default_root_dir) / "checkpoints" / "last.ckpt"
 
     def _preempt(self, trainer, signum: int, requeue: bool) -> None:
@@ -173,6 +179,12 @@ class Preemption(Callback):
             say(f"{what} ({name}): saving step {step} to {path}; a second {name} now stops at once and keeps the "
                 "previous checkpoint")
         self.signals.exit_on_repeat()
+        callback = self._checkpointer(trainer)
+        if callback is not None and callback.save_last:
+            # The save is the callback's last checkpoint, recorded in the state saved with it: the resumed run's
+            # callback then replaces last.ckpt (otherwise, finding a file it did not write, it would write
+            # last-v1.ckpt and leave last.ckpt at this step).
+            callback.last_model_path = str(path)
         trainer.save_checkpoint(path, weights_only=False)  # what periodic saves write: a full resume state
         checkpointer = getattr(trainer.strategy, "checkpointer", None)
         if checkpointer is not None:
