@@ -114,7 +114,9 @@ def open_token_file(path: Path, tokenizer) -> TokenPart:
                              "delete it to have the ids checked against the tokenizer instead.") from None
         if written_with is not None:  # sidecars before the identity was recorded say the vocabulary only
             refuse_other_tokenizer(where, written_with, written_for, tokenizer)
-        check_ids = None
+        # the sidecar's word is checked, not trusted (the file may have been replaced after tokenize wrote it)
+        refuse_ids_beyond(tokens, written_for, where, f"its sidecar {sidecar}")
+        check_ids = written_for if len(tokens) > SCAN_TOKENS else None
     else:  # no record of its vocabulary: scan a bounded prefix now, check every window when it is read
         head = np.asarray(tokens[:SCAN_TOKENS])
         if np.issubdtype(tokens.dtype, np.signedinteger) and int(head.min()) < 0:
@@ -126,6 +128,19 @@ def open_token_file(path: Path, tokenizer) -> TokenPart:
                          f"tokenizer has {tokenizer.vocab_size}: pass the tokenizer it was written with as "
                          "data.tokenizer.")
     return TokenPart(len(tokens), path=path, array=tokens, check_ids=check_ids)
+
+
+def refuse_ids_beyond(tokens: np.ndarray, vocab_size: int, where: str, declared_by: str) -> None:
+    """Start-up's check of a token array against the vocabulary its sidecar or manifest declares: the first
+    ``SCAN_TOKENS`` ids (reads past them are checked as they happen, ``TokenPart.check_ids``)."""
+    head = np.asarray(tokens[:SCAN_TOKENS])
+    if not len(head):
+        return
+    worst = int(head.argmin()) if head.dtype.kind == "i" and int(head.min()) < 0 else int(head.argmax())
+    if not 0 <= int(head[worst]) < vocab_size:
+        raise ValueError(f"{where} holds token id {int(head[worst])} (position {worst}), outside the "
+                         f"{vocab_size}-token vocabulary {declared_by} declares: the tokens changed after "
+                         "`moe-lightning tokenize` wrote them; tokenize the corpus again.")
 
 
 def read_manifest(folder: Path) -> dict:
@@ -159,9 +174,12 @@ def open_shard_folder(folder: Path, tokenizer) -> list[TokenPart]:
             raise ValueError(f"{where}: shard {path} holds {size:,} bytes but {MANIFEST} says {expected:,} "
                              f"({'truncated' if size < expected else 'changed'} after tokenize wrote it): copy the "
                              "whole folder again, or tokenize again.")
-        parts.append(TokenPart(int(shard["tokens"]), path=path))
+        parts.append(TokenPart(int(shard["tokens"]), path=path, check_ids=tokenizer.vocab_size))
     if sum(p.length for p in parts) == 0:
         raise ValueError(f"{where}: its manifest lists no tokens (an empty corpus): tokenize text into it.")
+    first = next(p for p in parts if p.length)  # every read is checked; start-up scans the first shard's head
+    refuse_ids_beyond(first.array(), tokenizer.vocab_size, f"{where}: shard {first.path.name}",
+                      f"its manifest {folder / MANIFEST}")
     return parts
 
 

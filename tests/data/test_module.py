@@ -240,6 +240,38 @@ def test_sidecar_records_the_largest_id_and_a_larger_one_than_the_vocabulary_is_
         TextDataModule(str(out))
 
 
+@pytest.mark.parametrize("recorded", ["max_id", "vocabulary only"])
+def test_ids_beyond_the_sidecars_vocabulary_are_refused_at_start_up_naming_the_file(corpus, tmp_path, recorded):
+    """Issue 33, item 8. The sidecar says a 257-token vocabulary (the byte tokenizer's) while the file holds ids up
+    to 299 (a file replaced after tokenize wrote it, or a sidecar without ``max_id``). Before: accepted, and a model
+    of vocabulary 320 trained on the foreign ids without a word (only the model's size was ever checked)."""
+    out = write_token_file([str(corpus)], str(tmp_path / "tokens.npy"))
+    info = json.loads((tmp_path / "tokens.npy.json").read_text())
+    ids = np.load(out) % 300
+    ids[7] = 299
+    np.save(out, ids.astype(np.uint16))
+    if recorded == "vocabulary only":
+        (tmp_path / "tokens.npy.json").write_text(json.dumps({k: v for k, v in info.items() if k != "max_id"}))
+    with pytest.raises(ValueError, match=rf"data.source='{out}' holds token id 299 .*outside the 257-token "
+                                         r"vocabulary its sidecar .*tokens.npy.json declares"):
+        TextDataModule(str(out), seq_len=16)
+
+
+def test_ids_beyond_a_manifests_vocabulary_are_refused_naming_the_shard(tmp_path):
+    """Issue 33, item 8, for a shard folder: a shard whose ids exceed the manifest's vocabulary (changed after
+    tokenize wrote it, same size) is refused at start-up, naming the shard. Before: trained on silently."""
+    from moe_lightning.data.tokenize.folder import tokenize_to_folder
+    (tmp_path / "a.txt").write_text("some text to tokenize " * 50)
+    tokenize_to_folder([str(tmp_path / "a.txt")], str(tmp_path / "shards"), None, "text", 1, 10_000, False, 0, 1)
+    [shard] = sorted((tmp_path / "shards").glob("*.npy"))
+    ids = np.load(shard)
+    ids[3] = 299
+    np.save(shard, ids)
+    with pytest.raises(ValueError, match=rf"{shard.name} holds token id 299 .*outside the 257-token vocabulary "
+                                         r"its manifest"):
+        TextDataModule(str(tmp_path / "shards"), seq_len=16)
+
+
 def test_ids_outside_the_vocabulary_past_the_start_up_scan_are_refused_when_read(tmp_path, monkeypatch):
     from moe_lightning.data import tokens
     monkeypatch.setattr(tokens, "SCAN_TOKENS", 100)  # start-up checks a bounded prefix only
