@@ -26,6 +26,8 @@ or ``local_lock=flock``) is warned about once: the lock then keeps apart the run
 - The lock file is created readable and writable by whoever the umask allows, and opened read-only where it is
   not writable, enough for a local file system; on NFS an exclusive lock needs write access, and a lock file of
   another user that is not group-writable is one line saying so.
+- Something else at a lock file's name or its record's (a directory, a FIFO) is refused in one line naming it
+  (``NotALockFileError``), before anything is written.
 """
 
 import errno
@@ -34,6 +36,7 @@ import json
 import os
 import re
 import socket
+import stat
 import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -57,6 +60,24 @@ class FolderLockedError(RuntimeError):
 
 class NoFlockError(RuntimeError):
     """The file system of the lock file cannot lock; the message is one line naming the mount options."""
+
+
+class NotALockFileError(RuntimeError):
+    """A lock file's name (or its holder record's) taken by something else: a directory, a FIFO, a device."""
+
+    def __init__(self, path: Path, what: str):
+        super().__init__(f"{path} is {what}, not the package's lock file: {path.parent} is locked through a regular "
+                         "file of that name (and its holder record); move it away, or choose another folder.")
+        self.path = path
+
+
+_KINDS = {stat.S_IFDIR: "a directory", stat.S_IFIFO: "a FIFO", stat.S_IFSOCK: "a socket", stat.S_IFCHR: "a device",
+          stat.S_IFBLK: "a device"}
+
+
+def _refuse_unless_file(path: Path, mode: int) -> None:
+    if not stat.S_ISREG(mode):
+        raise NotALockFileError(path, _KINDS.get(stat.S_IFMT(mode), "not a regular file"))
 
 
 @dataclass
@@ -141,6 +162,10 @@ def acquire(path: Path, shared: bool = False, about: dict | None = None, wait: b
             record = None
             if not shared:
                 record = json.dumps({"host": socket.gethostname(), "pid": os.getpid(), **(about or {})})
+                try:  # the record replaces a file of that name, never a directory
+                    _refuse_unless_file(record_path(path), os.stat(record_path(path)).st_mode)
+                except FileNotFoundError:
+                    pass
                 write_text(record_path(path), record)
         except BaseException:
             os.close(fd)
@@ -151,17 +176,32 @@ def acquire(path: Path, shared: bool = False, about: dict | None = None, wait: b
 
 
 def _open(path: Path) -> int:
+    """The lock file, opened (``O_NONBLOCK``: a FIFO in its place must not block the open); anything else at its
+    name is refused (``NotALockFileError``)."""
     try:
-        return os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+        fd = _open_any(path)
+    except IsADirectoryError:
+        raise NotALockFileError(path, "a directory") from None
+    try:
+        _refuse_unless_file(path, os.fstat(fd).st_mode)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _open_any(path: Path) -> int:
+    try:
+        return os.open(path, os.O_RDWR | os.O_CREAT | os.O_NONBLOCK, 0o666)
     except PermissionError:  # another user's lock file in a shared folder, or a folder we cannot write
         try:
-            return os.open(path, os.O_RDONLY)
+            return os.open(path, os.O_RDONLY | os.O_NONBLOCK)
         except FileNotFoundError:
             raise PermissionError(f"cannot create the lock file {path}: {path.parent} is not writable by this user; "
                                   "choose a folder you can write.") from None
     except FileNotFoundError:  # the folder itself was removed (a failed run's, by that run) since we were asked
         path.parent.mkdir(parents=True, exist_ok=True)
-        return os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+        return os.open(path, os.O_RDWR | os.O_CREAT | os.O_NONBLOCK, 0o666)
 
 
 def _names(path: Path, fd: int) -> bool:

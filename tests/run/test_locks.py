@@ -2,6 +2,7 @@
 (a run exclusive, the tasks of one array shared), refusals naming the holder, waiting when asked to; and
 ``take_turn`` for a file any task of an array may write. (Holders killed, races, NFS: tests/checkpoint.)"""
 
+import os
 import socket
 import subprocess
 import sys
@@ -87,3 +88,22 @@ def test_take_turn_tells_who_holds_the_turn_then_waits_for_it(tmp_path):
         assert told == [f"task 3 of 8, host {socket.gethostname()}, pid {turn.pid}"]
     finally:
         stop(turn)
+
+
+@pytest.mark.parametrize("kind", ["directory", "fifo", "holder record a directory"])
+def test_a_lock_path_that_is_not_the_packages_file_is_refused_in_one_line_naming_it(tmp_path, kind):
+    """Issue 33, item 4. Before: a directory at ``.moe-lightning.lock`` raised ``IsADirectoryError`` (a traceback);
+    a directory at its holder record failed the same way once the lock was taken (and kept it)."""
+    folder = tmp_path / "run"
+    folder.mkdir()
+    lock = folder / locks.LOCK_FILE
+    odd = locks.record_path(lock) if kind == "holder record a directory" else lock
+    os.mkfifo(odd) if kind == "fifo" else odd.mkdir()
+    what = "a FIFO" if kind == "fifo" else "a directory"
+    with pytest.raises(locks.NotALockFileError) as refused:
+        locks.lock_folder(folder)
+    message = str(refused.value)
+    assert message.startswith(f"{odd} is {what}, not the package's lock file") and "\n" not in message
+    assert message.endswith("move it away, or choose another folder.")
+    odd.rmdir() if kind != "fifo" else odd.unlink()
+    locks.lock_folder(folder).release()  # refused without keeping anything: the folder locks once it is cleared
