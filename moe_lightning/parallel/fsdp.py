@@ -122,6 +122,14 @@ def set_unshard_async_op(model: nn.Module) -> None:
             (getattr(module, "set_unshard_async_op", None) or module._set_unshard_async_op)(True)
 
 
+def move_all_but(module: nn.Module, sharded: type, device: torch.device) -> None:
+    """``module``'s children to ``device``, except the ``sharded`` one (its shards stay where the offload policy
+    keeps them: host memory under ``cpu_offload``)."""
+    for child in module.children():
+        if not isinstance(child, sharded):
+            child.to(device)
+
+
 @torch.no_grad()
 def materialize(model: MoETransformer, param_device: torch.device, buffer_device: torch.device, seed: int) -> None:
     """Allocate the local shards on ``param_device`` and run ``model.init_weights()`` on them as plain tensors.

@@ -1,14 +1,20 @@
-"""Device-mesh layout: HSDP (replicas x shards) with expert parallelism carved out of the shard ranks.
+"""Device-mesh layout: HSDP (replicas x shards) with expert and context parallelism carved out of the shard ranks.
 
 Global rank ``g = r * shard + s``. Dense parameters are sharded over ``s`` and replicated over ``r``.
 For experts the shard index splits as ``s = f * ep + p``: ``p`` (the expert-parallel rank, fastest
 varying so an ``ep`` group is a set of neighbouring ranks, e.g. one node) picks a contiguous block
 of ``E / ep`` experts, and ``f`` (the expert-FSDP rank) shards those experts FSDP-style.
+
+Context parallelism is folded into the shard ranks too (as TorchTitan folds it into its FSDP dimension): the shard
+index also splits as ``s = d * cp + c``, ``c`` fastest, so a context-parallel group (the ``cp`` ranks that share
+every sequence of one batch) is ``cp`` neighbouring ranks, one node's NVLink. Its ranks still shard parameters and
+reduce gradients with the others; the data-parallel replica a rank reads is ``g // cp`` of ``world / cp``.
 """
 
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Shard
 
@@ -25,6 +31,14 @@ def _check_ep_divides_shard(shard_size: int, expert_parallel_size: int) -> None:
             f"{_divisors(shard_size)}.")
 
 
+def _check_cp_divides_shard(shard_size: int, context_parallel_size: int) -> None:
+    if shard_size % context_parallel_size:
+        raise MeshError(
+            f"strategy.context_parallel_size={context_parallel_size} must divide strategy.shard_size={shard_size} "
+            f"(a context-parallel group is folded into the shard ranks, so it also divides the world): choose it "
+            f"from {_divisors(shard_size)}.")
+
+
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
@@ -37,27 +51,37 @@ class MeshLayout:
     replicate: int
     shard: int
     ep: int
+    cp: int = 1  # context-parallel ranks sharing each sequence (neighbouring shard ranks)
 
     @property
     def expert_shard(self) -> int:
         return self.shard // self.ep
 
+    @property
+    def data_parallel(self) -> int:
+        """Replicas of the data: the ranks that read different sequences (a context-parallel group reads one)."""
+        return self.world_size // self.cp
+
     @staticmethod
-    def check_arguments(replicate_size: int, shard_size: int | str, expert_parallel_size: int) -> None:
+    def check_arguments(replicate_size: int, shard_size: int | str, expert_parallel_size: int,
+                        context_parallel_size: int = 1) -> None:
         """What can be checked without knowing the world size (at strategy construction)."""
-        for name, value in (("replicate_size", replicate_size), ("expert_parallel_size", expert_parallel_size)):
+        for name, value in (("replicate_size", replicate_size), ("expert_parallel_size", expert_parallel_size),
+                            ("context_parallel_size", context_parallel_size)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise MeshError(f"strategy.{name}={value!r}: must be a positive integer.")
         if shard_size != "auto" and (not isinstance(shard_size, int) or isinstance(shard_size, bool) or shard_size < 1):
             raise MeshError(f"strategy.shard_size={shard_size!r}: must be a positive integer or 'auto'.")
         if isinstance(shard_size, int):
             _check_ep_divides_shard(shard_size, expert_parallel_size)
+            _check_cp_divides_shard(shard_size, context_parallel_size)
 
     @classmethod
     def resolve(cls, world_size: int, replicate_size: int, shard_size: int | str,
-                expert_parallel_size: int, num_experts: int | None = None) -> "MeshLayout":
+                expert_parallel_size: int, num_experts: int | None = None,
+                context_parallel_size: int = 1) -> "MeshLayout":
         """Check every size against the world and the model before any process group exists."""
-        cls.check_arguments(replicate_size, shard_size, expert_parallel_size)
+        cls.check_arguments(replicate_size, shard_size, expert_parallel_size, context_parallel_size)
         if shard_size == "auto":
             if world_size % replicate_size:
                 raise MeshError(
@@ -70,12 +94,13 @@ class MeshLayout:
                 f"{replicate_size * shard_size}, but the world size (num_nodes x devices) is {world_size}: "
                 f"make the product equal {world_size}, e.g. shard_size='auto'.")
         _check_ep_divides_shard(shard_size, expert_parallel_size)
+        _check_cp_divides_shard(shard_size, context_parallel_size)
         if num_experts is not None and num_experts % expert_parallel_size:
             raise MeshError(
                 f"strategy.expert_parallel_size={expert_parallel_size} must divide the model's "
                 f"num_experts={num_experts}: choose it from "
                 f"{[d for d in _divisors(num_experts) if shard_size % d == 0]}.")
-        return cls(world_size, replicate_size, shard_size, expert_parallel_size)
+        return cls(world_size, replicate_size, shard_size, expert_parallel_size, context_parallel_size)
 
     def dense_mesh(self, device_type: str) -> DeviceMesh:
         """``("shard",)`` for plain FSDP, ``("replicate", "shard")`` for HSDP."""
@@ -87,6 +112,22 @@ class MeshLayout:
         """``("replicate", "ep", "efsdp")``: the DTensor order that splits experts by ``ep`` first."""
         ranks = torch.arange(self.world_size).view(self.replicate, self.expert_shard, self.ep).transpose(1, 2)
         return DeviceMesh(device_type, ranks, mesh_dim_names=("replicate", "ep", "efsdp"))
+
+    def groups(self, device_type: str) -> tuple[DeviceMesh, DeviceMesh | None, dist.ProcessGroup | None]:
+        """The dense mesh, the expert mesh (``ep > 1``) and this rank's context-parallel group (``cp > 1``)."""
+        return (self.dense_mesh(device_type), self.expert_mesh(device_type) if self.ep > 1 else None,
+                self.context_parallel_group())
+
+    def context_parallel_group(self) -> dist.ProcessGroup | None:
+        """This rank's context-parallel group (``cp`` neighbouring ranks), or None at ``cp == 1``. Every rank
+        creates every group, in the same order (``new_group`` is a world collective)."""
+        if self.cp == 1:
+            return None
+        mine = None
+        for first in range(0, self.world_size, self.cp):
+            group = dist.new_group(list(range(first, first + self.cp)))
+            mine = group if first <= dist.get_rank() < first + self.cp else mine
+        return mine
 
     def expert_placement(self, num_experts: int) -> tuple[Shard, str]:
         """``Shard(0)`` (whole experts per rank) when the local experts divide evenly, else ``Shard(1)``."""

@@ -2,12 +2,14 @@
 
 The order, and why:
 
-    1. expert parallelism  each rank keeps its ``E / ep`` experts; the all-to-all dispatcher goes on every MoE layer
+    1. expert parallelism  each rank keeps its ``E / ep`` experts; the all-to-all dispatcher goes on every MoE layer;
+                           context parallelism: the model's ``sequence_shard`` becomes this rank's head-tail share
     2. compile             each block's class becomes one with a compiled ``forward`` (``compile.py``)
     3. block wrapping      activation checkpointing and offload (``ActivationOffload``): an instance ``forward`` bound
                            to the class's, so it comes after 2 (before, it would keep calling the eager forward)
     4. FSDP units          ``fully_shard`` on each unit (``fsdp.apply_fsdp``): FSDP2's hooks run in ``__call__``,
-                           around whatever ``forward`` 2 and 3 left, so neither changes what a unit gathers
+                           around whatever ``forward`` 2 and 3 left, so neither changes what a unit gathers; each
+                           routed-expert unit divides its summed gradients by the whole data-parallel size once
     5. prefetch            which units each unit all-gathers ahead; all-gathers in the compute stream's pool
     6. materialize         a meta-device build only: allocate the local shards and initialise them, or copy the
                            released weights in (after 4, so each rank touches only its own slices)
@@ -20,16 +22,20 @@ arguments; on other strategies the module calls it for 2 and ``ActivationOffload
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from typing import Any
+
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 
 from moe_lightning.checkpoint.sharded import expert_parameter_names, global_expert_views
 from moe_lightning.dtypes import DTYPES
-from moe_lightning.model import MoETransformer
+from moe_lightning.model import GroupedExperts, MoETransformer
 from moe_lightning.parallel import fsdp
 from moe_lightning.parallel.compile import compile_blocks
-from moe_lightning.parallel.expert_parallel import apply_expert_parallel
+from moe_lightning.parallel.context_parallel import ContextParallelShard, check_sequence_length
+from moe_lightning.parallel.expert_parallel import apply_expert_parallel, check_overlap_chunks, divide_expert_gradients
 from moe_lightning.parallel.mesh import MeshError, MeshLayout
 
 
@@ -46,22 +52,29 @@ class Sharding:
     cpu_offload: bool
     prefetch_depth: int
     unshard_async_op: bool
-    ranks_per_node: int  # picks flat or hierarchical expert dispatch
     param_device: torch.device  # where the shards live (host memory under cpu_offload)
     buffer_device: torch.device  # the compute device
     seed: int  # of a meta-device build: the run's seed plus the shard rank (replicas agree, shards differ)
+    cp_group: dist.ProcessGroup | None = None  # this rank's context-parallel group (``layout.cp > 1``)
+    ep_overlap_chunks: int = 1  # chunks each MoE layer's tokens are pipelined through (expert parallelism)
+    dispatch_dtype: torch.dtype | None = None  # of the dispatch hops' hidden rows (None: the training dtype)
 
 
 def check_strategy_arguments(replicate_size: int, shard_size: int | str, expert_parallel_size: int, param_dtype: str,
                              reduce_dtype: str, prefetch_depth: int, save_distributed_checkpoint: bool,
-                             async_checkpoint: bool) -> None:
+                             async_checkpoint: bool, context_parallel_size: int = 1, ep_overlap_chunks: int = 1,
+                             dispatch_dtype: str | None = None) -> None:
     """What ``MoEFSDPStrategy``'s arguments can be checked for before any launch; messages name ``strategy.<field>``."""
     for name, value in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)):
         if value != "auto" and value not in DTYPES:
             raise MeshError(f"strategy.{name}={value!r}: use one of 'auto', {', '.join(map(repr, DTYPES))}.")
     if not isinstance(prefetch_depth, int) or prefetch_depth < 0:
         raise MeshError(f"strategy.prefetch_depth={prefetch_depth!r}: must be an integer >= 0.")
-    MeshLayout.check_arguments(replicate_size, shard_size, expert_parallel_size)
+    MeshLayout.check_arguments(replicate_size, shard_size, expert_parallel_size, context_parallel_size)
+    check_overlap_chunks(ep_overlap_chunks)
+    if dispatch_dtype not in (None, "float8_e4m3fn"):
+        raise MeshError(f"strategy.dispatch_dtype={dispatch_dtype!r}: use null (the training dtype) or "
+                        "'float8_e4m3fn' (FP8 dispatch hops).")
     if not save_distributed_checkpoint and expert_parallel_size > 1:
         raise MeshError("strategy.save_distributed_checkpoint=False gathers full tensors per rank, which with "
                         f"expert_parallel_size={expert_parallel_size} hold only local experts: keep sharded "
@@ -69,6 +82,39 @@ def check_strategy_arguments(replicate_size: int, shard_size: int | str, expert_
     if async_checkpoint and not save_distributed_checkpoint:
         raise MeshError("strategy.async_checkpoint=True writes sharded checkpoints in the background: keep "
                         "strategy.save_distributed_checkpoint=True.")
+
+
+def the_transformer(module: torch.nn.Module, owner: str) -> MoETransformer:
+    """The one ``MoETransformer`` inside ``module`` (what a strategy parallelizes)."""
+    models = [m for m in module.modules() if isinstance(m, MoETransformer)]
+    if len(models) != 1:
+        raise TypeError(f"{owner} needs exactly one MoETransformer in the LightningModule (found {len(models)}); "
+                        "build it in configure_model().")
+    return models[0]
+
+
+def resolve_layout(world_size: int, replicate_size: int, shard_size: int | str, expert_parallel_size: int,
+                   context_parallel_size: int, config: Any | None, seq_len: int | None) -> MeshLayout:
+    """The mesh layout, checked against the world, the model's ``config`` (a ``MoEConfig``) and the data's
+    ``seq_len`` (when known) before any process group exists or the model is built: one-line refusals naming the
+    field and the fix."""
+    E = getattr(config, "num_experts", None)
+    layout = MeshLayout.resolve(world_size, replicate_size, shard_size, expert_parallel_size, E, context_parallel_size)
+    if E:
+        layout.check_expert_shard(E, (config.expert_hidden, config.dim))
+    if layout.cp == 1:
+        return layout
+    if seq_len is not None:
+        check_sequence_length(seq_len, layout.cp)
+    if getattr(config, "mtp_layers", 0):
+        raise MeshError(f"strategy.context_parallel_size={layout.cp} with model.config.mtp_layers="
+                        f"{config.mtp_layers}: multi-token prediction's shifted depths are not split over a "
+                        f"context-parallel group yet; set mtp_layers to 0 or context_parallel_size to 1.")
+    if getattr(config, "aux_loss_coef", 0) > 0:
+        raise MeshError(f"strategy.context_parallel_size={layout.cp} with model.config.aux_loss_coef="
+                        f"{config.aux_loss_coef}: the sequence-level balancing loss needs whole sequences on a rank; "
+                        "set aux_loss_coef to 0 (the aux-loss-free bias balances experts) or context_parallel_size to 1.")
+    return layout
 
 
 def parallelize_moe(model: MoETransformer, sharding: Sharding | None, *, compile: bool = False,
@@ -82,9 +128,14 @@ def parallelize_moe(model: MoETransformer, sharding: Sharding | None, *, compile
     messages, on_meta = [], any(p.device.type == "meta" for p in model.parameters())
     if sharding is not None:
         layout, E = sharding.layout, model.config.num_experts
-        MeshLayout.resolve(layout.world_size, layout.replicate, layout.shard, layout.ep, E)
-        if layout.ep > 1:
-            messages.append(apply_expert_parallel(model.moe_layers(), sharding.expert_mesh["ep"].get_group()))
+        MeshLayout.resolve(layout.world_size, layout.replicate, layout.shard, layout.ep, E, layout.cp)
+        if layout.ep > 1:  # FSDP divides the expert gradients (below): exact at any ep, no x ep / ep rounding
+            messages.append(apply_expert_parallel(model.moe_layers(), sharding.expert_mesh["ep"].get_group(),
+                                                  overlap_chunks=sharding.ep_overlap_chunks, scale_in_exchange=False,
+                                                  dispatch_dtype=sharding.dispatch_dtype))
+        if sharding.cp_group is not None:
+            model.sequence_shard = ContextParallelShard(sharding.cp_group)
+            messages.append(f"context parallelism over {layout.cp} ranks: head-tail shards of every sequence.")
     if compile:
         compile_blocks(model.layers)
     if wrap_blocks is not None:
@@ -98,6 +149,9 @@ def parallelize_moe(model: MoETransformer, sharding: Sharding | None, *, compile
                              expert_placement=placement)
     expert_fsdp_mesh = MeshLayout.expert_fsdp_mesh(sharding.expert_mesh) if sharding.expert_mesh is not None else None
     stages = fsdp.apply_fsdp(model, sharding.dense_mesh, expert_fsdp_mesh, policy)
+    if expert_fsdp_mesh is not None:
+        for experts in (m for m in model.modules() if isinstance(m, GroupedExperts) and isinstance(m, FSDPModule)):
+            divide_expert_gradients(experts, expert_fsdp_mesh, layout.ep)
     fsdp.set_prefetch(model, stages, sharding.prefetch_depth)
     if sharding.unshard_async_op:
         fsdp.set_unshard_async_op(model)

@@ -17,6 +17,7 @@ from moe_lightning.training.callbacks.nonfinite import NonFiniteGuard
 from moe_lightning.model.sampling import stream
 from moe_lightning.training.lightning_internals import logs_written, optimizer_step_ends
 from moe_lightning.model import MoEConfig, MoETransformer, mtp
+from moe_lightning.model.loss import context_parallel_mean
 from moe_lightning.optim import WarmupCosineLR, param_groups
 from moe_lightning.parallel.parallelize import parallelize_moe
 from moe_lightning.checkpoint.compat import check_resume
@@ -128,6 +129,12 @@ class MoELanguageModel(L.LightningModule):
         inputs_BS, targets_BS = batch_BS1[:, :-1], batch_BS1[:, 1:]
         if self.training and self.config.mtp_layers:
             return self._multi_token_loss(batch_BS1)
+        shard = self.model.sequence_shard
+        if shard.size > 1:  # context parallelism: this rank's positions, scaled so the gradients stay exact
+            h_BsD = self.model(inputs_BS, return_hidden=True)
+            total = self.model.output.cross_entropy_sums([h_BsD.flatten(0, 1)], [shard.local(targets_BS).flatten()],
+                                                         self.loss_chunk_size)[0]
+            return context_parallel_mean(total, targets_BS, shard.size)
         if self.loss_chunk_size is None:
             logits_BSV = self.model(inputs_BS)
             return F.cross_entropy(logits_BSV.flatten(0, 1).float(), targets_BS.flatten())
@@ -177,7 +184,8 @@ class MoELanguageModel(L.LightningModule):
             aux = [m.aux_loss for m in self.model.moe_layers() if m.aux_loss is not None]
             if aux:
                 self.log("train/aux_loss", torch.stack(aux).sum())
-        self.tokens_seen += batch_BS1[:, :-1].numel() * self.trainer.world_size
+        # a context-parallel group's ranks share their batch: world / size batches a step
+        self.tokens_seen += batch_BS1[:, :-1].numel() * self.trainer.world_size // self.model.sequence_shard.size
         self._log_train_loss((loss if self._main_loss is None else self._main_loss).detach().float(), batch_idx)
         if logs_written(self.trainer):  # a Python number logged costs a host-to-device copy and a sync
             self.log("train/tokens_seen", float(self.tokens_seen))

@@ -1,8 +1,6 @@
-"""``MoEFSDPStrategy``: Lightning's face of FSDP2/HSDP with expert parallelism; it delegates. The model is
+"""``MoEFSDPStrategy``: Lightning's face of FSDP2/HSDP with expert and context parallelism; it delegates. The model is
 parallelized by ``parallel.parallelize.parallelize_moe`` (its docstring states the order), gradients are clipped by
-``parallel/clip.py``, accumulated under ``parallel/fsdp.py``'s policy, and checkpoints go through ``CheckpointHooks``
-(``training/checkpoint_io.py``) to ``checkpoint/``.
-"""
+``parallel/clip.py``, accumulated under ``parallel/fsdp.py``'s policy, checkpoints go through ``CheckpointHooks``."""
 
 from collections.abc import Callable, Generator
 from contextlib import contextmanager, nullcontext
@@ -18,9 +16,10 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from moe_lightning.checkpoint.sharded import ShardedCheckpointer
 from moe_lightning.dtypes import DTYPES
 from moe_lightning.model import MoETransformer
-from moe_lightning.parallel import MeshLayout, fsdp
+from moe_lightning.parallel import fsdp
 from moe_lightning.parallel.clip import clip_grads_
-from moe_lightning.parallel.parallelize import Sharding, check_strategy_arguments, parallelize_moe
+from moe_lightning.parallel.parallelize import (Sharding, check_strategy_arguments, parallelize_moe, resolve_layout,
+                                                the_transformer)
 from moe_lightning.training.callbacks.activation_offload import ActivationOffload
 from moe_lightning.training.checkpoint_io import CheckpointHooks, FileCheckpointIO
 from moe_lightning.training.lightning_internals import evaluate_under_no_grad
@@ -29,68 +28,75 @@ DTypeName = Literal["auto", "bf16", "fp16", "fp32", "bfloat16", "float16", "floa
 
 
 class MoEFSDPStrategy(CheckpointHooks, ModelParallelStrategy):
-    """FSDP2 / HSDP with expert parallelism for ``MoETransformer``, sharded checkpoints and exact resume.
+    """FSDP2 / HSDP with expert and context parallelism for ``MoETransformer``, sharded checkpoints, exact resume.
 
     Args:
         replicate_size: HSDP replicas (each holds a full copy of the model, sharded within the replica).
         shard_size: Ranks that shard one replica; ``"auto"`` = world size / ``replicate_size``.
         expert_parallel_size: Ranks of a replica that split the experts (must divide ``shard_size`` and
             ``num_experts``); the other ``shard_size / ep`` ranks shard each expert block FSDP-style.
+        context_parallel_size: ``N`` neighbouring ranks share every sequence (``data.seq_len`` a multiple of ``2N``),
+            each computing 2 of its ``2N`` chunks; they read the same batches and, folded into the shard ranks, shard
+            parameters and reduce gradients too (``docs/context_parallel.md``). Must divide ``shard_size``.
+        ep_overlap_chunks: Chunks each MoE layer's tokens are pipelined through under expert parallelism. Default 1
+            keeps the unchunked order of sums and full-size expert groups; 2 hides up to half the exchange (measure
+            ``benchmarks/ep_dispatch.py`` on the GPUs first: it halves the experts' matmuls).
+        dispatch_dtype: ``"float8_e4m3fn"``: FP8 dispatch hops (the combine and gradients keep the training dtype).
         param_dtype: Dtype of unsharded parameters in forward/backward (``auto``: bf16 on GPU, fp32 on CPU).
         reduce_dtype: Dtype of gradient reduction (``auto``: fp32).
         reshard_after_forward: Free gathered block parameters after forward (the head and root keep theirs).
         prefetch_depth: How many FSDP units ahead to all-gather, forward and backward (0: FSDP's default).
         unshard_async_op: All-gather in the compute stream's memory pool instead of a side stream.
         cpu_offload: Keep sharded parameters, gradients and optimizer state in host memory.
-        accumulate_unsharded_grads: Under gradient accumulation, keep every unit's full gradient across
-            micro-batches and reduce-scatter once per step: fewer reduce-scatters, but ``reduce_dtype`` bytes x
-            (dense + routed expert parameters / ``ep``) per rank for the whole step (``moe-lightning plan
-            --accumulate-unsharded-grads`` prices it; 104 GiB per GPU at 1t.yaml).
-        meta_init: Build on the meta device and materialise only each rank's shards (for models that do not fit one
-            host; deterministic for a seed and layout). Default: every rank builds the whole model from the same
-            seeded RNG and keeps its shards, bit-identical to a one-process run.
+        accumulate_unsharded_grads: Keep full gradients across micro-batches, reduce-scatter once per step (104 GiB
+            per GPU at 1t.yaml: ``moe-lightning plan --accumulate-unsharded-grads``).
+        meta_init: Build on the meta device and materialise only each rank's shards (deterministic for a seed and
+            layout). Default: every rank builds the whole model from one seed, bit-identical to one process.
         save_distributed_checkpoint: Sharded checkpoint directories (``False``: one full file from rank 0).
-        async_checkpoint: Write sharded checkpoints in the background from a host copy (one in flight; a failed
-            save raises at the next batch).
+        async_checkpoint: Write sharded checkpoints in the background (one in flight; a failure raises next batch).
         process_group_backend: ``nccl``/``gloo``; default from the device.
         timeout: Collective timeout.
     """
 
     def __init__(self, replicate_size: int = 1, shard_size: Union[int, Literal["auto"]] = "auto",
-                 expert_parallel_size: int = 1, param_dtype: DTypeName = "auto", reduce_dtype: DTypeName = "auto",
-                 reshard_after_forward: bool = True, prefetch_depth: int = 1, unshard_async_op: bool = False,
-                 cpu_offload: bool = False, accumulate_unsharded_grads: bool = False, meta_init: bool = False,
-                 save_distributed_checkpoint: bool = True, async_checkpoint: bool = False,
+                 expert_parallel_size: int = 1, context_parallel_size: int = 1, ep_overlap_chunks: int = 1,
+                 dispatch_dtype: Optional[Literal["float8_e4m3fn"]] = None, param_dtype: DTypeName = "auto",
+                 reduce_dtype: DTypeName = "auto", reshard_after_forward: bool = True, prefetch_depth: int = 1,
+                 unshard_async_op: bool = False, cpu_offload: bool = False, accumulate_unsharded_grads: bool = False,
+                 meta_init: bool = False, save_distributed_checkpoint: bool = True, async_checkpoint: bool = False,
                  process_group_backend: Optional[str] = None, timeout: Optional[timedelta] = default_pg_timeout):
         super().__init__(save_distributed_checkpoint=save_distributed_checkpoint,
                          process_group_backend=process_group_backend, timeout=timeout)
         check_strategy_arguments(replicate_size, shard_size, expert_parallel_size, param_dtype, reduce_dtype,
-                                 prefetch_depth, save_distributed_checkpoint, async_checkpoint)  # before any launch
+                                 prefetch_depth, save_distributed_checkpoint, async_checkpoint, context_parallel_size,
+                                 ep_overlap_chunks, dispatch_dtype)  # before any launch
         self.replicate_size, self.shard_size, self.expert_parallel_size = replicate_size, shard_size, expert_parallel_size
-        self.param_dtype, self.reduce_dtype, self.meta_init = param_dtype, reduce_dtype, meta_init
+        self.context_parallel_size, self.ep_overlap_chunks = context_parallel_size, ep_overlap_chunks
+        self.dispatch_dtype, self.param_dtype, self.reduce_dtype = dispatch_dtype, param_dtype, reduce_dtype
         self.reshard_after_forward, self.prefetch_depth = reshard_after_forward, prefetch_depth
-        self.unshard_async_op, self.cpu_offload = unshard_async_op, cpu_offload
+        self.unshard_async_op, self.cpu_offload, self.meta_init = unshard_async_op, cpu_offload, meta_init
         self.accumulate_unsharded_grads, self.async_checkpoint = accumulate_unsharded_grads, async_checkpoint
-        self.layout, self.expert_mesh = None, None  # MeshLayout, and the ("replicate", "ep", "efsdp") mesh if ep > 1
+        self.layout, self.expert_mesh, self.cp_group = None, None, None  # + ("replicate", "ep", "efsdp") mesh, CP group
         self._fsdp_root: MoETransformer | None = None  # sharded by _parallelize
         self.checkpointer = ShardedCheckpointer()
         self.checkpoint_io = FileCheckpointIO()  # single-file saves (save_distributed_checkpoint=False)
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        """Every rank reads different data: replicas, shards and expert-parallel ranks alike."""
-        return {"num_replicas": self.world_size, "rank": self.global_rank}
+        """The ranks of a context-parallel group read the same sequences; all others read different ones."""
+        cp = self.context_parallel_size
+        return {"num_replicas": self.world_size // cp, "rank": self.global_rank // cp}
 
     def setup_environment(self) -> None:
-        config = getattr(self.lightning_module, "config", None)
-        self.layout = MeshLayout.resolve(self.num_nodes * self.num_processes, self.replicate_size, self.shard_size,
-                                         self.expert_parallel_size, getattr(config, "num_experts", None))
+        module = self.lightning_module  # the data's seq_len is checked here, before the model is built
+        seq_len = getattr(module.trainer.datamodule, "seq_len", None) if module._trainer is not None else None
+        self.layout = resolve_layout(self.num_nodes * self.num_processes, self.replicate_size, self.shard_size,
+                                     self.expert_parallel_size, self.context_parallel_size, module.config, seq_len)
         self._setup_distributed()
-        self._device_mesh = self.layout.dense_mesh(self.root_device.type)
-        self.expert_mesh = self.layout.expert_mesh(self.root_device.type) if self.layout.ep > 1 else None
-        self.lightning_module._device_mesh = self._device_mesh  # also tells the module that we parallelize it
+        self._device_mesh, self.expert_mesh, self.cp_group = self.layout.groups(self.root_device.type)
+        module._device_mesh = self._device_mesh  # also tells the module that we parallelize it
         rank_zero_info(f"{type(self).__name__}: {self.layout.replicate} replica(s) x {self.layout.shard} shard ranks, "
-                       f"expert_parallel_size={self.layout.ep}.")
+                       f"expert_parallel_size={self.layout.ep}, context_parallel_size={self.layout.cp}.")
 
     @contextmanager
     def tensor_init_context(self, empty_init: Optional[bool] = None) -> Generator[None, None, None]:
@@ -111,20 +117,17 @@ class MoEFSDPStrategy(CheckpointHooks, ModelParallelStrategy):
 
     def _parallelize(self, wrap_blocks: Callable[[MoETransformer], None] | None = None) -> None:
         """``parallelize_moe`` with this strategy's arguments and the module's wishes (a no-op once sharded)."""
-        module = self.lightning_module
-        models = [m for m in module.modules() if isinstance(m, MoETransformer)]
-        if len(models) != 1:
-            raise TypeError(f"{type(self).__name__} needs exactly one MoETransformer in the LightningModule "
-                            f"(found {len(models)}); build it in configure_model().")
+        module, model = self.lightning_module, the_transformer(self.lightning_module, type(self).__name__)
         sharding = Sharding(self.layout, self._device_mesh, self.expert_mesh, self._dtype(self.param_dtype, torch.bfloat16),
-                            self._dtype(self.reduce_dtype, torch.float32), self.reshard_after_forward,
-                            self.cpu_offload, self.prefetch_depth, self.unshard_async_op, self.num_processes,
-                            self.param_device, self.root_device, torch.initial_seed() + self.global_rank % self.layout.shard)
+                            self._dtype(self.reduce_dtype, torch.float32), self.reshard_after_forward, self.cpu_offload,
+                            self.prefetch_depth, self.unshard_async_op, self.param_device, self.root_device,
+                            torch.initial_seed() + self.global_rank % self.layout.shard, self.cp_group,
+                            self.ep_overlap_chunks, getattr(torch, self.dispatch_dtype) if self.dispatch_dtype else None)
         fill = module.fill_pretrained if getattr(module, "pretrained", None) is not None else None
-        for message in parallelize_moe(models[0], sharding, compile=getattr(module, "compile_each_block", False),
+        for message in parallelize_moe(model, sharding, compile=getattr(module, "compile_each_block", False),
                                        wrap_blocks=wrap_blocks, fill_pretrained=fill):
             rank_zero_info(f"{type(self).__name__}: {message}")
-        self._fsdp_root = models[0]
+        self._fsdp_root = model
 
     @property
     def param_device(self) -> torch.device:
@@ -143,7 +146,5 @@ class MoEFSDPStrategy(CheckpointHooks, ModelParallelStrategy):
     def model_to_device(self) -> None:
         if not self.cpu_offload:
             return super().model_to_device()
-        for child in self.lightning_module.children():  # sharded parameters stay in host memory
-            if not isinstance(child, MoETransformer):
-                child.to(self.root_device)
+        fsdp.move_all_but(self.lightning_module, MoETransformer, self.root_device)  # shards stay in host memory
         self.lightning_module._device = self.root_device  # what `.to` would set: where batches and metrics go

@@ -1,0 +1,104 @@
+"""One tiny ``fit`` under ``MoEFSDPStrategy`` for the context-parallel fit tests (real gloo ranks, or one process as
+the CP 1 reference). Rank 0 writes JSON: per micro-batch the world-mean loss (``strategy_run.Record``), per step the
+gradient norms, QK-clip's combined per-head maxima and clipped heads, and the routers' balancing biases.
+
+Documents end at the newline byte (``--docs``), so every 32-token sequence holds several document borders.
+Launched by tests/training/test_context_parallel_fit.py.
+"""
+
+import argparse
+import json
+import os
+from functools import partial
+from pathlib import Path
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+
+from moe_lightning import MoEConfig, MoELanguageModel, TextDataModule
+from moe_lightning.optim import Muon, WarmupCosineLR
+from moe_lightning.training.callbacks.activation_offload import ActivationOffload
+from moe_lightning.training.callbacks.qk_clip import QKClip
+from moe_lightning.training.lightning_internals import optimizer_step_ends
+from moe_lightning.training.strategy import MoEFSDPStrategy
+from tests.launchers.strategy_run import TINY, Record
+from tests.support.collectives import CollectiveCounter
+
+# O(1) activations (init 0.2, not 0.02) so attention is far from uniform and the logits clip at the threshold below
+SHAPE = {**TINY, "init_std": 0.2, "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 8, "v_head_dim": 8,
+         "eod_token_id": 10}
+QK_THRESHOLD = 2.0
+
+
+class StepState(Callback):
+    """Per optimizer step (after QK-clip's): its combined maxima and clipped heads, and every router's bias."""
+
+    def __init__(self, qk_clip: QKClip | None):
+        self.qk_clip, self.max_logits, self.clipped, self.biases = qk_clip, [], [], []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if not optimizer_step_ends(trainer):
+            return
+        if self.qk_clip is not None:
+            self.max_logits.append(self.qk_clip.last_max_logits.tolist())
+            self.clipped.append(int((self.qk_clip.last_gamma < 1).sum()))
+        self.biases.append([moe.router.expert_bias.tolist() for moe in pl_module.model.moe_layers()])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--cp", type=int, default=1)
+    parser.add_argument("--ep", type=int, default=1)
+    parser.add_argument("--chunks", type=int, default=1, help="ep_overlap_chunks")
+    parser.add_argument("--attention", choices=["mla", "gqa"], default="gqa")
+    parser.add_argument("--docs", action="store_true", help="document masking, documents end at a newline")
+    parser.add_argument("--muon", action="store_true")
+    parser.add_argument("--qk-clip", action="store_true")
+    parser.add_argument("--offload-activations", action="store_true", help="the ActivationOffload callback")
+    parser.add_argument("--cpu-offload", action="store_true", help="cpu_offload=True (FSDP)")
+    parser.add_argument("--batch-size", type=int, default=2, help="sequences per data replica")
+    parser.add_argument("--accumulate", type=int, default=1)
+    parser.add_argument("--max-steps", type=int, default=3)
+    parser.add_argument("--config", default="{}", help="JSON overrides of the model config")
+    parser.add_argument("--ckpt-dir", default=None)
+    parser.add_argument("--resume", default=None)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+
+    torch.set_num_threads(1)
+    L.seed_everything(0, verbose=False)
+    devices = int(os.environ.get("WORLD_SIZE", "1"))
+    strategy = MoEFSDPStrategy(context_parallel_size=args.cp, expert_parallel_size=args.ep,
+                               ep_overlap_chunks=args.chunks, cpu_offload=args.cpu_offload)
+    counter = CollectiveCounter()
+    record = Record(counter, 1, Path(args.out))
+    qk_clip = QKClip(threshold=QK_THRESHOLD) if args.qk_clip else None
+    state = StepState(qk_clip)
+    callbacks = [c for c in (qk_clip, record, state) if c is not None]
+    if args.offload_activations:
+        callbacks.append(ActivationOffload(min_offload_bytes=0))
+    if args.ckpt_dir:
+        callbacks.append(ModelCheckpoint(dirpath=args.ckpt_dir, filename="{step}", every_n_train_steps=2,
+                                         save_top_k=-1))
+    trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=args.max_steps,
+                        accumulate_grad_batches=args.accumulate, limit_val_batches=0, num_sanity_val_steps=0,
+                        logger=False, enable_progress_bar=False, enable_model_summary=False,
+                        enable_checkpointing=bool(args.ckpt_dir), callbacks=callbacks, precision="32-true",
+                        gradient_clip_val=1.0)
+    config = MoEConfig(**{**SHAPE, "attention": args.attention, "document_masking": args.docs,
+                          **json.loads(args.config)})
+    optimizer = partial(Muon, lr=1e-2, ns_dtype="float32") if args.muon else partial(torch.optim.AdamW, lr=1e-2, betas=(0.9, 0.95))
+    model = MoELanguageModel(config, optimizer=optimizer, lr_scheduler=partial(WarmupCosineLR, warmup_steps=2))
+    data = TextDataModule(source=os.__file__, seq_len=32, batch_size=args.batch_size, val_fraction=0.05)
+    with counter.installed():
+        trainer.fit(model, data, ckpt_path=args.resume)
+    if trainer.is_global_zero:
+        out = json.loads(Path(args.out).read_text())
+        out.update(max_logits=state.max_logits, clipped_heads=state.clipped, biases=state.biases,
+                   tokens_seen=model.tokens_seen)
+        Path(args.out).write_text(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
