@@ -15,9 +15,25 @@ token x dim x element size, one crossing; and that times the step's crossings, 4
 the measured ``inter_bytes_per_token`` of the whole step), ``ep_traffic``'s count for the same routing (must be
 equal), the largest difference of outputs and gradients hierarchical vs flat vs one process, and host reads per
 forward.
+
+``--fp8`` adds ``hierarchical_fp8`` (FP8 dispatch): its bytes, the bytes of the forward dispatch hops alone
+(``dispatch_inter_bytes_per_rank``, where FP8 applies; every kind reports it) and its difference from the
+unquantized hierarchical run. ``--chunks N`` pipelines every dispatcher's tokens in N chunks (the bytes are the
+same up to the count exchange).
+
+``--memory`` instead measures transient memory: one forward of the dispatcher alone (experts included, routing
+given: ``even`` or ``skewed``, 3/4 of the copies to the first rank's experts) at 1 chunk and at ``--chunks`` chunks,
+with and without FP8; per rank the peak bytes allocated above the start (torch's CPU memory profiler: every
+allocation and free of the CPU allocator, in order) and the bytes still held at the end (saved for backward, and
+the output), after one unmeasured warm-up (the first GEMMs allocate lasting caches). Rank 0 prints one JSON line
+per case with every rank's figures, the rows each rank received, the imbalance (the busiest receiver's rows over
+the mean) and, for the flat dispatcher at 1 chunk, the hand count (see :func:`hand_count`).
+
+    python benchmarks/ep_dispatch.py --memory   # under torchrun as above; or 2 ranks of one node
 """
 
 import argparse
+import gc
 import json
 import os
 from collections import Counter
@@ -28,11 +44,12 @@ import torch.utils.checkpoint
 
 from moe_lightning.planner import ep_traffic
 from moe_lightning.model import MoEConfig
-from moe_lightning.model.moe import MoELayer
+from moe_lightning.model.moe import GroupedExperts, MoELayer
 from moe_lightning.parallel.expert_parallel import AllToAllTokenDispatcher, make_dispatcher
 
-SENT = Counter()  # (scope, direction) -> bytes this rank sent
+SENT = Counter()  # scope -> bytes this rank sent ("dispatch": forward dispatch hops to another node)
 READS = Counter()
+PHASE = {"forward": False}  # set while a forward runs: its packed (uint8) exchanges are the dispatch hops
 
 
 def count_bytes(all_to_all_single):
@@ -47,7 +64,10 @@ def count_bytes(all_to_all_single):
         for i, n in enumerate(rows):
             dest = dist.get_global_rank(group, i) if group is not None else i
             if dest != me:
-                SENT["inter" if dest // per_node != me // per_node else "intra"] += n * row_bytes
+                inter = dest // per_node != me // per_node
+                SENT["inter" if inter else "intra"] += n * row_bytes
+                if inter and PHASE["forward"] and input.dtype == torch.uint8 and async_op:
+                    SENT["dispatch"] += n * row_bytes
         return all_to_all_single(output, input, output_split_sizes, input_split_sizes, group=group,
                                  async_op=async_op)
     return counted
@@ -84,12 +104,115 @@ def step(moe: MoELayer, x_TD: torch.Tensor, g_TD: torch.Tensor, recompute: bool)
     run = (lambda t: torch.utils.checkpoint.checkpoint(moe, t, use_reentrant=False)) if recompute else moe
     restore = count_reads()  # forward and backward (where recompute runs the forward again)
     try:
+        PHASE["forward"] = True
         y = run(x[None])[0]
+        PHASE["forward"] = False
         (y.float() * g_TD).sum().backward()
     finally:
+        PHASE["forward"] = False
         restore()
     grads = {"x": x.grad, **{n: p.grad for n, p in moe.named_parameters()}}
     return y.detach(), grads
+
+
+def peak_bytes(fn) -> tuple[int, int]:
+    """Peak bytes allocated above the start while ``fn()`` runs and the bytes still held when it has returned (its
+    result and what autograd saved for backward), from torch's CPU memory profiler: every allocation and free of
+    the CPU allocator, in order."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        result = fn()
+    live = peak = 0
+    for _, nbytes in sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                            if e.name() == "[memory]"):
+        live += nbytes
+        peak = max(peak, live)
+    del result
+    return peak, live
+
+
+def routed(tokens: int, experts: int, top_k: int, skewed: bool, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(weights_TK, experts_TK)``: distinct experts per token, uniform (``even``) or with 3/4 of the copies on the
+    first quarter of the experts (``skewed``: on 4 ranks, all on the first rank's)."""
+    gen = torch.Generator().manual_seed(seed)
+    bias = torch.zeros(experts)
+    if skewed:
+        bias[:experts // 4] = 3.0 * torch.log(torch.tensor(3.0 * (experts - experts // 4) / (experts // 4)))
+    experts_TK = torch.multinomial((bias - bias.max()).exp().expand(tokens, -1), top_k, generator=gen)
+    return torch.rand(tokens, top_k, generator=gen) + 0.5, experts_TK
+
+
+def hand_count(tokens: int, rows_in: int, rows_out: int, dim: int, hidden: int, size: int) -> int:
+    """The flat dispatcher's peak at 1 chunk (the probe's input copy included), counted by hand as the largest of
+    the moments where it can occur (``s`` bytes per element, ``T`` tokens, rows received ``R_in``, sent ``R_out``;
+    the experts keep their input rows ``R_in x D`` and the gate and up projections ``2 x R_in x F`` for backward):
+
+    - dispatch landed: the receive buffer ``R_in x (D s + 4)`` (rows, routing weight) and its regrouped copy
+      ``R_in x D s``;
+    - regrouping undone: the experts' output ``R_in x D s`` and its copy in source order (the combine's send buffer);
+    - combine landed: its receive buffer ``R_out x D s`` and the layer's output ``T x D s``;
+
+    each beside the input ``T x D s`` and the experts' saved activations once made. Index tensors (8 bytes per row,
+    a few of them) are left out: the stated margin covers them."""
+    x, saved = tokens * dim * size, rows_in * (dim + 2 * hidden) * size
+    landed = x + rows_in * (dim * size + 4) + rows_in * dim * size
+    regrouped = x + saved + 2 * rows_in * dim * size
+    combined = x + saved + rows_out * dim * size + tokens * dim * size
+    return max(landed, regrouped, combined)
+
+
+def memory_probe(args, group, dispatcher_of) -> None:
+    """Transient memory of one dispatcher forward per routing, chunk count and dispatch dtype (see the docstring)."""
+    rank, ep = dist.get_rank(), dist.get_world_size()
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
+    el, size = args.experts // ep, torch.finfo(dtype).bits // 8
+    torch.manual_seed(0)
+    experts = GroupedExperts(args.experts, args.dim, args.hidden)
+    experts.init_weights(std=args.dim ** -0.5, out_std=args.hidden ** -0.5)
+    experts = slice_experts_of(experts, rank, ep).to(dtype)
+    for routing in ("even", "skewed"):
+        weights_TK, experts_TK = routed(args.tokens, args.experts, args.top_k, routing == "skewed", 7 + rank)
+        x_TD = torch.randn(args.tokens, args.dim, generator=torch.Generator().manual_seed(rank)).to(dtype)
+        counts_E = torch.bincount(experts_TK.flatten(), minlength=args.experts)
+        dist.all_reduce(counts_E)
+        rows_in = counts_E.view(ep, el).sum(1)[rank].item()
+        rows_out = args.tokens * args.top_k
+        for chunks in sorted({1, args.chunks}):
+            for fp8 in (False, True) if args.fp8 else (False,):
+                dispatcher, how = dispatcher_of(chunks, fp8)
+                run = lambda: dispatcher(x_TD.clone().requires_grad_(), weights_TK.to(dtype), experts_TK,
+                                         torch.bincount(experts_TK.flatten(), minlength=args.experts), experts)
+                run()  # warm-up: the first GEMMs allocate lasting caches
+                # The least of 3: gloo's worker thread drops its references to finished buffers when it gets
+                # round to it, which can only add to the program's own peak.
+                repeats = []
+                for _ in range(3):
+                    gc.collect()
+                    dist.barrier()
+                    repeats.append(peak_bytes(run))
+                peak, held = min(repeats)
+                figures = torch.tensor([peak, held, rows_in, rows_out], dtype=torch.float64)
+                table = [torch.zeros_like(figures) for _ in range(ep)]
+                dist.all_gather(table, figures)
+                if rank == 0:
+                    table = [t.tolist() for t in table]
+                    received = [t[2] for t in table]
+                    result = {"memory": routing, "chunks": chunks, "fp8": fp8, "dispatcher": how,
+                              "dtype": args.dtype, "tokens_per_rank": args.tokens, "dim": args.dim,
+                              "hidden": args.hidden, "top_k": args.top_k,
+                              "peak_bytes": [int(t[0]) for t in table], "held_bytes": [int(t[1]) for t in table],
+                              "rows_in": [int(t[2]) for t in table], "rows_out": [int(t[3]) for t in table],
+                              "imbalance": max(received) / (sum(received) / ep)}
+                    if chunks == 1 and "flat" in how and not fp8:
+                        result["hand_count"] = [hand_count(args.tokens, int(t[2]), int(t[3]), args.dim,
+                                                           args.hidden, size) for t in table]
+                    print(json.dumps(result), flush=True)
+
+
+def slice_experts_of(experts: GroupedExperts, rank: int, ep: int) -> GroupedExperts:
+    local = experts.num_experts // ep
+    for name, p in list(experts.named_parameters(recurse=False)):
+        setattr(experts, name, torch.nn.Parameter(p.detach()[rank * local:(rank + 1) * local].clone()))
+    return experts
 
 
 def main(argv=None) -> None:
@@ -101,12 +224,25 @@ def main(argv=None) -> None:
     parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
     parser.add_argument("--recompute", action="store_true", help="checkpoint the layer (forward runs twice)")
     parser.add_argument("--routing", nargs="+", default=["unrestricted", "node-limited", "empty-rank"])
+    parser.add_argument("--chunks", type=int, default=1, help="overlap chunks (--memory: compared with 1)")
+    parser.add_argument("--fp8", action="store_true", help="also FP8 dispatch (dispatch_dtype=float8_e4m3fn)")
+    parser.add_argument("--memory", action="store_true", help="measure transient memory instead (see above)")
+    parser.add_argument("--hidden", type=int, default=32, help="--memory: expert hidden size")
     args = parser.parse_args(argv)
     dist.init_process_group("gloo")
     rank, ep = dist.get_rank(), dist.get_world_size()
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
     group = dist.group.WORLD
-    hierarchical, _ = make_dispatcher(group, args.experts // ep)
+    if args.memory:
+        def dispatcher_of(chunks, fp8):
+            return make_dispatcher(group, args.experts // ep, overlap_chunks=chunks,
+                                   dispatch_dtype=torch.float8_e4m3fn if fp8 else None)
+        memory_probe(args, group, dispatcher_of)
+        dist.destroy_process_group()
+        return
+    hierarchical, _ = make_dispatcher(group, args.experts // ep, overlap_chunks=args.chunks)
+    fp8 = make_dispatcher(group, args.experts // ep, overlap_chunks=args.chunks,
+                          dispatch_dtype=torch.float8_e4m3fn)[0] if args.fp8 else None
     nodes, local = hierarchical.nodes, hierarchical.local
     dist.all_to_all_single = count_bytes(dist.all_to_all_single)
     for routing in args.routing:
@@ -125,17 +261,21 @@ def main(argv=None) -> None:
         result = {"routing": routing, "nodes": nodes, "ranks_per_node": local, "dtype": args.dtype,
                   "tokens_per_rank": args.tokens, "recompute": args.recompute}
         outputs = {}
-        for kind in ("flat", "hierarchical"):
+        kinds = ("flat", "hierarchical", "hierarchical_fp8") if args.fp8 else ("flat", "hierarchical")
+        for kind in kinds:
             moe = slice_experts(layer(config, dtype), rank, ep)
             moe.router.expert_bias.copy_(full.router.expert_bias)
-            moe.dispatcher = AllToAllTokenDispatcher(group) if kind == "flat" else hierarchical
+            moe.dispatcher = {"flat": AllToAllTokenDispatcher(group, overlap_chunks=args.chunks),
+                              "hierarchical": hierarchical, "hierarchical_fp8": fp8}[kind]
             SENT.clear()
             READS.clear()
             dist.barrier()
             outputs[kind] = step(moe, x_TD, g_TD, args.recompute)
-            sent = torch.tensor([SENT["inter"], SENT["intra"], sum(READS.values())], dtype=torch.float64)
+            sent = torch.tensor([SENT["inter"], SENT["intra"], sum(READS.values()), SENT["dispatch"]],
+                                dtype=torch.float64)
             dist.all_reduce(sent)
             result[kind] = {"inter_bytes_per_rank": sent[0].item() / ep, "intra_bytes_per_rank": sent[1].item() / ep,
+                            "dispatch_inter_bytes_per_rank": sent[3].item() / ep,
                             "inter_bytes_per_token": sent[0].item() / ep / args.tokens,
                             "host_reads_per_forward": sent[2].item() / ep / (2 if args.recompute else 1)}
         # Routing statistics from the tokens' chosen experts, summed over ranks: what ep_traffic prices.
@@ -166,6 +306,17 @@ def main(argv=None) -> None:
         result["crossings_per_step"] = crossings
         result["hierarchical_over_flat_inter"] = result["hierarchical"]["inter_bytes_per_rank"] / \
             result["flat"]["inter_bytes_per_rank"]
+        if args.fp8:
+            hier, fp8_run = result["hierarchical"], result["hierarchical_fp8"]
+            result["fp8_over_hierarchical_dispatch_inter"] = (fp8_run["dispatch_inter_bytes_per_rank"]
+                                                              / hier["dispatch_inter_bytes_per_rank"])
+            result["fp8_over_hierarchical_inter"] = fp8_run["inter_bytes_per_rank"] / hier["inter_bytes_per_rank"]
+            y8, g8 = outputs.pop("hierarchical_fp8")
+            hy, hg = outputs["hierarchical"]
+            worst = torch.tensor([((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30))
+                                  for a, b in zip([y8, *g8.values()], [hy, *hg.values()])])
+            dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+            result["fp8_relative_max_differences"] = dict(zip(["y", *g8], worst.tolist()))
         diffs = {}
         for name, (y, grads) in (("flat", outputs["flat"]), ("hierarchical", outputs["hierarchical"])):
             ref = {"y": y_ref, **g_ref}

@@ -230,16 +230,22 @@ def _through_experts(group, grad_scale, x_RD, weights_RK, experts_RK, send_split
     P, local, K = len(recv_splits), experts.num_experts, experts_RK.shape[1]
     choice = torch.where(experts_RK >= 0, experts_RK, P * local).flatten()  # "none" sorts last and is cut
     order = choice.argsort(stable=True)[:sum(send_splits)]
+    del choice, experts_RK
     row_of_copy = order // K
     handle = _launch(group, send_splits, recv_splits, grad_scale, (x_RD, row_of_copy),
                      (weights_RK.reshape(-1, 1), order), quantize=quantize)
+    # The rows are in the send buffer: drop them before waiting (the hierarchical dispatcher's received rows are
+    # freed here, not after this chunk's experts). What the output needs of them: shape, dtype, device.
+    shape_of, device = x_RD.new_empty(1, 1).expand(x_RD.shape), x_RD.device
+    del x_RD, weights_RK, order
     yield
     x_recv, weight_recv = _land(handle)
     del handle
     # Received rows are grouped [source rank][local expert]; the experts want [local expert][source rank].
-    expert_of_row = torch.repeat_interleave(torch.arange(local, device=x_RD.device).repeat(P),
+    expert_of_row = torch.repeat_interleave(torch.arange(local, device=device).repeat(P),
                                             recv_counts_PE.flatten(), output_size=sum(recv_splits))
     by_expert = expert_of_row.argsort(stable=True)
+    del expert_of_row
     x_by_expert, weight_by_expert = x_recv[by_expert], weight_recv[by_expert]
     del x_recv, weight_recv
     y_by_expert = experts(x_by_expert, recv_counts_PE.sum(0), weight_by_expert)
@@ -251,7 +257,7 @@ def _through_experts(group, grad_scale, x_RD, weights_RK, experts_RK, send_split
     del y_recv
     yield
     (y_copies,) = _land(handle)
-    return sum_into_tokens(y_copies, row_of_copy, x_RD)
+    return sum_into_tokens(y_copies, row_of_copy, shape_of)
 
 
 def _pipeline(flows: list[Iterator[None]], overlap: Callable[[], torch.Tensor] | None
@@ -275,6 +281,8 @@ def _pipeline(flows: list[Iterator[None]], overlap: Callable[[], torch.Tensor] |
 
 
 def _joined(ys: list[torch.Tensor], extra: torch.Tensor | None) -> torch.Tensor:
+    """The chunks' outputs in one tensor. Concatenated at the end (the chunk outputs and their copy coexist then,
+    when no exchange buffer is left): a preallocated output would be alive through every chunk's exchange."""
     y_TD = ys[0] if len(ys) == 1 else torch.cat(ys)
     return y_TD if extra is None else y_TD + extra
 
@@ -381,13 +389,11 @@ class HierarchicalTokenDispatcher:
         handle = _launch(self.inter, inter_send, inter_recv, self.grad_scale, (x_TD, token_of_row),
                          (weights_TK, token_of_row), (node_experts_RK.to(torch.int32), None),
                          quantize=self.dispatch_dtype)
-        del node_experts_RK, on_node_RK
+        del node_experts_RK, on_node_RK, order, node_of_row
         yield
-        x_RD, weights_RK, node_experts_RK = _land(handle)
-        del handle
-        y_RD = yield from _through_experts(self.intra, 1.0, x_RD, weights_RK, node_experts_RK, intra_send,
-                                           intra_recv, recv_counts_PE, experts, self.dispatch_dtype)
-        del x_RD, weights_RK
+        # The landed rows go straight on (no local keeps them: they are freed once the intra hop has them)
+        y_RD = yield from _through_experts(self.intra, 1.0, *_land(handle), intra_send, intra_recv, recv_counts_PE,
+                                           experts, self.dispatch_dtype)
         handle = _launch(self.inter, inter_recv, inter_send, 1.0 / self.grad_scale, (y_RD, None))
         del y_RD
         yield
