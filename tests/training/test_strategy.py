@@ -236,11 +236,44 @@ def test_meta_init_materialises_distinct_shards_with_the_model_initialisation(ru
     (4, dict(expert_parallel_size=4), 6, r"must divide the model's num_experts=6: choose it from \[1, 2\]"),
     (4, dict(expert_parallel_size=0), None, r"expert_parallel_size=0: must be a positive integer"),
     (4, dict(shard_size="half"), None, r"shard_size='half': must be a positive integer or 'auto'"),
+    (4, dict(context_parallel_size=3), None, r"context_parallel_size=3 must divide strategy.shard_size=4 .*\[1, 2, 4\]"),
+    (8, dict(replicate_size=2, context_parallel_size=8), None, r"context_parallel_size=8 must divide .*shard_size=4"),
+    (4, dict(context_parallel_size=0), None, r"context_parallel_size=0: must be a positive integer"),
 ])
 def test_invalid_mesh_names_the_argument_and_the_fix(world, kwargs, experts, match):
-    args = {"replicate_size": 1, "shard_size": "auto", "expert_parallel_size": 1, **kwargs}
+    args = {"replicate_size": 1, "shard_size": "auto", "expert_parallel_size": 1, "context_parallel_size": 1, **kwargs}
     with pytest.raises(MeshError, match=match):
-        MeshLayout.resolve(world, args["replicate_size"], args["shard_size"], args["expert_parallel_size"], experts)
+        MeshLayout.resolve(world, args["replicate_size"], args["shard_size"], args["expert_parallel_size"], experts,
+                           args["context_parallel_size"])
+
+
+@pytest.mark.parametrize("cp, overrides, seq_len, match", [
+    (4, {}, 36, r"context_parallel_size=4 splits each sequence into 8 .* 36 \(data.seq_len\) .* e\.g\. 40"),
+    (2, dict(mtp_layers=1), 32, r"context_parallel_size=2 with model.config.mtp_layers=1: .*set mtp_layers to 0"),
+    (2, dict(aux_loss_coef=0.01), 32, r"aux_loss_coef=0.01: .*set aux_loss_coef to 0"),
+    (1, dict(num_experts=6, expert_hidden=30, dim=40), 32, r"expert_parallel_size=1 leaves 6 experts per rank to shard "
+                                                          r"over 4 ranks .*rows \[30, 40\]"),
+])
+def test_context_parallel_and_expert_shard_layouts_are_refused_before_any_group(cp, overrides, seq_len, match):
+    """``resolve_layout`` (the strategy's ``setup_environment``, before process groups and the model): the data's
+    sequence length, the model fields CP does not compose with yet, and an expert shard FSDP2 cannot split."""
+    from moe_lightning.parallel.parallelize import resolve_layout
+    config = MoEConfig(**{"num_experts": 4, **overrides})
+    with pytest.raises(MeshError if "seq_len" not in match else ValueError, match=match):
+        resolve_layout(4, 1, "auto", 1, cp, config, seq_len)
+    assert resolve_layout(4, 1, "auto", 2, 2, MoEConfig(num_experts=4), 32).cp == 2
+
+
+def test_context_parallel_ranks_read_the_same_sequences():
+    """The sampler's replicas are the data-parallel groups: ranks g and g' read the same batches iff g // cp ==
+    g' // cp (neighbouring ranks, as the context-parallel groups are laid out)."""
+    from lightning.fabric.plugins.environments import LightningEnvironment
+    strategy = MoEFSDPStrategy(context_parallel_size=2)
+    strategy.cluster_environment = LightningEnvironment()
+    strategy.cluster_environment.set_world_size(4)
+    for rank, replica in ((0, 0), (1, 0), (2, 1), (3, 1)):
+        strategy.cluster_environment.set_global_rank(rank)
+        assert strategy.distributed_sampler_kwargs == {"num_replicas": 2, "rank": replica}
 
 
 def test_default_mesh_is_plain_fsdp_over_all_ranks():
@@ -268,6 +301,12 @@ def test_strategy_rejects_bad_arguments_at_construction():
         MoEFSDPStrategy(prefetch_depth=-1)
     with pytest.raises(MeshError, match="save_distributed_checkpoint=False gathers .*moe-lightning export"):
         MoEFSDPStrategy(expert_parallel_size=2, save_distributed_checkpoint=False)
+    with pytest.raises(MeshError, match="strategy.context_parallel_size=3 must divide strategy.shard_size=4"):
+        MoEFSDPStrategy(shard_size=4, context_parallel_size=3)
+    with pytest.raises(ValueError, match="strategy.ep_overlap_chunks=0: must be a positive integer"):
+        MoEFSDPStrategy(ep_overlap_chunks=0)
+    with pytest.raises(MeshError, match="strategy.dispatch_dtype='fp8': use null .* or 'float8_e4m3fn'"):
+        MoEFSDPStrategy(dispatch_dtype="fp8")
 
 
 def test_trainer_fails_on_mesh_before_building_the_model():
