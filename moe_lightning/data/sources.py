@@ -41,6 +41,29 @@ def is_token_source(resolved) -> bool:
     return isinstance(resolved, Path)
 
 
+def _written_by_tokenize(folder: Path) -> bool:
+    from moe_lightning.data.tokenize.plan import PLAN
+    return (folder / PLAN).is_file() or any(folder.glob("part-*.npy"))
+
+
+def _wait_for_tokenize(folder: Path, source: str) -> None:
+    """Wait for the tokenize writing ``folder`` (a run, or every task of an array), saying whose: its folder lock,
+    and each task's, taken shared (the ranks of one fit do not wait for each other) and given back at once. A
+    folder whose locks cannot be taken here (a read-only copy) is judged by its files alone."""
+    from moe_lightning.run import locks
+    for lock in [folder / locks.LOCK_FILE, *sorted(folder.glob(f"{locks.LOCK_PREFIX}.task-*.lock"))]:
+        try:
+            try:
+                held = locks.acquire(lock, shared=True)
+            except locks.FolderLockedError as busy:
+                os.write(2, f"data.source={source!r}: a tokenize is still writing it ({busy.holders}); waiting for "
+                            f"it to finish.\n".encode())
+                held = locks.acquire(lock, shared=True, wait=True)
+        except (OSError, locks.NoFlockError):
+            return
+        held.release()
+
+
 def resolve_source(source: str) -> list[Path] | Path:
     """The document files a source names, or the path of a token source (a ``.npy`` file or a shard folder
     with its manifest); raise if it names nothing.
@@ -53,6 +76,13 @@ def resolve_source(source: str) -> list[Path] | Path:
     path = Path(source).expanduser()
     if path.suffix == ".npy" and path.is_file():
         return path
+    if path.is_dir() and not (path / MANIFEST).is_file() and _written_by_tokenize(path):
+        _wait_for_tokenize(path, source)
+        if not (path / MANIFEST).is_file():
+            raise FileNotFoundError(f"data.source={source!r} is a token folder with no {MANIFEST}: the tokenize "
+                                    "run that wrote it did not finish and no process is writing it now (the manifest "
+                                    "is written last). Rerun the same `moe-lightning tokenize ... --resume` to "
+                                    "complete it.")
     if path.is_dir() and (path / MANIFEST).is_file() and any(path.glob("part-*.npy")):
         return path
     if path.is_file():

@@ -180,6 +180,34 @@ def test_a_worker_killed_between_two_submissions_is_one_line_naming_its_unit(tmp
     assert not list(out.glob("*.partial")) and (out / "part-00000.done.json").exists()
 
 
+def test_fit_on_a_token_folder_a_live_tokenize_writes_waits_for_it_and_a_dead_ones_folder_is_one_line(tmp_path,
+                                                                                                     capfd):
+    """Issue 33, item 3. Before: while ``tokenize`` was still writing the folder, ``fit`` refused with "the tokenize
+    run that wrote it did not finish ... rerun with --resume" (and before its first shard, read the folder's
+    bookkeeping files as text); the docs say fit waits, as it does for text it tokenizes itself."""
+    corpus, out = jsonl(tmp_path / "c.jsonl", 300), tmp_path / "out"
+    run = start_tokenize(0.5, corpus, "--out", out, "--workers", 1)  # 4 units of 20 kB, each half a second
+    wait_for(lambda: (out / planning.PLAN).exists())  # planned and locked: the units are under way
+    data = TextDataModule(str(out), seq_len=16, batch_size=2)  # waits for the tokenize to finish
+    assert run.wait(timeout=120) == 0 and (out / "manifest.json").exists()
+    said = capfd.readouterr().err
+    assert f"data.source={str(out)!r}: a tokenize is still writing it (host {socket.gethostname()}, pid {run.pid}); " \
+           "waiting for it to finish." in said
+    data.setup()
+    assert len(data.train_set) > 0
+
+    dead, stopped = tmp_path / "dead", start_tokenize(60, corpus, "--out", tmp_path / "dead", "--workers", 1)
+    wait_for(lambda: (dead / planning.PLAN).exists())
+    for pid in [*children(stopped.pid), stopped.pid]:
+        os.kill(pid, signal.SIGKILL)  # killed: its partial folder has a plan, no manifest, no live holder
+    stopped.wait(timeout=60)
+    with pytest.raises(FileNotFoundError) as refused:
+        TextDataModule(str(dead), seq_len=16)
+    message = str(refused.value)
+    assert message.startswith(f"data.source={str(dead)!r} is a token folder with no manifest.json: the tokenize "
+                              "run that wrote it did not finish and no process is writing it now") and "\n" not in message
+
+
 WORKERS_CANNOT_START = """
 import os, sys
 from moe_lightning.data.tokenize import command, plan, workers
