@@ -83,10 +83,10 @@ def test_a_cp2_checkpoint_resumes_at_cp1_and_at_cp4_with_ep2_exactly(mla):
 
 
 @pytest.mark.slow
-def test_cp4_with_ep2_gqa_and_pipelined_expert_exchange_equal_cp1_and_chunks_equal_no_chunks(tmp_path):
+def test_cp4_with_ep2_gqa_pipelined_expert_exchange_and_two_cp_groups_equal_cp1(tmp_path):
     """GQA without document masking, 4 sequences a step: CP 4 x EP 2 with ep_overlap_chunks=2 against one process;
     and 4 data-parallel ranks at EP 2 (two expert groups, experts FSDP-sharded across them) with 2 chunks against
-    1 chunk and against one process."""
+    1 chunk and against one process; and 2 data replicas x CP 2 against one process."""
     cp1 = launch(tmp_path, "cp1", 1, "--batch-size", "4")
     cp4 = launch(tmp_path, "cp4", 4, "--cp", "4", "--ep", "2", "--chunks", "2", "--batch-size", "4")
     assert_same_steps(cp4, cp1)
@@ -95,6 +95,8 @@ def test_cp4_with_ep2_gqa_and_pipelined_expert_exchange_equal_cp1_and_chunks_equ
     chunked = launch(tmp_path, "ep2_chunks", 4, "--ep", "2", "--chunks", "2", "--batch-size", "1")
     assert_same_steps(chunked, unchunked)
     assert_same_steps(unchunked, cp1)
+    # two CP groups of neighbouring ranks, each reading its data replica's 2 sequences (the sampler's replicas)
+    assert_same_steps(launch(tmp_path, "cp2_dp2", 4, "--cp", "2", "--batch-size", "2"), cp1)
     # two chunks: one more dispatch and combine exchange per MoE layer (2) and pass (forward, backward)
     for one, two in zip(unchunked["batches"], chunked["batches"]):
         assert two["calls"]["all_to_all_single"] - one["calls"]["all_to_all_single"] == 2 * 2 * 2
