@@ -63,7 +63,8 @@ from typing import Any
 
 import torch
 
-from moe_lightning.planner import ep_traffic
+from moe_lightning.planner import context_parallel, ep_traffic, exchange_time
+from moe_lightning.planner.activations import block_working_set_bytes, key_side_bytes, mtp_activation_bytes
 from moe_lightning.planner.run_config import load_model_config, read_run_config
 from moe_lightning.planner.flops import PEAK_BF16_FLOPS, parameter_counts, peak_bf16_flops, training_flops_per_token
 from moe_lightning.model import MoEConfig, MoETransformer
@@ -74,6 +75,9 @@ from moe_lightning.parallel import MeshLayout
 from moe_lightning.parallel.units import Unit, fsdp_units
 
 GiB = 2**30
+EP_OVERLAP_CHUNKS = 1  # MoEFSDPStrategy's default ep_overlap_chunks (the planner cannot import training/)
+
+
 @dataclass
 class Cluster:
     """Hardware and the strategy's mesh sizes (``MoEFSDPStrategy`` arguments; ``None`` shard size = auto)."""
@@ -87,6 +91,7 @@ class Cluster:
     replicate_size: int = 1
     shard_size: int | None = None
     expert_parallel_size: int = 1
+    context_parallel_size: int = 1  # ranks sharing each sequence, folded into the shard dimension
 
     @property
     def world_size(self) -> int:
@@ -119,6 +124,9 @@ class Workload:
     doc_len: int | None = None  # typical document length (document masking): attention FLOPs within documents
     offload_mtp: bool = True  # ActivationOffload(mtp=...): the multi-token prediction blocks are checkpointed too
     accumulate_unsharded_grads: bool = False
+    ep_overlap_chunks: int = EP_OVERLAP_CHUNKS  # the strategy's: chunks of a MoE layer's pipelined exchange
+    dispatch_dtype: str | None = None  # the strategy's: "float8_e4m3fn" sends the dispatch hops' rows in FP8
+    ep_imbalance: float = 1.5  # busiest rank's received rows / the mean, for the exchange's transient buffers
 
     def __post_init__(self) -> None:
         if self.optimizer not in ("adamw", "muon"):
@@ -132,6 +140,7 @@ class Workload:
             raise ValueError(f"--mfu={self.mfu} must be in (0, 1].")
         if self.doc_len is not None and self.doc_len < 1:
             raise ValueError(f"--doc-len={self.doc_len}: must be >= 1 (tokens in a typical document).")
+        ep_traffic.check_options(self.ep_overlap_chunks, self.dispatch_dtype, self.ep_imbalance)
 
 
 def count_parameters(config: MoEConfig, expert_parallel: bool = False) -> tuple[dict[str, int], list[Unit]]:
@@ -188,64 +197,6 @@ def staged_muon_shapes(config: MoEConfig, mesh: MeshLayout) -> list[tuple[int, .
     return shapes
 
 
-def mtp_activation_bytes(config: MoEConfig, tokens: int, checkpointed: bool = False) -> int:
-    """What the multi-token prediction modules keep from forward to backward, bf16.
-
-    Per token and depth: the reciprocal RMS of ``enorm`` and ``hnorm`` ``8``, the concatenation ``4d``, the block
-    input ``2d``, the block's working set (``block_working_set_bytes``; none when ``checkpointed``: recomputed in
-    backward, a transient like the main blocks'), the final norm ``2d + 4`` and its output, kept by the loss,
-    ``2d``; once: the embedding output ``2d`` the modules read (the main hidden state is kept by the main loss
-    anyway). ``tests/model/test_mtp.py`` checks it with saved-tensor hooks.
-    """
-    if not config.mtp_layers:
-        return 0
-    d = config.dim
-    block = 0 if checkpointed else block_working_set_bytes(config, 1, moe=config.is_moe_layer(config.n_layers - 1))
-    return (config.mtp_layers * (10 * d + 12 + block) + 2 * d) * tokens
-
-
-def block_working_set_bytes(config: MoEConfig, tokens: int, moe: bool, part: str = "block") -> int:
-    """Bytes one block's recomputed forward saves for its backward, for ``tokens = b·s`` tokens.
-
-    ``part``: ``attention`` (norm + attention), ``ffn`` (norm + MoE or dense FFN) or the whole ``block``.
-    Follows what autograd saves in this package's block with bf16 parameters (``tests/planner/test_block_memory.py``
-    checks it with saved-tensor hooks) and a fused attention kernel keeping q, k, v, the output and an fp32
-    log-sum-exp (the CPU math kernel would keep ``S × S`` probabilities). Per token, in bytes:
-    - every RMSNorm keeps its bf16 input and fp32 reciprocal RMS ``2w + 4`` (the attention norm's input is
-      the block input, counted as a boundary activation: ``4``); a linear keeps its bf16 input;
-    - GQA: normed input ``2d``, rotary tables ``4·hd``, rotated q ``2H·hd``, k and v ``4G·hd``, output
-      ``2H·hd``, LSE ``4H``;
-    - MLA: normed input ``2d``, rotary tables ``4R``, the key/value down-projection ``2(C + R)`` and its norm
-      ``2C + 4``, the query latent and its norm ``4Q + 4`` (none when Q = 0), q and assembled k ``4H(N+R)``,
-      key/value up-projection ``2H(N+V)``, output ``2H·V``, LSE ``4H``;
-    - MoE: norm ``2d + 4`` and its output ``2d``, fp32 router scores ``4E``, choices ``8K``, renormalised
-      weights ``4K + 4`` (with ``route_norm``), sort indices ``16K``, K token copies into the experts ``2K·d``,
-      their gate and up ``4K·F`` (the product is recomputed), routing weights ``2K``, shared experts' gate and
-      up ``4·F_shared``, balance-loss normaliser ``4`` (with ``aux_loss_coef``), router logits and their
-      log-sum-exp ``4E + 4`` (with ``z_loss_coef``);
-    - dense FFN: norm ``2d + 4``, its output ``2d``, gate and up ``4·ffn_hidden``.
-    Rotary tables are per position (shared by the micro-batch) and counted per token, an upper bound for
-    b > 1; per-layer constants (int32 expert offsets, per-sequence balance statistics) are left out.
-    """
-    c, d, H = config, config.dim, config.n_heads
-    if c.attention == "mla":
-        N, R, V, C, Q = c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim, c.kv_lora_rank, c.q_lora_rank
-        attention = (4 + 2 * d + 4 * R + 2 * (C + R) + 2 * C + 4 + (4 * Q + 4 if Q else 0) + 4 * H * (N + R)
-                     + 2 * H * (N + V) + 2 * H * V + 4 * H)
-    else:
-        hd, G = c.head_dim, c.n_kv_heads
-        attention = 4 + 2 * d + 4 * hd + 2 * H * hd + 4 * G * hd + 2 * H * hd + 4 * H
-    ffn = 4 * d + 4
-    if moe:
-        K, F, E = c.top_k, c.expert_hidden, c.num_experts
-        ffn += (4 * E + 8 * K + (4 * K + 4 if c.route_norm else 0) + 16 * K + 2 * K * d + 4 * K * F + 2 * K
-                + 4 * F * c.n_shared_experts + (4 if c.aux_loss_coef > 0 else 0) + (4 * E + 4 if c.z_loss_coef > 0 else 0))
-    else:
-        ffn += 4 * c.ffn_hidden
-    per_token = {"attention": attention, "ffn": ffn, "block": attention + ffn}[part]
-    return per_token * tokens
-
-
 def plan(config: MoEConfig, cluster: Cluster, work: Workload) -> dict:
     """Parameters, FLOPs, per-GPU memory (without and with activation offload), fit and throughput."""
     mesh = MeshLayout.resolve(cluster.world_size, cluster.replicate_size, cluster.shard_size or "auto",
@@ -254,7 +205,9 @@ def plan(config: MoEConfig, cluster: Cluster, work: Workload) -> dict:
     total = sum(roles.values())
     counts = parameter_counts(config)
     active = counts["active"]
-    S, tokens = mesh.shard, work.micro_batch * work.seq_len
+    cp = cluster.context_parallel_size
+    context_parallel.check(cp, mesh.shard, cluster.gpus_per_node, work.seq_len)
+    S, tokens = mesh.shard, work.micro_batch * work.seq_len // cp  # this GPU's positions
     muon = sum(roles.get(r, 0) for r in MUON_ROLES) if work.optimizer == "muon" else 0
 
     state = {
@@ -265,19 +218,26 @@ def plan(config: MoEConfig, cluster: Cluster, work: Workload) -> dict:
     boundary_one = 2 * tokens * config.dim
     stages, root = gathered_parameters(units, mesh.ep)
     unit = max(stages)
-    working_set = max(block_working_set_bytes(config, tokens, moe=m)
-                      for m, n in ((True, config.n_moe_layers), (False, config.n_layers - config.n_moe_layers)) if n)
+    kinds = [m for m, n in ((True, config.n_moe_layers), (False, config.n_layers - config.n_moe_layers)) if n]
+    key_side = key_side_bytes(config, gathered=cp > 1) * tokens * cp  # every key position of the micro-batch
+    working_set = max(block_working_set_bytes(config, tokens, moe=m, key_tokens=tokens * cp) for m in kinds)
     V = config.vocab_size
     loss_set = 12 * V * tokens if work.loss_chunk is None else \
         8 * V * min(work.loss_chunk, tokens) + 6 * V * config.dim
 
-    transient = {
-        "block recompute working set": working_set,
+    transient = {"block recompute working set": working_set} if cp == 1 else {
+        "block recompute working set": working_set - key_side, "key side of one layer (whole sequence)": key_side}
+    transient |= {
         "loss working set": loss_set,
         "all-gather buffers (bf16)": (1 + work.prefetch_depth) * 2 * unit + 2 * root,
         "reduce-scatter buffers": 6 * max(unit, root),
         "runtime reserve": work.reserve_gib * GiB,
     }
+    exchange_buffers = ep_traffic.transient_bytes(config, mesh.ep, tokens, work.ep_overlap_chunks,
+                                                  work.ep_imbalance)
+    if exchange_buffers:
+        transient = {**dict(list(transient.items())[:-1]), "expert exchange buffers": exchange_buffers,
+                     "runtime reserve": transient["runtime reserve"]}
     # ActivationOffload's default keeps the last block's input; each offloaded one is a pinned block
     pinned_boundaries = (config.n_layers - 1) * pinned_bytes(boundary_one)
     pinned_shards = sum(pinned_bytes(4 * n) for n in sharded_parameter_numels(config, S)) if work.cpu_offload else 0
@@ -294,7 +254,8 @@ def plan(config: MoEConfig, cluster: Cluster, work: Workload) -> dict:
             gpu["multi-token prediction activations"] = mtp_activation_bytes(config, tokens,
                                                                              offload and work.offload_mtp)
         gpu.update(transient)
-        peak = sum(gpu.values()) - min(working_set, loss_set)  # the two transients never coexist
+        # the block's working set and its exchange never coexist with the loss's
+        peak = sum(gpu.values()) - min(working_set + exchange_buffers, loss_set)
         host_rows = {}
         if work.cpu_offload:  # parameters and gradients pinned, a power-of-two block per shard; the state pageable
             optimizer_row = f"optimizer state ({work.optimizer})"
@@ -323,6 +284,11 @@ def plan(config: MoEConfig, cluster: Cluster, work: Workload) -> dict:
         "parameters": {"total": total, "active": active, "routed_experts": roles.get("expert_stack", 0),
                        "by_role": roles},
         "flops_per_token": flops_per_token,
+        "attention_flops_per_rank": context_parallel.attention_flops_per_rank(config, cp, work.micro_batch,
+                                                                              work.seq_len, work.doc_len),
+        "tokens_per_gpu": tokens,
+        "fsdp_bytes": exchange_time.fsdp_bytes(units, mesh),
+        "document_masking": config.document_masking,
         "cluster": asdict(cluster) | {"world_size": cluster.world_size, "shard_size": mesh.shard},
         "workload": asdict(work),
         "boundary_activations_bytes": config.n_layers * boundary_one,
@@ -348,7 +314,7 @@ def format_plan(result: dict) -> str:
         + (f", attention within {w['doc_len']:,}-token documents" if w["doc_len"] else ""),
         f"cluster           {c['nodes']} x {c['gpus_per_node']} GPUs = {c['world_size']}, "
         f"{c['gpu_memory_gib']:g} GiB each; mesh replicate_size={c['replicate_size']} shard_size={c['shard_size']} "
-        f"ep={c['expert_parallel_size']}",
+        f"ep={c['expert_parallel_size']} cp={c['context_parallel_size']}",
         f"workload          micro_batch {w['micro_batch']} x seq_len {w['seq_len']:,}, optimizer {w['optimizer']}, "
         f"cpu_offload {'on' if w['cpu_offload'] else 'off'}, prefetch_depth {w['prefetch_depth']}, {chunk}, "
         f"{offload}",
@@ -356,7 +322,7 @@ def format_plan(result: dict) -> str:
     lines.insert(2, f"gpu               {c['gpu']}: {c['gpu_memory_gib']:g} GiB, {c['peak_tflops']:g} TFLOP/s dense "
                     f"bf16 peak (--gpu, --gpu-memory, --peak-tflops)")
     for origin in ("config", "flag", "default"):
-        names = [f"{k}={v}" + (" (auto: every GPU of a replica)" if k == "shard_size" and o == "default" else "")
+        names = [f"{k}={'null' if v is None else v}" + (" (auto: every GPU of a replica)" if k == "shard_size" and o == "default" else "")
                  for k, (v, o) in result.get("inputs", {}).items() if o == origin]
         if names:
             lines.append(f"{'from ' + origin + 's' if origin != 'config' else 'from the config':<18}{' '.join(names)}")
@@ -395,6 +361,7 @@ def format_plan(result: dict) -> str:
         f"({result['tokens_per_s_total']:,.0f} total) at MFU {w['mfu']:.0%} of {c['peak_tflops']:g} TFLOP/s",
     ]
     lines += ep_traffic.format_traffic(result.get("ep_traffic"))
+    lines += exchange_time.lines(result)
     return "\n".join(lines)
 
 
@@ -416,9 +383,10 @@ def _yes(flag: bool) -> str:
 
 
 # Inputs a config can set and a flag can override (``Cluster`` and ``Workload`` field names = flag names).
-PLANNED = ("nodes", "gpus_per_node", "replicate_size", "shard_size", "expert_parallel_size", "micro_batch",
-           "seq_len", "optimizer", "cpu_offload", "prefetch_depth", "loss_chunk", "activation_offload",
-           "offload_prefetch", "offload_mtp", "async_checkpoint", "accumulate_unsharded_grads")
+PLANNED = ("nodes", "gpus_per_node", "replicate_size", "shard_size", "expert_parallel_size", "context_parallel_size",
+           "micro_batch", "seq_len", "optimizer", "cpu_offload", "prefetch_depth", "loss_chunk", "activation_offload",
+           "offload_prefetch", "offload_mtp", "async_checkpoint", "accumulate_unsharded_grads", "ep_overlap_chunks",
+           "dispatch_dtype", "ep_imbalance")
 
 
 def planned_inputs(args: argparse.Namespace, config: MoEConfig) -> dict[str, tuple[Any, str]]:
@@ -436,6 +404,8 @@ def planned_inputs(args: argparse.Namespace, config: MoEConfig) -> dict[str, tup
             inputs[name] = (defaults[name], "config" if name == "seq_len" else "default")
     if inputs["loss_chunk"] == (0, "flag"):
         inputs["loss_chunk"] = (None, "flag")
+    if inputs["dispatch_dtype"] == ("none", "flag"):
+        inputs["dispatch_dtype"] = (None, "flag")
     seq_len, origin = inputs["seq_len"]
     if seq_len > config.max_seq_len:
         where = "--seq-len" if origin == "flag" else "data.init_args.seq_len"
@@ -463,6 +433,8 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--replicate-size", type=int, help="HSDP replicas")
     parser.add_argument("--shard-size", type=int, help="FSDP shard-group size (default: all GPUs of a replica)")
     parser.add_argument("--expert-parallel-size", type=int, help="ranks of a shard group splitting the experts")
+    parser.add_argument("--context-parallel-size", type=int, help="neighbouring ranks sharing each sequence "
+                        "(strategy.context_parallel_size)")
     parser.add_argument("--micro-batch", type=int, help="sequences per GPU per step (default: data.batch_size)")
     parser.add_argument("--seq-len", type=int, help="default: data.seq_len, else the model's max_seq_len")
     parser.add_argument("--optimizer", choices=("adamw", "muon"), help="default: the config's optimizer class")
@@ -512,6 +484,9 @@ def main(argv: list[str]) -> None:
             inputs["shard_size"] = (result["cluster"]["shard_size"], inputs["shard_size"][1])
         result["inputs"] = assumed | inputs
         result["ep_traffic"] = ep_traffic.traffic(config, result, args.ib_gbps, args.nvlink_gbps)
+        result["bandwidths"] = ib, nvlink = ep_traffic.bandwidths(gpu, args.ib_gbps, args.nvlink_gbps)
+        result["cp_exchange"] = context_parallel.exchange(config, cluster.context_parallel_size, work.micro_batch,
+                                                          work.seq_len, cluster.gpus_per_node, nvlink, ib)
     except (ValueError, OSError) as e:
         parser.error(str(e))
     print(json.dumps(result, indent=2) if args.json else format_plan(result))

@@ -75,7 +75,8 @@ def run_inputs(data: dict[str, Any]) -> dict[str, Any]:
     if _class_name(strategy) == "MoEFSDPStrategy":
         args = strategy.get("init_args") or {}
         for key in ("replicate_size", "shard_size", "expert_parallel_size", "cpu_offload", "prefetch_depth",
-                    "async_checkpoint", "accumulate_unsharded_grads"):
+                    "async_checkpoint", "accumulate_unsharded_grads", "context_parallel_size", "ep_overlap_chunks",
+                    "dispatch_dtype"):
             if key in args:
                 found[key] = None if args[key] == "auto" else args[key]
     callbacks = trainer.get("callbacks") or []

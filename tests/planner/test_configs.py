@@ -53,7 +53,22 @@ def test_exact_counts():
     assert (big_config.dim, big_config.n_layers, big_config.num_experts, big_config.top_k) == (7168, 61, 384, 8)
 
 
-@pytest.mark.parametrize("name", ["16b", "1t"])
+def test_1t_128k_is_1t_with_yarn_to_131072_tokens_and_context_parallelism():
+    """DeepSeek-V3's extension: YaRN factor 40 over a 4,096-token original context, beta_fast 32, beta_slow 1,
+    mscale and mscale_all_dim 1; the same model otherwise (same parameter counts); CP 4 over a node's 4 GPUs; the
+    sequence-level balancing loss off (the strategy refuses it under CP)."""
+    from moe_lightning.planner.run_config import read_run_config
+
+    long, base = (load_model_config(str(REPO_ROOT / "configs" / f"{n}.yaml")) for n in ("1t-128k", "1t"))
+    assert (long.rope_scaling, long.rope_factor, long.rope_original_max_seq_len) == ("yarn", 40.0, 4096)
+    assert (long.rope_beta_fast, long.rope_beta_slow, long.rope_mscale, long.rope_mscale_all_dim) == (32, 1, 1, 1)
+    assert long.max_seq_len == 131072 and long.aux_loss_coef == 0
+    assert parameter_counts(long) == parameter_counts(base)
+    run_inputs = read_run_config([str(REPO_ROOT / "configs" / "1t-128k.yaml")])
+    assert (run_inputs["seq_len"], run_inputs["context_parallel_size"], run_inputs["gpus_per_node"]) == (131072, 4, 4)
+
+
+@pytest.mark.parametrize("name", ["16b", "1t", "1t-128k"])
 def test_builds_on_meta_device(name):
     config = load_model_config(str(REPO_ROOT / "configs" / f"{name}.yaml"))
     with torch.device("meta"):
@@ -62,7 +77,7 @@ def test_builds_on_meta_device(name):
     assert all(b.is_meta for b in model.buffers())
 
 
-@pytest.mark.parametrize("name", ["16b", "1t"])
+@pytest.mark.parametrize("name", ["16b", "1t", "1t-128k"])
 def test_is_valid_lightning_cli_config(name):
     out = io.StringIO()
     with contextlib.redirect_stdout(out), pytest.raises(SystemExit) as exit_info:

@@ -41,7 +41,7 @@ def test_plan_says_why_it_cannot_price_an_exchange_of_partial_nodes(capsys):
     """ep 12 over nodes of 8: the groups are not whole nodes. It used to print nothing."""
     main(["--config", str(REPO_ROOT / "configs" / "1t.yaml"), "--nodes", "48", "--gpus-per-node", "8",
           "--expert-parallel-size", "12"])
-    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("expert exchange")]
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("expert exchange   ")]
     assert len(lines) == 1
     assert "expert_parallel_size=12" in lines[0] and "gpus_per_node=8" in lines[0]
     assert "choose expert_parallel_size <= 8 or a multiple of 8" in lines[0]

@@ -263,8 +263,8 @@ def test_plan_of_a_yaml_uses_the_configs_mesh_offload_batch_chunk_and_optimizer(
         (3, 12, "muon", True, 2)
     assert (w["loss_chunk"], w["activation_offload"], w["offload_prefetch"]) == (5, True, 0)
     assert [name for name, (_, origin) in result["inputs"].items() if origin != "config"] == [
-        "gpu", "gpu_memory_gib", "peak_tflops", "shard_size", "offload_mtp", "async_checkpoint",
-        "accumulate_unsharded_grads"]
+        "gpu", "gpu_memory_gib", "peak_tflops", "shard_size", "context_parallel_size", "offload_mtp",
+        "async_checkpoint", "accumulate_unsharded_grads", "ep_overlap_chunks", "dispatch_dtype", "ep_imbalance"]
     # and the numbers follow: shard group of 2, 36 tokens, chunked loss, 1 + 0 boundary blocks kept on the GPU
     gpu, host = result["memory"]["with_offload"]["gpu_bytes"], result["memory"]["with_offload"]["host_bytes"]
     assert gpu["loss working set"] == 8 * 64 * 5 + 6 * 64 * 32
