@@ -30,12 +30,18 @@ class ResumeMismatchError(ValueError):
     """The checkpoint holds a different model than the one requested."""
 
 
+LIGHTNING_NAMES = ("last", "best", "hpc", "registry")  # ckpt_path values Lightning resolves, not paths
+
+
 def checkpoint_state(ckpt_path: str | Path) -> dict | None:
     """The plain data of a single-file or sharded checkpoint (hyperparameters, loop state), read without tensors
     or code; ``None`` for what Lightning resolves itself."""
     path = Path(ckpt_path)
     if not path.exists() and not path.with_name(path.name + OLD_SUFFIX).exists():
-        return None  # "last", "best", a remote URL...: Lightning resolves those itself
+        if str(ckpt_path) in LIGHTNING_NAMES or "://" in str(ckpt_path) or str(ckpt_path).startswith("registry:"):
+            return None  # Lightning resolves those itself
+        raise FileNotFoundError(f"ckpt_path={str(ckpt_path)!r}: no such checkpoint file or folder; pass a saved "
+                                "checkpoint (e.g. <run>/checkpoints/last.ckpt, or a sharded checkpoint folder).")
     return checkpoint_metadata(path)  # the package's one reader and unpickling rule
 
 

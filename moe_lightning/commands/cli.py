@@ -9,6 +9,7 @@ import json
 import logging
 import os
 import re
+import sys
 import warnings
 from functools import partial
 from pathlib import Path
@@ -17,6 +18,7 @@ import torch
 import yaml
 from jsonargparse import DefaultHelpFormatter, Namespace
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
+from lightning.pytorch.trainer.states import TrainerStatus
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 
 from moe_lightning.data import TextDataModule
@@ -28,6 +30,7 @@ from moe_lightning.checkpoint.compat import check_checkpoint
 from moe_lightning.data.tokenizer import load_tokenizer, tokenizer_identity
 from moe_lightning.checkpoint.commit import remove_unfinished_saves
 from moe_lightning.run.folders import remove_empty_run_folder
+from moe_lightning.run.refusals import keep_traceback, say_refusal, traceback_requested
 from moe_lightning.training.callbacks.preemption import exit_if_stopped_by_max_time
 from moe_lightning.training.callbacks.resume import resolve_last
 from moe_lightning.training.callbacks.run_folders import ReleaseLocks, allocate_run_folder, lock_run_folders
@@ -109,11 +112,19 @@ def summarize_parse_error(message: str) -> str | None:
 
 
 class MoEArgumentParser(LightningArgumentParser):
-    """Ends a parse error with its one-line summary, so the last line says which value failed and why."""
+    """A parse error is one line (``moe-lightning fit: error: <keys>: <what failed>``) and exit status 2; with
+    ``--traceback`` jsonargparse's whole report, ended by that summary."""
+
+    command = "fit"  # the subcommand being parsed (``lightning_cli`` sets it): the error line names it
 
     def error(self, message: str, ex: Exception | None = None):
         short = summarize_parse_error(message)
-        super().error(f"{message}\n{short}" if short else message, ex)
+        if not self.exit_on_error or traceback_requested():  # a nested parse (jsonargparse handles it) or debugging
+            super().error(f"{message}\n{short}" if short else message, ex)
+        lines = [line.strip() for line in message.splitlines() if line.strip()]
+        said = short.removeprefix("error: ") if short else lines[-1] if lines else "invalid arguments"
+        say_refusal(self.command, f"{said} (see moe-lightning {self.command} --help)")
+        self.exit(2)
 
 
 def _import_class(class_path: str):
@@ -376,7 +387,9 @@ class MoECLI(LightningCLI):
                                     rf"{re.escape(os.sep.join(log_dir.parts[-2:]))} exists and is not empty")
         try:
             super()._run_subcommand(subcommand)
-        except BaseException:
+        except BaseException as error:
+            if self.trainer.world_size > 1 and self.trainer.state.status != TrainerStatus.INITIALIZING:
+                keep_traceback(error)  # raised inside the trainer's run of several ranks: the stack is the clue
             saved = any(getattr(cb, "best_model_path", "") or getattr(cb, "last_model_path", "")
                         for cb in self.trainer.checkpoint_callbacks)  # its config.yaml is what resumes them
             release = [cb for cb in self.trainer.callbacks if isinstance(cb, ReleaseLocks)]
@@ -434,6 +447,8 @@ def drop_tips(record: logging.LogRecord) -> bool:
 def lightning_cli(argv: list[str] | None, descriptions: dict[str, str]) -> MoECLI:
     """fit/validate/test/predict (``moe_lightning.commands.main.run`` dispatches here, with each command's line)."""
     logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(drop_tips)
+    words = sys.argv[1:] if argv is None else argv
+    MoEArgumentParser.command = words[0] if words and words[0] in descriptions else "fit"
     return MoECLI(MoELanguageModel, TextDataModule, subclass_mode_model=True, subclass_mode_data=True, args=argv,
                   parser_kwargs={name: {"description": text} for name, text in descriptions.items()},
                   parser_class=MoEArgumentParser,

@@ -18,6 +18,7 @@ from moe_lightning.model import MoEConfig
 import moe_lightning.hf.fp8 as fp8
 from moe_lightning.hf.pretrained import FAMILIES, from_pretrained, stored_dtype_getter, write_pretrained
 from moe_lightning.hf.tokenizer_files import tokenizer_files
+from moe_lightning.run.refusals import CommandParser
 
 
 
@@ -79,7 +80,7 @@ def _refuse_existing(out: str, overwrite: bool) -> None:
 def convert_main(argv: list[str] | None = None) -> None:
     """``moe-lightning convert SRC --out DST``: a Hugging Face directory to a ``.pt`` file, or any of our
     checkpoints (``.pt``, ``.ckpt``, sharded directory) to a Hugging Face directory."""
-    parser = argparse.ArgumentParser(prog="moe-lightning convert", description=convert_main.__doc__)
+    parser = CommandParser(prog="moe-lightning convert", description=convert_main.__doc__)
     parser.add_argument("src", help="Hugging Face directory (with config.json), or one of our checkpoints")
     _common(parser)
     args = parser.parse_args(argv)
@@ -102,7 +103,7 @@ def export_main(argv: list[str] | None = None) -> None:
     single-file export of ``moe_lightning.commands.loading`` runs."""
     if "--hf" not in (argv or []):
         return export_file(argv)
-    parser = argparse.ArgumentParser(prog="moe-lightning export --hf", description=export_main.__doc__)
+    parser = CommandParser(prog="moe-lightning export --hf", description=export_main.__doc__)
     parser.add_argument("checkpoint", help="sharded checkpoint directory, Lightning .ckpt or .pt file")
     parser.add_argument("--hf", action="store_true", required=True)
     _common(parser)

@@ -16,6 +16,7 @@ import torch
 
 from moe_lightning.dtypes import DTYPES
 from moe_lightning.model.sampling import Sampling, stream
+from moe_lightning.run.refusals import CommandParser
 
 
 def add_sampling_arguments(parser) -> list[str]:
@@ -109,7 +110,7 @@ def warn_long_prompts(lengths: list[int], max_seq_len: int, where: str) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     """Continue a prompt with a trained model (any checkpoint: .ckpt, sharded folder, exported .pt, HF folder)."""
-    parser = argparse.ArgumentParser(prog="moe-lightning generate", description=main.__doc__)
+    parser = CommandParser(prog="moe-lightning generate", description=main.__doc__)
     parser.add_argument("checkpoint", help="checkpoint file or folder written by moe-lightning")
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--prompt", default=None, help="text to continue (default: start a new document)")

@@ -12,7 +12,6 @@ Every file is unpickled by ``safe_load.load_metadata`` (plain data only), memory
 ``TextDataModule.state_dict`` records it on every save.
 """
 
-import argparse
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -28,6 +27,7 @@ from moe_lightning.checkpoint.discovery import checkpoint_metadata
 from moe_lightning.checkpoint.safe_load import load_metadata, single_process_dcp
 from moe_lightning.checkpoint.sharded import read_sharded_tensors, sharded_model_index
 from moe_lightning.data.tokenizer import ByteTokenizer, HFTokenizer, tokenizer_from_spec
+from moe_lightning.run.refusals import CommandParser
 
 MODEL_PREFIX = "model."  # MoELanguageModel holds the transformer as ``self.model``
 
@@ -194,7 +194,7 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, dtype: torch.dtyp
 
 def export_main(argv: list[str] | None = None) -> None:
     """Write a checkpoint (sharded folder or single file) as one inference file that records its tokenizer."""
-    parser = argparse.ArgumentParser(prog="moe-lightning export", description=export_main.__doc__)
+    parser = CommandParser(prog="moe-lightning export", description=export_main.__doc__)
     parser.add_argument("checkpoint", help="sharded checkpoint folder or single-file .ckpt")
     parser.add_argument("--out", required=True, help="output file (torch.save format)")
     parser.add_argument("--dtype", choices=list(DTYPES), default=None,

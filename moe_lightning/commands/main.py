@@ -6,7 +6,13 @@ alone takes seconds. ``fit``/``validate``/``test``/``predict`` import ``moe_ligh
 """
 
 import importlib
+import signal
 import sys
+
+from moe_lightning.run.exits import Preempted, say, stopped_word
+from moe_lightning.run.refusals import exit_status, is_refusal, say_refusal, take_traceback_flag, \
+    traceback_requested
+from moe_lightning.run.signals import startup_guard
 
 # Every command with one line, for `moe-lightning --help` (LightningCLI's own listing shows only its four).
 COMMANDS = {
@@ -42,8 +48,26 @@ def print_commands() -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Console entry point (its return value would become the exit status, so it returns nothing)."""
-    run(argv)
+    """Console entry point (its return value would become the exit status, so it returns nothing). A refusal
+    (``run.refusals``: bad config, bad file, folder in use, unknown format) is one line and exit status 2 (1 for a
+    busy folder or a full disk); ``--traceback`` or ``MOE_LIGHTNING_TRACEBACK=1`` shows the stack instead. A run
+    stopped by a signal says so in one line (unless it has already) and exits ``128 + signal``."""
+    if argv is None:  # the command line itself, edited in place: Lightning relaunches it for the other ranks
+        sys.argv[1:] = take_traceback_flag(sys.argv[1:])
+        words = sys.argv[1:]
+    else:
+        words = argv = take_traceback_flag(list(argv))
+    try:
+        run(argv)
+    except Preempted as stopped:
+        if not stopped.said:
+            say(str(stopped))
+        raise
+    except Exception as error:
+        if traceback_requested() or not is_refusal(error):
+            raise
+        say_refusal(words[0] if words else "", error)
+        raise SystemExit(exit_status(error)) from None
 
 
 def run(argv: list[str] | None = None):
@@ -55,9 +79,18 @@ def run(argv: list[str] | None = None):
     if not words or words[0] in ("-h", "--help"):
         print_commands()
         return None
-    if words[0] in EXTRA_COMMANDS:
-        module_name, function_name = EXTRA_COMMANDS[words[0]].split(":")
-        return getattr(importlib.import_module(module_name), function_name)(words[1:])
-    from moe_lightning.commands.cli import lightning_cli
+    with startup_guard(lambda signum: stopped_by(words[0], signum)):  # until the command's own handlers exist
+        if words[0] in EXTRA_COMMANDS:
+            module_name, function_name = EXTRA_COMMANDS[words[0]].split(":")
+            return getattr(importlib.import_module(module_name), function_name)(words[1:])
+        from moe_lightning.commands.cli import lightning_cli
 
-    return lightning_cli(argv, {name: COMMANDS[name] for name in TRAINER_COMMANDS})
+        return lightning_cli(argv, {name: COMMANDS[name] for name in TRAINER_COMMANDS})
+
+
+def stopped_by(command: str, signum: int) -> Preempted:
+    """What a stop signal raises before the command has handlers of its own (``run.signals.startup_guard``)."""
+    said = f"{stopped_word(signum)} ({signal.Signals(signum).name})"
+    if command == "fit":
+        return Preempted(128 + signum, f"{said} before the first step: nothing to save")
+    return Preempted(128 + signum, f"{said}: moe-lightning {command} stopped before it finished")

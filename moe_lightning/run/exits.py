@@ -16,9 +16,9 @@ EXIT_MAX_TIME = 75
 class Preempted(SystemExit):
     """Raised once a stopped run has kept what it can (every rank of a ``fit``); the process exits with ``code``."""
 
-    def __init__(self, code: int, message: str):
+    def __init__(self, code: int, message: str, said: bool = False):
         super().__init__(code)
-        self.message = message
+        self.message, self.said = message, said  # said: printed already (the console entry point prints it if not)
 
     def __str__(self) -> str:
         return self.message

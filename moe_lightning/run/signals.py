@@ -11,6 +11,12 @@ wait for a boundary, and the handler acts itself:
   wait;
 - a repeat more than ``repeat_grace_s`` after the first exits at once with ``128 + signal`` (the user insists).
   ``timeout`` and process-group delivery send one signal twice at once: within the grace it is one request.
+
+Before any command has handlers of its own (Python starting, Lightning importing, the folder lock's holder record
+being written), ``startup_guard`` stands in: a stop signal raises the command's ``stop`` at once, so files being
+written are removed by their writers' clean-up and the command says why it stopped, where the default action
+(SIGTERM, SLURM's SIGUSR1) would kill it silently mid-write. ``fit`` ends the guard (``end_startup``) when its
+own handlers take over.
 """
 
 import os
@@ -73,3 +79,38 @@ class StopSignals:
         finally:
             for signum, handler in saved.items():
                 signal.signal(signum, handler)
+
+
+STARTUP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
+_GUARDS: list[tuple[StopSignals, dict]] = []  # the active startup guards and the handlers they replaced
+
+
+def _restore(guard: StopSignals, saved: dict) -> None:
+    for signum, handler in saved.items():
+        if signal.getsignal(signum) == guard.handle:  # still the guard's: not replaced since
+            signal.signal(signum, handler)
+
+
+@contextmanager
+def startup_guard(stop: Callable[[int], BaseException],
+                  signals: tuple[int, ...] = STARTUP_SIGNALS) -> Iterator[StopSignals]:
+    """While the block runs (or until ``end_startup``), a stop signal raises ``stop(signum)`` at once (see the
+    module docstring); the previous handlers after it. The main thread only, where Python delivers signals."""
+    if threading.current_thread() is not threading.main_thread():
+        yield StopSignals(list(signals), stop)
+        return
+    guard = StopSignals(list(signals), stop)
+    saved = {signum: signal.signal(signum, guard.handle) for signum in signals}
+    _GUARDS.append((guard, saved))
+    try:
+        yield guard
+    finally:
+        _GUARDS.remove((guard, saved))
+        _restore(guard, saved)
+
+
+def end_startup() -> None:
+    """The command's own handlers take over now: every active ``startup_guard`` gives back the handlers it replaced
+    (a signal the command does not take, e.g. SIGUSR1 outside SLURM, gets its previous action back)."""
+    for guard, saved in _GUARDS:
+        _restore(guard, saved)

@@ -119,6 +119,36 @@ def test_sigterm_while_the_model_is_built_says_there_is_nothing_to_save_and_exit
     assert not folder.exists()
 
 
+SIGNAL_WHILE_LOCKING = """
+import os, signal, sys, time
+from moe_lightning.commands.main import main
+from moe_lightning.run import durable, locks
+
+def write_text(path, text):  # the folder lock's holder record, with the signal arriving halfway through its write
+    locks.write_text = durable.write_text
+    with durable.atomic_write(path) as file:
+        file.write(text.encode())
+        os.kill(os.getpid(), signal.SIGUSR1)
+        time.sleep(5)
+
+locks.write_text = write_text
+main()
+"""
+
+
+def test_sigusr1_while_the_folder_lock_is_recorded_says_why_the_run_stopped_and_leaves_nothing(tmp_path):
+    """Issue 33, item 5. SLURM's requeue signal (SIGUSR1) while ``fit`` writes its folder lock's holder record,
+    before any handler of the run exists. Before: killed by the signal's default action, no word, and a
+    ``.moe-lightning.lock.holder.*.partial`` left that no later run removed."""
+    result = subprocess.run([sys.executable, "-c", SIGNAL_WHILE_LOCKING,
+                             *quick(tmp_path, *SMALLER, "--trainer.max_steps=3")],
+                            cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=400)
+    assert result.returncode == 128 + signal.SIGUSR1, result.stderr[-3000:]
+    assert result.stderr.strip().splitlines()[-1] == "preempted (SIGUSR1) before the first step: nothing to save"
+    assert "Traceback" not in result.stderr
+    assert [p for p in tmp_path.rglob("*") if p.name.endswith(".partial")] == []
+
+
 def test_a_max_time_stop_saves_and_exits_75_unlike_a_finished_run(tmp_path, lightning_log, capfd):
     """Issue 26, item 15. Before: exit 0, as a finished run; a requeue script could not tell them apart."""
     with pytest.raises(SystemExit) as stopped:

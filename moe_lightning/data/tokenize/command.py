@@ -1,19 +1,19 @@
 """``moe-lightning tokenize SOURCE... --out FOLDER`` (or ``--out FILE.npy``): the command line, and each failure
 as one line with its exit status."""
 
-import argparse
 import sys
 
 import numpy as np
 
-from moe_lightning.data.tokenize.errors import TokenizeError, one_line
+from moe_lightning.data.tokenize.errors import Stopped, TokenizeError, one_line
 from moe_lightning.data.tokenize.files import write_token_file
 from moe_lightning.data.tokenize.folder import tokenize_to_folder
 from moe_lightning.data.tokenize.plan import SHARD_TOKENS
+from moe_lightning.run.refusals import CommandParser, exit_status, traceback_requested
 
 def tokenize_main(argv: list[str] | None = None) -> None:
     """``moe-lightning tokenize SOURCE... --out FOLDER``: tokenize a corpus into .npy shards and a manifest."""
-    parser = argparse.ArgumentParser(prog="moe-lightning tokenize", description=tokenize_main.__doc__)
+    parser = CommandParser(prog="moe-lightning tokenize", description=tokenize_main.__doc__)
     parser.add_argument("sources", nargs="+", help="stdlib, text files, folders, globs, .jsonl, .parquet, .arrow")
     parser.add_argument("--out", required=True, help="output folder of shards (or a .npy path: one file, one process)")
     parser.add_argument("--tokenizer", default=None, help="tokenizers JSON file (default: bytes)")
@@ -35,8 +35,10 @@ def tokenize_main(argv: list[str] | None = None) -> None:
         manifest = tokenize_to_folder(args.sources, args.out, args.tokenizer, args.text_field, args.workers,
                                       args.shard_tokens, args.resume, args.task_index, args.num_tasks)
     except (TokenizeError, ValueError, KeyError, OSError, ImportError) as error:
+        if traceback_requested() and not isinstance(error, Stopped):
+            raise
         print(f"moe-lightning tokenize: error: {one_line(error)}", file=sys.stderr)
-        raise SystemExit(getattr(error, "exit_code", 1)) from None
+        raise SystemExit(getattr(error, "exit_code", None) or exit_status(error)) from None
     if manifest is not None:
         nulls = f"; {manifest['null_rows']:,} rows with null text skipped" if manifest["null_rows"] else ""
         print(f"wrote {manifest['tokens']:,} tokens ({manifest['documents']:,} documents{nulls}) in "

@@ -19,7 +19,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint, Timer
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 from moe_lightning.run.exits import EXIT_MAX_TIME, Preempted, requeue_slurm_job, say, stopped_word
-from moe_lightning.run.signals import StopSignals
+from moe_lightning.run.signals import StopSignals, end_startup
 from moe_lightning.training.lightning_internals import cluster_environment, install_signal_handlers, \
     optimizer_step_ends, write_step_metrics
 
@@ -101,11 +101,14 @@ class Preemption(Callback):
         self.signals.reset()
         self._said = False
         self._spawned_child = exit_status(trainer, 1) == 0
+        end_startup()  # the CLI's start-up guard gives back what it took: the handlers restored at teardown
         install_signal_handlers(trainer, self.signals.signals, self.signals.handle)  # now: the model is built next
 
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
-        if isinstance(exception, Preempted) and not self.signals.started and trainer.is_global_zero:
-            say(str(exception))  # raised by the handler, which prints nothing
+        if isinstance(exception, Preempted) and not self.signals.started and not exception.said:
+            if trainer.is_global_zero:
+                say(str(exception))  # raised by the handler, which prints nothing
+            exception.said = True
 
     def _say_received(self) -> None:
         if self.signum is not None and not self._said:
@@ -198,4 +201,4 @@ class Preemption(Callback):
             message += requeue_slurm_job()
         if trainer.is_global_zero:
             say(message)
-        raise Preempted(exit_status(trainer, 128 + signum), message)
+        raise Preempted(exit_status(trainer, 128 + signum), message, said=True)
