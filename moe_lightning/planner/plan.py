@@ -226,7 +226,7 @@ def plan(config: MoEConfig, cluster: Cluster, work: Workload) -> dict:
         8 * V * min(work.loss_chunk, tokens) + 6 * V * config.dim
 
     transient = {"block recompute working set": working_set} if cp == 1 else {
-        "block recompute working set": working_set - key_side, "key side of one layer (whole sequence)": key_side}
+        "block recompute working set": working_set - key_side, "key side, whole sequence (CP)": key_side}
     transient |= {
         "loss working set": loss_set,
         "all-gather buffers (bf16)": (1 + work.prefetch_depth) * 2 * unit + 2 * root,

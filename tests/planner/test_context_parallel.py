@@ -99,7 +99,7 @@ def test_1t_128k_figures_by_hand():
     assert result["boundary_activations_bytes"] == 61 * 2 * local * d
     rows = result["memory"]["with_offload"]["gpu_bytes"]
     # the whole sequence's assembled keys 2H(128+64), up-projected keys and values 2H(128+128), gathered C + R
-    assert rows["key side of one layer (whole sequence)"] == S * (2 * H * 192 + 2 * H * 256 + 2 * 576)
+    assert rows["key side, whole sequence (CP)"] == S * (2 * H * 192 + 2 * H * 256 + 2 * 576)
     # the MoE block's per-local-token bytes (attention 220,044 and MoE half 218,876 at CP 1, both measured in
     # benchmarks/block_memory.py at 1t.yaml) less the key side kept per token at CP 1, 2H(192) + 2H(256) + 2C, and
     # less the balance loss's 4-byte normaliser (aux_loss_coef is 0 here)
