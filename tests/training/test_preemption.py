@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -75,26 +76,35 @@ def test_sigterm_saves_exits_nonzero_and_the_identical_command_resumes_exactly(t
 
 
 
-def test_a_relaunch_after_a_preemption_before_the_first_periodic_save_leaves_last_ckpt_newest(tmp_path, capfd):
-    """Issue 33, item 2. A ``ModelCheckpoint`` with a fixed ``dirpath`` and ``save_last``, preempted at step 3
-    before its first periodic save (every 100 steps); the relaunch resumes and ends at step 5. Before: the relaunch
-    wrote ``last-v1.ckpt`` (step 5) and left ``last.ckpt`` at step 3, which generate/export then read silently
-    (the preemption save had not told the callback that ``last.ckpt`` was its own)."""
+@pytest.mark.parametrize("save_last", [True, False])
+def test_a_relaunch_after_a_preemption_before_the_first_periodic_save_leaves_last_ckpt_newest(tmp_path, save_last):
+    """Issue 33, item 2. A ``ModelCheckpoint`` with a fixed ``dirpath``, preempted at step 3 before its first
+    periodic save (every 100 steps); the relaunch resumes and ends at step 5. Before, with ``save_last``: the
+    relaunch wrote ``last-v1.ckpt`` (step 5) and left ``last.ckpt`` at step 3, which generate/export then read
+    silently (the preemption save had not told the callback that ``last.ckpt`` was its own). Without ``save_last``
+    nothing rewrites ``last.ckpt``: the run says which file is newest."""
     folder = tmp_path / "ck"
     command = quick(tmp_path / "job", *SMALLER, "--trainer.max_steps=5", "--ckpt_path=last",
                     "--trainer.callbacks=[]", "--trainer.callbacks+=ModelCheckpoint",
                     f"--trainer.callbacks.dirpath={folder}", "--trainer.callbacks.every_n_train_steps=100",
-                    "--trainer.callbacks.save_last=true", SIGNAL_AT, "--trainer.callbacks.step=2")
+                    f"--trainer.callbacks.save_last={str(save_last).lower()}", SIGNAL_AT, "--trainer.callbacks.step=2")
     with pytest.raises(SystemExit) as stopped:
         run(command)
     assert stopped.value.code == 128 + signal.SIGTERM and step_of(folder / "last.ckpt") == 3
-    cli = run(command)  # the identical command, relaunched: resumes from last.ckpt and finishes
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        cli = run(command)  # the identical command, relaunched: resumes from last.ckpt and finishes
     assert cli.trainer.global_step == 5
     assert sorted(p.name for p in folder.glob("*.ckpt")) == ["epoch=0-step=5.ckpt", "last.ckpt"]
-    assert step_of(folder / "last.ckpt") == 5
-    final = torch.load(folder / "epoch=0-step=5.ckpt", map_location="cpu", weights_only=True)["state_dict"]
-    last = torch.load(folder / "last.ckpt", map_location="cpu", weights_only=True)["state_dict"]
-    assert final.keys() == last.keys() and all(torch.equal(final[k], last[k]) for k in final)
+    newest = folder / "epoch=0-step=5.ckpt"
+    note = (f"{folder / 'last.ckpt'} holds step 3 (saved when an earlier run was stopped); the newest weights are "
+            f"{newest} (step 5): pass that file to generate or export.")
+    assert (note in [str(w.message) for w in said]) != save_last
+    if save_last:
+        assert step_of(folder / "last.ckpt") == 5
+        final = torch.load(newest, map_location="cpu", weights_only=True)["state_dict"]
+        last = torch.load(folder / "last.ckpt", map_location="cpu", weights_only=True)["state_dict"]
+        assert final.keys() == last.keys() and all(torch.equal(final[k], last[k]) for k in final)
 
 
 def test_sigterm_while_the_model_is_built_says_there_is_nothing_to_save_and_exits_143(tmp_path, capfd,

@@ -6,7 +6,8 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from moe_lightning.training.lightning_internals import optimizer_step_ends
-from moe_lightning.training.callbacks.preemption import stopped_by_max_time
+from moe_lightning.checkpoint.discovery import checkpoint_step
+from moe_lightning.training.callbacks.preemption import Preemption, stopped_by_max_time
 
 
 class FinalCheckpoint(Callback):
@@ -45,6 +46,23 @@ class FinalCheckpoint(Callback):
             return
         why = "trainer.max_time reached" if stopped_by_max_time(trainer) else "training ended"
         rank_zero_info(f"{why} at step {trainer.global_step}; final weights: {self._saved_path}")
+        self._say_if_last_is_older(trainer, checkpoint)
+
+    def _say_if_last_is_older(self, trainer, checkpoint: ModelCheckpoint) -> None:
+        """A ``last.ckpt`` this callback's checkpointer does not keep (``save_last`` off) that an earlier run's
+        preemption wrote stays at that run's step: say which file is newest, as ``generate``/``export`` of
+        ``last.ckpt`` would read older weights."""
+        last = Preemption.checkpoint_path(trainer)
+        if checkpoint.save_last or not trainer.is_global_zero or str(last) == self._saved_path or not last.exists():
+            return
+        try:
+            step = checkpoint_step(last)
+        except Exception:  # unreadable: not ours to judge here (a resume would skip it, saying why)
+            return
+        if step < trainer.global_step:
+            rank_zero_warn(f"{last} holds step {step} (saved when an earlier run was stopped); the newest weights "
+                           f"are {self._saved_path} (step {trainer.global_step}): pass that file to generate or "
+                           "export.")
 
     def _save(self, trainer) -> ModelCheckpoint | None:
         """Save through the trainer's ``ModelCheckpoint`` unless it already saved this step."""
