@@ -48,6 +48,13 @@ d model dim, L layers, V vocabulary, K top-k; bytes are per GPU unless stated.
   it off), leaving their inputs and the modules' norms and projection. Both figures are printed. Their
   parameters, FSDP units and FLOPs count like the blocks'.
 
+- Expert exchange buffers (expert parallelism): what a MoE layer's exchange holds beyond its saved activations,
+  ``2 · f · K · d · 2`` bytes a token at one chunk, at most ``4 · f · K · d · 2 / C + 2d`` with ``C`` overlap
+  chunks (``ep_traffic.transient_bytes``, measured by ``benchmarks/ep_dispatch.py --memory``; ``f``:
+  ``--ep-imbalance``, default 1.5). Transient with the block working set, so it adds to it, not to the loss's.
+- Context parallelism (``context_parallel_size`` N): every per-token row at ``b·s / N`` tokens, plus attention's
+  key side over the whole sequence (``activations.key_side_bytes``); see ``planner/context_parallel.py``.
+
 Throughput: ``tokens/s per GPU = MFU · peak FLOP/s / training FLOPs per token`` (model FLOPs,
 ``moe_lightning.planner.flops``: 6 × active matmul parameters + causal attention at sequence length s). With
 ``document_masking``, attention scores only within documents: ``--doc-len`` (the typical document length) counts
