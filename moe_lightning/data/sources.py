@@ -20,6 +20,7 @@ TEXT_SUFFIXES = {".txt", ".md", ".rst", ".py", ".c", ".h", ".json", ".yaml", ".y
 TABLE_SUFFIXES = {".parquet", ".arrow"}  # read through pyarrow, one document per row
 READ_SUFFIXES = TEXT_SUFFIXES | {".jsonl"} | TABLE_SUFFIXES  # what a folder source reads
 MANIFEST = "manifest.json"  # the index of a shard folder written by `moe-lightning tokenize`
+PLAN = "tokenize-plan.json"  # its plan, written first: a folder with a plan and no manifest is being written
 SEGMENT_CHARS = 1 << 19  # a longer document is encoded in pieces of about this many characters, cut between words
 MAX_SEGMENT_CHARS = 1 << 22  # a run this long without whitespace (a blob, not prose) is cut where it reaches it
 WORD_END = re.compile(r"[\x21-\x7e][ \t\n\r\x0b\x0c]")  # an ASCII non-space then whitespace: a cut between words
@@ -42,7 +43,6 @@ def is_token_source(resolved) -> bool:
 
 
 def _written_by_tokenize(folder: Path) -> bool:
-    from moe_lightning.data.tokenize.plan import PLAN
     return (folder / PLAN).is_file() or any(folder.glob("part-*.npy"))
 
 

@@ -5,12 +5,11 @@ import json
 import math
 from pathlib import Path
 
-from moe_lightning.data.sources import MANIFEST
+from moe_lightning.data.sources import MANIFEST, PLAN
 from moe_lightning.data.tokenize.errors import TokenizeError
 from moe_lightning.data.tokenize.files import write_json
 from moe_lightning.data.tokenize.reading import describe_inputs, reading_plan, unit_pieces
 
-PLAN = "tokenize-plan.json"
 SHARD_TOKENS = 1 << 28  # 268M tokens: 512 MiB of uint16 or 1 GiB of uint32 per shard
 MIN_UNIT_BYTES = 1 << 20  # units smaller than this cost more in start-up than they gain in balance
 UNITS = 4096  # enough units for 64 tasks of 64 workers to stay busy; never a function of the task count, so
