@@ -131,12 +131,29 @@ def test_1t_128k_fits_at_cp_4_and_not_at_cp_1(capsys):
     out = capsys.readouterr().out
     assert "verdict           fits as configured" in out
     assert "context_parallel_size=4" in out.split("from flags")[0]  # read from the config
-    assert "context parallel  4 ranks share each sequence" in out
+    assert "context parallel  4 ranks share each sequence (head-tail chunks): 32,768 tokens per GPU of 1 x 131,072; " \
+           f"attention {131072 * 131073 // 2 * 6 * 61 * 128 * 320 / 4 / 1e15:,.2f} PFLOP per GPU per step" in out
+    assert "108.0 MiB per layer and pass x 61 layers" in out  # 3/4 x 131,072 x 576 x 2 B
+    assert any(line.split()[:4] == ["+", "recompute", "19.30", "GiB"] for line in out.splitlines())
     main(["--config", ONE_T_128K, *GH200, "--context-parallel-size", "1"])
     out = capsys.readouterr().out
     assert "verdict           does NOT fit as configured" in out
     assert "context_parallel_size=1" in out.split("from flags")[1]
     assert "context parallel  " not in out
+
+
+def test_a_group_wider_than_a_node_exchanges_over_infiniband():
+    """CP 8 over 4-GPU nodes: the group spans two nodes, priced at the InfiniBand speed (25 GB/s on GH200)."""
+    ex = main_json(["--config", ONE_T_128K, *GH200, "--context-parallel-size", "8"])["cp_exchange"]
+    per_pass = 7 * 131072 * 576 * 2 // 8
+    assert (ex["link"], ex["gbps"], ex["bytes_per_layer_and_pass"]) == ("InfiniBand", 25.0, per_pass)
+    assert ex["rows"]["+ recompute"]["seconds"] == pytest.approx(61 * 3 * per_pass / 25e9, rel=1e-12)
+
+
+def test_key_width_on_the_wire():
+    """MLA: latent + shared rotary key; GQA: grouped K and V, never per query head."""
+    from moe_lightning.planner.context_parallel import key_width
+    assert key_width(MLA) == 32 + 8 and key_width(GQA) == 2 * 2 * (64 // 4)
 
 
 @pytest.mark.parametrize("flag, message", [
