@@ -213,7 +213,7 @@ def plan(config: MoEConfig, cluster: Cluster, work: Workload) -> dict:
     counts = parameter_counts(config)
     active = counts["active"]
     cp = cluster.context_parallel_size
-    context_parallel.check(cp, mesh.shard, cluster.gpus_per_node, work.seq_len)
+    context_parallel.check(config, cp, mesh.shard, cluster.gpus_per_node, work.seq_len)
     S, tokens = mesh.shard, work.micro_batch * work.seq_len // cp  # this GPU's positions
     muon = sum(roles.get(r, 0) for r in MUON_ROLES) if work.optimizer == "muon" else 0
 

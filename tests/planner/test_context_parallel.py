@@ -161,6 +161,8 @@ def test_key_width_on_the_wire():
                                        "shard size 384"),
     (["--context-parallel-size", "0"], "must be a positive integer"),
     (["--context-parallel-size", "4", "--seq-len", "131068"], "not a multiple of 8"),
+    (["--config", str(REPO_ROOT / "configs" / "1t.yaml"), "--context-parallel-size", "2"],
+     "context_parallel_size=2 with model.init_args.config.aux_loss_coef=0.0001: the strategy refuses"),
 ])
 def test_bad_context_parallel_sizes_are_one_line(flag, message, capsys):
     with pytest.raises(SystemExit):
