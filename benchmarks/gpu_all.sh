@@ -1,18 +1,18 @@
 #!/usr/bin/env bash
 # Every GPU measurement of the project in one command, within one budget, ending in one table:
-#   bash benchmarks/gpu_all.sh [BUDGET_SECONDS]        # default 420 s; GPU_ALL_PARTS=paths,recipe runs only those
+#   bash benchmarks/gpu_all.sh [BUDGET_SECONDS]        # default 440 s; GPU_ALL_PARTS=paths,recipe runs only those
 #   bash benchmarks/gpu_all.sh --list                  # each part, its time box, the recipe's model (no GPU needed)
 #   bash benchmarks/gpu_all.sh --dry-run [BUDGET]      # every selected part with --dry-run, on CPU
 # Parts, in order (the path check first, then by value): see PARTS below. Each part gets min(its box, what is
 # left), prints its lines as they come and, as soon as it has it, one "figure: part | key number | target |
 # PASS/FAIL" line; a failure or time-out of one part is reported while the others still run.
-# Time: the boxes add up to 370 s; the machine facts and the Triton preflight take ~10-15 s (printed as
-# "start-up"), so a full run ends inside 420 s. A lease is 900 s of device time: a fresh machine's start (~60-120 s,
+# Time: the boxes add up to 390 s; the machine facts and the Triton preflight take ~10-15 s (printed as
+# "start-up"), so a full run ends inside 440 s. A lease is 900 s of device time: a fresh machine's start (~60-120 s,
 # estimated from the device notes), this run, and a rerun of the failed parts on a fresh machine (idle > 30 s:
 # start again, then one part of <= 150 s) fit.
 # Files under $OUT (the device tool's output folder, else ./gpu_results), at most 8: gpu_all.md (machine facts,
 # preflight, the table), one <part>.log per part run, and compile_cache.tgz (the Inductor/Triton cache, when it is
-# under 16 MiB). To reuse the compiled kernels on the next call, copy that file to .gpu_cache/compile_cache.tgz
+# under 16 MiB and fewer than 8 files are there: a full run of all 7 parts leaves no room for it). To reuse the compiled kernels on the next call, copy that file to .gpu_cache/compile_cache.tgz
 # in the checkout (ignored: add /.gpu_cache/ to .git/info/exclude) and carry .gpu_cache: it is unpacked first.
 # Exits non-zero when any part failed, timed out or was skipped. Needs torch and lightning only (no jsonargparse).
 # The interpreter is ${PYTHON:-python3}. Each part learns its time box from $GPU_ALL_BOX_S.
@@ -28,7 +28,7 @@ while (($#)); do
     esac
     shift
 done
-budget=${1:-420}
+budget=${1:-440}
 
 # name|time box s|needs Triton|command|what it measures
 PARTS=(
@@ -38,6 +38,7 @@ PARTS=(
   "offload|60|0|benchmarks/gpu_offload.py|ActivationOffload vs activation checkpointing: peak memory, tokens/s"
   "muon|45|0|benchmarks/muon_gpu_step.py|Muon step with fp32 host state: staged vs serial copies, vs on-device Muon and AdamW"
   "strategy|30|0|benchmarks/gpu_strategy.py|MoEFSDPStrategy default variant: tokens/s, MFU, allocator retries"
+  "ep_chunks|20|0|benchmarks/gpu_ep_chunks.py|one MoE layer, one-rank NCCL group: ep_overlap_chunks 4 vs 1 (what chunking costs), FP8 dispatch"
 )
 selected=()
 for row in "${PARTS[@]}"; do
@@ -126,7 +127,10 @@ for row in "${selected[@]}"; do
     part "$name" "$box" "$compiles_needed" "$script"
 done
 
-if [[ -d $cache && -n $(ls -A "$cache" 2>/dev/null) ]]; then
+files=$(find "$out" -maxdepth 1 -type f | wc -l)
+if ((files >= 8)); then  # the device returns 8 files: a full run's report and 7 logs come first
+    cache_note="compile cache: not kept ($files files already, the 8 the device returns; a GPU_ALL_PARTS rerun keeps it)"
+elif [[ -d $cache && -n $(ls -A "$cache" 2>/dev/null) ]]; then
     tar czf "$out/compile_cache.tgz" -C "$cache" . 2>/dev/null
     size=$(stat -c %s "$out/compile_cache.tgz")
     if ((size > 16 * 1024 * 1024)); then
