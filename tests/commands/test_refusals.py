@@ -12,6 +12,7 @@ import pytest
 
 from moe_lightning.commands.main import main
 from moe_lightning.hf.mapping import HFFormatError
+from moe_lightning.model.config import MoEConfig
 from moe_lightning.run.refusals import TRACEBACK_ENV
 from tests.run.test_locks import hold, stop
 from tests.support.distributed import REPO_ROOT, clean_env
@@ -137,3 +138,28 @@ def test_plan_refusal_ends_in_its_one_line(tmp_path, capfd):
     refusal. (``run.refusals.CommandParser`` makes it one line once plan uses it.)"""
     status, lines = refused(capfd, ["plan", "--config", str(tmp_path / "gone.yaml")])
     assert status == 2 and lines[-1].startswith("moe-lightning plan: error: ")
+
+
+@pytest.mark.parametrize("world_size, status, kept", [(2, "RUNNING", True), (2, "INITIALIZING", False),
+                                                      (1, "RUNNING", False)])
+def test_an_error_inside_a_multi_process_trainer_run_keeps_its_traceback(monkeypatch, world_size, status, kept):
+    """Raised once a trainer of several ranks is running (not in the checks before it): the stack is shown."""
+    from types import SimpleNamespace
+
+    from lightning.pytorch.cli import LightningCLI
+    from lightning.pytorch.trainer.states import TrainerStatus
+
+    from moe_lightning.commands.cli import MoECLI
+    from moe_lightning.run.refusals import is_refusal
+
+    def fails(self, subcommand):
+        MoEConfig(num_experts=4, top_k=5)  # a check of the package's: a refusal, unless raised inside such a run
+
+    monkeypatch.setattr(LightningCLI, "_run_subcommand", fails)
+    trainer = SimpleNamespace(fast_dev_run=True, checkpoint_callbacks=[], callbacks=[], world_size=world_size,
+                              state=SimpleNamespace(status=getattr(TrainerStatus, status)))
+    cli = MoECLI.__new__(MoECLI)  # only what _run_subcommand reads: its trainer
+    cli.trainer = trainer
+    with pytest.raises(ValueError) as raised:
+        cli._run_subcommand("fit")
+    assert is_refusal(raised.value) != kept
