@@ -22,12 +22,13 @@ unquantized hierarchical run. ``--chunks N`` pipelines every dispatcher's tokens
 same up to the count exchange).
 
 ``--memory`` instead measures transient memory: one forward of the dispatcher alone (experts included, routing
-given: ``even`` or ``skewed``, 3/4 of the copies to the first rank's experts) at 1 chunk and at ``--chunks`` chunks,
-with and without FP8; per rank the peak bytes allocated above the start (torch's CPU memory profiler: every
-allocation and free of the CPU allocator, in order) and the bytes still held at the end (saved for backward, and
-the output), after one unmeasured warm-up (the first GEMMs allocate lasting caches). Rank 0 prints one JSON line
-per case with every rank's figures, the rows each rank received, the imbalance (the busiest receiver's rows over
-the mean) and, for the flat dispatcher at 1 chunk, the hand count (see :func:`hand_count`).
+given: ``even``, or ``skewed`` with 3/4 of the copies to the first quarter of the experts) at 1 chunk and at
+``--chunks`` chunks, with and without FP8; per rank the peak bytes allocated above the start (torch's CPU memory
+profiler: every allocation and free of the CPU allocator, in order) and the bytes still held at the end (saved for
+backward, and the output), the least of 5 runs after one unmeasured warm-up (the first GEMMs allocate lasting
+caches). Rank 0 prints one JSON line per case with every rank's figures, the rows each rank received, the
+imbalance (the busiest receiver's rows over the mean) and, for the flat dispatcher at 1 chunk, the hand count
+(see :func:`hand_count`).
 
     python benchmarks/ep_dispatch.py --memory   # under torchrun as above; or 2 ranks of one node
 """
@@ -182,10 +183,11 @@ def memory_probe(args, group, dispatcher_of) -> None:
                 run = lambda: dispatcher(x_TD.clone().requires_grad_(), weights_TK.to(dtype), experts_TK,
                                          torch.bincount(experts_TK.flatten(), minlength=args.experts), experts)
                 run()  # warm-up: the first GEMMs allocate lasting caches
-                # The least of 3: gloo's worker thread drops its references to finished buffers when it gets
-                # round to it, which can only add to the program's own peak.
+                # The least of 5: gloo's worker thread drops its references to finished buffers when it gets
+                # round to it (on a loaded machine, after the next buffer is allocated), which can only add to
+                # the program's own peak.
                 repeats = []
-                for _ in range(3):
+                for _ in range(5):
                     gc.collect()
                     dist.barrier()
                     repeats.append(peak_bytes(run))

@@ -82,10 +82,12 @@ def test_fp8_dispatch_halves_the_dispatch_bytes_between_nodes():
     assert 0 < diffs["y"] < 2 ** -3 and max(diffs.values()) < 2 ** -3, diffs
 
 
+@pytest.mark.slow  # 2 processes, 8 cases of 6 profiled forwards each (~30-50 s on a loaded machine)
 def test_transient_memory_falls_with_chunks_and_matches_the_hand_count():
     """``ep_dispatch.py --memory`` on 2 ranks (flat), fp32, dim 256, expert hidden 64, top-2, 2,048 tokens per rank;
     even routing and skewed (3/4 of the copies to rank 0: imbalance ~2). Peak bytes allocated during one dispatcher
-    forward (torch's CPU memory profiler, least of 3 runs): with 4 chunks below 1 chunk on every rank, and at 1
+    forward (torch's CPU memory profiler, least of 5 runs: gloo's worker thread frees finished buffers late on a
+    loaded machine, which only adds): with 4 chunks below 1 chunk on every rank, and at 1
     chunk within 3 % above the hand count of ``ep_dispatch.hand_count`` (index tensors left out; measured 0.5 to
     1.0 % above)."""
     logs = run_ranks(REPO_ROOT / "benchmarks" / "ep_dispatch.py", 2, "--memory", "--chunks", "4", "--tokens", "2048",
