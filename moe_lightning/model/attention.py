@@ -142,6 +142,16 @@ class SequenceShard:
         """QK-clip's per-head maxima, maximised over the ranks of a sequence (each saw only its own queries)."""
         return max_logits
 
+    def truncated(self, seq_len: int, length: int) -> "SequenceShard":
+        """This shard of the first ``length`` positions of a ``seq_len`` sequence (multi-token prediction's depth
+        k runs over ``seq_len - k`` positions): its ``positions`` are those below ``length``, and ``gather``
+        completes key-side tensors of those positions to ``[B, length, ...]``. A shard over several ranks must
+        provide it (this one-rank default is the identity)."""
+        if self.size > 1:
+            raise ValueError(f"{type(self).__name__} splits sequences over {self.size} ranks without truncated(), "
+                             "which multi-token prediction needs: implement it, or train with context_parallel_size=1.")
+        return self
+
 
 def flex_attend(q_BHSK, k_BGSK, v_BGSV, block_mask: BlockMask, scale: float | None,
                 return_max_logits: bool = False):

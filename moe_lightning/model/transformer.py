@@ -68,7 +68,7 @@ class MoETransformer(nn.Module):
         loss that applies the head itself: ``self.output.cross_entropy``). With ``cache`` the tokens continue the
         cached positions, which it then holds. With ``mtp`` (training, no cache): the hidden states of every
         depth, ``[h^0 [B, S, D], h^1 [B, S-1, D], ..., h^D [B, S-D, D]]`` (``h^0`` the main model's; see
-        ``model/mtp.py``), each ready for the shared output head.
+        ``model/mtp.py``), each ready for the shared output head (under a shard: this rank's positions of each).
 
         Under a context-parallel ``sequence_shard``, ``tokens_BS`` is the whole sequence (on every rank of its
         group) and the result covers this rank's positions only, ``[B, S / size, ...]`` (the targets to compare
@@ -82,15 +82,22 @@ class MoETransformer(nn.Module):
             raise ValueError(f"multi-token prediction runs in training only, without a KV cache, on more than "
                              f"mtp_layers={len(self.mtp)} tokens; got cache={cache is not None}, {S} tokens.")
         positions_S = self.sequence_shard.positions(S, tokens_BS.device)
-        if positions_S is not None and (cache is not None or mtp):
+        if positions_S is not None and cache is not None:
             raise ValueError(f"context parallelism (sequence_shard over {self.sequence_shard.size} ranks) shards "
-                             f"training forwards of the main model; got cache={cache is not None}, mtp={mtp}: "
-                             "generate on one rank, and train multi-token prediction with context_parallel_size=1.")
+                             "training forwards; got a KV cache: generate on one rank.")
         start = 0 if cache is None else cache.length
         if cache is not None and start + S > cache.capacity:
             raise ValueError(f"KV cache holds {cache.capacity} positions; {start} are cached and {S} more were "
                              f"given: start a new cache from the latest tokens.")
-        emb_BSD = h_BSD = self.tok_embeddings(self.sequence_shard.local(tokens_BS))
+        if mtp and positions_S is not None:  # one call of the embedding: this rank's tokens, and each depth's
+            shifted_S = [self.sequence_shard.truncated(S, S - k).positions(S - k, tokens_BS.device) + k
+                         for k in range(1, len(self.mtp) + 1)]
+            emb_BXD = self.tok_embeddings(tokens_BS[:, torch.cat([positions_S, *shifted_S])])
+            emb_BSD, *shifted_emb = emb_BXD.split([len(positions_S), *map(len, shifted_S)], dim=1)
+            h_BSD = emb_BSD
+        else:
+            emb_BSD = h_BSD = self.tok_embeddings(self.sequence_shard.local(tokens_BS))
+            shifted_emb = None
         mask = None
         if self.config.document_masking:
             eod = self.config.eod_token_id
@@ -109,21 +116,34 @@ class MoETransformer(nn.Module):
                           sequence_shard=shard)
         h_BSD = self.norm(h_BSD)
         if mtp:
-            return self._multi_token_hidden(tokens_BS, emb_BSD, h_BSD)
+            return self._multi_token_hidden(tokens_BS, emb_BSD, h_BSD, shifted_emb)
         return h_BSD if return_hidden else self.output(h_BSD)
 
-    def _multi_token_hidden(self, tokens_BS: torch.Tensor, emb_BSD: torch.Tensor,
-                            h_BSD: torch.Tensor) -> list[torch.Tensor]:
+    def _multi_token_hidden(self, tokens_BS: torch.Tensor, emb_BSD: torch.Tensor, h_BSD: torch.Tensor,
+                            shifted_emb: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
         """``[h^0, ..., h^D]``: depth k pairs ``h^{k-1}`` at positions ``0..S-k-1`` with the embeddings of
-        ``t[k..S-1]``; its blocks attend causally (within documents) over those ``S - k`` positions."""
-        S = tokens_BS.shape[1]
+        ``t[k..S-1]``; its blocks attend causally (within documents) over those ``S - k`` positions.
+
+        Under a context-parallel shard each depth keeps this rank's positions below ``S - k`` (the first rows of
+        its ``h^{k-1}``: the positions cut off are its largest) and the shard of the first ``S - k`` positions
+        exchanges the key side (``SequenceShard.truncated``); ``shifted_emb[k - 1]``: the embeddings of the tokens
+        k ahead of those positions."""
+        B, S = tokens_BS.shape
         doc_BS = document_ids(tokens_BS, self.config.eod_token_id) if self.config.document_masking else None
         hidden = [h_BSD]
         for k, module in enumerate(self.mtp, start=1):
             n = S - k
-            mask = None if doc_BS is None else DocumentMask(doc_BS[:, :n])
-            hidden.append(module(hidden[-1][:, :n], emb_BSD[:, k:], mask=mask, cache=None,
-                                 cos_sin=self.rotary.cos_sin(0, n, device=tokens_BS.device)))
+            shard = self.sequence_shard.truncated(S, n)
+            positions_S = shard.positions(n, tokens_BS.device)
+            if positions_S is None:
+                mask = None if doc_BS is None else DocumentMask(doc_BS[:, :n])
+                hidden.append(module(hidden[-1][:, :n], emb_BSD[:, k:], mask=mask, cache=None,
+                                     cos_sin=self.rotary.cos_sin(0, n, device=tokens_BS.device)))
+                continue
+            doc_BT = doc_BS[:, :n] if doc_BS is not None else tokens_BS.new_zeros(B, n)
+            hidden.append(module(hidden[-1][:, :len(positions_S)], shifted_emb[k - 1],
+                                 mask=DocumentMask(doc_BT, q_positions_S=positions_S), cache=None,
+                                 cos_sin=self.rotary.cos_sin_at(positions_S), sequence_shard=shard))
         return hidden
 
     @torch.no_grad()

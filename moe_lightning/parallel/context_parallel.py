@@ -103,10 +103,39 @@ class ContextParallelShard(SequenceShard):
     def gather(self, *key_side_BS: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return _GatherSequence.apply(self.group, *key_side_BS)
 
+    def truncated(self, seq_len: int, length: int) -> SequenceShard:
+        return self if length == seq_len else _TruncatedShard(self, seq_len, length)
+
     def reduce_max_logits(self, max_logits: torch.Tensor) -> torch.Tensor:
         max_logits = max_logits.detach().clone()
         dist.all_reduce(max_logits, op=dist.ReduceOp.MAX, group=self.group)
         return max_logits
+
+
+class _TruncatedShard(SequenceShard):
+    """A context-parallel shard of the first ``length`` positions: the positions cut off are the largest ones
+    (rank 0's tail chunk ends the sequence), so this rank's rows are the first of its shard's, and the exchange
+    pads them back to the shard's size with zeros, gathers, and drops the padded positions (their gradient is
+    discarded)."""
+
+    def __init__(self, shard: ContextParallelShard, seq_len: int, length: int):
+        self.shard, self.seq_len, self.length, self.size = shard, seq_len, length, shard.size
+
+    def positions(self, seq_len: int, device: torch.device) -> torch.Tensor:
+        positions_S = self.shard.positions(self.seq_len, device)
+        return positions_S[:int((positions_S < self.length).sum())]
+
+    def local(self, x_BS: torch.Tensor) -> torch.Tensor:
+        return x_BS.index_select(1, self.positions(self.length, x_BS.device))
+
+    def gather(self, *key_side_BS: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        rows = self.seq_len // self.size
+        padded = [torch.cat([x, x.new_zeros(x.shape[0], rows - x.shape[1], *x.shape[2:])], dim=1)
+                  for x in key_side_BS]
+        return tuple(x[:, :self.length] for x in self.shard.gather(*padded))
+
+    def reduce_max_logits(self, max_logits: torch.Tensor) -> torch.Tensor:
+        return self.shard.reduce_max_logits(max_logits)
 
 
 @functools.lru_cache(maxsize=16)

@@ -106,10 +106,11 @@ def resolve_layout(world_size: int, replicate_size: int, shard_size: int | str, 
         return layout
     if seq_len is not None:
         check_sequence_length(seq_len, layout.cp)
-    if getattr(config, "mtp_layers", 0):
+    if getattr(config, "mtp_layers", 0) and getattr(config, "z_loss_coef", 0) > 0:
         raise MeshError(f"strategy.context_parallel_size={layout.cp} with model.config.mtp_layers="
-                        f"{config.mtp_layers}: multi-token prediction's shifted depths are not split over a "
-                        f"context-parallel group yet; set mtp_layers to 0 or context_parallel_size to 1.")
+                        f"{config.mtp_layers} and z_loss_coef={config.z_loss_coef}: a depth's shards hold unequal "
+                        "token counts, so the per-rank router z-loss means differ from the sequence's; set z_loss_coef "
+                        "to 0 or context_parallel_size to 1.")
     if getattr(config, "aux_loss_coef", 0) > 0:
         raise MeshError(f"strategy.context_parallel_size={layout.cp} with model.config.aux_loss_coef="
                         f"{config.aux_loss_coef}: the sequence-level balancing loss needs whole sequences on a rank; "

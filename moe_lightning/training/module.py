@@ -150,13 +150,20 @@ class MoELanguageModel(L.LightningModule):
         runs one forward, is gathered once and reduced once, whatever the depth."""
         hidden = self.model(batch_BS1[:, :-1], mtp=True)  # called as the module: FSDP's root hooks run
         eod = self.config.eod_token_id if self.config.document_masking else None
-        targets = [mtp.targets(batch_BS1, depth, eod).flatten() for depth in range(len(hidden))]
-        totals = self.model.output.cross_entropy_sums([h_BSD.flatten(0, 1) for h_BSD in hidden], targets,
+        targets = [mtp.targets(batch_BS1, depth, eod) for depth in range(len(hidden))]
+        # under context parallelism: this rank's positions of each depth, N x its share (context_parallel_mean)
+        shard, S = self.model.sequence_shard, batch_BS1.shape[1] - 1
+        local = [shard.truncated(S, t_BS.shape[1]).local(t_BS).flatten() for t_BS in targets]
+        totals = self.model.output.cross_entropy_sums([h_BSD.flatten(0, 1) for h_BSD in hidden], local,
                                                       self.loss_chunk_size)
-        losses = [total / (targets_T != -100).sum().clamp(min=1) for total, targets_T in zip(totals, targets)]
+        losses = [shard.size * total / (t_BS != -100).sum().clamp(min=1) for total, t_BS in zip(totals, targets)]
         main, mtp_mean = losses[0], torch.stack(losses[1:]).mean()
         self._main_loss = main
-        self.log("train/mtp_loss", mtp_mean.detach())
+        logged = mtp_mean.detach().clone()
+        if shard.size > 1 and logs_written(self.trainer):  # a rank's share: log the world mean (as train/loss)
+            dist.all_reduce(logged)
+            logged /= dist.get_world_size()
+        self.log("train/mtp_loss", logged)
         return main + self.config.mtp_loss_weight * mtp_mean
 
     def expert_counts(self) -> torch.Tensor | None:

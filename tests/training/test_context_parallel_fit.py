@@ -19,9 +19,11 @@ from tests.support.distributed import LAUNCHERS, run_ranks
 
 RUN = LAUNCHERS / "cp_fit_run.py"
 RTOL = 1e-5
-LAYERS = 3  # strategy_run.TINY
+LAYERS, MOE_LAYERS = 3, 2  # strategy_run.TINY; each multi-token prediction depth adds one MoE block
 MLA = ("--attention", "mla", "--docs", "--muon", "--qk-clip", "--offload-activations", "--accumulate", "2",
-       "--max-steps", "4")
+       "--max-steps", "4", "--config", '{"mtp_layers": 2}')
+# depth 5 > the chunk of 32 / 8 positions: the positions a depth drops lie on two ranks' tail chunks
+GQA = ("--config", '{"mtp_layers": 5}')
 
 
 def launch(tmp: Path, name: str, world: int, *args: str) -> dict:
@@ -49,7 +51,8 @@ def assert_same_steps(run: dict, reference: dict, first_batch: int = 0, first_st
 
 @pytest.fixture(scope="module")
 def mla(tmp_path_factory):
-    """MLA with document masking, Muon, QK-clip, ActivationOffload and 2 micro-batches a step: one process (CP 1),
+    """MLA with document masking, 2 multi-token prediction depths (depth k drops the last k positions, on rank 0's
+    tail chunk), Muon, QK-clip, ActivationOffload and 2 micro-batches a step: one process (CP 1),
     and 2 ranks at CP 2 with FSDP's cpu_offload, saving a checkpoint every 2 steps."""
     tmp = tmp_path_factory.mktemp("cp_mla")
     return {"dir": tmp, "cp1": launch(tmp, "cp1", 1, *MLA),
@@ -57,13 +60,13 @@ def mla(tmp_path_factory):
                           "--ckpt-dir", str(tmp / "ckpt"))}
 
 
-def test_cp2_mla_documents_muon_qk_clip_offload_and_accumulation_equal_cp1(mla):
+def test_cp2_mla_documents_mtp_muon_qk_clip_offload_and_accumulation_equal_cp1(mla):
     cp1, cp2 = mla["cp1"], mla["cp2"]
     assert_same_steps(cp2, cp1)
-    # it really ran sharded: one all-gather of the latent per layer in forward and in the checkpointed recompute,
-    # one reduce-scatter of its gradient per layer in backward
-    assert all(row["calls"]["all_gather_into_tensor"] == 2 * LAYERS for row in cp2["batches"])
-    assert all(row["calls"]["reduce_scatter_tensor"] == LAYERS for row in cp2["batches"])
+    # it really ran sharded: one all-gather of the latent per block (3 layers, 2 depths) in forward and in the
+    # checkpointed recompute, one reduce-scatter of its gradient per block in backward
+    assert all(row["calls"]["all_gather_into_tensor"] == 2 * (LAYERS + 2) for row in cp2["batches"])
+    assert all(row["calls"]["reduce_scatter_tensor"] == LAYERS + 2 for row in cp2["batches"])
     # QK-clip: the maxima combined over the ranks (each saw half the queries) are the whole sequences' maxima
     for got, want in zip(cp2["max_logits"], cp1["max_logits"]):
         assert got == [pytest.approx(row, abs=1e-5) for row in want]
@@ -84,19 +87,20 @@ def test_a_cp2_checkpoint_resumes_at_cp1_and_at_cp4_with_ep2_exactly(mla):
 
 @pytest.mark.slow
 def test_cp4_with_ep2_gqa_pipelined_expert_exchange_and_two_cp_groups_equal_cp1(tmp_path):
-    """GQA without document masking, 4 sequences a step: CP 4 x EP 2 with ep_overlap_chunks=2 against one process;
+    """GQA without document masking, 5 multi-token prediction depths, 4 sequences a step: CP 4 x EP 2 with
+    ep_overlap_chunks=2 against one process;
     and 4 data-parallel ranks at EP 2 (two expert groups, experts FSDP-sharded across them) with 2 chunks against
     1 chunk and against one process; and 2 data replicas x CP 2 against one process."""
-    cp1 = launch(tmp_path, "cp1", 1, "--batch-size", "4")
-    cp4 = launch(tmp_path, "cp4", 4, "--cp", "4", "--ep", "2", "--chunks", "2", "--batch-size", "4")
+    cp1 = launch(tmp_path, "cp1", 1, *GQA, "--batch-size", "4")
+    cp4 = launch(tmp_path, "cp4", 4, *GQA, "--cp", "4", "--ep", "2", "--chunks", "2", "--batch-size", "4")
     assert_same_steps(cp4, cp1)
-    assert all(row["calls"]["all_gather_into_tensor"] == LAYERS for row in cp4["batches"])
-    unchunked = launch(tmp_path, "ep2", 4, "--ep", "2", "--batch-size", "1")
-    chunked = launch(tmp_path, "ep2_chunks", 4, "--ep", "2", "--chunks", "2", "--batch-size", "1")
+    assert all(row["calls"]["all_gather_into_tensor"] == LAYERS + 5 for row in cp4["batches"])
+    unchunked = launch(tmp_path, "ep2", 4, *GQA, "--ep", "2", "--batch-size", "1")
+    chunked = launch(tmp_path, "ep2_chunks", 4, *GQA, "--ep", "2", "--chunks", "2", "--batch-size", "1")
     assert_same_steps(chunked, unchunked)
     assert_same_steps(unchunked, cp1)
     # two CP groups of neighbouring ranks, each reading its data replica's 2 sequences (the sampler's replicas)
-    assert_same_steps(launch(tmp_path, "cp2_dp2", 4, "--cp", "2", "--batch-size", "2"), cp1)
-    # two chunks: one more dispatch and combine exchange per MoE layer (2) and pass (forward, backward)
+    assert_same_steps(launch(tmp_path, "cp2_dp2", 4, *GQA, "--cp", "2", "--batch-size", "2"), cp1)
+    # two chunks: one more dispatch and combine exchange per MoE block (2 layers, 5 depths) and pass
     for one, two in zip(unchunked["batches"], chunked["batches"]):
-        assert two["calls"]["all_to_all_single"] - one["calls"]["all_to_all_single"] == 2 * 2 * 2
+        assert two["calls"]["all_to_all_single"] - one["calls"]["all_to_all_single"] == (MOE_LAYERS + 5) * 2 * 2
