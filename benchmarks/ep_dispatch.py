@@ -22,7 +22,7 @@ unquantized hierarchical run. ``--chunks N`` pipelines every dispatcher's tokens
 same up to the count exchange).
 
 ``--memory`` instead measures transient memory: one forward of the dispatcher alone (experts included, routing
-given: ``even``, or ``skewed`` with 3/4 of the copies to the first quarter of the experts) at 1 chunk and at
+given: ``even``, or ``skewed`` towards the first quarter of the experts, see :func:`routed`) at 1 chunk and at
 ``--chunks`` chunks, with and without FP8; per rank the peak bytes allocated above the start (torch's CPU memory
 profiler: every allocation and free of the CPU allocator, in order) and the bytes still held at the end (saved for
 backward, and the output), the least of 5 runs after one unmeasured warm-up (the first GEMMs allocate lasting
@@ -132,17 +132,18 @@ def peak_bytes(fn) -> tuple[int, int]:
 
 
 def routed(tokens: int, experts: int, top_k: int, skewed: bool, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(weights_TK, experts_TK)``: distinct experts per token, uniform (``even``) or with 3/4 of the copies on the
-    first quarter of the experts (``skewed``: on 4 ranks, all on the first rank's)."""
+    """``(weights_TK, experts_TK)``: distinct experts per token, uniform (``even``) or ``skewed``: each expert of the
+    first quarter drawn 729 times as often as any other (on 2 or 4 ranks nearly every copy goes to rank 0's
+    experts: the imbalance approaches the number of ranks)."""
     gen = torch.Generator().manual_seed(seed)
-    bias = torch.zeros(experts)
+    weights_E = torch.ones(experts)
     if skewed:
-        bias[:experts // 4] = 3.0 * torch.log(torch.tensor(3.0 * (experts - experts // 4) / (experts // 4)))
-    experts_TK = torch.multinomial((bias - bias.max()).exp().expand(tokens, -1), top_k, generator=gen)
+        weights_E[:experts // 4] = 729.0
+    experts_TK = torch.multinomial(weights_E.expand(tokens, -1), top_k, generator=gen)
     return torch.rand(tokens, top_k, generator=gen) + 0.5, experts_TK
 
 
-def hand_count(tokens: int, rows_in: int, rows_out: int, dim: int, hidden: int, size: int) -> int:
+def hand_count(tokens: int, rows_in: int, rows_out: int, dim: int, hidden: int, size: int) -> tuple[int, int]:
     """The flat dispatcher's peak at 1 chunk (the probe's input copy included), counted by hand as the largest of
     the moments where it can occur (``s`` bytes per element, ``T`` tokens, rows received ``R_in``, sent ``R_out``;
     the experts keep their input rows ``R_in x D`` and the gate and up projections ``2 x R_in x F`` for backward):
@@ -150,15 +151,18 @@ def hand_count(tokens: int, rows_in: int, rows_out: int, dim: int, hidden: int, 
     - dispatch landed: the receive buffer ``R_in x (D s + 4)`` (rows, routing weight) and its regrouped copy
       ``R_in x D s``;
     - regrouping undone: the experts' output ``R_in x D s`` and its copy in source order (the combine's send buffer);
-    - combine landed: its receive buffer ``R_out x D s`` and the layer's output ``T x D s``;
+    - combine landed: its receive buffer ``R_out x D s`` and the layer's output ``T x D s``; the send buffer too
+      when the backend lets go of it only after the output is allocated (gloo's worker thread drops its reference
+      when it gets round to it: the second figure);
 
-    each beside the input ``T x D s`` and the experts' saved activations once made. Index tensors (8 bytes per row,
-    a few of them) are left out: the stated margin covers them."""
+    each beside the input ``T x D s`` and the experts' saved activations once made. Returns ``(low, high)``: without
+    and with that late send buffer. Index tensors (8 bytes per row, a few of them) are left out: the stated margin
+    covers them."""
     x, saved = tokens * dim * size, rows_in * (dim + 2 * hidden) * size
     landed = x + rows_in * (dim * size + 4) + rows_in * dim * size
     regrouped = x + saved + 2 * rows_in * dim * size
     combined = x + saved + rows_out * dim * size + tokens * dim * size
-    return max(landed, regrouped, combined)
+    return max(landed, regrouped, combined), max(landed, regrouped, combined + rows_in * dim * size)
 
 
 def memory_probe(args, group, dispatcher_of) -> None:
