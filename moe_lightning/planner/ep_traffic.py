@@ -13,13 +13,13 @@ from dataclasses import dataclass
 from itertools import combinations
 
 from moe_lightning.model import MoEConfig
+from moe_lightning.parallel.expert_parallel import FP8_BLOCK
 
 # Per-GPU link speeds assumed, GB/s per direction (line rate; an all-to-all reaches less): InfiniBand NDR
 # 400 Gb/s per GPU on HGX H100/H200 nodes, NDR200 per GPU on JUPITER's GH200 nodes (4 per node); NVLink 4
 # 450 GB/s per GPU on HGX, 150 GB/s to each of the other three GH200s of a JUPITER node.
 BANDWIDTH_GBPS = {"H100": (50.0, 450.0), "H200": (50.0, 450.0), "GH200": (25.0, 450.0)}
 COUNT_BYTES = 8  # the count exchanges carry int64
-FP8_BLOCK = 128  # columns sharing one fp32 scale in the FP8 dispatch (parallel/expert_parallel.py's FP8_BLOCK)
 DISPATCH_DTYPES = (None, "float8_e4m3fn")
 
 
