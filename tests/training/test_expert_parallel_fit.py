@@ -106,6 +106,17 @@ def test_two_hierarchical_groups_across_nodes_equal_one_process(tmp_path, one):
     assert_same_losses(losses(run), losses(flat))
 
 
+@pytest.mark.slow  # an 8-process fit
+def test_two_hierarchical_groups_of_two_nodes_by_two_equal_one_process(tmp_path):
+    """4 torchrun agents of 2 ranks, EP 4: the groups {0..3} and {4..7} each span 2 nodes x 2 ranks (both hops
+    real: inter-node between the nodes, intra-node inside each), expert blocks FSDP-sharded across the groups."""
+    routing = ("--model.init_args.config.n_expert_groups=2", "--model.init_args.config.n_limited_groups=1")
+    log, run = fit(tmp_path, "hier", 4, 2, 4, *routing)
+    assert "hierarchical dispatch over 2 nodes x 2 ranks" in log, log[-3000:]
+    _, flat = fit(tmp_path, "flat", 1, 1, 1, *routing)
+    assert_same_losses(losses(run), losses(flat))
+
+
 @pytest.mark.slow  # two 2-process fits
 def test_a_checkpoint_at_ep_1_resumes_at_ep_2_exactly(tmp_path, one):
     """2 ranks: FSDP only (EP 1), checkpoint after step 2; resumed at EP 2 (each rank keeps half the experts, read
