@@ -11,6 +11,13 @@ chunk ``i - 1``'s combine are in flight; autograd runs the mirror image in backw
 over (its shared experts) runs while the first dispatch is in flight. The split sizes of every chunk are read back
 to the host once per MoE forward.
 
+``dispatch_dtype=float8_e4m3fn`` sends the dispatch hops' hidden rows as e4m3 with a power-of-two fp32 scale per 128
+columns, in the same packed buffer (DeepEP's FP8 dispatch); the combine and every gradient stay in the training
+dtype. Transient memory: a hop's send buffer lives until its wait, the rows it was packed from are dropped before
+(the hierarchical inter hop's landed rows once the intra hop has them); the peak at 1 chunk is the experts' output
+and its copy in source order, ``2 x rows received x dim`` above the saved activations, and N chunks divide it
+(``benchmarks/ep_dispatch.py --memory`` measures it).
+
 Which dispatcher a group gets is decided from the whole job's layout (every rank's node and group, learnt in one
 world collective every rank enters), so every rank takes the same decisions and creates the same sub-groups.
 """
