@@ -1,4 +1,4 @@
-"""One tiny ``fit`` under ``MoEFSDPStrategy`` for the context-parallel fit tests (real gloo ranks, or one process as
+"""One tiny ``fit`` under ``MoEFSDPStrategy`` for the context-parallel and expert-exchange fit tests (real gloo ranks, or one process as
 the CP 1 reference). Rank 0 writes JSON: per micro-batch the world-mean loss (``strategy_run.Record``), per step the
 gradient norms, QK-clip's combined per-head maxima and clipped heads, and the routers' balancing biases.
 
@@ -51,6 +51,7 @@ def main() -> None:
     parser.add_argument("--cp", type=int, default=1)
     parser.add_argument("--ep", type=int, default=1)
     parser.add_argument("--chunks", type=int, default=1, help="ep_overlap_chunks")
+    parser.add_argument("--dispatch-dtype", default=None, help="MoEFSDPStrategy(dispatch_dtype=...)")
     parser.add_argument("--attention", choices=["mla", "gqa"], default="gqa")
     parser.add_argument("--docs", action="store_true", help="document masking, documents end at a newline")
     parser.add_argument("--muon", action="store_true")
@@ -70,7 +71,8 @@ def main() -> None:
     L.seed_everything(0, verbose=False)
     devices = int(os.environ.get("WORLD_SIZE", "1"))
     strategy = MoEFSDPStrategy(context_parallel_size=args.cp, expert_parallel_size=args.ep,
-                               ep_overlap_chunks=args.chunks, cpu_offload=args.cpu_offload)
+                               ep_overlap_chunks=args.chunks, dispatch_dtype=args.dispatch_dtype,
+                               cpu_offload=args.cpu_offload)
     counter = CollectiveCounter()
     record = Record(counter, 1, Path(args.out))
     qk_clip = QKClip(threshold=QK_THRESHOLD) if args.qk_clip else None

@@ -519,3 +519,21 @@ def test_saving_metadata_that_is_not_plain_data_fails_before_writing(tmp_path):
         ShardedCheckpointer().save({"w": torch.ones(2)}, {"extra": WritesMarker(marker)}, tmp_path / "x.ckpt",
                                    set(), None)
     assert list(tmp_path.iterdir()) == []  # no directory, no marker
+
+
+@pytest.mark.slow
+def test_fp8_dispatch_through_the_strategy_stays_near_the_training_dtype_and_sends_fewer_bytes(tmp_path):
+    """``MoEFSDPStrategy(dispatch_dtype="float8_e4m3fn")`` reaches the dispatcher: 2 ranks at EP 2, 6 AdamW steps
+    against the same run in fp32. e4m3 keeps 3 mantissa bits (a scale per 128 columns), so the dispatched rows
+    carry ~3 % error; the losses stay within 1e-2 relative (measured 2.1e-3) yet differ (so FP8 really ran),
+    and the exchanges put fewer bytes on the wire (the combine and the gradients stay fp32)."""
+    runs = {}
+    for name, extra in (("fp32", ()), ("fp8", ("--dispatch-dtype", "float8_e4m3fn"))):
+        out = tmp_path / f"{name}.json"
+        run_ranks(LAUNCHERS / "cp_fit_run.py", 2, "--ep", "2", "--max-steps", "6", *extra, "--out", str(out))
+        runs[name] = json.loads(out.read_text())
+    fp32, fp8 = ([row["loss"] for row in runs[n]["batches"]] for n in ("fp32", "fp8"))
+    assert len(fp8) == len(fp32) == 6
+    assert fp8 == pytest.approx(fp32, rel=1e-2) and fp8 != pytest.approx(fp32, rel=1e-6)
+    sent = {n: sum(row["bytes"]["all_to_all_single"] for row in runs[n]["batches"]) for n in runs}
+    assert sent["fp8"] < 0.9 * sent["fp32"]
