@@ -44,7 +44,9 @@ def print_commands() -> None:
     width = max(map(len, names))
     lines = [f"  {name:<{width}}  {COMMANDS[name]}" for name in names]
     print("usage: moe-lightning COMMAND [options]   (moe-lightning COMMAND --help for its options)\n\n"
-          "Train Mixture-of-Experts language models with Lightning.\n\ncommands:\n" + "\n".join(lines))
+          "Train Mixture-of-Experts language models with Lightning.\n\ncommands:\n" + "\n".join(lines)
+          + "\n\nA refusal (bad config, bad file, folder in use) is one line; --traceback (or "
+          "MOE_LIGHTNING_TRACEBACK=1) shows its stack.")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -122,6 +122,8 @@ def help_flags() -> set[str]:
                     ["convert"]):
         with contextlib.redirect_stdout(out), pytest.raises(SystemExit):
             commands.run([*command, "--help"])
+    with contextlib.redirect_stdout(out):
+        commands.run(["--help"])  # the command table, with the flag every command takes (--traceback)
     return set(re.findall(r"(--[a-z][\w-]*)", out.getvalue())) | {"--no-stop"}
 
 

@@ -243,12 +243,14 @@ def test_invalid_config_value_ends_with_our_message_not_a_namespace_dump(tmp_pat
     assert "Union subtypes" not in bottom and "Namespace(" not in "".join(traceback.format_exception(error.value))
 
 
-def test_parse_error_ends_with_a_one_line_summary_naming_the_key(tmp_path, capsys):
+def test_parse_error_ends_with_a_one_line_summary_naming_the_key(tmp_path, capfd, monkeypatch):
+    monkeypatch.delenv("MOE_LIGHTNING_TRACEBACK", raising=False)
     with pytest.raises(SystemExit) as exit_info:
         run(quick(tmp_path, "--model.init_args.config.top_k=abc"))
     assert exit_info.value.code == 2
-    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
-    assert lines[-1] == "error: model.config.top_k: Expected a <class 'int'>. Got value: abc"
+    lines = [line for line in capfd.readouterr().err.splitlines() if line.strip()]
+    assert lines == ["moe-lightning fit: error: model.config.top_k: Expected a <class 'int'>. Got value: abc "
+                     "(see moe-lightning fit --help)"]
 
 
 def test_invalid_data_value_ends_with_our_message(tmp_path):
