@@ -1,5 +1,6 @@
-"""In-process runs of MoEFSDPStrategy (one rank) leave torch.distributed initialised, as Lightning does; a later
-test that checks "nothing was set up" or sets up its own group would then see the leftover. Tear it down."""
+"""Process-wide state a test may leave behind, torn down after each: in-process runs of MoEFSDPStrategy (one rank)
+leave torch.distributed initialised, as Lightning does, and ``--traceback`` sets ``MOE_LIGHTNING_TRACEBACK`` for
+the whole process (a later test's refusal would then raise instead of printing its one line)."""
 
 import logging
 import os
@@ -14,6 +15,18 @@ def no_leftover_process_group():
     yield
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+@pytest.fixture(autouse=True)
+def traceback_variable_restored():
+    """``monkeypatch.delenv`` of an absent variable records nothing, so a ``--traceback`` set inside a test that
+    deleted it first would outlive the test; restore the variable here whatever the test did."""
+    before = os.environ.get("MOE_LIGHTNING_TRACEBACK")
+    yield
+    if before is None:
+        os.environ.pop("MOE_LIGHTNING_TRACEBACK", None)
+    else:
+        os.environ["MOE_LIGHTNING_TRACEBACK"] = before
 
 
 @pytest.fixture
