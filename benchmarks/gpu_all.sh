@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # Every GPU measurement of the project in one command, within one budget, ending in one table:
-#   bash benchmarks/gpu_all.sh [BUDGET_SECONDS]        # default 440 s; GPU_ALL_PARTS=paths,recipe runs only those
+#   bash benchmarks/gpu_all.sh [BUDGET_SECONDS]        # default 420 s; GPU_ALL_PARTS=paths,recipe runs only those
 #   bash benchmarks/gpu_all.sh --list                  # each part, its time box, the recipe's model (no GPU needed)
 #   bash benchmarks/gpu_all.sh --dry-run [BUDGET]      # every selected part with --dry-run, on CPU
 # Parts, in order (the path check first, then by value): see PARTS below. Each part gets min(its box, what is
 # left), prints its lines as they come and, as soon as it has it, one "figure: part | key number | target |
 # PASS/FAIL" line; a failure or time-out of one part is reported while the others still run.
 # Time: the boxes add up to 390 s; the machine facts and the Triton preflight take ~10-15 s (printed as
-# "start-up"), so a full run ends inside 440 s. A lease is 900 s of device time: a fresh machine's start (~60-120 s,
+# "start-up"), so a full run ends inside 420 s. A lease is 900 s of device time: a fresh machine's start (~60-120 s,
 # estimated from the device notes), this run, and a rerun of the failed parts on a fresh machine (idle > 30 s:
 # start again, then one part of <= 150 s) fit.
 # Files under $OUT (the device tool's output folder, else ./gpu_results), at most 8: gpu_all.md (machine facts,
@@ -28,7 +28,7 @@ while (($#)); do
     esac
     shift
 done
-budget=${1:-440}
+budget=${1:-420}
 
 # name|time box s|needs Triton|command|what it measures
 PARTS=(

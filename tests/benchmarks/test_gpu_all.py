@@ -66,7 +66,7 @@ def test_gpu_all_runs_every_part_reports_failures_in_one_table_and_exits_nonzero
     log = (tmp_path / "out" / "strategy.log").read_text().splitlines()
     assert json.loads(log[0])["box_s"] == 30  # told its time box
     boxes = [int(line.split("time box ")[1].split(" ")[0]) for line in done.stdout.splitlines() if "time box" in line]
-    assert sum(boxes) <= 440 - 40  # room for the start-up inside the 440 s budget
+    assert sum(boxes) <= 420 - 30  # room for the ~10-15 s start-up inside the 420 s budget
     # one table: the machine facts first, then a row per part (its figure, or why it has none)
     rows = table(done.stdout)
     assert rows[0] == "| part | key number | target | pass/fail | outcome |"
@@ -116,7 +116,7 @@ def test_gpu_all_list_prints_each_part_its_box_and_the_recipes_model_without_a_g
     assert lines[0].split()[1:3] == ["40", "s"]  # the path check's box
     recipe = next(line for line in lines if "recipe model:" in line)
     assert "6.33B parameters, 1.49B active" in recipe and "sequence 8192 x batch 2" in recipe
-    assert lines[-1].startswith("boxes: 390 s of a 440 s budget")
+    assert lines[-1].startswith("boxes: 390 s of a 420 s budget")
     assert not (tmp_path / "out").exists()  # nothing run, nothing written
 
 
@@ -199,6 +199,7 @@ module.run_child(0, Namespace(devices=1, warmup=1, steps=1, peak_flops=None), ti
 
 def test_gpu_strategy_reports_a_child_that_fails_with_its_error(gpu_strategy, monkeypatch):
     monkeypatch.setattr(gpu_strategy.sys, "executable", sys.executable)
+    monkeypatch.setenv("PYTHONPATH", str(REPO_ROOT))  # as gpu_all.sh exports it: the package need not be installed
     result = gpu_strategy.run_child(2, child_args(devices=0), timeout=120)  # Trainer rejects devices=0
     assert result["status"] == "failed" and result["exit"] != 0
     assert result["unshard_async_op"] is True and "devices" in result["stderr_tail"]
