@@ -13,8 +13,9 @@ FlexAttention ones last (a time-out there loses nothing before it):
   one at a time, bitwise;
 - ``all_to_all``: ``all_to_all_single`` on a one-rank NCCL group (gloo in the dry run);
 - ``flex_S`` / ``flex_S-1``: the compiled FlexAttention kernel at the recipe's MLA head dims, document-masked, at
-  S and S - 1 tokens (the multi-token prediction block's length before it was padded), forward and backward
-  against SDPA with the dense mask, and its ``AuxRequest(max_scores)`` maxima against ``exact_max_logits``. A
+  S tokens, and at S - 1 tokens through the S-token mask (multi-token prediction's first depth: zero-padded to S,
+  one kernel shape), forward and backward against SDPA with the dense mask of those tokens, and its
+  ``AuxRequest(max_scores)`` maxima (the padded rows dropped) against ``exact_max_logits``. A
   ratio near 1/ln 2 = 1.443 is torch 2.11's rescaling of ``max_scores``, named as such.
 Exit status 1 when any check failed. The last line is the part's figure for gpu_all.sh's table.
 """
@@ -161,23 +162,27 @@ def check_all_to_all(device: torch.device, store_path: Path) -> str:
     return f"{backend}, one rank, 12 elements round trip"
 
 
-def check_flex(device: torch.device, seq: int, heads: int, qk_dim: int, v_dim: int, tolerance: float) -> str:
-    """FlexAttention (compiled on CUDA) with its max scores, against SDPA with the dense mask and exact maxima."""
+def check_flex(device: torch.device, seq: int, heads: int, qk_dim: int, v_dim: int, tolerance: float,
+               mask_len: int | None = None) -> str:
+    """FlexAttention (compiled on CUDA) with its max scores, against SDPA with the dense mask and exact maxima;
+    ``mask_len``: the ``seq`` tokens attend through the first positions of a mask over that many."""
     cuda = device.type == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
     g = torch.Generator().manual_seed(seq)
-    tokens_BS = (torch.rand(1, seq, generator=g) < 1 / min(512, seq // 4)).long()  # 1 = end of document
+    mask_len = mask_len or seq
+    tokens_BS = (torch.rand(1, mask_len, generator=g) < 1 / min(512, seq // 4)).long()  # 1 = end of document
     doc_BS = document_ids(tokens_BS, 1).to(device)
     q, k, v = (torch.randn(1, heads, seq, d, generator=g).mul_(2).to(device, dtype).requires_grad_(cuda)
                for d in (qk_dim, qk_dim, v_dim))  # FlexAttention has no CPU backward: forward only there
     scale = qk_dim ** -0.5
     mask = DocumentMask(doc_BS, flex=True)
     out, max_logits_H = attend(q, k, v, mask, scale, return_max_logits=True)
+    doc_BS = doc_BS[:, :seq]
     ref = F.scaled_dot_product_attention(q, k, v, attn_mask=dense_mask(doc_BS, seq), scale=scale)
     grads = torch.autograd.grad(out, (q, k, v), torch.ones_like(out)) if cuda else ()
     ref_grads = torch.autograd.grad(ref, (q, k, v), torch.ones_like(ref)) if cuda else ()
     diff = max(relative_diff(a, b) for a, b in zip((out, *grads), (ref, *ref_grads)))
-    exact_H = exact_max_logits(q.detach(), k.detach(), mask, scale)
+    exact_H = exact_max_logits(q.detach(), k.detach(), DocumentMask(doc_BS, flex=False), scale)
     ratio = (max_logits_H / exact_H).median().item()
     logit_diff = relative_diff(max_logits_H, exact_H)
     problems = []
@@ -214,7 +219,7 @@ def main(argv: list[str] | None = None) -> dict[str, str]:
         "host_ns": lambda: check_host_ns(device),
         "all_to_all": lambda: check_all_to_all(device, store),
         "flex_S": lambda: check_flex(device, seq, heads, qk_dim, v_dim, 2e-2 if cuda else 1e-5),
-        "flex_S-1": lambda: check_flex(device, seq - 1, heads, qk_dim, v_dim, 2e-2 if cuda else 1e-5),
+        "flex_S-1": lambda: check_flex(device, seq - 1, heads, qk_dim, v_dim, 2e-2 if cuda else 1e-5, seq),
     }
     outcome = {}
     for name, check in checks.items():

@@ -100,6 +100,10 @@ class DocumentMask:
     queries (default ``T``) are the last of those positions, or (context parallelism) those at ``q_positions_S``
     of the global sequence. ``flex`` (default: on CUDA, for training or prefill or a context-parallel shard)
     builds FlexAttention's block mask, otherwise the exact boolean mask for SDPA is built.
+
+    A square mask also serves queries and keys of its first ``n < T`` positions (multi-token prediction's depth k
+    runs over ``T - k`` positions and reuses the main forward's mask): ``attend`` cuts the dense mask, and pads q,
+    k and v to ``T`` for FlexAttention, so its kernel and the block mask keep one static shape (no recompile).
     """
 
     def __init__(self, doc_kv_BT: torch.Tensor, q_len: int | None = None, flex: bool | None = None,
@@ -110,8 +114,13 @@ class DocumentMask:
             raise ValueError(f"DocumentMask(flex=True) needs q_len == T (training, prefill) or q_positions_S "
                              f"(a context-parallel shard); got {q_len} of {T}.")
         flex = doc_kv_BT.is_cuda and (q_len == T or q_positions_S is not None) if flex is None else flex
+        self.length = T  # key positions covered
         self.block_mask: BlockMask | None = document_block_mask(doc_kv_BT, q_positions_S) if flex else None
         self.dense_B1ST: torch.Tensor | None = None if flex else dense_mask(doc_kv_BT, q_len, q_positions_S)
+
+    def dense(self, q_len: int, kv_len: int) -> torch.Tensor:
+        """The boolean mask ``[B, 1, q_len, kv_len]``: all of it, or of a square mask its first positions."""
+        return self.dense_B1ST[:, :, :q_len, :kv_len]
 
 
 class SequenceShard:
@@ -154,18 +163,24 @@ class SequenceShard:
 
 
 def flex_attend(q_BHSK, k_BGSK, v_BGSV, block_mask: BlockMask, scale: float | None,
-                return_max_logits: bool = False):
+                return_max_logits: bool = False, length: int | None = None):
     """FlexAttention with a block mask; compiled on CUDA (fused kernel), eager elsewhere (tests).
 
     ``return_max_logits``: also the largest scaled, unmasked score per query head ``[H]`` (fp32), which the
-    kernel tracks anyway for its online softmax (``AuxRequest(max_scores=True)``: no second pass)."""
+    kernel tracks anyway for its online softmax (``AuxRequest(max_scores=True)``: no second pass).
+    ``length``: the square block mask's positions when q, k and v hold only its first ``S`` (multi-token
+    prediction): they are zero-padded to it, and the padded rows dropped from the output and the maxima (a real
+    query never sees a padded key: they lie in its future)."""
     kernel = _compiled_on_cuda(flex_attention, _flex_attention_compiled, q_BHSK.device)
     gqa = q_BHSK.shape[1] != k_BGSK.shape[1]
+    S, padding = q_BHSK.shape[2], 0 if length is None else length - k_BGSK.shape[2]
+    if padding:  # the first S positions of a square mask: S queries over S keys
+        q_BHSK, k_BGSK, v_BGSV = (F.pad(t, (0, 0, 0, padding)) for t in (q_BHSK, k_BGSK, v_BGSV))
     if not return_max_logits:
-        return kernel(q_BHSK, k_BGSK, v_BGSV, block_mask=block_mask, scale=scale, enable_gqa=gqa)
+        return kernel(q_BHSK, k_BGSK, v_BGSV, block_mask=block_mask, scale=scale, enable_gqa=gqa)[:, :, :S]
     out_BHSV, aux = kernel(q_BHSK, k_BGSK, v_BGSV, block_mask=block_mask, scale=scale, enable_gqa=gqa,
                            return_aux=AuxRequest(max_scores=True))
-    return out_BHSV, aux.max_scores.float().amax(dim=(0, 2))
+    return out_BHSV[:, :, :S], aux.max_scores[:, :, :S].float().amax(dim=(0, 2))
 
 
 @torch.no_grad()
@@ -179,7 +194,7 @@ def exact_max_logits(q_BHSK: torch.Tensor, k_BGTK: torch.Tensor, mask: DocumentM
     q_BGRSK = q_BHSK.float().view(B, G, H // G, S, K)  # query head g * H/G + r reads key head g
     scores_BGRST = q_BGRSK @ k_BGTK.float().transpose(-1, -2)[:, :, None] * scale
     if mask is not None and mask.dense_B1ST is not None:
-        visible_B1ST = mask.dense_B1ST
+        visible_B1ST = mask.dense(S, T)
     elif mask is not None:  # FlexAttention's block mask: evaluate its predicate at every position
         visible_B1ST = create_mask(mask.block_mask.mask_mod, B, 1, S, T, device=q_BHSK.device)
     else:
@@ -213,7 +228,7 @@ def attend(q_BHSK: torch.Tensor, k_BGTK: torch.Tensor, v_BGTV: torch.Tensor, mas
     dtype = autocast_dtype(v_BGTV)  # is_autocast_enabled/get_autocast_dtype(device) exist since torch 2.4
     q_BHSK, k_BGTK, v_BGTV = q_BHSK.to(dtype), k_BGTK.to(dtype), v_BGTV.to(dtype)
     if mask is not None and mask.block_mask is not None:
-        return flex_attend(q_BHSK, k_BGTK, v_BGTV, mask.block_mask, scale)
+        return flex_attend(q_BHSK, k_BGTK, v_BGTV, mask.block_mask, scale, length=mask.length)
     if S < T:
         mask_B1ST = None if mask is None and S == 1 else (
             mask.dense_B1ST if mask is not None else dense_mask(k_BGTK.new_zeros(B, T, dtype=torch.long), S))
@@ -225,7 +240,7 @@ def attend(q_BHSK: torch.Tensor, k_BGTK: torch.Tensor, v_BGTV: torch.Tensor, mas
     gqa = H != G
     if mask is None:
         return F.scaled_dot_product_attention(q_BHSK, k_BGTK, v_BGTV, is_causal=True, scale=scale, enable_gqa=gqa)
-    return F.scaled_dot_product_attention(q_BHSK, k_BGTK, v_BGTV, attn_mask=mask.dense_B1ST, scale=scale,
+    return F.scaled_dot_product_attention(q_BHSK, k_BGTK, v_BGTV, attn_mask=mask.dense(S, T), scale=scale,
                                           enable_gqa=gqa)
 
 
@@ -236,9 +251,10 @@ def _attend_with_max_logits(q_BHSK, k_BGTK, v_BGTV, mask: DocumentMask | None, s
                          f"shard's mask); got {S} queries after {T - S} cached keys.")
     dtype = autocast_dtype(v_BGTV)
     q_BHSK, k_BGTK, v_BGTV = q_BHSK.to(dtype), k_BGTK.to(dtype), v_BGTV.to(dtype)
-    if q_BHSK.is_cuda and (mask is None or mask.block_mask is not None):
-        block_mask = causal_block_mask(T, q_BHSK.device) if mask is None else mask.block_mask
-        return flex_attend(q_BHSK, k_BGTK, v_BGTV, block_mask, scale, return_max_logits=True)
+    if q_BHSK.is_cuda and mask is None:
+        return flex_attend(q_BHSK, k_BGTK, v_BGTV, causal_block_mask(T, q_BHSK.device), scale, return_max_logits=True)
+    if q_BHSK.is_cuda and mask.block_mask is not None:
+        return flex_attend(q_BHSK, k_BGTK, v_BGTV, mask.block_mask, scale, return_max_logits=True, length=mask.length)
     return attend(q_BHSK, k_BGTK, v_BGTV, mask, scale), exact_max_logits(q_BHSK, k_BGTK, mask, scale)
 
 

@@ -116,13 +116,17 @@ class MoETransformer(nn.Module):
                           sequence_shard=shard)
         h_BSD = self.norm(h_BSD)
         if mtp:
-            return self._multi_token_hidden(tokens_BS, emb_BSD, h_BSD, shifted_emb)
+            if mask is None and positions_S is None and tokens_BS.is_cuda:  # FlexAttention's static shape for the depths
+                mask = DocumentMask(tokens_BS.new_zeros(B, S))
+            return self._multi_token_hidden(tokens_BS, emb_BSD, h_BSD, shifted_emb, mask)
         return h_BSD if return_hidden else self.output(h_BSD)
 
     def _multi_token_hidden(self, tokens_BS: torch.Tensor, emb_BSD: torch.Tensor, h_BSD: torch.Tensor,
-                            shifted_emb: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+                            shifted_emb: list[torch.Tensor] | None, mask: DocumentMask | None) -> list[torch.Tensor]:
         """``[h^0, ..., h^D]``: depth k pairs ``h^{k-1}`` at positions ``0..S-k-1`` with the embeddings of
-        ``t[k..S-1]``; its blocks attend causally (within documents) over those ``S - k`` positions.
+        ``t[k..S-1]``; its blocks attend causally (within documents) over those ``S - k`` positions, through the
+        main forward's ``mask`` of all ``S`` (its first ``S - k``: on CUDA FlexAttention keeps one shape, so no
+        depth recompiles its kernel or builds a mask of its own).
 
         Under a context-parallel shard each depth keeps this rank's positions below ``S - k`` (the first rows of
         its ``h^{k-1}``: the positions cut off are its largest) and the shard of the first ``S - k`` positions
@@ -136,7 +140,6 @@ class MoETransformer(nn.Module):
             shard = self.sequence_shard.truncated(S, n)
             positions_S = shard.positions(n, tokens_BS.device)
             if positions_S is None:
-                mask = None if doc_BS is None else DocumentMask(doc_BS[:, :n])
                 hidden.append(module(hidden[-1][:, :n], emb_BSD[:, k:], mask=mask, cache=None,
                                      cos_sin=self.rotary.cos_sin(0, n, device=tokens_BS.device)))
                 continue

@@ -326,3 +326,61 @@ def test_chunked_sum_reduction_equals_cross_entropy_sum_and_is_zero_when_nothing
     assert nothing.item() == 0 and h.grad.abs().max() == 0
     with pytest.raises(ValueError, match=r"reduction='none': use 'mean' or 'sum'"):
         chunked_cross_entropy(h, w, targets, 7, reduction="none")
+
+
+def test_on_the_flex_path_every_depth_attends_at_the_main_length_through_one_block_mask(monkeypatch):
+    """The CUDA path (FlexAttention; eager here, forward only: CPU FlexAttention has no backward): each depth's
+    ``S - k`` positions are zero-padded to ``S`` and attend through the main forward's block mask, so the compiled
+    kernel and the mask keep one static shape (was: a mask and a kernel shape per depth, which recompiled with
+    dynamic shapes). Its outputs equal the dense CPU path's, which the float64 equations above check."""
+    from moe_lightning.model import attention, transformer
+    model = module_for(config("moe")).model
+    tokens = batch()[:, :-1]
+    with torch.no_grad():
+        dense = model(tokens, mtp=True)
+        lengths, masks = [], []
+        kernel, build = attention.flex_attention, attention.create_block_mask
+        monkeypatch.setattr(attention, "flex_attention",
+                            lambda q, *args, **kwargs: lengths.append(q.shape[2]) or kernel(q, *args, **kwargs))
+        monkeypatch.setattr(attention, "create_block_mask", lambda *args, **kwargs: masks.append(args[3:5]) or
+                            build(*args, **kwargs))
+        monkeypatch.setattr(transformer, "DocumentMask", partial(attention.DocumentMask, flex=True))
+        flex = model(tokens, mtp=True)
+    S = tokens.shape[1]
+    assert lengths == [S] * (model.config.n_layers + model.config.mtp_layers) and masks == [(S, S)]
+    assert [h.shape[1] for h in flex] == [S, S - 1, S - 2]
+    for flex_h, dense_h in zip(flex, dense):
+        torch.testing.assert_close(flex_h, dense_h, rtol=1e-5, atol=1e-5)  # two fp32 kernels' orders of sums
+
+
+def test_padded_rows_never_reach_the_qk_clip_maxima(monkeypatch):
+    """QK-clip's maxima on the flex path come from the kernel's per-row ``max_scores``; a zero-padded query row
+    scores 0 against every key it sees, which would beat logits that are all negative. Only the real rows count.
+    CPU FlexAttention has no ``max_scores``: a stand-in kernel returns them from the dense scores, padded rows
+    included, as the CUDA kernel does."""
+    from types import SimpleNamespace
+
+    from torch.nn.attention.flex_attention import create_mask, flex_attention
+
+    from moe_lightning.model import attention
+
+    def kernel(q, k, v, block_mask, scale, enable_gqa, return_aux=None):
+        out = flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa)
+        B, H, L, _ = q.shape
+        scores = q @ k.repeat_interleave(H // k.shape[1], 1).transpose(-1, -2) * scale
+        visible = create_mask(block_mask.mask_mod, B, 1, L, L)
+        return out, SimpleNamespace(max_scores=scores.masked_fill(~visible, float("-inf")).amax(-1))
+
+    monkeypatch.setattr(attention, "flex_attention", kernel)
+    tokens = batch()[:, :-1]
+    doc_BS, n = attention.document_ids(tokens, EOD), tokens.shape[1] - 2
+    g = torch.Generator().manual_seed(1)
+    q = torch.rand(2, 4, n, 8, generator=g) + 0.5  # every logit negative: q > 0, k < 0
+    k, v = -torch.rand(2, 2, n, 8, generator=g) - 0.5, torch.randn(2, 2, n, 8, generator=g)
+    full = attention.DocumentMask(doc_BS, flex=True)
+    out, max_logits = attention.flex_attend(q, k, v, full.block_mask, 0.5, return_max_logits=True, length=full.length)
+    own = attention.DocumentMask(doc_BS[:, :n])
+    expected = attention.exact_max_logits(q, k, own, 0.5)
+    assert (expected < -1).all()
+    torch.testing.assert_close(max_logits, expected, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(out, attention.attend(q, k, v, own, 0.5), rtol=1e-5, atol=1e-5)
