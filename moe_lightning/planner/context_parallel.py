@@ -18,30 +18,7 @@ sequences is shared by the N ranks of a group.
 """
 
 from moe_lightning.model import MoEConfig
-from moe_lightning.parallel.context_parallel import check_sequence_length
 from moe_lightning.planner.flops import attended_pairs, attention_flops_per_pair
-
-
-def check(config: MoEConfig, cp: int, shard_size: int, gpus_per_node: int, seq_len: int) -> None:
-    """What the strategy refuses (``parallel/parallelize.py``), refused here first, one line naming the field and
-    the fix: sizes, and the model features not yet split over a CP group."""
-    if not isinstance(cp, int) or isinstance(cp, bool) or cp < 1:
-        raise ValueError(f"--context-parallel-size={cp!r} (strategy.context_parallel_size): must be a positive "
-                         "integer (1: no context parallelism).")
-    if shard_size % cp:
-        working = [n for n in range(1, shard_size + 1) if shard_size % n == 0 and n <= gpus_per_node]
-        raise ValueError(f"--context-parallel-size={cp} (strategy.context_parallel_size) must divide the shard size "
-                         f"{shard_size} (CP ranks are FSDP shard ranks): choose it from {working}.")
-    check_sequence_length(seq_len, cp)
-    if cp > 1 and config.mtp_layers:
-        raise ValueError(f"context_parallel_size={cp} with model.init_args.config.mtp_layers={config.mtp_layers}: "
-                         "the strategy refuses multi-token prediction under context parallelism; set mtp_layers to 0 "
-                         "or context_parallel_size to 1.")
-    if cp > 1 and config.aux_loss_coef > 0:
-        raise ValueError(f"context_parallel_size={cp} with model.init_args.config.aux_loss_coef="
-                         f"{config.aux_loss_coef}: the strategy refuses the sequence-level balancing loss under context "
-                         "parallelism; set aux_loss_coef to 0 (the aux-loss-free bias balances experts) or "
-                         "context_parallel_size to 1.")
 
 
 def key_width(config: MoEConfig) -> int:

@@ -79,7 +79,9 @@ from moe_lightning.optim.grouping import parameter_roles
 from moe_lightning.optim.host_staging import staging_bytes
 from moe_lightning.optim.muon_groups import MUON_ROLES
 from moe_lightning.parallel import MeshLayout
+from moe_lightning.parallel.parallelize import resolve_layout
 from moe_lightning.parallel.units import Unit, fsdp_units
+from moe_lightning.run.refusals import CommandParser
 
 GiB = 2**30
 EP_OVERLAP_CHUNKS = 1  # MoEFSDPStrategy's default ep_overlap_chunks (the planner cannot import training/)
@@ -206,14 +208,13 @@ def staged_muon_shapes(config: MoEConfig, mesh: MeshLayout) -> list[tuple[int, .
 
 def plan(config: MoEConfig, cluster: Cluster, work: Workload) -> dict:
     """Parameters, FLOPs, per-GPU memory (without and with activation offload), fit and throughput."""
-    mesh = MeshLayout.resolve(cluster.world_size, cluster.replicate_size, cluster.shard_size or "auto",
-                              cluster.expert_parallel_size, config.num_experts)
+    cp = cluster.context_parallel_size
+    mesh = resolve_layout(cluster.world_size, cluster.replicate_size, cluster.shard_size or "auto",
+                          cluster.expert_parallel_size, cp, config, work.seq_len)  # the strategy's own refusals
     roles, units = count_parameters(config, expert_parallel=mesh.ep > 1)
     total = sum(roles.values())
     counts = parameter_counts(config)
     active = counts["active"]
-    cp = cluster.context_parallel_size
-    context_parallel.check(config, cp, mesh.shard, cluster.gpus_per_node, work.seq_len)
     S, tokens = mesh.shard, work.micro_batch * work.seq_len // cp  # this GPU's positions
     muon = sum(roles.get(r, 0) for r in MUON_ROLES) if work.optimizer == "muon" else 0
 
@@ -232,8 +233,12 @@ def plan(config: MoEConfig, cluster: Cluster, work: Workload) -> dict:
     loss_set = 12 * V * tokens if work.loss_chunk is None else \
         8 * V * min(work.loss_chunk, tokens) + 6 * V * config.dim
 
+    # under CP a block's backward also makes the key side's gradient over the whole sequence (dk, dv, the
+    # up-projection's and the latent's): one gradient per kept key-side tensor, an upper bound on its peak
+    key_grad = key_side if cp > 1 else 0
     transient = {"block recompute working set": working_set} if cp == 1 else {
-        "block recompute working set": working_set - key_side, "key side, whole sequence (CP)": key_side}
+        "block recompute working set": working_set - key_side, "key side, whole sequence (CP)": key_side,
+        "key side gradient (CP backward)": key_grad}
     transient |= {
         "loss working set": loss_set,
         "all-gather buffers (bf16)": (1 + work.prefetch_depth) * 2 * unit + 2 * root,
@@ -262,7 +267,7 @@ def plan(config: MoEConfig, cluster: Cluster, work: Workload) -> dict:
                                                                              offload and work.offload_mtp)
         gpu.update(transient)
         # the block's working set and its exchange never coexist with the loss's
-        peak = sum(gpu.values()) - min(working_set + exchange_buffers, loss_set)
+        peak = sum(gpu.values()) - min(working_set + key_grad + exchange_buffers, loss_set)
         host_rows = {}
         if work.cpu_offload:  # parameters and gradients pinned, a power-of-two block per shard; the state pageable
             optimizer_row = f"optimizer state ({work.optimizer})"
@@ -426,7 +431,7 @@ def planned_inputs(args: argparse.Namespace, config: MoEConfig) -> dict[str, tup
 
 
 def main(argv: list[str]) -> None:
-    parser = argparse.ArgumentParser(prog="moe-lightning plan", description=__doc__.split("\n")[0],
+    parser = CommandParser(prog="moe-lightning plan", description=__doc__.split("\n")[0],
                                      epilog="Flags without a default here take the config's value.")
     parser.add_argument("--config", required=True, action="append", help="LightningCLI YAML with "
                         "model.init_args.config; given again, the files compose as in fit (later ones override)")

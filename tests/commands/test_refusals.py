@@ -133,11 +133,11 @@ def test_traceback_flag_or_environment_shows_the_stack(tmp_path, monkeypatch, ca
     assert "error" not in capfd.readouterr().err
 
 
-def test_plan_refusal_ends_in_its_one_line(tmp_path, capfd):
-    """plan's parser (planner/plan.py) still prints argparse's usage above the error line; its last line is the
-    refusal. (``run.refusals.CommandParser`` makes it one line once plan uses it.)"""
+def test_plan_refusal_is_one_line(tmp_path, capfd):
+    """Was: plan's argparse printed its usage above the error line."""
     status, lines = refused(capfd, ["plan", "--config", str(tmp_path / "gone.yaml")])
-    assert status == 2 and lines[-1].startswith("moe-lightning plan: error: ")
+    assert status == 2 and len(lines) == 1 and lines[0].startswith("moe-lightning plan: error: ")
+    assert "gone.yaml" in lines[0]
 
 
 @pytest.mark.parametrize("world_size, status, kept", [(2, "RUNNING", True), (2, "INITIALIZING", False),

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from moe_lightning.model import MoEConfig, mla
 from moe_lightning.model import attention as attention_module
 from moe_lightning.model.attention import SequenceShard
-from moe_lightning.planner.activations import block_working_set_bytes, key_side_bytes
+from moe_lightning.planner.activations import block_working_set_bytes, key_side_bytes, mtp_activation_bytes
 from moe_lightning.planner.plan import GiB, Cluster, Workload, main, plan
 from moe_lightning.planner.run_config import load_model_config
 from tests.planner.test_block_memory import GQA, MLA, make_block
@@ -100,6 +100,7 @@ def test_1t_128k_figures_by_hand():
     rows = result["memory"]["with_offload"]["gpu_bytes"]
     # the whole sequence's assembled keys 2H(128+64), up-projected keys and values 2H(128+128), gathered C + R
     assert rows["key side, whole sequence (CP)"] == S * (2 * H * 192 + 2 * H * 256 + 2 * 576)
+    assert rows["key side gradient (CP backward)"] == rows["key side, whole sequence (CP)"]  # 14.14 GiB
     # the MoE block's per-local-token bytes (attention 220,044 and MoE half 218,876 at CP 1, both measured in
     # benchmarks/block_memory.py at 1t.yaml) less the key side kept per token at CP 1, 2H(192) + 2H(256) + 2C, and
     # less the balance loss's 4-byte normaliser (aux_loss_coef is 0 here)
@@ -157,15 +158,34 @@ def test_key_width_on_the_wire():
 
 
 @pytest.mark.parametrize("flag, message", [
-    (["--context-parallel-size", "5"], "--context-parallel-size=5 (strategy.context_parallel_size) must divide the "
-                                       "shard size 384"),
+    (["--context-parallel-size", "5"], "strategy.context_parallel_size=5 must divide strategy.shard_size=384 (a "
+     "context-parallel group is folded into the shard ranks, so it also divides the world): choose it from [1, 2, 3, "
+     "4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 384]"),  # every divisor, those wider than a node too
     (["--context-parallel-size", "0"], "must be a positive integer"),
     (["--context-parallel-size", "4", "--seq-len", "131068"], "not a multiple of 8"),
     (["--config", str(REPO_ROOT / "configs" / "1t.yaml"), "--context-parallel-size", "2"],
-     "context_parallel_size=2 with model.init_args.config.aux_loss_coef=0.0001: the strategy refuses"),
+     "strategy.context_parallel_size=2 with model.config.aux_loss_coef=0.0001: the sequence-level balancing loss"),
 ])
-def test_bad_context_parallel_sizes_are_one_line(flag, message, capsys):
+def test_bad_context_parallel_sizes_are_the_strategys_refusals_in_one_line(flag, message, capsys):
+    """plan checks the layout with the strategy's own ``resolve_layout``: what fit would refuse, in its words."""
     with pytest.raises(SystemExit):
         main(["--config", ONE_T_128K, *GH200, *flag])
     err = capsys.readouterr().err.strip().splitlines()
-    assert message in err[-1]
+    assert len(err) == 1 and message in err[0]
+
+
+def test_multi_token_prediction_under_cp_is_priced_and_only_z_loss_with_it_refused(tmp_path, capsys):
+    """The strategy splits MTP's depths over a CP group (only z-loss with MTP is refused), so plan prices them:
+    their activations at the local tokens, their attention layers in the exchange."""
+    with_mtp = tmp_path / "mtp.yaml"
+    with_mtp.write_text("model:\n  init_args:\n    config:\n      mtp_layers: 1\n")
+    result = main_json(["--config", ONE_T_128K, "--config", str(with_mtp), *GH200])
+    config = load_model_config([ONE_T_128K, str(with_mtp)])
+    rows = result["memory"]["with_offload"]["gpu_bytes"]
+    assert rows["multi-token prediction activations"] == mtp_activation_bytes(config, 32768, checkpointed=True)
+    assert result["cp_exchange"]["layers"] == 62
+    z_loss = tmp_path / "z.yaml"
+    z_loss.write_text("model:\n  init_args:\n    config:\n      z_loss_coef: 0.001\n")
+    with pytest.raises(SystemExit):
+        main(["--config", ONE_T_128K, "--config", str(with_mtp), "--config", str(z_loss), *GH200])
+    assert "mtp_layers=1 and z_loss_coef=0.001" in capsys.readouterr().err
