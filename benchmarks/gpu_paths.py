@@ -15,7 +15,8 @@ FlexAttention ones last (a time-out there loses nothing before it):
 - ``flex_S`` / ``flex_S-1``: the compiled FlexAttention kernel at the recipe's MLA head dims, document-masked, at
   S tokens, and at S - 1 tokens through the S-token mask (multi-token prediction's first depth: zero-padded to S,
   one kernel shape), forward and backward against SDPA with the dense mask of those tokens, and its
-  ``AuxRequest(max_scores)`` maxima (the padded rows dropped) against ``exact_max_logits``. A
+  ``AuxRequest(max_scores)`` maxima (the padded rows dropped) against ``exact_max_logits``; each line says how
+  many graphs it compiled (S - 1 after S: 0 expected, the padded call reuses the kernel). A
   ratio near 1/ln 2 = 1.443 is torch 2.11's rescaling of ``max_scores``, named as such.
 Exit status 1 when any check failed. The last line is the part's figure for gpu_all.sh's table.
 """
@@ -170,13 +171,16 @@ def check_flex(device: torch.device, seq: int, heads: int, qk_dim: int, v_dim: i
     dtype = torch.bfloat16 if cuda else torch.float32
     g = torch.Generator().manual_seed(seq)
     mask_len = mask_len or seq
-    tokens_BS = (torch.rand(1, mask_len, generator=g) < 1 / min(512, seq // 4)).long()  # 1 = end of document
+    tokens_BS = (torch.rand(1, mask_len, generator=g) < 1 / min(512, mask_len // 4)).long()  # 1 = end of document
     doc_BS = document_ids(tokens_BS, 1).to(device)
-    q, k, v = (torch.randn(1, heads, seq, d, generator=g).mul_(2).to(device, dtype).requires_grad_(cuda)
-               for d in (qk_dim, qk_dim, v_dim))  # FlexAttention has no CPU backward: forward only there
+    # laid out as the model passes them ([B, S, H, D] transposed), so a padded call meets the compiled layout
+    q, k, v = (torch.randn(1, seq, heads, d, generator=g).mul_(2).to(device, dtype).transpose(1, 2)
+               .requires_grad_(cuda) for d in (qk_dim, qk_dim, v_dim))  # no CPU backward: forward only there
     scale = qk_dim ** -0.5
     mask = DocumentMask(doc_BS, flex=True)
+    graphs_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     out, max_logits_H = attend(q, k, v, mask, scale, return_max_logits=True)
+    compiled = torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs_before
     doc_BS = doc_BS[:, :seq]
     ref = F.scaled_dot_product_attention(q, k, v, attn_mask=dense_mask(doc_BS, seq), scale=scale)
     grads = torch.autograd.grad(out, (q, k, v), torch.ones_like(out)) if cuda else ()
@@ -196,7 +200,7 @@ def check_flex(device: torch.device, seq: int, heads: int, qk_dim: int, v_dim: i
     if problems:
         raise AssertionError("; ".join(problems))
     return (f"{dtype}{'' if cuda else ' (forward only: no CPU backward)'}, {heads} heads, qk {qk_dim} / v {v_dim}, {int(tokens_BS.sum()) + 1} documents: vs SDPA "
-            f"{diff:.1e}, max logits ratio {ratio:.4f}")
+            f"{diff:.1e}, max logits ratio {ratio:.4f}, {compiled} new compiled graph(s)")
 
 
 def main(argv: list[str] | None = None) -> dict[str, str]:

@@ -19,9 +19,10 @@ def no_leftover_process_group():
 
 @pytest.fixture(autouse=True)
 def traceback_variable_restored():
-    """``monkeypatch.delenv`` of an absent variable records nothing, so a ``--traceback`` set inside a test that
-    deleted it first would outlive the test; restore the variable here whatever the test did."""
-    before = os.environ.get("MOE_LIGHTNING_TRACEBACK")
+    """Each test starts without the variable (a developer's exported one would turn the one-line refusals the
+    tests read into tracebacks) and it is restored afterwards, whatever the test did: ``monkeypatch.delenv`` of an
+    absent variable records nothing, so a ``--traceback`` set inside a test would otherwise outlive it."""
+    before = os.environ.pop("MOE_LIGHTNING_TRACEBACK", None)
     yield
     if before is None:
         os.environ.pop("MOE_LIGHTNING_TRACEBACK", None)

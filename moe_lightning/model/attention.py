@@ -174,13 +174,30 @@ def flex_attend(q_BHSK, k_BGSK, v_BGSV, block_mask: BlockMask, scale: float | No
     kernel = _compiled_on_cuda(flex_attention, _flex_attention_compiled, q_BHSK.device)
     gqa = q_BHSK.shape[1] != k_BGSK.shape[1]
     S, padding = q_BHSK.shape[2], 0 if length is None else length - k_BGSK.shape[2]
-    if padding:  # the first S positions of a square mask: S queries over S keys
-        q_BHSK, k_BGSK, v_BGSV = (F.pad(t, (0, 0, 0, padding)) for t in (q_BHSK, k_BGSK, v_BGSV))
+    if padding < 0 or padding and S != k_BGSK.shape[2]:
+        raise ValueError(f"flex_attend(length={length}) pads the first positions of a square mask; got {S} queries "
+                         f"over {k_BGSK.shape[2]} keys.")
+    if padding:
+        q_BHSK, k_BGSK, v_BGSV = (_padded_rows(t, length) for t in (q_BHSK, k_BGSK, v_BGSV))
     if not return_max_logits:
         return kernel(q_BHSK, k_BGSK, v_BGSV, block_mask=block_mask, scale=scale, enable_gqa=gqa)[:, :, :S]
     out_BHSV, aux = kernel(q_BHSK, k_BGSK, v_BGSV, block_mask=block_mask, scale=scale, enable_gqa=gqa,
                            return_aux=AuxRequest(max_scores=True))
     return out_BHSV[:, :, :S], aux.max_scores[:, :, :S].float().amax(dim=(0, 2))
+
+
+def _padded_rows(t_BHTK: torch.Tensor, length: int) -> torch.Tensor:
+    """``t`` with zero rows appended along dim 2 up to ``length``, with the strides a ``length``-row tensor made the
+    same way has (the main forward's q, k and v: transposed views, MLA's value a split view): the compiled kernel
+    then meets the layout it was compiled for and does not recompile. Strides of the dims outside the rows grow
+    with them; the others stay."""
+    T, row = t_BHTK.shape[2], t_BHTK.stride(2)
+    strides = [stride // T * length if stride > row else stride for stride in t_BHTK.stride()]
+    padded = torch.empty_strided((*t_BHTK.shape[:2], length, *t_BHTK.shape[3:]), strides, dtype=t_BHTK.dtype,
+                                 device=t_BHTK.device)
+    padded[:, :, T:].zero_()
+    padded[:, :, :T] = t_BHTK
+    return padded
 
 
 @torch.no_grad()
@@ -251,8 +268,10 @@ def _attend_with_max_logits(q_BHSK, k_BGTK, v_BGTV, mask: DocumentMask | None, s
                          f"shard's mask); got {S} queries after {T - S} cached keys.")
     dtype = autocast_dtype(v_BGTV)
     q_BHSK, k_BGTK, v_BGTV = q_BHSK.to(dtype), k_BGTK.to(dtype), v_BGTV.to(dtype)
-    if q_BHSK.is_cuda and mask is None:
-        return flex_attend(q_BHSK, k_BGTK, v_BGTV, causal_block_mask(T, q_BHSK.device), scale, return_max_logits=True)
+    if q_BHSK.is_cuda and mask is None:  # rows rounded up to FlexAttention's 128-row blocks: MTP's S - k reuse S's
+        length = -(-T // 128) * 128
+        return flex_attend(q_BHSK, k_BGTK, v_BGTV, causal_block_mask(length, q_BHSK.device), scale,
+                           return_max_logits=True, length=length)
     if q_BHSK.is_cuda and mask.block_mask is not None:
         return flex_attend(q_BHSK, k_BGTK, v_BGTV, mask.block_mask, scale, return_max_logits=True, length=mask.length)
     return attend(q_BHSK, k_BGTK, v_BGTV, mask, scale), exact_max_logits(q_BHSK, k_BGTK, mask, scale)

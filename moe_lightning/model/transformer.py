@@ -116,8 +116,6 @@ class MoETransformer(nn.Module):
                           sequence_shard=shard)
         h_BSD = self.norm(h_BSD)
         if mtp:
-            if mask is None and positions_S is None and tokens_BS.is_cuda:  # FlexAttention's static shape for the depths
-                mask = DocumentMask(tokens_BS.new_zeros(B, S))
             return self._multi_token_hidden(tokens_BS, emb_BSD, h_BSD, shifted_emb, mask)
         return h_BSD if return_hidden else self.output(h_BSD)
 
@@ -125,15 +123,15 @@ class MoETransformer(nn.Module):
                             shifted_emb: list[torch.Tensor] | None, mask: DocumentMask | None) -> list[torch.Tensor]:
         """``[h^0, ..., h^D]``: depth k pairs ``h^{k-1}`` at positions ``0..S-k-1`` with the embeddings of
         ``t[k..S-1]``; its blocks attend causally (within documents) over those ``S - k`` positions, through the
-        main forward's ``mask`` of all ``S`` (its first ``S - k``: on CUDA FlexAttention keeps one shape, so no
-        depth recompiles its kernel or builds a mask of its own).
+        main forward's ``mask`` of all ``S`` (its first ``S - k``: on CUDA FlexAttention keeps one shape and
+        layout, so no depth recompiles its kernel or builds a mask of its own; without document masking SDPA's
+        causal kernel runs, or with QK-clip a causal FlexAttention rounded up to 128-row blocks).
 
         Under a context-parallel shard each depth keeps this rank's positions below ``S - k`` (the first rows of
         its ``h^{k-1}``: the positions cut off are its largest) and the shard of the first ``S - k`` positions
         exchanges the key side (``SequenceShard.truncated``); ``shifted_emb[k - 1]``: the embeddings of the tokens
         k ahead of those positions."""
         B, S = tokens_BS.shape
-        doc_BS = document_ids(tokens_BS, self.config.eod_token_id) if self.config.document_masking else None
         hidden = [h_BSD]
         for k, module in enumerate(self.mtp, start=1):
             n = S - k
@@ -143,7 +141,8 @@ class MoETransformer(nn.Module):
                 hidden.append(module(hidden[-1][:, :n], emb_BSD[:, k:], mask=mask, cache=None,
                                      cos_sin=self.rotary.cos_sin(0, n, device=tokens_BS.device)))
                 continue
-            doc_BT = doc_BS[:, :n] if doc_BS is not None else tokens_BS.new_zeros(B, n)
+            doc_BT = document_ids(tokens_BS[:, :n], self.config.eod_token_id) if self.config.document_masking \
+                else tokens_BS.new_zeros(B, n)
             hidden.append(module(hidden[-1][:, :len(positions_S)], shifted_emb[k - 1],
                                  mask=DocumentMask(doc_BT, q_positions_S=positions_S), cache=None,
                                  cos_sin=self.rotary.cos_sin_at(positions_S), sequence_shard=shard))

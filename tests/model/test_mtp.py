@@ -384,3 +384,48 @@ def test_padded_rows_never_reach_the_qk_clip_maxima(monkeypatch):
     assert (expected < -1).all()
     torch.testing.assert_close(max_logits, expected, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(out, attention.attend(q, k, v, own, 0.5), rtol=1e-5, atol=1e-5)
+
+
+def test_padded_depths_meet_the_compiled_kernel_in_its_layout_and_pass_gradients_back(monkeypatch):
+    """The main forward's q, k and v are transposed views (MLA's value a split view); padded copies with other
+    strides would make the compiled kernel recompile once (dynamo guards on strides). A counting compile backend
+    stands in for Inductor: the main call and two padded depths make one graph. Backward through the padding: a
+    stand-in kernel (SDPA with the block mask's predicate, as CPU FlexAttention has no backward) gives each depth
+    the gradients of attending over its own positions alone."""
+    from torch.nn.attention.flex_attention import create_mask, flex_attention
+
+    from moe_lightning.model import attention
+    graphs = []
+    monkeypatch.setattr(attention, "flex_attention", torch.compile(
+        flex_attention, backend=lambda gm, example_inputs: graphs.append(gm) or gm.forward))
+    B, S, H, N, V = 1, 256, 2, 16, 8
+    g = torch.Generator().manual_seed(3)
+    tokens = torch.randint(0, EOD, (B, S), generator=g)
+    tokens[0, [40, 130, 200]] = EOD
+    doc_BS = attention.document_ids(tokens, EOD)
+    mask = attention.DocumentMask(doc_BS, flex=True)
+
+    def model_layout(n):  # as MLA makes them: q a transposed view, v a split view of the up-projection
+        kv_BTHX = torch.randn(B, n, H, N + V, generator=g)
+        k_BTHN, v_BTHV = kv_BTHX.split([N, V], -1)
+        return (torch.randn(B, n, H, N, generator=g).transpose(1, 2), k_BTHN.contiguous().transpose(1, 2),
+                v_BTHV.transpose(1, 2))
+    torch._dynamo.reset()
+    with torch.no_grad():
+        for n in (S, S - 1, S - 2):
+            attention.flex_attend(*model_layout(n), mask.block_mask, 0.25, length=mask.length)
+    assert len(graphs) == 1
+
+    def stand_in(q, k, v, block_mask, scale, enable_gqa):
+        visible = create_mask(block_mask.mask_mod, q.shape[0], 1, q.shape[2], k.shape[2])
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=scale)
+    monkeypatch.setattr(attention, "flex_attention", stand_in)
+    n = S - 2
+    q, k, v = (t.detach().requires_grad_() for t in model_layout(n))
+    out = attention.flex_attend(q, k, v, mask.block_mask, 0.25, length=mask.length)
+    weights = torch.randn(out.shape, generator=g)
+    grads = torch.autograd.grad((out * weights).sum(), (q, k, v))
+    alone = F.scaled_dot_product_attention(q, k, v, attn_mask=attention.dense_mask(doc_BS[:, :n], n), scale=0.25)
+    torch.testing.assert_close(out, alone, rtol=1e-6, atol=1e-6)
+    for padded, own in zip(grads, torch.autograd.grad((alone * weights).sum(), (q, k, v))):
+        torch.testing.assert_close(padded, own, rtol=1e-5, atol=1e-6)
