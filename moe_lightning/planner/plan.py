@@ -81,7 +81,7 @@ from moe_lightning.optim.muon_groups import MUON_ROLES
 from moe_lightning.parallel import MeshLayout
 from moe_lightning.parallel.parallelize import resolve_layout
 from moe_lightning.parallel.units import Unit, fsdp_units
-from moe_lightning.run.refusals import CommandParser
+from moe_lightning.run.refusals import CommandParser, one_line, traceback_requested
 
 GiB = 2**30
 EP_OVERLAP_CHUNKS = 1  # MoEFSDPStrategy's default ep_overlap_chunks (the planner cannot import training/)
@@ -472,12 +472,15 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     ep_traffic.add_arguments(parser)
     args = parser.parse_args(argv)
+
+    def refuse(message: str):  # a bad value, not a usage error: its line alone (CommandParser adds "see --help")
+        parser.exit(2, f"{parser.prog}: error: {one_line(message)}\n")
     if args.peak_tflops is not None and not args.peak_tflops > 0:
-        parser.error(f"--peak-tflops={args.peak_tflops:g} must be > 0 (dense bf16 TFLOP/s per GPU).")
+        refuse(f"--peak-tflops={args.peak_tflops:g} must be > 0 (dense bf16 TFLOP/s per GPU).")
     gpu = args.gpu or Cluster.gpu
     peak = args.peak_tflops or (peak_bf16_flops(gpu) or 0) / 1e12
     if not peak:
-        parser.error(f"--gpu={gpu!r} is not in the peak table ({', '.join(PEAK_BF16_FLOPS)}): "
+        refuse(f"--gpu={gpu!r} is not in the peak table ({', '.join(PEAK_BF16_FLOPS)}): "
                      f"pass --peak-tflops.")
     assumed = {"gpu": (gpu, "flag" if args.gpu else "default"),
                "gpu_memory_gib": (Cluster.gpu_memory_gib if args.gpu_memory is None else args.gpu_memory,
@@ -500,5 +503,7 @@ def main(argv: list[str]) -> None:
         result["cp_exchange"] = context_parallel.exchange(config, cluster.context_parallel_size, work.micro_batch,
                                                           work.seq_len, cluster.gpus_per_node, nvlink, ib)
     except (ValueError, OSError) as e:
-        parser.error(str(e))
+        if traceback_requested():
+            raise
+        refuse(str(e))
     print(json.dumps(result, indent=2) if args.json else format_plan(result))

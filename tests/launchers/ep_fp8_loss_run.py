@@ -61,6 +61,7 @@ def main() -> None:
     runs = {"fp32": train(None, rank, world), "fp8": train(torch.float8_e4m3fn, rank, world)}
     if rank == 0:
         print(json.dumps(runs), flush=True)
+    dist.barrier()  # no rank tears its groups down while another still talks (gloo aborts)
     dist.destroy_process_group()
 
 

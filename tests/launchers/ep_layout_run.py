@@ -110,6 +110,7 @@ def main() -> None:
     if rank == 0:
         print(json.dumps({"messages": messages, "relative_max_differences": dict(zip(diffs, worst.tolist())),
                           "x_grad_changed_fraction": worst[-1].item()}), flush=True)
+    dist.barrier()  # no rank tears its groups down while another still talks (gloo aborts)
     dist.destroy_process_group()
 
 
