@@ -18,16 +18,12 @@ def no_leftover_process_group():
 
 
 @pytest.fixture(autouse=True)
-def traceback_variable_restored():
+def no_traceback_variable(monkeypatch):
     """Each test starts without the variable (a developer's exported one would turn the one-line refusals the
-    tests read into tracebacks) and it is restored afterwards, whatever the test did: ``monkeypatch.delenv`` of an
-    absent variable records nothing, so a ``--traceback`` set inside a test would otherwise outlive it."""
-    before = os.environ.pop("MOE_LIGHTNING_TRACEBACK", None)
-    yield
-    if before is None:
-        os.environ.pop("MOE_LIGHTNING_TRACEBACK", None)
-    else:
-        os.environ["MOE_LIGHTNING_TRACEBACK"] = before
+    tests read into tracebacks), and its value before the test comes back after it, whatever the test set:
+    ``setenv`` records it (``delenv`` of an absent variable records nothing)."""
+    monkeypatch.setenv("MOE_LIGHTNING_TRACEBACK", "")
+    monkeypatch.delenv("MOE_LIGHTNING_TRACEBACK")
 
 
 @pytest.fixture

@@ -132,6 +132,10 @@ class MoETransformer(nn.Module):
         exchanges the key side (``SequenceShard.truncated``); ``shifted_emb[k - 1]``: the embeddings of the tokens
         k ahead of those positions."""
         B, S = tokens_BS.shape
+        doc_BS = None  # a shard's depths build their masks (of their own length) from the sequence's document ids
+        if self.sequence_shard.size > 1:
+            doc_BS = document_ids(tokens_BS, self.config.eod_token_id) if self.config.document_masking \
+                else tokens_BS.new_zeros(B, S)
         hidden = [h_BSD]
         for k, module in enumerate(self.mtp, start=1):
             n = S - k
@@ -141,10 +145,8 @@ class MoETransformer(nn.Module):
                 hidden.append(module(hidden[-1][:, :n], emb_BSD[:, k:], mask=mask, cache=None,
                                      cos_sin=self.rotary.cos_sin(0, n, device=tokens_BS.device)))
                 continue
-            doc_BT = document_ids(tokens_BS[:, :n], self.config.eod_token_id) if self.config.document_masking \
-                else tokens_BS.new_zeros(B, n)
             hidden.append(module(hidden[-1][:, :len(positions_S)], shifted_emb[k - 1],
-                                 mask=DocumentMask(doc_BT, q_positions_S=positions_S), cache=None,
+                                 mask=DocumentMask(doc_BS[:, :n], q_positions_S=positions_S), cache=None,
                                  cos_sin=self.rotary.cos_sin_at(positions_S), sequence_shard=shard))
         return hidden
 

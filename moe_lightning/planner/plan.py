@@ -432,7 +432,7 @@ def planned_inputs(args: argparse.Namespace, config: MoEConfig) -> dict[str, tup
 
 def main(argv: list[str]) -> None:
     parser = CommandParser(prog="moe-lightning plan", description=__doc__.split("\n")[0],
-                                     epilog="Flags without a default here take the config's value.")
+                           epilog="Flags without a default here take the config's value.")
     parser.add_argument("--config", required=True, action="append", help="LightningCLI YAML with "
                         "model.init_args.config; given again, the files compose as in fit (later ones override)")
     parser.add_argument("--nodes", type=int, help="default: trainer.num_nodes, else 1")
@@ -480,8 +480,7 @@ def main(argv: list[str]) -> None:
     gpu = args.gpu or Cluster.gpu
     peak = args.peak_tflops or (peak_bf16_flops(gpu) or 0) / 1e12
     if not peak:
-        refuse(f"--gpu={gpu!r} is not in the peak table ({', '.join(PEAK_BF16_FLOPS)}): "
-                     f"pass --peak-tflops.")
+        refuse(f"--gpu={gpu!r} is not in the peak table ({', '.join(PEAK_BF16_FLOPS)}): pass --peak-tflops.")
     assumed = {"gpu": (gpu, "flag" if args.gpu else "default"),
                "gpu_memory_gib": (Cluster.gpu_memory_gib if args.gpu_memory is None else args.gpu_memory,
                                   "flag" if args.gpu_memory is not None else "default"),

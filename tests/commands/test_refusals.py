@@ -23,10 +23,9 @@ LIGHTNING_INFO = ("Seed set to", "GPU available", "TPU available", "precision: "
 
 
 @pytest.fixture(autouse=True)
-def no_traceback_variable(monkeypatch):
-    """``--traceback`` sets the variable for the process: restored after each test. Lightning's console handler
-    writes to this test's stderr (it kept the stream of whichever test imported Lightning first)."""
-    monkeypatch.delenv(TRACEBACK_ENV, raising=False)
+def lightning_console_on_this_tests_stderr(monkeypatch):
+    """Lightning's console handler writes to this test's stderr (it kept the stream of whichever test imported
+    Lightning first). (tests/conftest.py clears MOE_LIGHTNING_TRACEBACK for every test.)"""
     loggers = [logger for name, logger in logging.root.manager.loggerDict.items()
                if name.split(".")[0] == "lightning" and isinstance(logger, logging.Logger)]
     for handler in (handler for logger in loggers for handler in logger.handlers):

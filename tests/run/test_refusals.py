@@ -32,7 +32,6 @@ def test_the_packages_own_checks_are_refusals_and_bugs_or_library_errors_keep_th
 
 
 def test_traceback_flag_is_taken_off_the_command_line_and_set_for_the_launched_ranks(monkeypatch):
-    monkeypatch.delenv(refusals.TRACEBACK_ENV, raising=False)
     assert refusals.take_traceback_flag(["fit", "--config", "a.yaml"]) == ["fit", "--config", "a.yaml"]
     assert not refusals.traceback_requested()
     assert refusals.take_traceback_flag(["fit", "--traceback", "--config", "a.yaml"]) == ["fit", "--config", "a.yaml"]
@@ -42,7 +41,6 @@ def test_traceback_flag_is_taken_off_the_command_line_and_set_for_the_launched_r
 
 
 def test_command_parser_usage_error_is_one_line(capsys, monkeypatch):
-    monkeypatch.delenv(refusals.TRACEBACK_ENV, raising=False)
     parser = refusals.CommandParser(prog="moe-lightning demo")
     parser.add_argument("--count", type=int, required=True)
     with pytest.raises(SystemExit) as exit_:

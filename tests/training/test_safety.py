@@ -244,7 +244,6 @@ def test_invalid_config_value_ends_with_our_message_not_a_namespace_dump(tmp_pat
 
 
 def test_parse_error_ends_with_a_one_line_summary_naming_the_key(tmp_path, capfd, monkeypatch):
-    monkeypatch.delenv("MOE_LIGHTNING_TRACEBACK", raising=False)
     with pytest.raises(SystemExit) as exit_info:
         run(quick(tmp_path, "--model.init_args.config.top_k=abc"))
     assert exit_info.value.code == 2
