@@ -151,6 +151,11 @@ class SequenceShard:
         """QK-clip's per-head maxima, maximised over the ranks of a sequence (each saw only its own queries)."""
         return max_logits
 
+    def sum_over_sequence(self, sums_BX: torch.Tensor) -> torch.Tensor:
+        """Per-sequence sums over this rank's positions ``[B, X]``, completed to the whole sequences' sums (the
+        balancing losses' statistics: every rank then computes the sequences' own losses). Differentiable."""
+        return sums_BX
+
     def truncated(self, seq_len: int, length: int) -> "SequenceShard":
         """This shard of the first ``length`` positions of a ``seq_len`` sequence (multi-token prediction's depth
         k runs over ``seq_len - k`` positions): its ``positions`` are those below ``length``, and ``gather``

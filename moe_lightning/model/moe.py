@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moe_lightning.model.attention import SequenceShard
 from moe_lightning.model.config import MoEConfig
 from moe_lightning.model.grouped_mm import grouped_linear, use_grouped_mm
 from moe_lightning.model.layers import SwiGLU, autocast_dtype, gated_down
@@ -206,7 +207,9 @@ class MoELayer(nn.Module):
         self.tokens_per_expert: torch.Tensor | None = None
         self.aux_loss: torch.Tensor | None = None
 
-    def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
+    def forward(self, x_BSD: torch.Tensor, sequence_shard: SequenceShard | None = None) -> torch.Tensor:
+        """``sequence_shard``: ``x`` holds this rank's positions of each sequence (context parallelism); the
+        balancing losses are then completed over the ranks that hold the others."""
         B, S, D = x_BSD.shape
         x_TD = x_BSD.reshape(-1, D)
         weights_TK, experts_TK, scores_TE, logits_TE = self.router(x_TD)
@@ -214,7 +217,8 @@ class MoELayer(nn.Module):
         shared = partial(self.shared_experts, x_TD) if self.shared_experts is not None else None
         y_TD = self.dispatcher(x_TD, weights_TK, experts_TK, self.tokens_per_expert, self.experts, overlap=shared)
         y_BSD = y_TD.view(B, S, D)
-        aux_loss = self._balancing_loss(scores_TE.view(B, S, -1), experts_TK.view(B, S, -1), logits_TE)
+        aux_loss = self._balancing_loss(scores_TE.view(B, S, -1), experts_TK.view(B, S, -1),
+                                        logits_TE.view(B, S, -1), sequence_shard)
         if aux_loss is None:
             self.aux_loss = None
             return y_BSD
@@ -228,19 +232,33 @@ class MoELayer(nn.Module):
         flat = experts_TK.flatten()
         return flat.new_zeros(self.num_experts).scatter_add_(0, flat, torch.ones_like(flat))
 
-    def _balancing_loss(self, scores_BSE, experts_BSK, logits_TE) -> torch.Tensor | None:
-        """Sequence-level balance loss ``coef * E/(K*S) * sum_e f_e * P_e`` (per sequence) + router z-loss."""
-        terms = []
+    def _balancing_loss(self, scores_BSE, experts_BSK, logits_BSE,
+                        sequence_shard: SequenceShard | None) -> torch.Tensor | None:
+        """Sequence-level balance loss ``coef * E/(K*S) * sum_e f_e * P_e`` (per sequence, averaged over the batch)
+        + router z-loss ``coef * mean(logsumexp(logits)^2)``, both from per-sequence sums (positions, expert counts
+        f, routing probabilities P, squared log-sum-exps) that a ``sequence_shard`` completes over its ranks."""
+        if not (self.aux_loss_coef > 0 or self.z_loss_coef > 0):
+            return None
+        B, S, E = scores_BSE.shape
+        sums = [scores_BSE.new_full((B, 1), S)]
         if self.aux_loss_coef > 0:
-            S = scores_BSE.shape[1]
             probs_BSE = scores_BSE / scores_BSE.sum(-1, keepdim=True)
             counts_BE = torch.zeros_like(probs_BSE[:, 0]).scatter_add_(
                 1, experts_BSK.flatten(1), torch.ones_like(experts_BSK.flatten(1), dtype=probs_BSE.dtype))
-            load_fraction_BE = counts_BE * self.num_experts / (self.top_k * S)
-            terms.append(self.aux_loss_coef * (load_fraction_BE * probs_BSE.mean(1)).sum(-1).mean())
+            sums += [counts_BE, probs_BSE.sum(1)]
         if self.z_loss_coef > 0:
-            terms.append(self.z_loss_coef * torch.logsumexp(logits_TE, dim=-1).square().mean())
-        return sum(terms) if terms else None
+            sums.append(torch.logsumexp(logits_BSE, dim=-1).square().sum(1, keepdim=True))
+        sums_BX = torch.cat(sums, dim=-1)
+        if sequence_shard is not None:
+            sums_BX = sequence_shard.sum_over_sequence(sums_BX)
+        length_B1, terms = sums_BX[:, :1], []
+        if self.aux_loss_coef > 0:
+            counts_BE, probs_sum_BE = sums_BX[:, 1:1 + E], sums_BX[:, 1 + E:1 + 2 * E]
+            load_fraction_BE = counts_BE * E / (self.top_k * length_B1)
+            terms.append(self.aux_loss_coef * (load_fraction_BE * probs_sum_BE / length_B1).sum(-1).mean())
+        if self.z_loss_coef > 0:
+            terms.append(self.z_loss_coef * sums_BX[:, -1].sum() / length_B1.sum())
+        return sum(terms)
 
     def init_weights(self, std: float, out_std: float) -> None:
         self.router.init_weights(std)

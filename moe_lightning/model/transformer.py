@@ -32,9 +32,11 @@ class Block(nn.Module):
         self.is_moe = config.is_moe_layer(layer_id)
         self.ffn = MoELayer(config) if self.is_moe else SwiGLU(config.dim, config.ffn_hidden)
 
-    def forward(self, x_BSD: torch.Tensor, **attention_kwargs) -> torch.Tensor:
-        h_BSD = x_BSD + self.attention(self.attention_norm(x_BSD), **attention_kwargs)
-        return h_BSD + self.ffn(self.ffn_norm(h_BSD))
+    def forward(self, x_BSD: torch.Tensor, sequence_shard: SequenceShard | None = None,
+                **attention_kwargs) -> torch.Tensor:
+        h_BSD = x_BSD + self.attention(self.attention_norm(x_BSD), sequence_shard=sequence_shard, **attention_kwargs)
+        ffn_in_BSD = self.ffn_norm(h_BSD)
+        return h_BSD + (self.ffn(ffn_in_BSD, sequence_shard) if self.is_moe else self.ffn(ffn_in_BSD))
 
 
 class MoETransformer(nn.Module):

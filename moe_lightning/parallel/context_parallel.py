@@ -14,6 +14,11 @@ gradient of its key side is the sum over ranks). On the wire per layer and pass 
 The loss (``context_parallel_mean``): rank r returns ``N * (its targets' cross-entropy sum) / (the sequence
 group's target count)``. The gradients the ranks compute sum to the gradient of ``N x`` the group's mean, and
 FSDP averages over its dp x cp ranks, dividing by N once more: exactly the gradient without context parallelism.
+
+The balancing losses (``ContextParallelShard.sum_over_sequence``): the MoE layers' per-sequence sums (expert counts,
+routing probabilities, squared log-sum-exps, positions) are all-reduced over the group, so every rank computes the
+whole sequences' losses; the backward all-reduces their gradient too, so each rank's positions receive the sum of
+N identical losses' gradients: again N x the gradient without context parallelism, as the main loss's.
 """
 
 import functools
@@ -82,6 +87,24 @@ class _GatherSequence(torch.autograd.Function):
         return (None, *(part.reshape(shape) for part, shape in zip(mine_BSX.split(ctx.widths, dim=-1), shapes)))
 
 
+class _SumOverGroup(torch.autograd.Function):
+    """All-reduce (sum) whose backward all-reduces the gradient: every rank uses the sum, so each input's
+    gradient is the sum of the ranks' gradients of it."""
+
+    @staticmethod
+    def forward(ctx, group, partial_BX):
+        ctx.group = group
+        total_BX = partial_BX.clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(total_BX, group=group)
+        return total_BX
+
+    @staticmethod
+    def backward(ctx, grad_BX):
+        grad_BX = grad_BX.clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(grad_BX, group=ctx.group)
+        return None, grad_BX
+
+
 class ContextParallelShard(SequenceShard):
     """This rank's head-tail share of every sequence, exchanging key-side tensors over ``group`` (the ranks that
     share a sequence: they read the same batches). Install on the model before the first forward::
@@ -111,6 +134,9 @@ class ContextParallelShard(SequenceShard):
         dist.all_reduce(max_logits, op=dist.ReduceOp.MAX, group=self.group)
         return max_logits
 
+    def sum_over_sequence(self, sums_BX: torch.Tensor) -> torch.Tensor:
+        return _SumOverGroup.apply(self.group, sums_BX)
+
 
 class _TruncatedShard(SequenceShard):
     """A context-parallel shard of the first ``length`` positions: the positions cut off are the largest ones
@@ -136,6 +162,9 @@ class _TruncatedShard(SequenceShard):
 
     def reduce_max_logits(self, max_logits: torch.Tensor) -> torch.Tensor:
         return self.shard.reduce_max_logits(max_logits)
+
+    def sum_over_sequence(self, sums_BX: torch.Tensor) -> torch.Tensor:
+        return self.shard.sum_over_sequence(sums_BX)
 
 
 @functools.lru_cache(maxsize=16)

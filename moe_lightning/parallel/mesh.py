@@ -31,12 +31,14 @@ def _check_ep_divides_shard(shard_size: int, expert_parallel_size: int) -> None:
             f"{_divisors(shard_size)}.")
 
 
-def _check_cp_divides_shard(shard_size: int, context_parallel_size: int) -> None:
+def _check_cp_divides_shard(shard_size: int, context_parallel_size: int, seq_len: int | None = None) -> None:
+    """The sizes offered are those the data's ``seq_len`` (when known) also takes: a multiple of ``2N``."""
     if shard_size % context_parallel_size:
+        sizes = [d for d in _divisors(shard_size) if seq_len is None or seq_len % (2 * d) == 0]
         raise MeshError(
             f"strategy.context_parallel_size={context_parallel_size} must divide strategy.shard_size={shard_size} "
             f"(a context-parallel group is folded into the shard ranks, so it also divides the world): choose it "
-            f"from {_divisors(shard_size)}.")
+            f"from {sizes}.")
 
 
 def _divisors(n: int) -> list[int]:
@@ -79,8 +81,9 @@ class MeshLayout:
     @classmethod
     def resolve(cls, world_size: int, replicate_size: int, shard_size: int | str,
                 expert_parallel_size: int, num_experts: int | None = None,
-                context_parallel_size: int = 1) -> "MeshLayout":
-        """Check every size against the world and the model before any process group exists."""
+                context_parallel_size: int = 1, seq_len: int | None = None) -> "MeshLayout":
+        """Check every size against the world, the model and the data's ``seq_len`` (when known) before any
+        process group exists."""
         cls.check_arguments(replicate_size, shard_size, expert_parallel_size, context_parallel_size)
         if shard_size == "auto":
             if world_size % replicate_size:
@@ -94,7 +97,7 @@ class MeshLayout:
                 f"{replicate_size * shard_size}, but the world size (num_nodes x devices) is {world_size}: "
                 f"make the product equal {world_size}, e.g. shard_size='auto'.")
         _check_ep_divides_shard(shard_size, expert_parallel_size)
-        _check_cp_divides_shard(shard_size, context_parallel_size)
+        _check_cp_divides_shard(shard_size, context_parallel_size, seq_len)
         if num_experts is not None and num_experts % expert_parallel_size:
             raise MeshError(
                 f"strategy.expert_parallel_size={expert_parallel_size} must divide the model's "

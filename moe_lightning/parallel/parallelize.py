@@ -99,22 +99,14 @@ def resolve_layout(world_size: int, replicate_size: int, shard_size: int | str, 
     ``seq_len`` (when known) before any process group exists or the model is built: one-line refusals naming the
     field and the fix."""
     E = getattr(config, "num_experts", None)
-    layout = MeshLayout.resolve(world_size, replicate_size, shard_size, expert_parallel_size, E, context_parallel_size)
+    layout = MeshLayout.resolve(world_size, replicate_size, shard_size, expert_parallel_size, E, context_parallel_size,
+                                seq_len)
     if E:
         layout.check_expert_shard(E, (config.expert_hidden, config.dim))
     if layout.cp == 1:
         return layout
     if seq_len is not None:
         check_sequence_length(seq_len, layout.cp)
-    if getattr(config, "mtp_layers", 0) and getattr(config, "z_loss_coef", 0) > 0:
-        raise MeshError(f"strategy.context_parallel_size={layout.cp} with model.config.mtp_layers="
-                        f"{config.mtp_layers} and z_loss_coef={config.z_loss_coef}: a depth's shards hold unequal "
-                        "token counts, so the per-rank router z-loss means differ from the sequence's; set z_loss_coef "
-                        "to 0 or context_parallel_size to 1.")
-    if getattr(config, "aux_loss_coef", 0) > 0:
-        raise MeshError(f"strategy.context_parallel_size={layout.cp} with model.config.aux_loss_coef="
-                        f"{config.aux_loss_coef}: the sequence-level balancing loss needs whole sequences on a rank; "
-                        "set aux_loss_coef to 0 (the aux-loss-free bias balances experts) or context_parallel_size to 1.")
     return layout
 
 

@@ -1,7 +1,8 @@
-"""Context parallelism on real gloo ranks against one process: for MLA and GQA, document masking off and on, every
-rank builds the same model and batch, computes the whole-sequence forward and backward alone (the reference), then
-its head-tail shard under ``ContextParallelShard``; gradients are averaged over the ranks as FSDP does. Counts the
-bytes each collective call puts on the wire. Rank 0 writes JSON. Launched by tests/parallel/test_context_parallel.py.
+"""Context parallelism on real gloo ranks against one process: for MLA and GQA, document masking off and on, and MLA
+with documents and both balancing losses, every rank builds the same model and batch, computes the whole-sequence
+forward and backward alone (the reference), then its head-tail shard under ``ContextParallelShard``; gradients are
+averaged over the ranks as FSDP does. Counts the bytes each collective call puts on the wire. Rank 0 writes JSON.
+Launched by tests/parallel/test_context_parallel.py.
 """
 
 import argparse
@@ -22,6 +23,10 @@ B, S, EOD = 2, 64, 3
 SHAPE = dict(vocab_size=64, dim=32, n_layers=3, n_heads=4, n_kv_heads=2, max_seq_len=S, ffn_hidden=64,
              n_dense_layers=1, num_experts=4, top_k=2, expert_hidden=16, q_lora_rank=0, kv_lora_rank=12,
              qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, init_std=0.3, eod_token_id=EOD)
+# large enough that the balancing losses' share of the router gradient dwarfs the tolerance
+BALANCE = dict(aux_loss_coef=0.5, z_loss_coef=0.05)
+CASES = {"mla-causal": ("mla", False, {}), "mla-docs": ("mla", True, {}), "gqa-causal": ("gqa", False, {}),
+         "gqa-docs": ("gqa", True, {}), "mla-docs-balance": ("mla", True, BALANCE)}
 
 
 class WireCounter:
@@ -62,47 +67,57 @@ def main() -> None:
     counter = WireCounter()
     shard = ContextParallelShard(dist.group.WORLD)
     results = {}
-    for attention in ("mla", "gqa"):
-        for masking in (False, True):
-            torch.manual_seed(0)
-            config = MoEConfig(**SHAPE, attention=attention, document_masking=masking)
-            reference = MoETransformer(config)
-            tokens = batch(1)
-            inputs_BS, targets_BS = tokens[:, :-1], tokens[:, 1:].clone()
-            targets_BS[0, :5] = -100
-            for attn in (block.attention for block in reference.layers):
-                attn.record_max_logits = True
-            sharded = copy.deepcopy(reference)
-            # the reference: one process, the whole sequence, the mean over the batch's targets
-            loss = F.cross_entropy(reference(inputs_BS).flatten(0, 1), targets_BS.flatten())
-            loss.backward()
-            # this rank's shard: N x its sum over the group's target count, gradients averaged as FSDP does
-            sharded.sequence_shard = shard
-            counter.calls.clear()
-            logits_BsV = sharded(inputs_BS)
-            total = F.cross_entropy(logits_BsV.flatten(0, 1), shard.local(targets_BS).flatten(), reduction="sum")
-            local_loss = context_parallel_mean(total, targets_BS, N)
-            forward_calls = list(counter.calls)
-            local_loss.backward()
-            backward_calls = counter.calls[len(forward_calls):]
-            cp_loss = local_loss.detach().clone()
-            dist.all_reduce(cp_loss)
-            grad_error = 0.0
-            for (name, p_ref), p in zip(reference.named_parameters(), sharded.parameters()):
-                grad = p.grad.clone()
-                dist.all_reduce(grad)
-                grad /= N
-                scale = p_ref.grad.abs().max().clamp(min=1e-30)
-                grad_error = max(grad_error, ((grad - p_ref.grad).abs().max() / scale).item())
-            max_ref = torch.stack([a.max_logits for a in (b.attention for b in reference.layers)])
-            max_cp = shard.reduce_max_logits(torch.stack([b.attention.max_logits for b in sharded.layers]))
-            width = (config.kv_lora_rank + config.qk_rope_head_dim if attention == "mla"
-                     else 2 * config.n_kv_heads * config.head_dim)
-            results[f"{attention}-{'docs' if masking else 'causal'}"] = dict(
-                loss=loss.item(), cp_loss=cp_loss.item() / N, grad_rel_error=grad_error,
-                max_logit_error=(max_cp - max_ref).abs().max().item(),
-                forward_calls=forward_calls, backward_calls=backward_calls,
-                expected_bytes=B * S * width * 4 * (N - 1) // N, layers=config.n_layers)
+    for case, (attention, masking, losses) in CASES.items():
+        torch.manual_seed(0)
+        config = MoEConfig(**SHAPE, attention=attention, document_masking=masking, **losses)
+        reference = MoETransformer(config)
+        tokens = batch(1)
+        inputs_BS, targets_BS = tokens[:, :-1], tokens[:, 1:].clone()
+        targets_BS[0, :5] = -100
+        for attn in (block.attention for block in reference.layers):
+            attn.record_max_logits = True
+        sharded, unbalanced = copy.deepcopy(reference), copy.deepcopy(reference)
+        # the reference: one process, the whole sequence, the mean over the batch's targets
+        loss = F.cross_entropy(reference(inputs_BS).flatten(0, 1), targets_BS.flatten())
+        loss.backward()
+        balance_share = 0.0  # how far the balancing losses move the router gradient
+        if losses:
+            for moe in unbalanced.moe_layers():
+                moe.aux_loss_coef = moe.z_loss_coef = 0.0
+            F.cross_entropy(unbalanced(inputs_BS).flatten(0, 1), targets_BS.flatten()).backward()
+            for moe, plain in zip(reference.moe_layers(), unbalanced.moe_layers()):
+                with_losses, without = moe.router.gate.weight.grad, plain.router.gate.weight.grad
+                balance_share = max(balance_share, ((with_losses - without).norm() / with_losses.norm()).item())
+        # this rank's shard: N x its sum over the group's target count, gradients averaged as FSDP does
+        sharded.sequence_shard = shard
+        counter.calls.clear()
+        logits_BsV = sharded(inputs_BS)
+        total = F.cross_entropy(logits_BsV.flatten(0, 1), shard.local(targets_BS).flatten(), reduction="sum")
+        local_loss = context_parallel_mean(total, targets_BS, N)
+        forward_calls = list(counter.calls)
+        local_loss.backward()
+        backward_calls = counter.calls[len(forward_calls):]
+        cp_loss = local_loss.detach().clone()
+        dist.all_reduce(cp_loss)
+        grad_error = 0.0
+        for (name, p_ref), p in zip(reference.named_parameters(), sharded.parameters()):
+            grad = p.grad.clone()
+            dist.all_reduce(grad)
+            grad /= N
+            scale = p_ref.grad.abs().max().clamp(min=1e-30)
+            grad_error = max(grad_error, ((grad - p_ref.grad).abs().max() / scale).item())
+        max_ref = torch.stack([a.max_logits for a in (b.attention for b in reference.layers)])
+        max_cp = shard.reduce_max_logits(torch.stack([b.attention.max_logits for b in sharded.layers]))
+        width = (config.kv_lora_rank + config.qk_rope_head_dim if attention == "mla"
+                 else 2 * config.n_kv_heads * config.head_dim)
+        aux_ref = [m.aux_loss.item() for m in reference.moe_layers() if m.aux_loss is not None]
+        aux_cp = [m.aux_loss.item() for m in sharded.moe_layers() if m.aux_loss is not None]
+        results[case] = dict(
+            loss=loss.item(), cp_loss=cp_loss.item() / N, grad_rel_error=grad_error,
+            max_logit_error=(max_cp - max_ref).abs().max().item(),
+            aux_losses=aux_ref, cp_aux_losses=aux_cp, balance_share=balance_share,
+            forward_calls=forward_calls, backward_calls=backward_calls,
+            expected_bytes=B * S * width * 4 * (N - 1) // N, layers=config.n_layers)
     if dist.get_rank() == 0:
         Path(args.out).write_text(json.dumps(results))
     dist.destroy_process_group()

@@ -216,7 +216,7 @@ def test_sequence_aux_loss_is_minimal_for_uniform_routing():
     moe = MoELayer(config)
     scores_BSE = torch.full((1, 8, 4), 0.25)
     experts_BSK = torch.tensor([[0, 1], [2, 3]] * 4)[None]
-    loss = moe._balancing_loss(scores_BSE, experts_BSK, torch.zeros(8, 4))
+    loss = moe._balancing_loss(scores_BSE, experts_BSK, torch.zeros(1, 8, 4), None)
     assert math.isclose(loss.item(), 1.0, rel_tol=1e-6)
 
 

@@ -79,10 +79,12 @@ def _check_against_one_process(results: dict) -> None:
     of N ranks' shares, the reduce-scatter's sums): differences of a few ulp of the largest terms. Measured
     <= 7e-7 of each parameter's largest gradient entry at CP 2 and 4; 1e-5 leaves margin, while a wrong chunk
     order, a missing gradient sum or a wrong loss scale gives errors of order 1."""
-    assert set(results) == {"mla-causal", "mla-docs", "gqa-causal", "gqa-docs"}
+    assert set(results) == {"mla-causal", "mla-docs", "gqa-causal", "gqa-docs", "mla-docs-balance"}
     for name, r in results.items():
         assert r["cp_loss"] == pytest.approx(r["loss"], rel=1e-6), name
         assert r["grad_rel_error"] < 1e-5, name
+        # the balancing losses: every rank computes the whole sequences' (sums completed over the group)
+        assert r["cp_aux_losses"] == pytest.approx(r["aux_losses"], rel=1e-6), name
         assert r["max_logit_error"] < 1e-4, name  # QK-clip's maxima (logits of O(1-10)), reduced over the group
         # one exchange per layer and pass, of S x width x 4 B x (N-1)/N per batch row: the latent (C + R) for
         # MLA, the grouped K and V (2 G K) for GQA
@@ -90,6 +92,9 @@ def _check_against_one_process(results: dict) -> None:
         assert [kind for kind, _ in r["backward_calls"]] == ["reduce_scatter"] * r["layers"], name
         assert {sent for _, sent in r["forward_calls"] + r["backward_calls"]} == {r["expected_bytes"]}, name
     assert results["mla-causal"]["expected_bytes"] * 2 == results["gqa-causal"]["expected_bytes"]
+    balanced = results["mla-docs-balance"]
+    assert len(balanced["aux_losses"]) == 2 and all(a > 0 for a in balanced["aux_losses"])
+    assert balanced["balance_share"] > 0.1  # a rank's own sums (or a gradient off by N) would miss by far more than 1e-5
 
 
 def test_cp2_forward_and_backward_equal_one_process(tmp_path):

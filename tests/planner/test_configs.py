@@ -55,14 +55,14 @@ def test_exact_counts():
 
 def test_1t_128k_is_1t_with_yarn_to_131072_tokens_and_context_parallelism():
     """DeepSeek-V3's extension: YaRN factor 40 over a 4,096-token original context, beta_fast 32, beta_slow 1,
-    mscale and mscale_all_dim 1; the same model otherwise (same parameter counts); CP 4 over a node's 4 GPUs; the
-    sequence-level balancing loss off (the strategy refuses it under CP)."""
+    mscale and mscale_all_dim 1; the same model and balancing loss otherwise (same parameter counts); CP 4 over a
+    node's 4 GPUs."""
     from moe_lightning.planner.run_config import read_run_config
 
     long, base = (load_model_config(str(REPO_ROOT / "configs" / f"{n}.yaml")) for n in ("1t-128k", "1t"))
     assert (long.rope_scaling, long.rope_factor, long.rope_original_max_seq_len) == ("yarn", 40.0, 4096)
     assert (long.rope_beta_fast, long.rope_beta_slow, long.rope_mscale, long.rope_mscale_all_dim) == (32, 1, 1, 1)
-    assert long.max_seq_len == 131072 and long.aux_loss_coef == 0
+    assert long.max_seq_len == 131072 and long.aux_loss_coef == base.aux_loss_coef > 0
     assert parameter_counts(long) == parameter_counts(base)
     run_inputs = read_run_config([str(REPO_ROOT / "configs" / "1t-128k.yaml")])
     assert (run_inputs["seq_len"], run_inputs["context_parallel_size"], run_inputs["gpus_per_node"]) == (131072, 4, 4)

@@ -249,19 +249,18 @@ def test_invalid_mesh_names_the_argument_and_the_fix(world, kwargs, experts, mat
 
 @pytest.mark.parametrize("cp, overrides, seq_len, match", [
     (4, {}, 36, r"context_parallel_size=4 splits each sequence into 8 .* 36 \(data.seq_len\) .* e\.g\. 40"),
-    (2, dict(mtp_layers=1, z_loss_coef=1e-3), 32, r"mtp_layers=1 and z_loss_coef=0.001: .*set z_loss_coef to 0"),
-    (2, dict(aux_loss_coef=0.01), 32, r"aux_loss_coef=0.01: .*set aux_loss_coef to 0"),
     (1, dict(num_experts=6, expert_hidden=30, dim=40), 32, r"expert_parallel_size=1 leaves 6 experts per rank to shard "
                                                           r"over 4 ranks .*rows \[30, 40\]"),
 ])
 def test_context_parallel_and_expert_shard_layouts_are_refused_before_any_group(cp, overrides, seq_len, match):
     """``resolve_layout`` (the strategy's ``setup_environment``, before process groups and the model): the data's
-    sequence length, the model fields CP does not compose with yet, and an expert shard FSDP2 cannot split."""
+    sequence length and an expert shard FSDP2 cannot split; the balancing losses with MTP pass."""
     from moe_lightning.parallel.parallelize import resolve_layout
     config = MoEConfig(**{"num_experts": 4, **overrides})
     with pytest.raises(MeshError if "seq_len" not in match else ValueError, match=match):
         resolve_layout(4, 1, "auto", 1, cp, config, seq_len)
-    assert resolve_layout(4, 1, "auto", 2, 2, MoEConfig(num_experts=4, mtp_layers=2), 32).cp == 2
+    balanced = MoEConfig(num_experts=4, mtp_layers=2, aux_loss_coef=0.01, z_loss_coef=1e-3)
+    assert resolve_layout(4, 1, "auto", 2, 2, balanced, 32).cp == 2
 
 
 def test_context_parallel_ranks_read_the_same_sequences():
