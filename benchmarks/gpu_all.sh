@@ -10,10 +10,12 @@
 # "start-up"), so a full run ends inside 420 s. A lease is 900 s of device time: a fresh machine's start (~60-120 s,
 # estimated from the device notes), this run, and a rerun of the failed parts on a fresh machine (idle > 30 s:
 # start again, then one part of <= 150 s) fit.
-# Files under $OUT (the device tool's output folder, else ./gpu_results), at most 8: gpu_all.md (machine facts,
-# preflight, the table), one <part>.log per part run, and compile_cache.tgz (the Inductor/Triton cache, when it is
-# under 16 MiB and fewer than 8 files are there: a full run of all 7 parts leaves no room for it). To reuse the compiled kernels on the next call, copy that file to .gpu_cache/compile_cache.tgz
-# in the checkout (ignored: add /.gpu_cache/ to .git/info/exclude) and carry .gpu_cache: it is unpacked first.
+# Files under $OUT (the device tool's output folder, else ./gpu_results; it returns 8 files of <= 16 MiB): gpu_all.md
+# (machine facts, preflight, the table), gpu_all.log (every part's lines, in order) and compile_cache.tgz.0, .1, ...
+# (the Inductor/Triton cache, gzipped and cut into 15 MiB pieces, at most 3: kept when it packs into 45 MiB, which
+# leaves the carried tree under the 64 MiB a call sends). To reuse the compiled kernels on the next call, copy those
+# pieces into .gpu_cache/ in the checkout (ignored: add /.gpu_cache/ to .git/info/exclude) and carry .gpu_cache:
+# they are unpacked first.
 # Exits non-zero when any part failed, timed out or was skipped. Needs torch and lightning only (no jsonargparse).
 # The interpreter is ${PYTHON:-python3}. Each part learns its time box from $GPU_ALL_BOX_S.
 set -u -o pipefail
@@ -65,14 +67,19 @@ fi
 out=${OUT:-gpu_results}
 mkdir -p "$out"
 cache=${GPU_ALL_CACHE:-/tmp/moe_lightning_compile_cache}
-carried=${GPU_ALL_CACHE_TGZ:-.gpu_cache/compile_cache.tgz}
+carried=${GPU_ALL_CARRIED:-.gpu_cache}
+logs=$(mktemp -d)  # each part's own log, read for its figure; $out gets them all in one file
 mkdir -p "$cache"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD TORCHINDUCTOR_CACHE_DIR=$cache/inductor TRITON_CACHE_DIR=$cache/triton
 start=$SECONDS
 report=$out/gpu_all.md
+: >"$out/gpu_all.log"
 {
     echo "# gpu_all $(date -u +%Y-%m-%dT%H:%M:%SZ), budget ${budget} s, parts: $(printf '%s ' "${selected[@]%%|*}")"
-    [[ -f $carried ]] && tar xzf "$carried" -C "$cache" && echo "compile cache: unpacked $carried ($(du -sh "$cache" | cut -f1))"
+    if compgen -G "$carried/compile_cache.tgz.*" >/dev/null; then
+        cat "$carried"/compile_cache.tgz.* | tar xz -C "$cache" \
+            && echo "compile cache: unpacked $carried/compile_cache.tgz.* ($(du -sh "$cache" | cut -f1))"
+    fi
     "$python" - <<'EOF'
 import subprocess, torch
 print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, cuDNN {torch.backends.cudnn.version()}", end="")
@@ -98,7 +105,6 @@ failed=() rows=()
 
 part() {  # part NAME BOX NEEDS_TRITON SCRIPT: run within min(BOX, budget left), record its figure and outcome
     local name=$1 box=$2 needs_compiler=$3 script=$4 outcome
-    rm -f "$out/$name.log"  # a log of an earlier run in the same folder is not this run's figure
     local left=$((budget - (SECONDS - start)))
     if ((needs_compiler && compiles != 0)); then
         outcome="skipped: Triton cannot build its launcher"; failed+=("$name:no-compiler")
@@ -108,7 +114,9 @@ part() {  # part NAME BOX NEEDS_TRITON SCRIPT: run within min(BOX, budget left),
         ((box > left)) && box=$left
         echo "gpu_all: --- $name (time box ${box} s, $((SECONDS - start)) s elapsed) ---"
         local t0=$SECONDS
-        GPU_ALL_BOX_S=$box timeout --kill-after=5 "$box" "$python" "$script" "${dry[@]}" 2>&1 | tee "$out/$name.log"
+        echo "=== $name (time box ${box} s) ===" >>"$out/gpu_all.log"
+        GPU_ALL_BOX_S=$box timeout --kill-after=5 "$box" "$python" "$script" "${dry[@]}" 2>&1 | tee "$logs/$name.log" \
+            | tee -a "$out/gpu_all.log"
         local rc=$? took=$((SECONDS - t0))
         if ((rc == 0)); then outcome="ok in ${took} s"
         elif ((rc == 124 || rc == 137)); then outcome="TIMEOUT after ${box} s"; failed+=("$name:timeout")
@@ -116,7 +124,7 @@ part() {  # part NAME BOX NEEDS_TRITON SCRIPT: run within min(BOX, budget left),
     fi
     echo "gpu_all: $name: $outcome"
     local figure
-    figure=$(grep -h '^figure: ' "$out/$name.log" 2>/dev/null | tail -1)
+    figure=$(grep -h '^figure: ' "$logs/$name.log" 2>/dev/null | tail -1)
     figure=${figure#figure: }
     if [[ -n $figure ]]; then rows+=("| $figure | $outcome |")
     else rows+=("| $name | (no figure) | - | FAIL | $outcome |"); fi
@@ -127,15 +135,14 @@ for row in "${selected[@]}"; do
     part "$name" "$box" "$compiles_needed" "$script"
 done
 
-files=$(find "$out" -maxdepth 1 -type f | wc -l)
-if ((files >= 8)); then  # the device returns 8 files: a full run's report and 7 logs come first
-    cache_note="compile cache: not kept ($files files already, the 8 the device returns; a GPU_ALL_PARTS rerun keeps it)"
-elif [[ -d $cache && -n $(ls -A "$cache" 2>/dev/null) ]]; then
-    tar czf "$out/compile_cache.tgz" -C "$cache" . 2>/dev/null
-    size=$(stat -c %s "$out/compile_cache.tgz")
-    if ((size > 16 * 1024 * 1024)); then
-        rm -f "$out/compile_cache.tgz"; cache_note="compile cache: $((size >> 20)) MiB packed, over the 16 MiB a file may be: not kept"
-    else cache_note="compile cache: $out/compile_cache.tgz, $((size >> 10)) KiB (carry it as .gpu_cache/compile_cache.tgz)"; fi
+rm -f "$out"/compile_cache.tgz.*
+if [[ -d $cache && -n $(ls -A "$cache" 2>/dev/null) ]]; then
+    tar c -C "$cache" . | gzip -1 | split -b 15M -d -a 1 - "$out/compile_cache.tgz."
+    pieces=$(compgen -G "$out/compile_cache.tgz.*" | wc -l) size=$(cat "$out"/compile_cache.tgz.* | wc -c)
+    if ((pieces > 3)); then
+        rm -f "$out"/compile_cache.tgz.*; cache_note="compile cache: $((size >> 20)) MiB packed, over 45 MiB: not kept"
+    else cache_note="compile cache: $((size >> 10)) KiB in $pieces piece(s), $out/compile_cache.tgz.*"
+         cache_note+=" (carry them in .gpu_cache/)"; fi
 else cache_note="compile cache: empty (nothing compiled)"; fi
 {
     echo

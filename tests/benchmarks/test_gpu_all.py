@@ -43,7 +43,7 @@ def run_gpu_all(tmp_path: Path, *args: str, python: str | None = None, **env: st
     fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
     behaviour = {f"BEHAVIOUR_{k}": v for k, v in env.items() if not k.isupper()}
     env = clean_env(PYTHON=python or str(fake), OUT=str(tmp_path / "out"),
-                    GPU_ALL_CACHE=str(tmp_path / "cache"), GPU_ALL_CACHE_TGZ=str(tmp_path / "none.tgz"),
+                    GPU_ALL_CACHE=str(tmp_path / "cache"), GPU_ALL_CARRIED=str(tmp_path / "carried"),
                     **behaviour, **{k: v for k, v in env.items() if k.isupper()})
     return subprocess.run(["bash", str(REPO_ROOT / "benchmarks" / "gpu_all.sh"), *args], env=env,
                           capture_output=True, text=True, timeout=300)
@@ -57,14 +57,19 @@ def table(stdout: str) -> list[str]:
     return [line for line in stdout.splitlines() if line.startswith("| ")]
 
 
+def part_log(tmp_path: Path, name: str) -> list[str]:
+    """The lines ``name`` printed, from the one log of every part."""
+    log = (tmp_path / "out" / "gpu_all.log").read_text().split("=== ")
+    return next(section for section in log if section.startswith(f"{name} ")).splitlines()[1:]
+
+
 def test_gpu_all_runs_every_part_reports_failures_in_one_table_and_exits_nonzero(tmp_path):
     done = run_gpu_all(tmp_path, gpu_preflight="ok", muon_gpu_step="fail")
     assert parts_run(done.stdout) == ORDER  # the path check first, then the recipe, then by value
     assert "gpu_all: muon: FAILED (exit 3)" in done.stdout and "gpu_all: strategy: ok in " in done.stdout
     assert done.returncode == 1 and "FAILED PARTS: muon:exit3" in done.stdout
     assert "GPU_ALL_PARTS=muon bash benchmarks/gpu_all.sh" in done.stdout  # the rerun, spelled out
-    log = (tmp_path / "out" / "strategy.log").read_text().splitlines()
-    assert json.loads(log[0])["box_s"] == 30  # told its time box
+    assert json.loads(part_log(tmp_path, "strategy")[0])["box_s"] == 30  # told its time box
     boxes = [int(line.split("time box ")[1].split(" ")[0]) for line in done.stdout.splitlines() if "time box" in line]
     assert sum(boxes) <= 420 - 30  # room for the ~10-15 s start-up inside the 420 s budget
     # one table: the machine facts first, then a row per part (its figure, or why it has none)
@@ -76,8 +81,39 @@ def test_gpu_all_runs_every_part_reports_failures_in_one_table_and_exits_nonzero
     assert rows[6].startswith("| muon | (no figure) | - | FAIL | FAILED (exit 3)")
     report = (tmp_path / "out" / "gpu_all.md").read_text()
     assert report.index("torch fake") < report.index("start-up: ") < report.index("| part | key number")
-    files = sorted(p.name for p in (tmp_path / "out").iterdir())
-    assert len(files) <= 8 and files == sorted(["gpu_all.md", *(f"{name}.log" for name in ORDER)])
+    assert [line.split()[1] for line in (tmp_path / "out" / "gpu_all.log").read_text().splitlines()
+            if line.startswith("=== ")] == ORDER  # every part's lines, in order
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["gpu_all.log", "gpu_all.md"]  # nothing compiled
+
+
+def test_gpu_all_brings_the_compile_cache_back_in_pieces_the_device_returns_and_unpacks_it_when_carried(tmp_path):
+    """A full run leaves room for the cache: 2 files of results, then the cache gzipped in 15 MiB pieces (at most
+    3, so the carried tree stays under the 64 MiB a call sends); carried back in .gpu_cache/, it is unpacked before
+    any part runs; past 45 MiB it is not kept, and the report says so."""
+    cache = tmp_path / "cache" / "triton"
+    cache.mkdir(parents=True)
+    kernel = os.urandom(20 << 20)  # incompressible: two pieces
+    (cache / "kernel.cubin").write_bytes(kernel)
+    done = run_gpu_all(tmp_path)
+    out = tmp_path / "out"
+    files = sorted(p.name for p in out.iterdir())
+    assert files == ["compile_cache.tgz.0", "compile_cache.tgz.1", "gpu_all.log", "gpu_all.md"]
+    assert all((out / name).stat().st_size <= 16 << 20 for name in files)
+    assert "in 2 piece(s)" in done.stdout
+    carried = tmp_path / "carried"
+    carried.mkdir()
+    for name in files[:2]:
+        (carried / name).write_bytes((out / name).read_bytes())
+    (tmp_path / "cache" / "triton" / "kernel.cubin").unlink()  # a fresh machine: nothing compiled there
+    done = run_gpu_all(tmp_path, GPU_ALL_PARTS="muon")
+    assert "compile cache: unpacked " in done.stdout.splitlines()[1]  # before the machine facts and every part
+    assert (cache / "kernel.cubin").read_bytes() == kernel
+    for name in files[:2]:
+        (carried / name).unlink()
+    (cache / "big.bin").write_bytes(os.urandom(46 << 20))
+    done = run_gpu_all(tmp_path, GPU_ALL_PARTS="muon")
+    assert "MiB packed, over 45 MiB: not kept" in done.stdout
+    assert sorted(p.name for p in out.iterdir()) == ["gpu_all.log", "gpu_all.md"]
 
 
 def test_gpu_all_skips_only_the_compiled_parts_when_triton_cannot_build_its_launcher(tmp_path):
@@ -103,7 +139,7 @@ def test_gpu_all_time_boxes_a_hanging_part_keeps_its_early_figure_and_skips_what
 def test_gpu_all_parts_selects_the_parts_to_rerun_and_refuses_an_unknown_one(tmp_path):
     done = run_gpu_all(tmp_path, "--dry-run", GPU_ALL_PARTS="muon,paths")
     assert parts_run(done.stdout) == ["paths", "muon"] and done.returncode == 0  # in the table's order
-    assert json.loads((tmp_path / "out" / "muon.log").read_text().splitlines()[0])["args"] == "--dry-run"
+    assert json.loads(part_log(tmp_path, "muon")[0])["args"] == "--dry-run"
     assert "gpu_preflight" not in (tmp_path / "out" / "gpu_all.md").read_text()  # a dry run compiles nothing
     done = run_gpu_all(tmp_path, GPU_ALL_PARTS="muon,nope")
     assert done.returncode == 2 and "unknown part 'nope'" in done.stdout
