@@ -448,6 +448,8 @@ def lightning_cli(argv: list[str] | None, descriptions: dict[str, str]) -> MoECL
     """fit/validate/test/predict (``moe_lightning.commands.main.run`` dispatches here, with each command's line)."""
     logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(drop_tips)
     words = sys.argv[1:] if argv is None else argv
+    if argv is not None:  # words given in Python (a notebook, a test) are meant; sys.argv there is the host's
+        warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended to run from within")
     MoEArgumentParser.command = words[0] if words and words[0] in descriptions else "fit"
     return MoECLI(MoELanguageModel, TextDataModule, subclass_mode_model=True, subclass_mode_data=True, args=argv,
                   parser_kwargs={name: {"description": text} for name, text in descriptions.items()},

@@ -74,6 +74,7 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES))
 def test_a_refusal_is_one_line_on_stderr_and_exit_status_2(tmp_path, monkeypatch, capfd, case):
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["ipykernel_launcher.py", "-f", "kernel.json"])  # a host's own command line
     words, start = CASES[case]
     status, lines = refused(capfd, words(tmp_path))
     assert status == 2 and len(lines) == 1 and lines[0].startswith(start), lines
