@@ -11,11 +11,12 @@
 # estimated from the device notes), this run, and a rerun of the failed parts on a fresh machine (idle > 30 s:
 # start again, then one part of <= 150 s) fit.
 # Files under $OUT (the device tool's output folder, else ./gpu_results; it returns 8 files of <= 16 MiB): gpu_all.md
-# (machine facts, preflight, the table), gpu_all.log (every part's lines, in order) and compile_cache.tgz.0, .1, ...
-# (the Inductor/Triton cache, gzipped and cut into 15 MiB pieces, at most 3: kept when it packs into 45 MiB, which
-# leaves the carried tree under the 64 MiB a call sends). To reuse the compiled kernels on the next call, copy those
-# pieces into .gpu_cache/ in the checkout (ignored: add /.gpu_cache/ to .git/info/exclude) and carry .gpu_cache:
-# they are unpacked first.
+# (machine facts, preflight, each part's outcome, the table), gpu_all.log (every part's lines, in order, after a
+# "=== part" header; its last 15 MiB if longer) and compile_cache.tgz.0, .1, ... (the Inductor/Triton cache, gzipped
+# and cut into 15 MiB pieces, at most 3: kept when it packs into 45 MiB, which leaves the carried tree under the
+# 64 MiB a call sends). To reuse the compiled kernels on the next call, replace the contents of .gpu_cache/ in the
+# checkout with those pieces (.gitignore keeps it and gpu_results/ out of commits) and carry .gpu_cache: they are
+# unpacked first, all or nothing.
 # Exits non-zero when any part failed, timed out or was skipped. Needs torch and lightning only (no jsonargparse).
 # The interpreter is ${PYTHON:-python3}. Each part learns its time box from $GPU_ALL_BOX_S.
 set -u -o pipefail
@@ -69,6 +70,7 @@ mkdir -p "$out"
 cache=${GPU_ALL_CACHE:-/tmp/moe_lightning_compile_cache}
 carried=${GPU_ALL_CARRIED:-.gpu_cache}
 logs=$(mktemp -d)  # each part's own log, read for its figure; $out gets them all in one file
+trap 'rm -rf "$logs"' EXIT
 mkdir -p "$cache"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD TORCHINDUCTOR_CACHE_DIR=$cache/inductor TRITON_CACHE_DIR=$cache/triton
 start=$SECONDS
@@ -76,9 +78,12 @@ report=$out/gpu_all.md
 : >"$out/gpu_all.log"
 {
     echo "# gpu_all $(date -u +%Y-%m-%dT%H:%M:%SZ), budget ${budget} s, parts: $(printf '%s ' "${selected[@]%%|*}")"
-    if compgen -G "$carried/compile_cache.tgz.*" >/dev/null; then
-        cat "$carried"/compile_cache.tgz.* | tar xz -C "$cache" \
-            && echo "compile cache: unpacked $carried/compile_cache.tgz.* ($(du -sh "$cache" | cut -f1))"
+    if compgen -G "$carried/compile_cache.tgz.*" >/dev/null; then  # all or nothing: a bad piece leaves no half kernels
+        mkdir -p "$logs/unpacked"
+        if cat "$carried"/compile_cache.tgz.* | tar xz -C "$logs/unpacked" 2>/dev/null; then
+            cp -a "$logs/unpacked/." "$cache/" && rm -rf "$logs/unpacked"
+            echo "compile cache: unpacked $carried/compile_cache.tgz.* ($(du -sh "$cache" | cut -f1))"
+        else echo "compile cache: $carried/compile_cache.tgz.* do not unpack (pieces of two runs, or one missing): not used"; fi
     fi
     "$python" - <<'EOF'
 import subprocess, torch
@@ -136,14 +141,21 @@ for row in "${selected[@]}"; do
 done
 
 rm -f "$out"/compile_cache.tgz.*
-if [[ -d $cache && -n $(ls -A "$cache" 2>/dev/null) ]]; then
-    tar c -C "$cache" . | gzip -1 | split -b 15M -d -a 1 - "$out/compile_cache.tgz."
-    pieces=$(compgen -G "$out/compile_cache.tgz.*" | wc -l) size=$(cat "$out"/compile_cache.tgz.* | wc -c)
-    if ((pieces > 3)); then
-        rm -f "$out"/compile_cache.tgz.*; cache_note="compile cache: $((size >> 20)) MiB packed, over 45 MiB: not kept"
-    else cache_note="compile cache: $((size >> 10)) KiB in $pieces piece(s), $out/compile_cache.tgz.*"
-         cache_note+=" (carry them in .gpu_cache/)"; fi
+if [[ -d $cache && -n $(ls -A "$cache" 2>/dev/null) ]]; then  # packed aside first: $out only ever gets what fits
+    tar c -C "$cache" . | gzip -1 >"$logs/cache.tgz"
+    size=$(stat -c %s "$logs/cache.tgz")
+    if ((size > 45 << 20)); then cache_note="compile cache: $((size >> 20)) MiB packed, over 45 MiB: not kept"
+    else
+        split -b 15M -d -a 1 "$logs/cache.tgz" "$out/compile_cache.tgz."
+        pieces=$(compgen -G "$out/compile_cache.tgz.*" | wc -l)
+        cache_note="compile cache: $((size >> 10)) KiB in $pieces piece(s), $out/compile_cache.tgz.* (carry them in"
+        cache_note+=" .gpu_cache/, replacing what is there)"
+    fi
 else cache_note="compile cache: empty (nothing compiled)"; fi
+if (($(stat -c %s "$out/gpu_all.log") > 15 << 20)); then  # the device returns files of <= 16 MiB: keep the end
+    tail -c 15M "$out/gpu_all.log" >"$logs/tail.log" && mv "$logs/tail.log" "$out/gpu_all.log"
+    cache_note+="; gpu_all.log cut to its last 15 MiB"
+fi
 {
     echo
     echo "gpu_all: done in $((SECONDS - start)) s of ${budget} s; $cache_note"

@@ -128,7 +128,7 @@ class SequenceShard:
     sequence this rank computes, and how attention's key side (GQA: grouped K and V; MLA: the normalised latent
     and the rotated shared key) reaches its queries from the ranks that hold the other positions.
 
-    ``MoETransformer.sequence_shard`` holds one and hands it to every attention; a strategy replaces it
+    ``MoETransformer.sequence_shard`` holds one and hands it to every attention and MoE layer; a strategy replaces it
     (``parallel/context_parallel.py``). This default is one rank holding the whole sequence: every method returns
     its input, so the one-rank model runs exactly the ops it ran before the seam existed (no copy, no op)."""
 

@@ -34,7 +34,7 @@ def _check_ep_divides_shard(shard_size: int, expert_parallel_size: int) -> None:
 def _check_cp_divides_shard(shard_size: int, context_parallel_size: int, seq_len: int | None = None) -> None:
     """The sizes offered are those the data's ``seq_len`` (when known) also takes: a multiple of ``2N``."""
     if shard_size % context_parallel_size:
-        sizes = [d for d in _divisors(shard_size) if seq_len is None or seq_len % (2 * d) == 0]
+        sizes = [d for d in _divisors(shard_size) if d == 1 or seq_len is None or seq_len % (2 * d) == 0]
         raise MeshError(
             f"strategy.context_parallel_size={context_parallel_size} must divide strategy.shard_size={shard_size} "
             f"(a context-parallel group is folded into the shard ranks, so it also divides the world): choose it "

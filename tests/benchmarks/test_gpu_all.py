@@ -4,6 +4,7 @@
 test (succeed, fail, hang), so the driver's budget, time boxes and exit status are checked without a GPU.
 """
 
+import itertools
 import json
 import math
 import os
@@ -59,8 +60,9 @@ def table(stdout: str) -> list[str]:
 
 def part_log(tmp_path: Path, name: str) -> list[str]:
     """The lines ``name`` printed, from the one log of every part."""
-    log = (tmp_path / "out" / "gpu_all.log").read_text().split("=== ")
-    return next(section for section in log if section.startswith(f"{name} ")).splitlines()[1:]
+    lines = (tmp_path / "out" / "gpu_all.log").read_text().splitlines()
+    start = lines.index(next(line for line in lines if line.startswith(f"=== {name} ("))) + 1
+    return list(itertools.takewhile(lambda line: not line.startswith("=== "), lines[start:]))
 
 
 def test_gpu_all_runs_every_part_reports_failures_in_one_table_and_exits_nonzero(tmp_path):
@@ -108,8 +110,13 @@ def test_gpu_all_brings_the_compile_cache_back_in_pieces_the_device_returns_and_
     done = run_gpu_all(tmp_path, GPU_ALL_PARTS="muon")
     assert "compile cache: unpacked " in done.stdout.splitlines()[1]  # before the machine facts and every part
     assert (cache / "kernel.cubin").read_bytes() == kernel
-    for name in files[:2]:
-        (carried / name).unlink()
+    (cache / "kernel.cubin").unlink()
+    (carried / "compile_cache.tgz.2").write_bytes(os.urandom(1024))  # a piece of another run
+    done = run_gpu_all(tmp_path, GPU_ALL_PARTS="muon")
+    assert "do not unpack (pieces of two runs, or one missing): not used" in done.stdout
+    assert not (cache / "kernel.cubin").exists()  # nothing half-unpacked
+    for piece in carried.iterdir():
+        piece.unlink()
     (cache / "big.bin").write_bytes(os.urandom(46 << 20))
     done = run_gpu_all(tmp_path, GPU_ALL_PARTS="muon")
     assert "MiB packed, over 45 MiB: not kept" in done.stdout

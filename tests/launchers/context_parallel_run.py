@@ -31,11 +31,13 @@ CASES = {"mla-causal": ("mla", False, {}), "mla-docs": ("mla", True, {}), "gqa-c
 
 class WireCounter:
     """Wraps the two collectives the exchange uses; records what each rank sends per call (ring algorithms:
-    an all-gather forwards N-1 shards of its input's size, a reduce-scatter N-1 of N slices of its input)."""
+    an all-gather forwards N-1 shards of its input's size, a reduce-scatter N-1 of N slices of its input). Also
+    records the size of each all-reduce (the balancing losses' sums)."""
 
     def __init__(self):
         self.calls: list[tuple[str, int]] = []
-        self._gather, self._scatter = dist.all_gather_into_tensor, dist.reduce_scatter_tensor
+        self.reduces: list[int] = []
+        self._gather, self._scatter, self._reduce = dist.all_gather_into_tensor, dist.reduce_scatter_tensor, dist.all_reduce
 
         def gather(out, inp, *args, **kwargs):
             self.calls.append(("all_gather", inp.numel() * inp.element_size() * (dist.get_world_size() - 1)))
@@ -45,7 +47,10 @@ class WireCounter:
             n = dist.get_world_size()
             self.calls.append(("reduce_scatter", inp.numel() * inp.element_size() * (n - 1) // n))
             return self._scatter(out, inp, *args, **kwargs)
-        dist.all_gather_into_tensor, dist.reduce_scatter_tensor = gather, scatter
+        def reduce(tensor, *args, **kwargs):
+            self.reduces.append(tensor.numel() * tensor.element_size())
+            return self._reduce(tensor, *args, **kwargs)
+        dist.all_gather_into_tensor, dist.reduce_scatter_tensor, dist.all_reduce = gather, scatter, reduce
 
 
 def batch(seed: int) -> torch.Tensor:
@@ -91,12 +96,14 @@ def main() -> None:
         # this rank's shard: N x its sum over the group's target count, gradients averaged as FSDP does
         sharded.sequence_shard = shard
         counter.calls.clear()
+        counter.reduces.clear()
         logits_BsV = sharded(inputs_BS)
         total = F.cross_entropy(logits_BsV.flatten(0, 1), shard.local(targets_BS).flatten(), reduction="sum")
         local_loss = context_parallel_mean(total, targets_BS, N)
-        forward_calls = list(counter.calls)
+        forward_calls, forward_reduces = list(counter.calls), list(counter.reduces)
         local_loss.backward()
         backward_calls = counter.calls[len(forward_calls):]
+        backward_reduces = counter.reduces[len(forward_reduces):]
         cp_loss = local_loss.detach().clone()
         dist.all_reduce(cp_loss)
         grad_error = 0.0
@@ -116,6 +123,7 @@ def main() -> None:
             loss=loss.item(), cp_loss=cp_loss.item() / N, grad_rel_error=grad_error,
             max_logit_error=(max_cp - max_ref).abs().max().item(),
             aux_losses=aux_ref, cp_aux_losses=aux_cp, balance_share=balance_share,
+            forward_reduces=forward_reduces, backward_reduces=backward_reduces,
             forward_calls=forward_calls, backward_calls=backward_calls,
             expected_bytes=B * S * width * 4 * (N - 1) // N, layers=config.n_layers)
     if dist.get_rank() == 0:

@@ -23,7 +23,7 @@ LAYERS, MOE_LAYERS = 3, 2  # strategy_run.TINY; each multi-token prediction dept
 MLA = ("--attention", "mla", "--docs", "--muon", "--qk-clip", "--offload-activations", "--accumulate", "2",
        "--max-steps", "4", "--config", '{"mtp_layers": 2, "aux_loss_coef": 0.1, "z_loss_coef": 0.01}')
 # depth 5 > the chunk of 32 / 8 positions: the positions a depth drops lie on two ranks' tail chunks
-GQA = ("--config", '{"mtp_layers": 5}')
+GQA = ("--config", '{"mtp_layers": 5, "aux_loss_coef": 0.1, "z_loss_coef": 0.01}')
 
 
 def launch(tmp: Path, name: str, world: int, *args: str) -> dict:
