@@ -17,8 +17,8 @@ FSDP averages over its dp x cp ranks, dividing by N once more: exactly the gradi
 
 The balancing losses (``ContextParallelShard.sum_over_sequence``): the MoE layers' per-sequence sums (expert counts,
 routing probabilities, squared log-sum-exps, positions) are all-reduced over the group, so every rank computes the
-whole sequences' losses; the backward all-reduces their gradient too, so each rank's positions receive the sum of
-N identical losses' gradients: again N x the gradient without context parallelism, as the main loss's.
+whole sequences' losses, and each rank's positions receive the sum of the N ranks' (equal) gradients of them, N x
+one (no second all-reduce): again N x the gradient without context parallelism, as the main loss's.
 """
 
 import functools
@@ -88,21 +88,20 @@ class _GatherSequence(torch.autograd.Function):
 
 
 class _SumOverGroup(torch.autograd.Function):
-    """All-reduce (sum) whose backward all-reduces the gradient: every rank uses the sum, so each input's
-    gradient is the sum of the ranks' gradients of it."""
+    """All-reduce (sum). Every rank uses the sum, so an input's gradient is the sum of the N ranks' gradients of
+    the sum; those are equal (the same function of the same all-reduced values), so the backward multiplies by N
+    instead of all-reducing again."""
 
     @staticmethod
     def forward(ctx, group, partial_BX):
-        ctx.group = group
+        ctx.size = dist.get_world_size(group)
         total_BX = partial_BX.clone(memory_format=torch.contiguous_format)
         dist.all_reduce(total_BX, group=group)
         return total_BX
 
     @staticmethod
     def backward(ctx, grad_BX):
-        grad_BX = grad_BX.clone(memory_format=torch.contiguous_format)
-        dist.all_reduce(grad_BX, group=ctx.group)
-        return None, grad_BX
+        return None, grad_BX * ctx.size
 
 
 class ContextParallelShard(SequenceShard):
