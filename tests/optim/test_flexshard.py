@@ -89,6 +89,7 @@ def test_four_processes_fsdp_hsdp_ep(tmp_path):
         assert r["ckpt_diff"] == 0.0
 
 
+@pytest.mark.slow  # three Lightning fits; Muon through the strategy stays in the main suite (the CP 2 fit)
 def test_through_the_strategy_with_expert_parallelism_and_resume(tmp_path):
     """Lightning + MoEFSDPStrategy (ep=2: local expert slices, dense rows owner-exchanged) vs one process.
 

@@ -67,6 +67,7 @@ def test_every_routing_with_recompute_and_bf16(options):
             assert result["relative_max_differences"]["hierarchical_vs_flat"] <= 8e-3, result
 
 
+@pytest.mark.slow  # 4 processes; FP8 rounding and dispatch on one rank stay in the main suite
 def test_fp8_dispatch_halves_the_dispatch_bytes_between_nodes():
     """bf16 layer, 2 x 2, node-limited top-2, FP8 dispatch: the forward dispatch hops' inter-node bytes (hidden row,
     routing weights and node-local expert ids; counted on the wire) are (D + 4 D/128 + 8K) / (2 D + 8K) of the

@@ -66,16 +66,6 @@ def runs(tmp_path_factory):
                                      "--resume", str(tmp / "ep_ckpt" / "step=2.ckpt"))
     results["meta"] = launch(tmp, "meta", 2, "--ep", "2", "--meta-init", "--max-steps", "1", "--every", "1",
                              "--ckpt-dir", str(tmp / "meta_ckpt"))
-    # Asynchronous saves: SIGKILL while last.ckpt of step 2 is written in the background (training goes on),
-    # then resume from the step-2 checkpoint, itself saving asynchronously.
-    with pytest.raises(RuntimeError, match=r"exit -9"):
-        launch(tmp, "async_killed", 2, "--ep", "2", "--async-checkpoint", "--ckpt-dir", str(tmp / "async_ckpt"),
-               "--kill-at-save", "2")
-    results["async_killed"] = json.loads((tmp / "async_killed.json").read_text())
-    results["async_dir_after_kill"] = sorted(p.name for p in (tmp / "async_ckpt").iterdir())
-    results["async_resumed"] = launch(tmp, "async_resumed", 2, "--ep", "2", "--async-checkpoint",
-                                      "--ckpt-dir", str(tmp / "async_ckpt"),
-                                      "--resume", str(tmp / "async_ckpt" / "step=2.ckpt"))
     results["hsdp"] = launch(tmp, "hsdp", 4, "--replicate", "2",  # and the other sharding options
                              "--offload", "--keep-gathered", "--async-op", "--prefetch", "2")
     return results
@@ -172,16 +162,27 @@ def test_sigkill_while_writing_keeps_last_good_checkpoint_and_resume_continues_e
     assert len(killed) == 8
 
 
-def test_asynchronous_checkpoints_survive_sigkill_mid_write_and_resume_exactly(runs):
-    ckpt_dir = runs["dir"] / "async_ckpt"
+@pytest.mark.slow  # two more 2-process fits; the synchronous kill and resume stay in the main suite
+def test_asynchronous_checkpoints_survive_sigkill_mid_write_and_resume_exactly(tmp_path):
+    """SIGKILL while last.ckpt of step 2 is written in the background (training goes on), then resume from the
+    step-2 checkpoint, itself saving asynchronously; both against an uninterrupted run (its own, so the slow leg
+    does not build the module's runs)."""
+    reference = launch(tmp_path, "ep_reference", 2, "--ep", "2")
+    ckpt_dir = tmp_path / "async_ckpt"
+    with pytest.raises(RuntimeError, match=r"exit -9"):
+        launch(tmp_path, "async_killed", 2, "--ep", "2", "--async-checkpoint", "--ckpt-dir", str(ckpt_dir),
+               "--kill-at-save", "2")
+    async_killed = json.loads((tmp_path / "async_killed.json").read_text())
     # killed while last.ckpt was being written: only the complete step-2 checkpoint is visible
-    assert runs["async_dir_after_kill"] == ["last.ckpt.partial", "step=2.ckpt"]
-    killed = runs["async_killed"]["batches"]
+    assert sorted(p.name for p in ckpt_dir.iterdir()) == ["last.ckpt.partial", "step=2.ckpt"]
+    killed = async_killed["batches"]
     assert len(killed) >= 4  # trained through step 2 before dying; losses as with synchronous saves
-    assert losses(runs["async_killed"]) == pytest.approx(losses(runs["ep_killed"])[:len(killed)], abs=RESUME_ATOL)
-    resumed = runs["async_resumed"]["batches"]
+    assert losses(async_killed) == pytest.approx(losses(reference)[:len(killed)], abs=RESUME_ATOL)
+    async_resumed = launch(tmp_path, "async_resumed", 2, "--ep", "2", "--async-checkpoint", "--ckpt-dir",
+                           str(ckpt_dir), "--resume", str(ckpt_dir / "step=2.ckpt"))
+    resumed = async_resumed["batches"]
     assert [r["batch"] for r in resumed] == [4, 5, 6, 7]
-    assert losses(runs["async_resumed"]) == pytest.approx(losses(runs["ep_killed"], 4), abs=RESUME_ATOL)
+    assert losses(async_resumed) == pytest.approx(losses(reference, 4), abs=RESUME_ATOL)
     # fit waited for its last background save: committed, nothing left half-written
     assert sorted(p.name for p in ckpt_dir.iterdir()) == ["last.ckpt", "step=2.ckpt", "step=4.ckpt"]
     assert torch.load(ckpt_dir / "last.ckpt" / "meta.pt", weights_only=True)["global_step"] == 4
