@@ -64,6 +64,12 @@ class MeshLayout:
         """Replicas of the data: the ranks that read different sequences (a context-parallel group reads one)."""
         return self.world_size // self.cp
 
+    def coordinates(self, rank: int) -> dict[str, int]:
+        """Where global ``rank`` sits in every named dimension (what a report about one rank prints)."""
+        s = rank % self.shard
+        return {"replicate": rank // self.shard, "shard": s, "context": s % self.cp, "expert": s % self.ep,
+                "expert_shard": s // self.ep}
+
     @staticmethod
     def check_arguments(replicate_size: int, shard_size: int | str, expert_parallel_size: int,
                         context_parallel_size: int = 1) -> None:
