@@ -26,9 +26,15 @@ FIRST_CHUNK = 1 << 10  # ... at an epoch's start (shuffling 65,536 took 3-10 ms,
 
 class Shuffle:
     """A seeded permutation of ``0..n-1`` evaluated per index in O(1) memory: a balanced Feistel network over
-    the smallest power of 4 at or above ``n`` (each round mixes one half with splitmix64's finalizer), and
-    cycle-walking (apply again until the value falls below ``n``, fewer than 4 times on average), which keeps it a
-    bijection of ``0..n-1``. Replaces a ``randperm`` per epoch (8 bytes per sequence, seconds at 50M)."""
+    the smallest power of 4 at or above ``n`` (at least 4), and cycle-walking (apply again until the value falls
+    below ``n``, fewer than 4 times on average), which keeps it a bijection of ``0..n-1``. Replaces a ``randperm``
+    per epoch (8 bytes per sequence, seconds at 50M).
+
+    The rule, exactly (checkpoints record positions in this order, ``feistel-v1``): a value of ``2h`` bits splits
+    into ``left`` (high ``h`` bits) and ``right`` (low ``h``); the 6 round keys are
+    ``numpy.random.SeedSequence([s % 2**64 for s in seed]).generate_state(6, uint64)``; round ``r`` maps
+    ``(left, right)`` to ``(right, left ^ (splitmix64_finalizer(right ^ key_r) & (2**h - 1)))``, all mod 2^64.
+    tests/data/reference_orders.py writes it out in plain Python."""
 
     ROUNDS = 6
 
@@ -118,7 +124,12 @@ class _StartsPartWay(DistributedSampler):
 
 
 class ResumableSampler(_StartsPartWay):
-    """Shuffles by ``(seed, epoch)`` and deals the order out to ranks; can start an epoch part-way through."""
+    """Shuffles by ``(seed, epoch)`` and deals the order out to ranks; can start an epoch part-way through.
+
+    Position ``i`` of epoch ``e`` is sequence ``Shuffle(len(dataset), seed, e)(i)``. The last ``len(dataset) %
+    num_replicas`` positions are dropped (every rank reads as many); rank ``r`` reads positions ``start + r,
+    start + r + num_replicas, ...``, where ``start`` is ``resume_samples`` in epoch ``resume_epoch`` and 0 otherwise.
+    """
 
     def __init__(self, dataset: Dataset, num_replicas: int = 1, rank: int = 0, seed: int = 0):
         super().__init__(dataset, num_replicas, rank, seed)
@@ -161,7 +172,8 @@ class MixtureSequences(Dataset):
 
 def interleave_pattern(weights: list[float], length: int = PATTERN_LENGTH) -> np.ndarray:
     """Which source each of ``length`` consecutive draws comes from: every source gets its share of the
-    pattern (largest remainders, at least one draw each), in a fixed shuffled order. Repeated, any window of
+    pattern (largest remainders, at least one draw each), in a fixed shuffled order (the draws listed source by
+    source, permuted by ``numpy.random.default_rng(PATTERN_SEED).permutation``). Repeated, any window of
     ``length`` draws holds exactly those counts. The shuffle is why every rank sees every source: an evenly
     spread pattern has a short period (``[1, 1]`` is ``abab...``) that lines up with the world size when rank
     ``r`` takes every ``W``-th draw, so each rank would read one source only."""
@@ -179,9 +191,11 @@ class MixtureSampler(_StartsPartWay):
     """Weighted interleave of several sources, dealt out to ranks; resumable at any world size.
 
     Draw ``n`` of the endless mixture (epoch ``e``, position ``i``: ``n = e * len(dataset) + i``) comes from
-    source ``pattern[n % P]``; it is that source's ``c``-th draw, so sequence ``perm_{k,c // len_k}[c % len_k]``
-    where each pass over a source (a source epoch) has its own ``Shuffle`` seeded by ``(seed, k, source epoch)``.
-    A source that runs out starts its next epoch with a new shuffle while the others go on.
+    source ``k = pattern[n % P]``; it is that source's ``c``-th draw (``c`` counts the draws of ``k`` before ``n``,
+    from 0), so sequence ``perm_{k,c // len_k}[c % len_k]`` where each pass over a source (a source epoch) has its
+    own ``Shuffle`` seeded by ``(seed, k, source epoch)``; its index here is ``offsets[k]`` plus that. A source that
+    runs out starts its next epoch with a new shuffle while the others go on. Positions are dealt to ranks as
+    ``ResumableSampler`` deals them.
     """
 
     def __init__(self, dataset: MixtureSequences, weights: list[float], names: list[str], num_replicas: int = 1,

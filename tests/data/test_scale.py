@@ -26,6 +26,7 @@ from moe_lightning.data.tokenize.errors import TokenizeError
 from moe_lightning.data.tokenize.tasks import task_from_environment
 from moe_lightning.run import locks
 from moe_lightning.data.tokenizer import ByteTokenizer
+from tests.data.reference_orders import mixture_order, resumable_order, shuffled
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -40,6 +41,30 @@ def test_shuffle_is_a_permutation_of_every_size(n):
         assert abs(np.corrcoef(np.arange(n), order)[0, 1]) < 0.1  # no trace of the identity left
         assert not np.array_equal(order, Shuffle(n, 7, 1)(np.arange(n)))  # each epoch its own order
         np.testing.assert_array_equal(order[n // 3::5], Shuffle(n, 7, 0)(np.arange(n)[n // 3::5]))  # per index
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 16, 17, 1000, 4097])
+def test_shuffle_is_the_documented_feistel_network(n):
+    """Checkpoints record positions in this order ("feistel-v1"): a change to it must show here, not in a resume."""
+    for seed in [(7, 0), (7, 1), (0,), (2**64 + 3, 5, 1)]:
+        at = shuffled(n, *seed)
+        assert Shuffle(n, *seed)(np.arange(n)).tolist() == [at(i) for i in range(n)], seed
+    far = 10**11 + 8 * np.arange(5)
+    assert Shuffle(10**12, 1, 0)(far).tolist() == [shuffled(10**12, 1, 0)(int(i)) for i in far]
+
+
+@pytest.mark.parametrize("world, rank, epoch, start", [(1, 0, 0, 0), (3, 2, 1, 0), (3, 1, 1, 1001), (2, 0, 3, 17)])
+def test_mixture_order_is_the_documented_rule_across_source_passes(world, rank, epoch, start):
+    """Sources of 5000, 300 and 40 sequences at weights 3 : 1 : 0.5 (a pattern of 6667, 2222 and 1111 draws, the
+    largest remainder rounding the first up): the small sources run through many passes, each reshuffled, and a
+    mixture epoch after the first continues every source's count."""
+    lengths = [5000, 300, 40]
+    mixture = MixtureSampler(MixtureSequences([range(n) for n in lengths]), [3.0, 1.0, 0.5], ["a", "b", "c"],
+                             num_replicas=world, rank=rank, seed=5)
+    mixture.set_epoch(epoch)
+    mixture.resume_epoch, mixture.resume_samples = epoch, start
+    expected = list(mixture_order([6667, 2222, 1111], lengths, 5, epoch, world, rank, start))
+    assert list(mixture) == expected and len(expected) > 1000
 
 
 def test_samplers_start_at_a_trillion_sequences_in_constant_memory_and_resume_exactly():
@@ -67,13 +92,9 @@ def test_samplers_start_at_a_trillion_sequences_in_constant_memory_and_resume_ex
     share = np.mean(np.array(mixed) < n)
     assert abs(share - 0.75) < 0.03, share
     assert len(set(mixed)) == len(mixed) and all(0 <= i < n + 10**9 for i in mixed)
-    mixed = mixed[:5]
-    expected = Shuffle(10**12, 1, 0)(10**11 + 3 + 8 * np.arange(5))
-    assert first == expected.tolist()
-    k, c = mixture.draws(3 + 8 * np.arange(5))
-    flat = [mixture.dataset.offsets[s] + int(Shuffle(int(mixture.lengths[s]), 1, int(s), 0)(np.array([p]))[0])
-            for s, p in zip(k, c)]
-    assert mixed == flat
+    # the documented orders, written independently (tests/data/reference_orders.py)
+    assert first == list(itertools.islice(resumable_order(n, 1, 0, ranks, 3, start=10**11), 5))
+    assert mixed == list(itertools.islice(mixture_order([7500, 2500], [n, 10**9], 1, 0, ranks, 3), 4000))  # 3:1
 
 
 # ---- tokenize under faults ------------------------------------------------------------------------------------
@@ -707,17 +728,17 @@ def test_partial_plans_and_manifests_of_a_killed_task_are_removed_by_the_next_wr
 @pytest.mark.parametrize("first_chunk, chunk", [(1 << 10, 1 << 16), (2, 7)])
 def test_a_ranks_order_does_not_depend_on_the_chunks_its_indices_are_computed_in(monkeypatch, first_chunk, chunk):
     """The sampler computes an epoch's indices in chunks that grow (a small first one: a quick first batch); the
-    order is the epoch's shuffle of the rank's positions computed in one piece."""
+    order is the documented one (tests/data/reference_orders.py) whatever the chunks."""
     from moe_lightning.data import sampling
     monkeypatch.setattr(sampling, "FIRST_CHUNK", first_chunk)
     monkeypatch.setattr(sampling, "CHUNK", chunk)
     for rank in range(3):
         sampler = ResumableSampler(range(5000), num_replicas=3, rank=rank, seed=11)
         sampler.set_epoch(2)
-        expected = Shuffle(5000, 11, 2)(np.arange(rank, 4998, 3)).tolist()
+        expected = list(resumable_order(5000, 11, 2, 3, rank))
         assert list(sampler) == expected and len(expected) == 1666
         sampler.resume_epoch, sampler.resume_samples = 2, 1001  # resumed part-way through the epoch
-        assert list(sampler) == Shuffle(5000, 11, 2)(np.arange(1001 + rank, 4998, 3)).tolist()
+        assert list(sampler) == list(resumable_order(5000, 11, 2, 3, rank, start=1001))
     sizes = [len(piece) for piece in sampling.dealt(5, 3 * 300_000 + 5, 3)]
     assert sizes[:3] == [first_chunk, min(2 * first_chunk, chunk), min(4 * first_chunk, chunk)]
     assert sum(sizes) == 300_000 and max(sizes) == chunk
