@@ -18,6 +18,7 @@ from moe_lightning.model.moe import MoELayer
 from moe_lightning.parallel.expert_parallel import (AllToAllTokenDispatcher, apply_expert_parallel, dequantize_rows,
                                                     quantize_rows)
 from tests.launchers.ep_layout_run import fp8_expert_inputs
+from tests.support.collectives import recorded_schedule
 from tests.support.distributed import LAUNCHERS, REPO_ROOT, run_nodes, run_ranks
 
 SCRIPT = LAUNCHERS / "ep_layout_run.py"
@@ -87,29 +88,6 @@ def one_rank_group(tmp_path):
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     yield dist.group.WORLD
     dist.destroy_process_group()
-
-
-def recorded_schedule(monkeypatch, events: list[str]) -> None:
-    """Record every all-to-all launch (rows) and wait, and blocking count exchanges, in ``events``."""
-    launch = dist.all_to_all_single
-
-    class Work:
-        def __init__(self, work, rows):
-            self.work, self.rows = work, rows
-
-        def wait(self):
-            events.append(f"wait {self.rows}")
-            return self.work.wait()
-
-    def recorded(output, input, *args, async_op=False, **kwargs):
-        work = launch(output, input, *args, async_op=async_op, **kwargs)
-        if not async_op:
-            events.append("counts")
-            return work
-        events.append(f"launch {input.shape[0]}")
-        return Work(work, input.shape[0])
-
-    monkeypatch.setattr(dist, "all_to_all_single", recorded)
 
 
 def test_chunks_pipeline_the_exchange_behind_the_experts_forward_and_backward(one_rank_group, monkeypatch):

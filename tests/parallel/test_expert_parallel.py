@@ -19,6 +19,7 @@ from moe_lightning.model import MoEConfig
 from moe_lightning.model.moe import MoELayer
 from moe_lightning.parallel.expert_parallel import (AllToAllTokenDispatcher, expert_positions, node_identity, node_reach,
                                                     plan_layout)
+from tests.support.collectives import recorded_schedule
 from tests.support.distributed import REPO_ROOT, run_nodes, run_ranks
 
 
@@ -188,25 +189,7 @@ def test_shared_experts_run_while_the_token_exchange_is_in_flight_forward_and_ba
     backward their backward), then the exchange is awaited. One gloo rank; the routing weights travel with the
     rows (one exchange of packed rows, not two), and one host read per forward."""
     events = []
-    launch = dist.all_to_all_single
-
-    class Work:
-        def __init__(self, work, rows):
-            self.work, self.rows = work, rows
-
-        def wait(self):
-            events.append(f"wait {self.rows}")
-            return self.work.wait()
-
-    def recorded(output, input, *args, async_op=False, **kwargs):
-        work = launch(output, input, *args, async_op=async_op, **kwargs)
-        if not async_op:
-            events.append("counts")
-            return work
-        events.append(f"launch {input.shape[0]}x{input.shape[1]} {input.dtype}")
-        return Work(work, input.shape[0])
-
-    monkeypatch.setattr(dist, "all_to_all_single", recorded)
+    recorded_schedule(monkeypatch, events, describe=lambda rows: f"{rows.shape[0]}x{rows.shape[1]} {rows.dtype}")
     torch.manual_seed(0)
     config = MoEConfig(dim=16, num_experts=4, top_k=2, expert_hidden=8, n_shared_experts=1)
     moe = MoELayer(config)

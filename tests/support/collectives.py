@@ -43,3 +43,27 @@ class CollectiveCounter:
         finally:
             for name, fn in originals.items():
                 setattr(dist, name, fn)
+
+
+def recorded_schedule(monkeypatch, events: list[str], describe=lambda rows: str(rows.shape[0])) -> None:
+    """Record in ``events`` the order of the token exchanges: a blocking ``all_to_all_single`` (the split sizes) as
+    ``counts``, an asynchronous one as ``launch <describe(its input)>`` and, when awaited, ``wait <its rows>``."""
+    launch = dist.all_to_all_single
+
+    class Work:
+        def __init__(self, work, rows):
+            self.work, self.rows = work, rows
+
+        def wait(self):
+            events.append(f"wait {self.rows}")
+            return self.work.wait()
+
+    def recorded(output, input, *args, async_op=False, **kwargs):
+        work = launch(output, input, *args, async_op=async_op, **kwargs)
+        if not async_op:
+            events.append("counts")
+            return work
+        events.append(f"launch {describe(input)}")
+        return Work(work, input.shape[0])
+
+    monkeypatch.setattr(dist, "all_to_all_single", recorded)
