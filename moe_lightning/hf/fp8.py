@@ -60,8 +60,8 @@ def scale_shape(shape: tuple[int, ...]) -> tuple[int, int]:
 
 class Dequantized:
     """A ``SafetensorsDir`` whose FP8 weights read as ``dtype`` (weight x scale_inv, block by block); the scales
-    themselves are not keys. ``check`` refuses, before any read, an FP8 tensor without its scale, a scale without
-    its FP8 weight, or a scale of the wrong shape."""
+    themselves are not keys. ``check`` refuses, before any weight is read, an FP8 tensor without its scale, a scale
+    without its FP8 weight, a scale of the wrong shape, or one that is not finite and positive."""
 
     def __init__(self, files, dtype: torch.dtype):
         self.files, self.dtype = files, dtype
@@ -81,10 +81,22 @@ class Dequantized:
                 raise HFFormatError(f"{str(self.path)!r}: {scale!r} has shape {self.files.shape(scale)}, but a "
                                     f"{shape} weight in {BLOCK} x {BLOCK} blocks needs "
                                     f"{scale_shape(shape) if len(shape) == 2 else 'a 2-D weight'}.")
+            self._check_values(scale)
         for key in self.files.keys():
             if key not in self.scales and not key.endswith(SCALE_SUFFIX) and self.files.dtype(key) == FP8:
                 raise HFFormatError(f"{str(self.path)!r}: {key!r} is float8_e4m3fn but has no {key + SCALE_SUFFIX!r}: "
                                     f"its values cannot be dequantised.")
+
+    def _check_values(self, scale: str) -> None:
+        """A scale multiplies a whole 128 x 128 block: inf or NaN makes 16,384 non-finite weights, 0 a block of zeros,
+        a negative one a sign-flipped block. Scales are small (1/16,384 of their weight), so all are read here."""
+        values = self.files.get(scale)[:].to(torch.float32)
+        bad = ~(torch.isfinite(values) & (values > 0))
+        if bad.any():
+            block = [int(i) for i in bad.nonzero()[0]]
+            raise HFFormatError(f"{str(self.path)!r}: {scale!r} holds {int(bad.sum())} scale(s) that are not finite "
+                                f"and positive, e.g. {values[tuple(block)].item()} at block {block}: the weights "
+                                f"cannot be dequantised from it; the file is damaged (download it again).")
 
     def keys(self) -> set[str]:
         return self.files.keys() - set(self.scales.values())

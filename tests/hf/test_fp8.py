@@ -421,3 +421,22 @@ def test_sharded_checkpoint_exports_to_the_release_bitwise(release, sharded_fp8)
     original, exported = tensors_of(path), tensors_of(tmp / "exported")
     assert set(exported) == set(original)
     assert all(bitwise_equal(exported[key], tensor) for key, tensor in original.items())
+
+
+@pytest.mark.parametrize("value", [float("inf"), float("nan"), 0.0, -1.0], ids=["inf", "nan", "zero", "negative"])
+def test_a_scale_that_is_not_finite_and_positive_is_refused_naming_it(release, value, tmp_path, capfd):
+    """inf or NaN would make a block of 16,384 non-finite weights, 0 a block of zeros, -1 a sign-flipped block: each
+    is refused in one line naming the scale tensor, by the Python API and by `convert` (exit 2, nothing written)."""
+    _, _, path = release
+    scale = tensors_of(path)[SCALE].clone()
+    scale[1, 0] = value
+    bad = _edited(path, tmp_path / "bad", replace={SCALE: scale})
+    with pytest.raises(HFFormatError, match=rf"{SCALE}' holds 1 scale\(s\) that are not finite and positive") as err:
+        hf.from_pretrained(bad)
+    assert "\n" not in str(err.value) and "block [1, 0]" in str(err.value)
+    capfd.readouterr()
+    with pytest.raises(SystemExit) as exit_:
+        commands.main(["convert", str(bad), "--out", str(tmp_path / "model.pt")])
+    err_lines = capfd.readouterr().err.strip().splitlines()
+    assert exit_.value.code == 2 and len(err_lines) == 1 and SCALE in err_lines[0]
+    assert not (tmp_path / "model.pt").exists()
