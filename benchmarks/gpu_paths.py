@@ -11,14 +11,16 @@ FlexAttention ones last (a time-out there loses nothing before it):
 - ``offload``: ``ActivationOffload`` on a 3-block model against the plain model's gradients (real copy streams);
 - ``host_ns``: ``HostStagedNS`` (pinned ring, copy streams, events) against Newton–Schulz of each matrix moved over
   one at a time, bitwise;
-- ``all_to_all``: ``all_to_all_single`` on a one-rank NCCL group (gloo in the dry run);
+- ``all_to_all``: ``all_to_all_single`` on a one-rank NCCL group bound to the device by its index (gloo in the
+  dry run);
 - ``flex_S`` / ``flex_S-1``: the compiled FlexAttention kernel at the recipe's MLA head dims, document-masked, at
   S tokens, and at S - 1 tokens through the S-token mask (multi-token prediction's first depth: zero-padded to S,
   one kernel shape), forward and backward against SDPA with the dense mask of those tokens, and its
   ``AuxRequest(max_scores)`` maxima (the padded rows dropped) against ``exact_max_logits``; each line says how
   many graphs it compiled (S - 1 after S: 0 expected, the padded call reuses the kernel). A
   ratio near 1/ln 2 = 1.443 is torch 2.11's rescaling of ``max_scores``, named as such.
-Exit status 1 when any check failed. The last line is the part's figure for gpu_all.sh's table.
+Exit status 1 when any check failed. A figure line (checks passed so far) follows ``all_to_all`` and the last
+check; gpu_all.sh's table takes the last one printed.
 """
 
 import argparse
@@ -203,6 +205,21 @@ def check_flex(device: torch.device, seq: int, heads: int, qk_dim: int, v_dim: i
             f"{diff:.1e}, max logits ratio {ratio:.4f}, {compiled} new compiled graph(s)")
 
 
+def compute_device(cuda: bool) -> torch.device:
+    """The device the checks run on; on CUDA with its index, which ``init_process_group(device_id=...)`` requires."""
+    return torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+
+
+def figure_line(outcome: dict[str, str], total: int) -> str:
+    """The part's figure so far: a time-out in a later check keeps the checks done before it."""
+    passed = sum(v == "PASS" for v in outcome.values())
+    failed = [name for name, v in outcome.items() if v != "PASS"]
+    pending = f", {total - len(outcome)} pending" if len(outcome) < total else ""
+    return (f"figure: paths | {passed}/{total} checks pass{pending}"
+            f"{' (failed: ' + ', '.join(failed) + ')' if failed else ''} | all {total} | "
+            f"{'PASS' if not failed and not pending else 'FAIL'}")
+
+
 def main(argv: list[str] | None = None) -> dict[str, str]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dry-run", action="store_true", help="CPU: the same checks, eager, tiny shapes")
@@ -211,7 +228,7 @@ def main(argv: list[str] | None = None) -> dict[str, str]:
     cuda = torch.cuda.is_available() and not args.dry_run
     if not cuda and not args.dry_run:
         parser.error("no CUDA device: run with --dry-run on CPU")
-    device = torch.device("cuda" if cuda else "cpu")
+    device = compute_device(cuda)
     config = recipe_config(dry_run=not cuda)  # the recipe's head dims (MLA: query/key 128 + 64, value 128)
     heads, (qk_dim, v_dim) = config.n_heads, config.attention_head_dims
     seq = args.seq or (4096 if cuda else 64)
@@ -236,10 +253,9 @@ def main(argv: list[str] | None = None) -> dict[str, str]:
             outcome[name] = "FAIL"
             message = f"{type(error).__name__}: {error}".replace("\n", " ")[:600]
             print(f"paths: FAIL {name} ({time.perf_counter() - start:.1f} s): {message}", flush=True)
-    passed = sum(v == "PASS" for v in outcome.values())
+        if name == "all_to_all" or len(outcome) == len(checks):  # a figure before the compiled checks, then the last
+            print(figure_line(outcome, len(checks)), flush=True)
     failed = [name for name, v in outcome.items() if v != "PASS"]
-    print(f"figure: paths | {passed}/{len(checks)} checks pass{' (failed: ' + ', '.join(failed) + ')' if failed else ''}"
-          f" | all {len(checks)} | {'PASS' if not failed else 'FAIL'}", flush=True)
     if failed and __name__ == "__main__":
         sys.exit(1)
     return outcome
