@@ -105,36 +105,6 @@ def test_the_tests_have_one_folder_per_package_folder():
     assert folders - helpers == set(LAYERS) and helpers <= folders
 
 
-def calls_in(path: Path) -> set[str]:
-    """The names the file calls or reads as attributes (``dist.new_group(...)`` gives ``new_group``)."""
-    names = set()
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-        if isinstance(node, ast.Attribute):
-            names.add(node.attr)
-        elif isinstance(node, ast.Name):
-            names.add(node.id)
-    return names
-
-
-def test_one_module_makes_meshes_and_groups_and_one_applies_the_parallelisms():
-    """Issue 41: the layout is one object. Before: new_group loops in mesh.py, expert_parallel.py, the preemption
-    callback and the sharded checkpointer; parallelize_moe called by the strategy and the LightningModule, which
-    read the model's shard object to scale its loss."""
-    makers, parallelizers = set(), set()
-    for path in sorted(PACKAGE.rglob("*.py")):
-        names, module = calls_in(path), ".".join(path.relative_to(PACKAGE).with_suffix("").parts)
-        if names & {"new_group", "init_device_mesh", "DeviceMesh", "new_subgroups", "split_group"} - (
-                {"DeviceMesh"} if "device_mesh import DeviceMesh\n" in path.read_text() and "DeviceMesh(" not in
-                path.read_text() else set()):
-            makers.add(module)
-        if "parallelize_moe" in names and module != "parallel.parallelize":
-            parallelizers.add(module)
-    assert makers == {"parallel.mesh"}
-    assert parallelizers == {"training.strategy"}
-    module_names = calls_in(PACKAGE / "training" / "module.py")
-    assert not module_names & {"sequence_shard", "device_mesh", "_device_mesh", "get_group", "parallel", "layout"}
-
-
 def test_test_only_code_is_not_in_the_package():
     assert not (PACKAGE / "parallel" / "comm.py").exists()
     import moe_lightning.commands.generate as generate
