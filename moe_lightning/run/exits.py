@@ -2,7 +2,9 @@
 
 0: finished; ``128 + signal``: preempted or interrupted (a ``fit`` has written its checkpoint, a ``tokenize`` kept
 its finished units); ``EXIT_MAX_TIME`` (75): ``trainer.max_time`` stopped a ``fit`` (the final checkpoint is
-written); 1: an error; 2: bad usage. A requeue script relaunches the same command on 75 and on ``128 + n``.
+written); ``EXIT_STALLED`` (69): a rank of a ``fit`` stopped making progress (``run/watchdog.py`` printed which and
+wrote ``stall-report.json``; the newest complete checkpoint is untouched); 1: an error; 2: bad usage. A requeue
+script relaunches the same command on 75 and on ``128 + n``, and on 69 without the host the report names.
 """
 
 import os
@@ -11,6 +13,9 @@ import subprocess
 
 EXIT_MAX_TIME = 75
 """sysexits.h's ``EX_TEMPFAIL`` ("temporary failure, try again"): the run is not finished."""
+
+EXIT_STALLED = 69
+"""sysexits.h's ``EX_UNAVAILABLE`` ("a service is unavailable"): a rank stalled; relaunch without its host."""
 
 
 class Preempted(SystemExit):

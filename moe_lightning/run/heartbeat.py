@@ -1,0 +1,104 @@
+"""What this rank's training thread is doing, kept in memory for the stall watchdog (``run/watchdog.py``).
+
+The training thread only assigns a few attributes (no I/O, no lock, no collective): its step, its phase (data,
+forward, backward, optimizer, checkpoint, validation) and the last collective it entered or finished (operation, the
+mesh dimension's name, sequence number). Every change bumps ``progress``; the watchdog thread publishes a snapshot
+through the rendezvous store, where the other ranks' watchdogs read it. A SIGSTOPped process stops both threads, so
+its published ``tick`` stops too; a rank stuck in its own code (a data-loader worker that never answers) keeps
+ticking but stops progressing.
+
+Package code marks its collectives through the module functions ``entered`` / ``finished`` (no-ops while no
+heartbeat is active, as in a single process), so they need no handle on the watchdog.
+"""
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+PHASES = ("start", "data", "forward", "backward", "optimizer", "checkpoint", "validation")
+"""A step's phases in the order a rank passes them (``start``: before the first training batch)."""
+
+
+def unnamed_group(group) -> str:
+    """The dimension name when nothing better is known: ``world``, or ``group of N``."""
+    if group is None:
+        return "world"
+    size = group.size() if hasattr(group, "size") else None
+    return f"group of {size}" if size is not None else "group"
+
+
+class Heartbeat:
+    """This rank's step, phase and last collective; ``progress`` counts every change.
+
+    Args:
+        name_of: Maps a process group to its mesh dimension's name (``strategy.parallel.name_of`` once the strategy
+            has one mesh); a group it does not know may raise ``KeyError`` or return ``None``.
+    """
+
+    def __init__(self, name_of: Callable[[object], str | None] | None = None):
+        self.name_of = name_of
+        self.step, self.phase, self.progress = 0, "start", 0
+        self.collectives = 0  # sequence number of the last collective entered
+        self.collective: tuple[str, str, int, str] | None = None  # (op, dimension, seq, "entered" | "finished")
+
+    def enter(self, phase: str, step: int | None = None) -> None:
+        if step is not None:
+            self.step = step
+        self.phase = phase
+        self.progress += 1
+
+    def entered(self, op: str, group=None) -> None:
+        self.collectives += 1
+        self.collective = (op, self.dimension(group), self.collectives, "entered")
+        self.progress += 1
+
+    def finished(self) -> None:
+        if self.collective is not None:
+            op, dim, seq, _ = self.collective
+            self.collective = (op, dim, seq, "finished")
+            self.progress += 1
+
+    def dimension(self, group) -> str:
+        try:
+            name = self.name_of(group) if self.name_of is not None else None
+        except (KeyError, ValueError):
+            name = None
+        return name or unnamed_group(group)
+
+    def snapshot(self) -> dict:
+        """The fields the watchdog publishes (read from another thread: each is one atomic assignment)."""
+        collective = self.collective
+        return {"step": self.step, "phase": self.phase, "progress": self.progress,
+                "collective": None if collective is None else dict(zip(("op", "dim", "seq", "state"), collective))}
+
+
+_active: Heartbeat | None = None
+
+
+def activate(heartbeat: Heartbeat | None) -> None:
+    """Make ``heartbeat`` the one the module functions update (``None``: none)."""
+    global _active
+    _active = heartbeat
+
+
+def active() -> Heartbeat | None:
+    return _active
+
+
+def entered(op: str, group=None) -> None:
+    """This rank enters collective ``op`` over ``group`` (a launch, for an asynchronous one)."""
+    if _active is not None:
+        _active.entered(op, group)
+
+
+def finished() -> None:
+    """The collective entered last has completed here (its wait returned)."""
+    if _active is not None:
+        _active.finished()
+
+
+@contextmanager
+def collective(op: str, group=None) -> Iterator[None]:
+    """Marks a blocking collective: entered before the block, finished after it."""
+    entered(op, group)
+    yield
+    finished()

@@ -1,0 +1,385 @@
+"""The stall watchdog: a thread on every rank that names a rank which stopped making progress and ends the job.
+
+Each rank's watchdog publishes its ``run.heartbeat.Heartbeat`` (step, phase, last collective, a ``progress`` count
+the training thread bumps) with a ``tick`` of its own, within ``publish_s`` of a change and every ``poll_s``, under
+``moe_lightning/stall/`` in the rendezvous store, through a client of its own with a short timeout (never the
+training process group). A few ranks (``watchers``: the first, the middle and the last) read every rank's record
+and judge (``Judge``):
+
+- a rank whose ``tick`` has not changed for ``timeout_s`` does not answer at all (SIGSTOP, a process hung in the
+  kernel or the driver): it is stalled;
+- otherwise, once every rank's training thread has made no progress for ``timeout_s``, the ranks behind the others
+  (step, collectives entered, phase) are stalled and the others wait for them; with none behind, every rank waits in
+  the same place (a collective that never completes, e.g. the network).
+
+A rank that is only slow, stopped for less than ``timeout_s``, is never named. The first watcher to judge a stall
+stores the verdict (``compare_set``: one report), prints the report, writes it as ``stall-report.json`` in the run's
+log folder and exits; every other rank sees the verdict within ``poll_s`` and exits too, with ``EXIT_STALLED``. The
+training thread may be blocked inside a collective the stalled rank never joins, in C++ where no exception reaches
+it, so the watchdog ends the process with ``os._exit`` after flushing its output. A checkpoint being written then is
+never committed: a sharded save is renamed into place only once complete and ``--ckpt_path last`` skips (and
+clean-up removes) an unfinished ``.partial``; a single file is written beside and renamed.
+
+When the process hosting the store stops (rank 0's, unless torchrun's agent hosts it), nothing can be read: a rank
+whose store operations have failed for ``timeout_s`` names that rank from the last records it read.
+"""
+
+import datetime
+import json
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from moe_lightning.run.exits import EXIT_STALLED, say
+from moe_lightning.run.heartbeat import PHASES, Heartbeat
+
+DEFAULT_STALL_TIMEOUT_S = 600.0
+"""Ten minutes: above a step, a first-step compile and a sharded save's write at the 1T shape (tens of seconds to
+minutes), below the 30 minutes after which the process group's own timeout would end the job without a word."""
+
+REPORT_FILE = "stall-report.json"
+PREFIX = "moe_lightning/stall"
+
+
+def check_stall_timeout(value, owner: str = "strategy.stall_timeout") -> float:
+    """``value`` as seconds, or a one-line error naming ``owner`` (before any process starts)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0 or value == float("inf"):
+        raise ValueError(f"{owner}={value!r}: seconds without progress before a rank counts as stalled, a number "
+                         f">= 0 (0 turns the watchdog off; default {DEFAULT_STALL_TIMEOUT_S:g}).")
+    return float(value)
+
+
+def poll_interval(timeout_s: float) -> float:
+    """How often a watchdog publishes and reads: a tenth of the timeout, within [0.1, 5] s."""
+    return min(5.0, max(0.1, timeout_s / 10))
+
+
+def watchers(world_size: int) -> list[int]:
+    """The ranks that read every record: a few, so that the store serves O(world) reads per poll, not O(world^2)."""
+    return sorted({0, world_size // 2, world_size - 1})
+
+
+def store_host_rank() -> int | None:
+    """The rank whose process serves the rendezvous store: rank 0, unless torchrun's agent serves it."""
+    return None if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true" else 0
+
+
+def side_store(timeout_s: float):
+    """A client of the default process group's rendezvous store of its own, whose operations give up after
+    ``timeout_s`` (the training thread's client waits as long as the process group's timeout)."""
+    import torch.distributed as dist
+
+    store = dist.distributed_c10d._get_default_store()
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    if isinstance(store, dist.TCPStore):
+        return dist.TCPStore(store.host, store.port, is_master=False, wait_for_workers=False,
+                             timeout=datetime.timedelta(seconds=timeout_s))
+    return store  # a FileStore or HashStore: no peer process serves it
+
+
+# ---- judging ---------------------------------------------------------------------------------------------------
+
+@dataclass
+class Seen:
+    """What a watcher knows of one rank: its last record and when (this watcher's clock) it last changed."""
+
+    record: dict | None
+    alive_at: float  # the rank's tick last changed
+    progress_at: float  # its training thread last made progress
+
+
+@dataclass
+class Verdict:
+    stalled: list[tuple[int, str]]  # (rank, why)
+    waiting: list[int]
+    seen: dict[int, Seen] = field(repr=False)
+    at: float = 0.0
+
+
+def position(record: dict | None) -> tuple[int, int, int]:
+    """How far a rank has come: (step, collectives entered, phase); ranks running the same program compare."""
+    if record is None:
+        return (-1, -1, -1)
+    collective = record.get("collective") or {}
+    return (record["step"], collective.get("seq", 0), PHASES.index(record["phase"]))
+
+
+class Judge:
+    """Names the stalled ranks from the records a watcher reads (see the module docstring); no I/O, no clock."""
+
+    def __init__(self, world_size: int, timeout_s: float, now: float):
+        self.timeout_s = timeout_s
+        self.seen = {rank: Seen(None, now, now) for rank in range(world_size)}
+
+    def observe(self, rank: int, record: dict, now: float) -> None:
+        seen, previous = self.seen[rank], self.seen[rank].record
+        if previous is None or record["tick"] != previous["tick"]:
+            seen.alive_at = now
+        if previous is None or record["progress"] != previous["progress"]:
+            seen.progress_at = now
+        seen.record = record
+
+    def verdict(self, now: float) -> Verdict | None:
+        records = [s.record for s in self.seen.values()]
+        if any(r is not None and r.get("stopped") for r in records):
+            return None  # a rank has finished its fit: the others are tearing down too
+        if all(r is None or r["phase"] == "start" for r in records):
+            return None  # nobody trains yet: building a model or loading a checkpoint takes what it takes
+        silent = [rank for rank, s in self.seen.items() if now - s.alive_at >= self.timeout_s]
+        if silent:
+            stalled = [(rank, "never reported" if self.seen[rank].record is None else "its process does not answer "
+                        "(stopped, or hung in the kernel or driver)") for rank in silent]
+            return Verdict(stalled, [r for r in self.seen if r not in silent], self.seen, now)
+        if any(now - s.progress_at < self.timeout_s for s in self.seen.values()):
+            return None
+        ahead = max(position(s.record) for s in self.seen.values())
+        behind = [rank for rank, s in self.seen.items() if position(s.record) < ahead]
+        stalled = [(rank, "its process answers but its training thread made no progress") for rank in behind]
+        return Verdict(stalled, [r for r in self.seen if r not in behind], self.seen, now)
+
+
+# ---- the report ------------------------------------------------------------------------------------------------
+
+def where(record: dict | None) -> str:
+    if record is None:
+        return "no record"
+    coordinates = ", ".join(f"{k} {v}" for k, v in record.get("coordinates", {}).items())
+    return f"host {record['host']}, pid {record['pid']}" + (f"; {coordinates}" if coordinates else "")
+
+
+def doing(record: dict | None) -> str:
+    if record is None:
+        return "never reported"
+    text = f"step {record['step']}, phase {record['phase']}"
+    collective = record.get("collective")
+    if collective:
+        name = f"{collective['op']}({collective['dim']}) #{collective['seq']}"
+        text += f", in {name}" if collective["state"] == "entered" else f", last finished {name}"
+    return text
+
+
+def report_lines(verdict: Verdict, timeout_s: float, detected_by: int) -> list[str]:
+    seen, now = verdict.seen, verdict.at
+    lines = [f"stall detected by rank {detected_by}: no progress for {timeout_s:g} s (stall_timeout)"]
+    for rank, why in verdict.stalled:
+        s = seen[rank]
+        lines.append(f"  STALLED rank {rank} ({where(s.record)}): {doing(s.record)}; {why}; last progress "
+                     f"{now - s.progress_at:.0f} s ago")
+        waited = [seen[w].record for w in verdict.waiting if seen[w].record and seen[w].record.get("collective")]
+        mine = (s.record or {}).get("collective") or {}
+        missed = sorted({(c["op"], c["dim"], c["seq"]) for c in (r["collective"] for r in waited)
+                         if c["state"] == "entered" and c["seq"] > mine.get("seq", 0)})
+        if missed:
+            lines.append("    never entered " + ", ".join(f"{op}({dim}) #{seq}" for op, dim, seq in missed) +
+                         " that the others wait in")
+    if not verdict.stalled:
+        lines.append("  no rank is behind: every rank waits at the same point (a collective that never completes: "
+                     "network, driver)")
+    for rank in verdict.waiting:
+        lines.append(f"  waiting rank {rank} ({where(seen[rank].record)}): {doing(seen[rank].record)}")
+    hosts = stalled_hosts(verdict)
+    lines.append(f"every live rank exits with status {EXIT_STALLED}; --ckpt_path last resumes from the newest "
+                 f"complete checkpoint" + (f"; relaunch without {', '.join(hosts)}" if hosts else ""))
+    return lines
+
+
+def stalled_hosts(verdict: Verdict) -> list[str]:
+    return sorted({verdict.seen[r].record["host"] for r, _ in verdict.stalled if verdict.seen[r].record})
+
+
+def report_json(verdict: Verdict, timeout_s: float, detected_by: int) -> dict:
+    seen, now = verdict.seen, verdict.at
+
+    def entry(rank: int, why: str | None = None) -> dict:
+        s = seen[rank]
+        out = {"rank": rank, **(s.record or {}), "seconds_without_progress": round(now - s.progress_at, 1),
+               "seconds_silent": round(now - s.alive_at, 1)}
+        out.pop("tick", None)
+        return {**out, "why": why} if why else out
+
+    return {"exit_status": EXIT_STALLED, "stall_timeout": timeout_s, "detected_by": detected_by,
+            "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "stalled": [entry(r, why) for r, why in verdict.stalled],
+            "waiting": [entry(r) for r in verdict.waiting], "exclude_hosts": stalled_hosts(verdict)}
+
+
+# ---- the thread ------------------------------------------------------------------------------------------------
+
+def _hard_exit(code: int) -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+class StallWatchdog:
+    """The watchdog of one rank (see the module docstring). ``start`` once the default process group exists.
+
+    Args:
+        heartbeat: What this rank's training thread updates.
+        rank, world_size: This rank and the job's size.
+        timeout_s: Seconds without progress before a rank counts as stalled.
+        identity: What the report says of this rank besides host and pid (``coordinates``: its mesh coordinates).
+        report_dir: Where this rank would write ``stall-report.json`` (rank 0's ``publish_report_dir`` wins).
+        spawned_child: A rank that Lightning's own launcher started from the main process: it exits 0 (the main
+            process's status is the job's, and its launcher kills the job on a child's non-zero exit), unless the
+            main process is the stalled one, which it then kills (nothing else would end the job).
+        store: A store client (tests); default: ``side_store``.
+        exit: Ends the process (tests replace it).
+    """
+
+    def __init__(self, heartbeat: Heartbeat, rank: int, world_size: int, timeout_s: float,
+                 identity: dict | None = None, report_dir: Path | None = None, spawned_child: bool = False,
+                 store=None, exit: Callable[[int], None] = _hard_exit, generation: int = 0):
+        self.heartbeat, self.rank, self.world_size, self.timeout_s = heartbeat, rank, world_size, timeout_s
+        self.poll_s = poll_interval(timeout_s)
+        self.publish_s = min(1.0, self.poll_s / 4)  # a stalled rank's last record is at most this old
+        self.identity = {"host": socket.gethostname(), "pid": os.getpid(), **(identity or {})}
+        self.report_dir, self.spawned_child, self.exit = report_dir, spawned_child, exit
+        self.store, self.prefix = store, f"{PREFIX}/{generation}"
+        self.tick = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.judge: Judge | None = None
+
+    def key(self, name: str) -> str:
+        return f"{self.prefix}/{name}"
+
+    def record(self, stopped: bool = False) -> bytes:
+        return json.dumps({"rank": self.rank, **self.identity, **self.heartbeat.snapshot(), "tick": self.tick,
+                           "stopped": stopped}).encode()
+
+    def start(self) -> "StallWatchdog":
+        if self.store is None:
+            self.store = side_store(max(1.0, 2 * self.poll_s))
+        self.store.set(self.key(f"rank/{self.rank}"), self.record())
+        if self.rank in watchers(self.world_size):
+            self.judge = Judge(self.world_size, self.timeout_s, time.monotonic())
+        self._thread = threading.Thread(target=self._run, name="stall-watchdog", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """This rank's fit has ended: the others stop judging (a rank that has finished is not stalled)."""
+        if self._thread is None:
+            return
+        self._stop.set()
+        self._thread.join()
+        self._thread = None
+        try:
+            self.store.set(self.key(f"rank/{self.rank}"), self.record(stopped=True))
+        except Exception:  # the store's host has gone: nobody is left to judge
+            pass
+
+    def publish_report_dir(self, folder: Path) -> None:
+        self.store.set(self.key("report_dir"), str(folder))
+
+    def _run(self) -> None:
+        """Publish as soon as the training thread has progressed (at most every ``publish_s``) and every
+        ``poll_s`` regardless (the tick); every ``poll_s`` look for a verdict and, on a watcher, judge."""
+        unreachable_since, published, next_poll = None, None, time.monotonic() + self.poll_s
+        while not self._stop.wait(self.publish_s):
+            now, progress = time.monotonic(), self.heartbeat.progress
+            polling = now >= next_poll
+            if progress == published and not polling:
+                continue
+            try:
+                self.tick += 1
+                self.store.set(self.key(f"rank/{self.rank}"), self.record())
+                published, verdict = progress, None
+                if polling:
+                    next_poll = now + self.poll_s
+                    if self.store.check([self.key("verdict")]):
+                        return self._follow(json.loads(self.store.get(self.key("verdict"))))
+                    verdict = self._read_and_judge(now)
+                unreachable_since = None
+            except Exception as error:  # the store does not answer (its host stopped) or fails
+                unreachable_since = unreachable_since or now
+                if now - unreachable_since >= self.timeout_s:
+                    return self._store_lost(error, now)
+                continue
+            if verdict is not None:
+                return self._report(verdict)
+
+    def _read_and_judge(self, now: float) -> Verdict | None:
+        if self.judge is None:
+            return None
+        for rank in range(self.world_size):
+            key = self.key(f"rank/{rank}")
+            if self.judge.seen[rank].record is not None or self.store.check([key]):
+                self.judge.observe(rank, json.loads(self.store.get(key)), now)
+        return self.judge.verdict(now)
+
+    def _report(self, verdict: Verdict) -> None:
+        summary = json.dumps({"by": self.rank, "stalled": [r for r, _ in verdict.stalled]}).encode()
+        try:
+            current = self.store.compare_set(self.key("verdict"), b"", summary)
+        except Exception:  # the store failed just now: report from what was read
+            current = summary
+        if bytes(current) != summary:  # another watcher's report came first
+            return self._follow(json.loads(current))
+        self._say_and_exit(verdict, self._report_dir())
+
+    def _report_dir(self) -> Path | None:
+        try:
+            if self.store.check([self.key("report_dir")]):
+                return Path(self.store.get(self.key("report_dir")).decode())
+        except Exception:
+            pass
+        return self.report_dir
+
+    def _store_lost(self, error: Exception, now: float) -> None:
+        host = self.store_host()
+        if self.judge is None or host is None:
+            say(f"[rank {self.rank}] stall: the rendezvous store ({self._store_address()}) has not answered for "
+                f"{self.timeout_s:g} s ({type(error).__name__}); exiting with status {EXIT_STALLED}")
+            return self._end([])
+        seen = self.judge.seen
+        why = f"its process, which serves the rendezvous store ({self._store_address()}), does not answer"
+        verdict = Verdict([(host, why)], [r for r in seen if r != host], seen, now)
+        self._say_and_exit(verdict, self.report_dir)
+
+    @staticmethod
+    def store_host() -> int | None:
+        return store_host_rank()
+
+    def _store_address(self) -> str:
+        return f"{getattr(self.store, 'host', '?')}:{getattr(self.store, 'port', '?')}"
+
+    def _say_and_exit(self, verdict: Verdict, folder: Path | None) -> None:
+        lines = report_lines(verdict, self.timeout_s, self.rank)
+        if folder is not None:
+            path = Path(folder) / REPORT_FILE
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.with_suffix(".tmp").write_text(json.dumps(report_json(verdict, self.timeout_s, self.rank),
+                                                               indent=1))
+                os.replace(path.with_suffix(".tmp"), path)
+                lines.append(f"report: {path}")
+            except OSError as error:
+                lines.append(f"could not write {path}: {error}")
+        say("\n".join(lines))
+        self._end([verdict.seen[r].record for r, _ in verdict.stalled])
+
+    def _follow(self, summary: dict) -> None:
+        say(f"[rank {self.rank}] stall: rank(s) {', '.join(map(str, summary['stalled'])) or 'none behind'} "
+            f"named by rank {summary['by']}'s report; exiting with status {EXIT_STALLED}")
+        self._end([])
+
+    def _end(self, stalled_records: list[dict | None]) -> None:
+        """Exit with ``EXIT_STALLED``; a Lightning-spawned child exits 0, after killing the main process if that
+        is the stalled one (see ``spawned_child``)."""
+        if not self.spawned_child:
+            return self.exit(EXIT_STALLED)
+        parent = os.getppid()
+        if any(r and r["host"] == self.identity["host"] and r["pid"] == parent for r in stalled_records):
+            say(f"[rank {self.rank}] the stalled main process (pid {parent}) is killed: the job ends with it")
+            os.kill(parent, signal.SIGKILL)
+            return self.exit(EXIT_STALLED)
+        self.exit(0)
