@@ -34,6 +34,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from moe_lightning.model import GroupedExperts, MoELayer
 from moe_lightning.model.moe import sum_into_tokens
+from moe_lightning.run import heartbeat
 
 
 def _pack(pieces: list[tuple[torch.Tensor, torch.Tensor | None]]
@@ -128,11 +129,13 @@ class _Exchange:
         buffer, self._layout, self._where = _pack(pieces)
         del pieces
         out = buffer.new_empty((sum(recv), *buffer.shape[1:]))
+        heartbeat.entered("all_to_all", self.group)  # the stall watchdog's record (no-op without one)
         self._work = dist.all_to_all_single(out, buffer, recv, send, group=self.group, async_op=True)
         self._buffers = (buffer, out)  # the send buffer lives until the exchange completes
 
     def land(self) -> list[torch.Tensor]:
         self._work.wait()
+        heartbeat.finished()
         out = _unpack(self._buffers[1], self._layout, self._where)
         self._work = self._buffers = None  # the send buffer is released here, the received rows live on in `out`
         if self._dequantize_to is not None:
@@ -204,7 +207,8 @@ def _land(handle) -> tuple[torch.Tensor, ...]:
 def _exchange_counts(counts: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """Row ``p`` of ``counts`` to rank ``p``; returns what each rank sent here (no host sync)."""
     out = torch.empty_like(counts)
-    dist.all_to_all_single(out, counts.contiguous(), group=group)
+    with heartbeat.collective("all_to_all", group):
+        dist.all_to_all_single(out, counts.contiguous(), group=group)
     return out
 
 
