@@ -1,47 +1,54 @@
 #!/usr/bin/env bash
 # Every GPU measurement of the project in one command, within one budget, ending in one table:
-#   bash benchmarks/gpu_all.sh [BUDGET_SECONDS]        # default 420 s; GPU_ALL_PARTS=paths,recipe runs only those
-#   bash benchmarks/gpu_all.sh --list                  # each part, its time box, the recipe's model (no GPU needed)
+#   bash benchmarks/gpu_all.sh [BUDGET_SECONDS]        # default 450 s; GPU_ALL_PARTS=paths,recipe runs only those
+#   bash benchmarks/gpu_all.sh --list [--gpu-memory GIB]   # each part, its box and the shapes picked (no GPU needed;
+#                                                      # sized by GIB, else the card's free memory, else 80)
 #   bash benchmarks/gpu_all.sh --dry-run [BUDGET]      # every selected part with --dry-run, on CPU
 # Parts, in order (the path check first, then by value): see PARTS below. Each part gets min(its box, what is
 # left), prints its lines as they come and, as soon as it has it, one "figure: part | key number | target |
 # PASS/FAIL" line; a failure or time-out of one part is reported while the others still run.
-# Time: the boxes add up to 390 s; the machine facts and the Triton preflight take ~10-15 s (printed as
-# "start-up"), so a full run ends inside 420 s. A lease is 900 s of device time: a fresh machine's start (~60-120 s,
-# estimated from the device notes), this run, and a rerun of the failed parts on a fresh machine (idle > 30 s:
-# start again, then one part of <= 150 s) fit.
+# Sizing: the parts with a large shape read the free memory (torch.cuda.mem_get_info) and keep a planned peak
+# (moe_lightning.planner.plan) under 92 % of it: the recipe picks its number of blocks (benchmarks/gpu_shapes.py),
+# the others refuse in one line. Every part but "strategy" (which reports the allocator's retries as they come by
+# default) runs with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True.
+# Time: each box is a cold-start estimate (empty compile cache; written beside it below; not yet measured on a
+# GPU); the boxes add up to 420 s and the start-up (machine facts, Triton preflight, ~10-15 s) and the cache packing
+# (~5-10 s) fit the 450 s budget, inside one 600 s device call. A lease is 900 s of device time: a fresh machine's
+# start (~60-120 s), this run and a rerun of the failed parts on a fresh machine fit.
 # Files under $OUT (the device tool's output folder, else ./gpu_results; it returns 8 files of <= 16 MiB): gpu_all.md
 # (machine facts, preflight, each part's outcome, the table), gpu_all.log (every part's lines, in order, after a
 # "=== part" header; its last 15 MiB if longer) and compile_cache.tgz.0, .1, ... (the Inductor/Triton cache, gzipped
 # and cut into 15 MiB pieces, at most 3: kept when it packs into 45 MiB, which leaves the carried tree under the
-# 64 MiB a call sends). To reuse the compiled kernels on the next call, replace the contents of .gpu_cache/ in the
-# checkout with those pieces (.gitignore keeps it and gpu_results/ out of commits) and carry .gpu_cache: they are
-# unpacked first, all or nothing.
+# 64 MiB a call sends; none when nothing was compiled). To reuse the compiled kernels on the next call, replace the
+# contents of .gpu_cache/ in the checkout with those pieces (.gitignore keeps it and gpu_results/ out of commits) and
+# carry .gpu_cache: they are unpacked first, all or nothing.
 # Exits non-zero when any part failed, timed out or was skipped. Needs torch and lightning only (no jsonargparse).
 # The interpreter is ${PYTHON:-python3}. Each part learns its time box from $GPU_ALL_BOX_S.
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 python=${PYTHON:-python3}
-list=0 dry=()
+list=0 dry=() memory=()
 while (($#)); do
     case $1 in
         --list) list=1 ;;
         --dry-run) dry=(--dry-run) ;;
+        --gpu-memory) memory=(--gpu-memory "${2:?--gpu-memory needs GiB, e.g. --gpu-memory 80}"); shift ;;
         *) break ;;
     esac
     shift
 done
-budget=${1:-420}
+budget=${1:-450}
 
-# name|time box s|needs Triton|command|what it measures
+# name|time box s|needs Triton|expandable segments|command|what it measures|the box's cold-start estimate
 PARTS=(
-  "paths|40|1|benchmarks/gpu_paths.py|grouped_mm, FlexAttention (S, S-1) + max_scores, offload, host-staged NS, NCCL: PASS/FAIL each"
-  "recipe|150|1|benchmarks/gpu_recipe.py|the H200-sized recipe: tokens/s, MFU (989 TFLOP/s and measured GEMM), memory, syncs, phases, offload stall"
-  "attention|45|1|benchmarks/gpu_attention.py|FlexAttention document mask vs dense-mask SDPA, MLA first: time, memory, difference"
-  "offload|60|0|benchmarks/gpu_offload.py|ActivationOffload vs activation checkpointing: peak memory, tokens/s"
-  "muon|45|0|benchmarks/muon_gpu_step.py|Muon step with fp32 host state: staged vs serial copies, vs on-device Muon and AdamW"
-  "strategy|30|0|benchmarks/gpu_strategy.py|MoEFSDPStrategy default variant: tokens/s, MFU, allocator retries"
-  "ep_chunks|20|0|benchmarks/gpu_ep_chunks.py|one MoE layer, one-rank NCCL group: ep_overlap_chunks 4 vs 1 (what chunking costs), FP8 dispatch"
+  "paths|45|1|1|benchmarks/gpu_paths.py|grouped_mm, offload, host-staged NS, NCCL, FlexAttention (S, S-1) + max_scores: PASS/FAIL each|imports 8 s, eager checks 5 s, FlexAttention fwd+bwd compile 20 s (S-1 reuses it), slack 12 s"
+  "recipe|150|1|1|benchmarks/gpu_recipe.py|the card-sized recipe: tokens/s, MFU (989 TFLOP/s and measured GEMM) over 3 timed steps, memory, syncs, phases, offload stall|imports + meta init 20 s, GEMM 3 s, step 0 compiles FlexAttention 40 s, steps 1-5 at ~3 s, trace export 15 s, slack 55 s"
+  "attention|40|1|1|benchmarks/gpu_attention.py|FlexAttention + max scores vs dense-mask SDPA at the recipe's batch, MLA first: time, memory, difference|imports 6 s, GQA shape's compile 15 s (MLA's is the recipe's), 28 timed calls 5 s, slack 14 s"
+  "compile|60|1|1|benchmarks/gpu_compile.py|2 recipe blocks compiled vs eager: tokens/s, compile seconds|imports 8 s, eager 4 steps 3 s, Inductor compiles 2 block graphs fwd+bwd 40 s, slack 9 s"
+  "offload|35|0|1|benchmarks/gpu_offload.py|ActivationOffload vs activation checkpointing: peak memory, tokens/s|imports 5 s, 5 modes x 3 steps at 65,536 tokens 20 s, slack 10 s; no compile"
+  "muon|40|0|1|benchmarks/gpu_muon.py|NS of one GPU's 1T expert shard on 16 host cores vs the GPU; Muon vs AdamW steps on fp32 master weights|imports 5 s, GPU NS 2 s, host NS 15 s (capped), 1.4B fp32 init 5 s, 8 optimizer steps 5 s, slack 8 s; no compile"
+  "strategy|30|0|0|benchmarks/gpu_strategy.py|MoEFSDPStrategy default variant: tokens/s, MFU, allocator retries (default allocator)|child: imports 8 s, meta init 2 s, 5 steps 5 s, slack 10 s, report 5 s; no compile"
+  "ep_chunks|20|0|1|benchmarks/gpu_ep_chunks.py|one MoE layer, one-rank NCCL group: ep_overlap_chunks 4 vs 1 (what chunking costs), FP8 dispatch|imports 5 s, NCCL init 3 s, 4 modes x 13 steps 4 s, slack 8 s; no compile"
 )
 selected=()
 for row in "${PARTS[@]}"; do
@@ -56,11 +63,11 @@ done
 if ((list)); then
     total=0
     for row in "${selected[@]}"; do
-        IFS='|' read -r name box compiles script what <<<"$row"
+        IFS='|' read -r name box compiles expandable script what estimate <<<"$row"
         total=$((total + box))
-        printf '%-9s %4s s  %s\n' "$name" "$box" "$what"
-        [[ $name == recipe ]] && "$python" "$script" --describe | sed 's/^/          /'
+        printf '%-9s %4s s  %s\n                 box: %s\n' "$name" "$box" "$what" "$estimate"
     done
+    PYTHONPATH=$PWD "$python" benchmarks/gpu_shapes.py "${memory[@]}" || exit 2
     echo "boxes: ${total} s of a ${budget} s budget; start-up (machine facts, preflight) ~10-15 s, measured in each run"
     exit 0
 fi
@@ -108,8 +115,8 @@ fi
 echo "start-up: $((SECONDS - start)) s (machine facts, preflight)" | tee -a "$report"
 failed=() rows=()
 
-part() {  # part NAME BOX NEEDS_TRITON SCRIPT: run within min(BOX, budget left), record its figure and outcome
-    local name=$1 box=$2 needs_compiler=$3 script=$4 outcome
+part() {  # part NAME BOX NEEDS_TRITON EXPANDABLE SCRIPT: run within min(BOX, budget left), record figure and outcome
+    local name=$1 box=$2 needs_compiler=$3 expandable=$4 script=$5 outcome allocator=""
     local left=$((budget - (SECONDS - start)))
     if ((needs_compiler && compiles != 0)); then
         outcome="skipped: Triton cannot build its launcher"; failed+=("$name:no-compiler")
@@ -120,7 +127,8 @@ part() {  # part NAME BOX NEEDS_TRITON SCRIPT: run within min(BOX, budget left),
         echo "gpu_all: --- $name (time box ${box} s, $((SECONDS - start)) s elapsed) ---"
         local t0=$SECONDS
         echo "=== $name (time box ${box} s) ===" >>"$out/gpu_all.log"
-        GPU_ALL_BOX_S=$box timeout --kill-after=5 "$box" "$python" "$script" "${dry[@]}" 2>&1 | tee "$logs/$name.log" \
+        ((expandable)) && allocator=expandable_segments:True
+        PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-$allocator} GPU_ALL_BOX_S=$box timeout --kill-after=5 "$box" "$python" "$script" "${dry[@]}" 2>&1 | tee "$logs/$name.log" \
             | tee -a "$out/gpu_all.log"
         local rc=$? took=$((SECONDS - t0))
         if ((rc == 0)); then outcome="ok in ${took} s"
@@ -136,12 +144,12 @@ part() {  # part NAME BOX NEEDS_TRITON SCRIPT: run within min(BOX, budget left),
 }
 
 for row in "${selected[@]}"; do
-    IFS='|' read -r name box compiles_needed script what <<<"$row"
-    part "$name" "$box" "$compiles_needed" "$script"
+    IFS='|' read -r name box compiles_needed expandable script what estimate <<<"$row"
+    part "$name" "$box" "$compiles_needed" "$expandable" "$script"
 done
 
 rm -f "$out"/compile_cache.tgz.*
-if [[ -d $cache && -n $(ls -A "$cache" 2>/dev/null) ]]; then  # packed aside first: $out only ever gets what fits
+if [[ -n $(find "$cache" -type f -print -quit 2>/dev/null) ]]; then  # packed aside first: $out gets what fits
     tar c -C "$cache" . | gzip -1 >"$logs/cache.tgz"
     size=$(stat -c %s "$logs/cache.tgz")
     if ((size > 45 << 20)); then cache_note="compile cache: $((size >> 20)) MiB packed, over 45 MiB: not kept"

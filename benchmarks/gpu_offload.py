@@ -16,17 +16,20 @@ least half the bytes offloaded per step.
 import argparse
 import dataclasses
 import json
+import sys
 import time
+from pathlib import Path
 
-import torch
-import torch.nn.functional as F
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from moe_lightning.training.callbacks import ActivationOffload
-from moe_lightning.model import MoEConfig, MoETransformer
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 
-GPU_CONFIG = MoEConfig(vocab_size=4096, dim=1024, n_layers=16, n_heads=8, n_kv_heads=8, max_seq_len=65536,
-                       ffn_hidden=2816, n_dense_layers=1, num_experts=16, top_k=2, expert_hidden=512,
-                       n_shared_experts=1)
+from gpu_shapes import OFFLOAD_CONFIG as GPU_CONFIG, card_memory_gib, check_fits, fixed_shape  # noqa: E402
+from moe_lightning.training.callbacks import ActivationOffload  # noqa: E402
+from moe_lightning.model import MoEConfig, MoETransformer  # noqa: E402
+
 DRY_CONFIG = MoEConfig(vocab_size=64, dim=32, n_layers=4, n_heads=4, n_kv_heads=2, max_seq_len=32, ffn_hidden=64,
                        n_dense_layers=1, num_experts=4, top_k=2, expert_hidden=32, n_shared_experts=1)
 MODES: dict[str, dict | None] = {"checkpoint": {"blocks": []}, "prefetch1": {"prefetch": 1},
@@ -118,6 +121,8 @@ def main(argv: list[str] | None = None) -> dict:
     else:
         if not torch.cuda.is_available():
             parser.error("no CUDA device: run on a GPU, or pass --dry-run to check the script on CPU.")
+        memory, source = card_memory_gib()
+        check_fits(fixed_shape("offload"), memory, source)
         device, config, dtype = torch.device("cuda"), GPU_CONFIG, torch.bfloat16
         seq_len, warmup, steps, min_bytes = args.seq_len or 65536, args.warmup, args.steps, 1 << 20
         config = dataclasses.replace(config, max_seq_len=max(config.max_seq_len, seq_len))  # GPU_CONFIG stays as is

@@ -43,7 +43,7 @@ from torch.utils.data import DataLoader  # noqa: E402
 
 from gpu_device import Device, gemm_ceiling  # noqa: E402
 from gpu_shapes import DOC_LEN, DRY_BATCH_SIZE, DRY_DOC_LEN, DRY_SEQ_LEN, LOSS_CHUNK, card_memory_gib  # noqa: E402
-from gpu_shapes import pick_recipe, recipe_config  # noqa: E402
+from gpu_shapes import packed_tokens, pick_recipe, recipe_config  # noqa: E402
 from gpu_trace import load_trace, sync_sites  # noqa: E402
 from moe_lightning import MoEConfig, MoELanguageModel  # noqa: E402
 from moe_lightning.optim import Muon  # noqa: E402
@@ -56,14 +56,6 @@ MFU_TARGET = 0.20  # of PEAK_FLOPS, with real routing (a published MoE run fell 
 PROFILED, SNAPSHOT, TIMED = 1, 2, (3, 4, 5)  # step 0 is the warm-up (compiles)
 STEPS = TIMED[-1] + 1
 GIB = float(1 << 30)
-
-
-def packed_tokens(n: int, seq_len: int, vocab: int, eod: int, doc_len: int) -> torch.Tensor:
-    """Random tokens with an end-of-document token every ``doc_len`` positions (shifted by a few per row)."""
-    tokens = torch.randint(0, min(vocab, eod), (n, seq_len + 1))
-    for row in range(n):
-        tokens[row, doc_len - 1 - row % 7::doc_len] = eod
-    return tokens
 
 
 def stream_pools(snapshot: list[dict], names: dict[int, str]) -> dict[str, dict]:

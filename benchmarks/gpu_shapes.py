@@ -131,12 +131,15 @@ OFFLOAD_CONFIG = MoEConfig(vocab_size=4096, dim=1024, n_layers=16, n_heads=8, n_
                            ffn_hidden=2816, n_dense_layers=1, num_experts=16, top_k=2, expert_hidden=512,
                            n_shared_experts=1)
 MUON_CONFIG = MoEConfig(**dict(RECIPE, n_layers=4, max_seq_len=4096))
+COMPILE_CONFIG = MoEConfig(**dict(RECIPE, n_layers=2, mtp_layers=0))
 FIXED = {
     "strategy": ("MoEFSDPStrategy default variant, AdamW", STRATEGY_CONFIG, 4096, 2, dict(optimizer="adamw")),
     "offload": ("checkpoint/offload modes, priced as AdamW training (an upper bound: no optimizer state)",
                 OFFLOAD_CONFIG, 65536, 1, dict(optimizer="adamw")),
     "muon": ("4 recipe blocks, fp32 master weights, Muon (AdamW's state is larger: priced as AdamW)",
              MUON_CONFIG, 4096, 2, dict(optimizer="adamw", loss_chunk=LOSS_CHUNK)),
+    "compile": ("2 recipe blocks, forward + backward, priced as AdamW training (an upper bound)", COMPILE_CONFIG,
+                SEQ_LEN, BATCH_SIZE, dict(optimizer="adamw", doc_len=DOC_LEN)),
 }
 
 
@@ -148,6 +151,15 @@ def fixed_shape(part: str) -> Shape:
 
 def recipe_config(dry_run: bool = False, blocks: int = RECIPE["n_layers"]) -> MoEConfig:
     return MoEConfig(**(DRY if dry_run else dict(RECIPE, n_layers=blocks)))
+
+
+def packed_tokens(n: int, seq_len: int, vocab: int, eod: int, doc_len: int) -> torch.Tensor:
+    """Random tokens with an end-of-document token every ``doc_len`` positions (shifted by a few per row): the
+    recipe's batches."""
+    tokens = torch.randint(0, min(vocab, eod), (n, seq_len + 1))
+    for row in range(n):
+        tokens[row, doc_len - 1 - row % 7::doc_len] = eod
+    return tokens
 
 
 def main(argv: list[str] | None = None) -> None:

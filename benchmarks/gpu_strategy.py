@@ -4,7 +4,8 @@
     python benchmarks/gpu_strategy.py --dry-run   # CPU, tiny shapes, every variant in this process (a test runs it)
 
 Each variant trains the same model (bf16 parameters, fp32 reduction and master weights, AdamW) on
-random tokens for ``--warmup`` + ``--steps`` optimizer steps and prints one JSON line as soon as it ends:
+random tokens for ``--warmup`` + ``--steps`` optimizer steps (2 + 3; built on the meta device, so nothing is
+initialised on the host) and prints one JSON line as soon as it ends:
 tokens/s per device, MFU (``moe_lightning.planner.flops.training_flops_per_token`` over the bf16 peak of the GPU, or
 ``--peak-flops``), ``max_memory_allocated``/``max_memory_reserved`` in GiB and the allocator's
 ``num_alloc_retries``. A variant that fails or runs out of time prints a JSON line saying so and the
@@ -23,20 +24,23 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
-import lightning as L
-import torch
-from lightning.pytorch.callbacks import Callback
-from torch.utils.data import DataLoader
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from moe_lightning import MoEConfig, MoELanguageModel
-from moe_lightning.planner.flops import peak_bf16_flops
-from moe_lightning.planner.flops import training_flops_per_token
-from moe_lightning.training.strategy import MoEFSDPStrategy
+import lightning as L  # noqa: E402
+import torch  # noqa: E402
+from lightning.pytorch.callbacks import Callback  # noqa: E402
+from torch.utils.data import DataLoader  # noqa: E402
 
-GPU = dict(config=MoEConfig(vocab_size=32768, dim=1536, n_layers=12, n_heads=12, n_kv_heads=4, max_seq_len=4096,
-                            ffn_hidden=4096, n_dense_layers=1, num_experts=16, top_k=2, expert_hidden=768,
-                            n_shared_experts=1), seq_len=4096, batch_size=2)
+from gpu_shapes import STRATEGY_CONFIG, card_memory_gib, check_fits, fixed_shape  # noqa: E402
+from moe_lightning import MoEConfig, MoELanguageModel  # noqa: E402
+from moe_lightning.planner.flops import peak_bf16_flops  # noqa: E402
+from moe_lightning.planner.flops import training_flops_per_token  # noqa: E402
+from moe_lightning.training.strategy import MoEFSDPStrategy  # noqa: E402
+
+GPU = dict(config=STRATEGY_CONFIG, seq_len=4096, batch_size=2)
 DRY = dict(config=MoEConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=16,
                             ffn_hidden=64, n_dense_layers=1, num_experts=4, top_k=2, expert_hidden=32),
            seq_len=16, batch_size=2)
@@ -74,7 +78,8 @@ def run_variant(variant: dict, shapes: dict, warmup: int, steps: int, peak_flops
     torch.manual_seed(0)
     tokens = torch.randint(0, config.vocab_size, ((warmup + steps) * batch_size * devices, seq_len + 1))
     timer = StepTimer(warmup)
-    trainer = L.Trainer(accelerator="cuda" if cuda else "cpu", devices=devices, strategy=MoEFSDPStrategy(**variant),
+    strategy = MoEFSDPStrategy(meta_init=True, **variant)  # no host initialisation of the whole model
+    trainer = L.Trainer(accelerator="cuda" if cuda else "cpu", devices=devices, strategy=strategy,
                         max_steps=warmup + steps, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
                         num_sanity_val_steps=0, callbacks=[timer])
@@ -110,8 +115,8 @@ def stop_children_on_sigterm() -> None:
 
 
 def default_budget() -> float:
-    """Seconds for all variants: the time box gpu_all.sh gives this part ($GPU_ALL_BOX_S), less 10 s to report."""
-    return float(os.environ.get("GPU_ALL_BOX_S", 95)) - 10
+    """Seconds for all variants: the time box gpu_all.sh gives this part ($GPU_ALL_BOX_S), less 5 s to report."""
+    return float(os.environ.get("GPU_ALL_BOX_S", 95)) - 5
 
 
 def run_child(index: int, args, timeout: float) -> dict:
@@ -146,8 +151,8 @@ def figure_line(results: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, all variants in this process")
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--devices", type=int, default=None, help="GPUs to use (default: all visible)")
     parser.add_argument("--budget", type=float, default=default_budget(),
                         help="seconds for all variants together (default: gpu_all.sh's time box less 10 s)")
@@ -167,6 +172,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         return [result]
     if not torch.cuda.is_available():
         parser.error("no CUDA device: run with --dry-run on CPU")
+    memory, source = card_memory_gib()
+    check_fits(fixed_shape("strategy"), memory, source)
     stop_children_on_sigterm()
     args.devices = args.devices or torch.cuda.device_count()
     indices = list(range(len(VARIANTS)))
