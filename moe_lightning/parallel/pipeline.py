@@ -1,0 +1,322 @@
+"""Pipeline parallelism over torch's ``torch.distributed.pipelining``: the stage layout, the refusals, and a stage
+built from a ``MoETransformer`` without touching the model's code.
+
+A pipeline stage is the model with the blocks of the other stages removed and every fully-qualified name kept
+(``layers.5.attention.wq.weight`` stays that on whichever stage holds block 5), so a checkpoint written at any
+stage count has the keys of one process. The first stage keeps the token embedding; the last keeps the final
+norm, the head, the loss and the multi-token prediction (MTP) modules, and a copy of the embedding when it reads
+it (MTP's shifted embeddings, or a head tied to it): that copy starts equal to the first stage's and stays equal
+because the two stages sum their gradients (``sum_shared_embedding_grads``) before every optimizer step.
+
+Stages ``s = 0 .. P·V - 1`` (``V`` stages per rank) sit on pipeline ranks as torch's schedules expect: round-robin
+(``s % P``) for the looped schedules, a V (rank ``r`` holds ``r`` and ``2P - 1 - r``) for ``ZBVZeroBubble`` and
+``DualPipeV``. The last stage returns, per micro-batch, the summed cross-entropy of each depth ``[1 + D]``;
+``PipelineLoss`` weights them by the whole global batch's target counts, so the loss and every gradient are
+those of one process over the same batch (the schedules' own ``1 / M`` scaling is off).
+"""
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.distributed.pipelining as pipelining
+from torch import nn
+
+from moe_lightning.model import MoEConfig, MoETransformer, mtp
+from moe_lightning.model.attention import DocumentMask, document_ids
+
+
+class PipelineError(ValueError):
+    """A pipeline argument does not fit the model, the batch or the installed torch; the message names the field
+    and the values that work."""
+
+
+# name -> (torch class, how stages sit on ranks): "single" one stage a rank, "loop" V >= 2 round-robin, "v" V == 2
+SCHEDULES = {
+    "1F1B": ("Schedule1F1B", "single"),
+    "GPipe": ("ScheduleGPipe", "single"),
+    "Interleaved1F1B": ("ScheduleInterleaved1F1B", "loop"),
+    "LoopedBFS": ("ScheduleLoopedBFS", "loop"),
+    "InterleavedZeroBubble": ("ScheduleInterleavedZeroBubble", "loop"),
+    "ZBVZeroBubble": ("ScheduleZBVZeroBubble", "v"),
+    "DualPipeV": ("ScheduleDualPipeV", "v"),
+}
+
+
+def schedule_class(name: str) -> type:
+    """The torch schedule class of ``name``; refuses a name unknown here or one the installed torch lacks."""
+    if name not in SCHEDULES:
+        raise PipelineError(f"strategy.pipeline_schedule={name!r}: use one of {', '.join(map(repr, SCHEDULES))}.")
+    cls = getattr(pipelining, SCHEDULES[name][0], None)
+    if cls is None:
+        shipped = [n for n, (c, _) in SCHEDULES.items() if hasattr(pipelining, c)]
+        raise PipelineError(f"strategy.pipeline_schedule={name!r}: torch {torch.__version__} has no "
+                            f"{SCHEDULES[name][0]}; this torch offers {', '.join(map(repr, shipped))}.")
+    return cls
+
+
+def block_costs(config: MoEConfig, seq_len: int | None = None) -> tuple[list[float], float, float]:
+    """Forward FLOPs per token of each block, and the first and last stages' extra work, in the same unit.
+
+    A block: 2 x its matmul parameters one token uses (routed experts scaled by ``top_k / num_experts``) plus its
+    causal attention over ``seq_len`` (default ``max_seq_len``). The last stage adds the head (``2·V·D``) and each
+    MTP depth (a block shaped like the last, its ``2D -> D`` projection and the head again). The first stage adds
+    the embedding priced as the head: its lookup is free but its gradient, reduction and optimizer step are those
+    of a ``[V, D]`` matrix (TorchTitan likewise counts the embedding as a layer)."""
+    with torch.device("meta"):
+        model = MoETransformer(config)
+    seq_len = seq_len or config.max_seq_len
+    qk_dim, v_dim = config.attention_head_dims
+    attention = 2 * config.n_heads * (qk_dim + v_dim) * (seq_len + 1) / 2  # causal: (S + 1) / 2 keys per query
+
+    def block_flops(block: nn.Module) -> float:
+        total = sum(p.numel() for p in block.parameters())
+        routed = sum(p.numel() for p in block.ffn.experts.parameters()) if block.is_moe else 0
+        return 2 * (total - routed + routed * config.top_k / config.num_experts) + attention
+
+    head = 2 * config.vocab_size * config.dim
+    depths = sum(block_flops(m.block) + 2 * 2 * config.dim * config.dim + head for m in model.mtp)
+    return [block_flops(b) for b in model.layers], head, head + depths
+
+
+def balanced_layout(costs: list[float], num_stages: int, first_extra: float = 0.0,
+                    last_extra: float = 0.0) -> list[int]:
+    """Blocks per stage, contiguous and at least one each, minimising the largest stage cost (the first stage
+    carries ``first_extra`` besides its blocks, the last ``last_extra``); among the layouts with that peak, the
+    one with the least sum of squared stage costs (the others as even as the peak allows). Exact: dynamic
+    programming over split points, ``O(stages · blocks²)``, once for the peak and once under it."""
+    n = len(costs)
+    if not 1 <= num_stages <= n:
+        raise PipelineError(f"{num_stages} pipeline stages for {n} blocks: every stage needs a block.")
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+
+    def cost(stage: int, start: int, end: int) -> float:
+        extra = (first_extra if stage == 0 else 0.0) + (last_extra if stage == num_stages - 1 else 0.0)
+        return prefix[end] - prefix[start] + extra
+
+    def solve(combine, limit: float) -> tuple[float, list[int]]:
+        """best[s][e]: stages 0..s covering blocks [0, e), each stage's cost at most ``limit``."""
+        best = [[math.inf] * (n + 1) for _ in range(num_stages)]
+        start_of = [[0] * (n + 1) for _ in range(num_stages)]
+        for e in range(1, n + 1):
+            if cost(0, 0, e) <= limit:
+                best[0][e] = combine(0.0, cost(0, 0, e))
+        for s in range(1, num_stages):
+            for e in range(s + 1, n + 1):
+                for start in range(s, e):
+                    c = cost(s, start, e)
+                    if c <= limit and (value := combine(best[s - 1][start], c)) < best[s][e]:
+                        best[s][e], start_of[s][e] = value, start
+        sizes, end = [], n
+        for s in range(num_stages - 1, 0, -1):
+            sizes.append(end - start_of[s][end])
+            end = start_of[s][end]
+        return best[-1][n], [end, *reversed(sizes)]
+
+    peak, _ = solve(max, math.inf)
+    return solve(lambda total, c: total + c * c, peak * (1 + 1e-12))[1]
+
+
+def stage_layout(config: MoEConfig, num_stages: int, seq_len: int | None = None) -> list[int]:
+    """Blocks on each of ``num_stages`` stages for ``config``: the one layout the strategy builds and ``plan``
+    prices (``block_costs`` balanced by ``balanced_layout``, so the first and last stages hold fewer blocks)."""
+    costs, first, last = block_costs(config, seq_len)
+    return balanced_layout(costs, num_stages, first, last)
+
+
+@dataclass(frozen=True)
+class PipelineLayout:
+    """Validated pipeline sizes: ``size`` ranks, ``stages_per_rank`` stages on each, ``blocks_per_stage``."""
+
+    size: int
+    schedule: str
+    microbatches: int
+    stages_per_rank: int
+    blocks_per_stage: tuple[int, ...]
+
+    @property
+    def num_stages(self) -> int:
+        return self.size * self.stages_per_rank
+
+    def blocks_of(self, stage: int) -> range:
+        start = sum(self.blocks_per_stage[:stage])
+        return range(start, start + self.blocks_per_stage[stage])
+
+    def stages_of(self, pp_rank: int) -> list[int]:
+        """The stages pipeline rank ``pp_rank`` holds, in the order torch's schedule takes them."""
+        if SCHEDULES[self.schedule][1] == "v":
+            return [pp_rank, 2 * self.size - 1 - pp_rank]
+        return list(range(pp_rank, self.num_stages, self.size))
+
+    def rank_of(self, stage: int) -> int:
+        return next(r for r in range(self.size) if stage in self.stages_of(r))
+
+
+def resolve_pipeline(config: MoEConfig, size: int, schedule: str = "1F1B", microbatches: int | None = None,
+                     stages_per_rank: int | None = None, seq_len: int | None = None) -> PipelineLayout:
+    """Check the pipeline arguments against the model and the installed torch before any process group exists;
+    one-line refusals naming ``strategy.<field>`` and the values that work. ``microbatches`` defaults to
+    ``size``; ``stages_per_rank`` to 1, or 2 for the schedules that need several."""
+    for name, value in (("pipeline_parallel_size", size), ("pipeline_microbatches", microbatches),
+                        ("pipeline_stages_per_rank", stages_per_rank)):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise PipelineError(f"strategy.{name}={value!r}: must be a positive integer.")
+    schedule_class(schedule)
+    style = SCHEDULES[schedule][1]
+    microbatches = size if microbatches is None else microbatches
+    stages_per_rank = stages_per_rank or (1 if style == "single" else 2)
+    if style == "single" and stages_per_rank != 1:
+        several = [n for n, (_, s) in SCHEDULES.items() if s != "single"]
+        raise PipelineError(f"strategy.pipeline_schedule={schedule!r} runs one stage per rank, but "
+                            f"pipeline_stages_per_rank={stages_per_rank}: set it to 1, or use one of {several}.")
+    if style != "single" and stages_per_rank == 1:
+        raise PipelineError(f"strategy.pipeline_schedule={schedule!r} needs several stages per rank, but "
+                            f"pipeline_stages_per_rank=1: set it to 2{' (exactly)' if style == 'v' else ' or more'}, "
+                            f"or use '1F1B' or 'GPipe'.")
+    if style == "v" and stages_per_rank != 2:
+        raise PipelineError(f"strategy.pipeline_schedule={schedule!r} places exactly 2 stages per rank (a V), but "
+                            f"pipeline_stages_per_rank={stages_per_rank}: set it to 2.")
+    stages = size * stages_per_rank
+    if stages > config.n_layers:
+        raise PipelineError(f"strategy.pipeline_parallel_size={size} x pipeline_stages_per_rank={stages_per_rank} = "
+                            f"{stages} stages, but the model has n_layers={config.n_layers} blocks and every stage "
+                            f"needs one: make the product at most {config.n_layers}.")
+    if size > 1 and microbatches < size:
+        raise PipelineError(f"strategy.pipeline_microbatches={microbatches} is fewer than pipeline_parallel_size="
+                            f"{size} stages (the pipeline would wait forever for a micro-batch): use at least {size}, "
+                            f"e.g. {size} or {2 * size}, dividing the per-rank batch size.")
+    if style == "loop" and microbatches % max(1, microbatches // size):
+        fits = [m for m in range(size, 4 * size + 1) if m % max(1, m // size) == 0]
+        raise PipelineError(f"strategy.pipeline_microbatches={microbatches}: {schedule} runs rounds of "
+                            f"pipeline_parallel_size={size} micro-batches and needs a whole number of them; use one "
+                            f"of {fits}.")
+    return PipelineLayout(size, schedule, microbatches, stages_per_rank,
+                          tuple(stage_layout(config, stages, seq_len)))
+
+
+def check_batch(batch_size: int, microbatches: int) -> None:
+    """The per-rank batch splits into ``microbatches`` equal micro-batches (as the balancing losses need)."""
+    if batch_size % microbatches:
+        fits = [m for m in range(1, batch_size + 1) if batch_size % m == 0]
+        raise PipelineError(f"strategy.pipeline_microbatches={microbatches} does not divide the per-rank batch of "
+                            f"{batch_size} sequences (data.batch_size): choose it from {fits}, or change the batch.")
+
+
+class StageBlocks(nn.ModuleList):
+    """The blocks one stage holds, registered under their indices in the whole model (``"5"`` for block 5), so
+    parameter names do not change. Iteration, ``len`` and integer indexing are by position within the stage, as
+    a ``ModuleList``'s (an ``nn.ModuleList`` would renumber its keys from 0 on deletion)."""
+
+    def __init__(self, blocks: dict[int, nn.Module]):
+        super().__init__()
+        for index, block in blocks.items():
+            self.add_module(str(index), block)
+
+    def __getitem__(self, idx):
+        blocks = list(self._modules.values())
+        return nn.ModuleList(blocks[idx]) if isinstance(idx, slice) else blocks[idx]
+
+    @property
+    def indices(self) -> list[int]:
+        """The blocks' indices in the whole model."""
+        return [int(key) for key in self._modules]
+
+
+class StageTransformer(MoETransformer):
+    """A ``MoETransformer`` pruned to one stage (the class ``keep_stage`` gives it; the model's code is not
+    edited). ``forward(x, batch_BS1)``: ``x`` is the batch on the first stage, else the previous stage's hidden
+    states ``[b, S, D]``; ``batch_BS1`` the micro-batch's ``S + 1`` tokens (every stage reads them: the document
+    mask on every stage, the targets and MTP's shifted embeddings on the last). Returns the hidden states, or on
+    the last stage the summed cross-entropy of each depth ``[1 + D]`` (the head's dtype): the main loss's, then each MTP
+    depth's while training."""
+
+    pipeline_stage: int
+    pipeline_first: bool
+    pipeline_last: bool
+    loss_chunk_size: int | None
+
+    def forward(self, x: torch.Tensor, batch_BS1: torch.Tensor) -> torch.Tensor:
+        tokens_BS = batch_BS1[:, :-1]
+        S = tokens_BS.shape[1]
+        eod = self.config.eod_token_id if self.config.document_masking else None
+        mask = DocumentMask(document_ids(tokens_BS, eod), q_len=S) if eod is not None else None
+        cos_sin = self.rotary.cos_sin(0, S, device=tokens_BS.device)
+        h_BSD = self.tok_embeddings(tokens_BS) if self.pipeline_first else x
+        for layer in self.layers:
+            h_BSD = layer(h_BSD, mask=mask, cache=None, cos_sin=cos_sin, sequence_shard=None)
+        if not self.pipeline_last:
+            return h_BSD
+        h_BSD = self.norm(h_BSD)
+        if self.training and len(self.mtp):
+            hidden = self._multi_token_hidden(tokens_BS, self.tok_embeddings(tokens_BS), h_BSD, None, mask)
+        else:
+            hidden = [h_BSD]
+        targets = [mtp.targets(batch_BS1, depth, eod).flatten() for depth in range(len(hidden))]
+        sums = self.output.cross_entropy_sums([h.flatten(0, 1) for h in hidden], targets, self.loss_chunk_size)
+        return torch.stack(sums)
+
+
+def reads_embedding_last(config: MoEConfig) -> bool:
+    """The last stage needs the token embedding too: MTP's shifted embeddings, or a head tied to it."""
+    return config.mtp_layers > 0 or config.tie_embeddings
+
+
+def keep_stage(model: MoETransformer, stage: int, layout: PipelineLayout,
+               loss_chunk_size: int | None = None) -> StageTransformer:
+    """Prune ``model`` in place to ``stage``: its blocks (names kept), the embedding on the first stage (and on
+    the last when ``reads_embedding_last``), the final norm, head and MTP modules on the last. Run it before
+    anything wraps the blocks (compile, FSDP, offload) so they see only this stage's."""
+    if type(model) is not MoETransformer:
+        raise TypeError(f"keep_stage prunes a plain MoETransformer before it is parallelized; got {type(model).__name__}.")
+    first, last = stage == 0, stage == layout.num_stages - 1
+    model.layers = StageBlocks({i: model.layers[i] for i in layout.blocks_of(stage)})
+    if not (first or last and reads_embedding_last(model.config)):
+        model.tok_embeddings = None
+    if not last:
+        model.norm = model.output = None
+        model.mtp = nn.ModuleList()
+    model.__class__ = StageTransformer
+    model.pipeline_stage, model.pipeline_first, model.pipeline_last = stage, first, last
+    model.loss_chunk_size = loss_chunk_size
+    return model
+
+
+class PipelineLoss:
+    """The schedule's ``loss_fn``: a micro-batch's per-depth sums ``[1 + D]`` weighted so that the M micro-batches
+    add up to one process's loss over the global batch, ``main + λ/D · Σ_k CE_k`` with each ``CE_k`` a mean over
+    all of depth k's targets that are not ignored. ``set_batch`` before each ``step``; ``sums`` then holds every
+    micro-batch's detached sums, for logging."""
+
+    def __init__(self, config: MoEConfig):
+        self.config = config
+        self.weights_K: torch.Tensor | None = None
+        self.sums: list[torch.Tensor] = []
+
+    def set_batch(self, batch_BS1: torch.Tensor, training: bool = True) -> None:
+        depths = 1 + (self.config.mtp_layers if training else 0)
+        eod = self.config.eod_token_id if self.config.document_masking else None
+        counts_K = torch.stack([(mtp.targets(batch_BS1, k, eod) != -100).sum().clamp(min=1) for k in range(depths)])
+        weights_K = torch.ones(depths, dtype=torch.float32, device=batch_BS1.device)
+        if depths > 1:
+            weights_K[1:] = self.config.mtp_loss_weight / (depths - 1)
+        self.weights_K, self.counts_K, self.sums = weights_K / counts_K, counts_K, []
+
+    def __call__(self, sums_K: torch.Tensor, _target: torch.Tensor) -> torch.Tensor:
+        self.sums.append(sums_K.detach())
+        return (sums_K * self.weights_K).sum()
+
+    def losses(self) -> torch.Tensor:
+        """Each depth's mean loss over the global batch ``[1 + D]`` (the main loss first)."""
+        return torch.stack(self.sums).sum(0) / self.counts_K
+
+
+def sum_shared_embedding_grads(model: MoETransformer, group: dist.ProcessGroup | None) -> None:
+    """Sum the token embedding's gradient between the first and the last stage (``group``: those two ranks), so
+    the copy on the last stage and the first stage's take the same optimizer step. A no-op without ``group``."""
+    if group is None or model.tok_embeddings is None or model.tok_embeddings.weight.grad is None:
+        return
+    grad = model.tok_embeddings.weight.grad
+    dist.all_reduce(grad.to_local() if hasattr(grad, "to_local") else grad, group=group)

@@ -1,0 +1,167 @@
+"""Pipeline parallelism's pure parts: the stage layout, the refusals, stages built from a model with its names
+kept, and the stages chained in one process against one model's loss and gradients (float64, O(1) weights)."""
+
+import copy
+import itertools
+
+import pytest
+import torch
+
+from moe_lightning.model import MoEConfig
+from moe_lightning.parallel import pipeline
+from moe_lightning.parallel.pipeline import (PipelineError, PipelineLoss, balanced_layout, keep_stage,
+                                             resolve_pipeline, stage_layout)
+from moe_lightning.training.module import MoELanguageModel
+
+# O(1) activations (init 0.2); 4 blocks, the first dense; balancing losses on so their gradient scaling is checked
+SHAPE = dict(vocab_size=64, dim=32, n_layers=4, n_heads=4, n_kv_heads=2, max_seq_len=16, ffn_hidden=64,
+             n_dense_layers=1, num_experts=4, top_k=2, expert_hidden=32, n_shared_experts=1, init_std=0.2,
+             aux_loss_coef=0.01, z_loss_coef=0.001)
+
+
+def _brute_force_peak(costs, stages, first, last):
+    best = float("inf")
+    for cuts in itertools.combinations(range(1, len(costs)), stages - 1):
+        bounds = [0, *cuts, len(costs)]
+        loads = [sum(costs[a:b]) for a, b in zip(bounds, bounds[1:])]
+        loads[0] += first
+        loads[-1] += last
+        best = min(best, max(loads))
+    return best
+
+
+@pytest.mark.parametrize("stages", [2, 3, 4])
+def test_balanced_layout_reaches_the_lowest_peak_with_a_block_on_every_stage(stages):
+    g = torch.Generator().manual_seed(stages)
+    costs = (torch.rand(7, generator=g) + 0.5).tolist()
+    first, last = 1.3, 2.1
+    sizes = balanced_layout(costs, stages, first, last)
+    assert sum(sizes) == 7 and min(sizes) >= 1 and len(sizes) == stages
+    bounds = list(itertools.accumulate([0, *sizes]))
+    loads = [sum(costs[a:b]) for a, b in zip(bounds, bounds[1:])]
+    loads[0] += first
+    loads[-1] += last
+    assert max(loads) == pytest.approx(_brute_force_peak(costs, stages, first, last))
+
+
+def test_first_and_last_stages_hold_fewer_blocks_and_mtp_moves_blocks_off_the_last():
+    """Vocabulary 1024 at dim 128: the embedding and the head each cost about 1.5 blocks' FLOPs."""
+    shape = {**SHAPE, "vocab_size": 1024, "dim": 128, "n_layers": 12}
+    assert stage_layout(MoEConfig(**shape), 4) == [2, 4, 4, 2]
+    assert stage_layout(MoEConfig(**shape, mtp_layers=2), 4) == [3, 4, 4, 1]  # 2 depths: 2 blocks and 2 heads more
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    (dict(size=4, microbatches=2), r"pipeline_microbatches=2 is fewer than pipeline_parallel_size=4.*at least 4"),
+    (dict(size=3, schedule="Interleaved1F1B", stages_per_rank=2),
+     r"pipeline_parallel_size=3 x pipeline_stages_per_rank=2 = 6 stages.*n_layers=4.*at most 4"),
+    (dict(size=5), r"pipeline_parallel_size=5 x pipeline_stages_per_rank=1 = 5 stages"),
+    (dict(size=2, schedule="Interleaved1F1B", stages_per_rank=1), r"needs several stages per rank.*set it to 2"),
+    (dict(size=2, schedule="ZBVZeroBubble", stages_per_rank=3), r"exactly 2 stages per rank"),
+    (dict(size=2, schedule="1F1B", stages_per_rank=2), r"one stage per rank.*set it to 1"),
+    (dict(size=2, schedule="Zigzag"), r"pipeline_schedule='Zigzag': use one of '1F1B'"),
+    (dict(size=0), r"pipeline_parallel_size=0: must be a positive integer"),
+    (dict(size=2, schedule="Interleaved1F1B", microbatches=5, stages_per_rank=2),
+     r"pipeline_microbatches=5: Interleaved1F1B runs rounds"),
+])
+def test_bad_pipeline_arguments_are_refused_in_one_line_naming_the_field(kwargs, words):
+    with pytest.raises(PipelineError, match=words) as refused:
+        resolve_pipeline(MoEConfig(**SHAPE), **kwargs)
+    assert "\n" not in str(refused.value)
+
+
+def test_a_schedule_the_installed_torch_lacks_is_refused_naming_those_it_has(monkeypatch):
+    monkeypatch.delattr(pipeline.pipelining, "ScheduleDualPipeV")
+    with pytest.raises(PipelineError, match=r"has no ScheduleDualPipeV; this torch offers '1F1B'") as refused:
+        resolve_pipeline(MoEConfig(**SHAPE), 2, "DualPipeV")
+    assert "DualPipeV'" not in str(refused.value).split("offers")[1]
+
+
+def test_defaults_are_one_micro_batch_per_stage_and_two_stages_per_rank_for_interleaved():
+    layout = resolve_pipeline(MoEConfig(**SHAPE), 2, "Interleaved1F1B")
+    assert (layout.microbatches, layout.stages_per_rank, layout.num_stages) == (2, 2, 4)
+    assert layout.stages_of(0) == [0, 2] and layout.stages_of(1) == [1, 3]
+    v = resolve_pipeline(MoEConfig(**SHAPE), 2, "ZBVZeroBubble")
+    assert v.stages_of(0) == [0, 3] and v.stages_of(1) == [1, 2] and v.rank_of(3) == 0
+
+
+def _build(config: MoEConfig, seed: int = 0) -> MoELanguageModel:
+    torch.manual_seed(seed)
+    module = MoELanguageModel(config)
+    module.configure_model()
+    module.model.double()
+    return module
+
+
+@pytest.mark.parametrize("config", [dict(mtp_layers=2, document_masking=True, eod_token_id=3), dict(tie_embeddings=True)])
+def test_stages_keep_the_names_and_values_of_one_model(config):
+    config = MoEConfig(**{**SHAPE, **config})
+    full = _build(config).model.state_dict()
+    layout = resolve_pipeline(config, 3)
+    keys = set()
+    for stage in range(3):
+        part = keep_stage(copy.deepcopy(_build(config).model), stage, layout).state_dict()
+        assert set(part) <= set(full)
+        assert all(torch.equal(part[k], full[k]) for k in part)
+        keys |= set(part)
+    assert keys == set(full)
+    first_blocks = {k.split(".")[1] for k in keep_stage(_build(config).model, 0, layout).state_dict()
+                    if k.startswith("layers.")}
+    assert first_blocks == {str(i) for i in layout.blocks_of(0)}
+
+
+@pytest.mark.parametrize("stages, micro, extra, chunk", [
+    (2, 2, dict(), None),
+    (3, 4, dict(mtp_layers=2, document_masking=True, eod_token_id=3), None),
+    (2, 2, dict(tie_embeddings=True), 8),
+    (4, 4, dict(mtp_layers=1, attention="mla", kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8,
+                document_masking=True, eod_token_id=3), 16),
+])
+def test_chained_stages_give_one_models_loss_and_gradients(stages, micro, extra, chunk):
+    """Stages run one after another in one process over ``micro`` micro-batches, each micro-batch's loss weighted
+    by ``PipelineLoss`` and the balancing losses' gradient by 1 / micro: the summed loss and every gradient equal
+    the one-process module's over the whole batch (``MoELanguageModel._loss``), the embedding copy's gradient
+    summed into the first stage's. Float64 except what the model keeps fp32 by design: the router's matmul
+    (model/moe.py; its weight gradient is an fp32 sum over tokens, so summed per micro-batch it rounds
+    differently: 2e-6 relative; so is the chunked loss's head gradient) and the head's cross-entropy (the loss values: 1e-6); every other gradient 1e-9."""
+    config = MoEConfig(**{**SHAPE, **extra})
+    g = torch.Generator().manual_seed(1)
+    batch_BS1 = torch.randint(0, config.vocab_size, (8, 17), generator=g)
+    reference = _build(config)
+    reference.loss_chunk_size = chunk
+    reference.train()
+    loss = reference._loss(batch_BS1)
+    loss.backward()
+    expected = {n: p.grad for n, p in reference.model.named_parameters()}
+
+    layout = resolve_pipeline(config, stages, microbatches=micro)
+    parts = [keep_stage(_build(config).model, s, layout, loss_chunk_size=chunk).train() for s in range(stages)]
+    for part in parts:
+        for moe in part.moe_layers():
+            moe.aux_loss_grad_scale = 1 / micro
+    loss_fn = PipelineLoss(config)
+    loss_fn.set_batch(batch_BS1)
+    total = 0
+    for mb_BS1 in batch_BS1.chunk(micro):
+        x = mb_BS1
+        for part in parts:
+            x = part(x, mb_BS1)
+        mb_loss = loss_fn(x, mb_BS1)
+        mb_loss.backward()
+        total = total + mb_loss.detach()
+    losses = loss_fn.losses()
+    main = reference._main_loss if config.mtp_layers else loss
+    # the head's cross-entropy sums are fp32 by design (OutputHead): summed in another order, fp32 rounding
+    assert losses[0].item() == pytest.approx(main.item(), rel=1e-6)
+    assert total.item() == pytest.approx(loss.item(), rel=1e-6)
+    grads: dict[str, torch.Tensor] = {}
+    for part in parts:
+        for name, p in part.named_parameters():
+            grads[name] = grads[name] + p.grad if name in grads else p.grad.clone()
+    assert set(grads) == set(expected)
+    errors = {name: ((grad - expected[name]).abs().max() / expected[name].abs().max().clamp(min=1e-12)).item()
+              for name, grad in grads.items()}
+    head = "tok_embeddings.weight" if config.tie_embeddings else "output.weight"
+    fp32_sums = {n for n in errors if n.endswith("router.gate.weight") or chunk and n == head}
+    for name, error in errors.items():  # an fp32 sum over the tokens: fp32 eps 1.2e-7 times a few
+        assert error < (2e-6 if name in fp32_sums else 1e-9), (name, error)
