@@ -12,8 +12,7 @@ from pathlib import Path
 import torch
 
 from moe_lightning.dtypes import DTYPES
-from moe_lightning.commands.loading import export_main as export_file
-from moe_lightning.commands.loading import open_checkpoint, write_model_file
+from moe_lightning.commands.loading import export_checkpoint, open_checkpoint, write_model_file
 from moe_lightning.model import MoEConfig
 import moe_lightning.hf.fp8 as fp8
 from moe_lightning.hf.pretrained import FAMILIES, from_pretrained, stored_dtype_getter, write_pretrained
@@ -56,16 +55,29 @@ def hf_to_file(src: str | Path, out: str | Path, dtype: torch.dtype | None = Non
     return write_model_file(out, dataclasses.asdict(model.config), model.state_dict(), None, model.stored_dtypes)
 
 
-def _common(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--out", required=True)
+def _hf_options(parser: argparse.ArgumentParser) -> None:
+    """What only writing a Hugging Face directory takes."""
     parser.add_argument("--architecture", choices=sorted(FAMILIES), default=None,
                         help="Hugging Face target when the model could be several (default: the one that fits)")
-    parser.add_argument("--dtype", choices=list(DTYPES), default=None, help="cast floating-point weights")
     parser.add_argument("--shard-gb", type=float, default=None, help="largest safetensors shard, GiB (default 5)")
     parser.add_argument("--fp8-blocks", action="store_true", default=None,
                         help="write attention and FFN weights as float8_e4m3fn 128 x 128 blocks with *_scale_inv "
                              "(the DeepSeek-V3 / Kimi K2 release format); --dtype then casts the other tensors")
+
+
+def _common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--dtype", choices=list(DTYPES), default=None,
+                        help="cast floating-point weights (default: keep the saved dtype)")
     parser.add_argument("--overwrite", action="store_true")
+    _hf_options(parser)
+
+
+def _refuse_hf_options(parser: argparse.ArgumentParser, args: argparse.Namespace, why: str) -> None:
+    for flag, value in (("--architecture", args.architecture), ("--shard-gb", args.shard_gb),
+                        ("--fp8-blocks", args.fp8_blocks)):
+        if value is not None:
+            parser.error(f"{flag} only applies when writing a Hugging Face directory, but {why}: drop {flag}.")
 
 
 def _shard_bytes(args: argparse.Namespace) -> int:
@@ -87,11 +99,7 @@ def convert_main(argv: list[str] | None = None) -> None:
     _refuse_existing(args.out, args.overwrite)
     dtype = DTYPES.get(args.dtype)
     if (Path(args.src) / "config.json").is_file():
-        for flag, value in (("--architecture", args.architecture), ("--shard-gb", args.shard_gb),
-                            ("--fp8-blocks", args.fp8_blocks)):
-            if value is not None:
-                parser.error(f"{flag} only applies when writing a Hugging Face directory, but {args.src!r} is one "
-                             f"(it is converted to the .pt file {args.out!r}): drop {flag}.")
+        _refuse_hf_options(parser, args, f"{args.src!r} is one (it is converted to the .pt file {args.out!r})")
         out = hf_to_file(args.src, args.out, dtype)
     else:
         out = export_hf(args.src, args.out, args.architecture, dtype, _shard_bytes(args), bool(args.fp8_blocks))
@@ -99,16 +107,20 @@ def convert_main(argv: list[str] | None = None) -> None:
 
 
 def export_main(argv: list[str] | None = None) -> None:
-    """``moe-lightning export CKPT --hf --out DIR`` writes a Hugging Face directory; without ``--hf`` the
-    single-file export of ``moe_lightning.commands.loading`` runs."""
-    if "--hf" not in (argv or []):
-        return export_file(argv)
-    parser = CommandParser(prog="moe-lightning export --hf", description=export_main.__doc__)
+    """``moe-lightning export CKPT --out FILE`` writes any checkpoint (sharded folder, .ckpt, .pt) as one inference
+    file that records its tokenizer; with ``--hf``, a Hugging Face directory (and its tokenizer files). A
+    checkpoint holding inf or NaN is refused, naming the tensor."""
+    parser = CommandParser(prog="moe-lightning export", description=export_main.__doc__)
     parser.add_argument("checkpoint", help="sharded checkpoint directory, Lightning .ckpt or .pt file")
-    parser.add_argument("--hf", action="store_true", required=True)
+    parser.add_argument("--hf", action="store_true",
+                        help="write a Hugging Face directory (config.json, safetensors, tokenizer) instead of a .pt")
     _common(parser)
     args = parser.parse_args(argv)
-    _refuse_existing(args.out, args.overwrite)
-    out = export_hf(args.checkpoint, args.out, args.architecture, DTYPES.get(args.dtype), _shard_bytes(args),
-                    bool(args.fp8_blocks))
+    if not args.hf:
+        _refuse_hf_options(parser, args, f"without --hf {args.out!r} is a .pt file")
+        out = export_checkpoint(args.checkpoint, args.out, DTYPES.get(args.dtype), args.overwrite)
+    else:
+        _refuse_existing(args.out, args.overwrite)
+        out = export_hf(args.checkpoint, args.out, args.architecture, DTYPES.get(args.dtype), _shard_bytes(args),
+                        bool(args.fp8_blocks))
     print(f"wrote {out}")

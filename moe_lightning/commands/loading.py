@@ -19,15 +19,14 @@ from pathlib import Path
 
 import torch
 
-from moe_lightning.dtypes import DTYPES
 from moe_lightning.hf import from_pretrained
+from moe_lightning.hf.mapping import refuse_non_finite
 from moe_lightning.model import MoEConfig, MoETransformer
 from moe_lightning.checkpoint.commit import METADATA_FILE, resolve_checkpoint, save_file
 from moe_lightning.checkpoint.discovery import checkpoint_metadata
 from moe_lightning.checkpoint.safe_load import load_metadata, single_process_dcp
 from moe_lightning.checkpoint.sharded import read_sharded_tensors, sharded_model_index
 from moe_lightning.data.tokenizer import ByteTokenizer, HFTokenizer, tokenizer_from_spec
-from moe_lightning.run.refusals import CommandParser
 
 MODEL_PREFIX = "model."  # MoELanguageModel holds the transformer as ``self.model``
 
@@ -182,25 +181,12 @@ def load_model(checkpoint: str | Path, device: str | torch.device = "cpu", dtype
 
 def export_checkpoint(checkpoint: str | Path, out: str | Path, dtype: torch.dtype | None = None,
                       overwrite: bool = False) -> Path:
-    """Write any checkpoint's model as the package's ``.pt`` (``write_model_file``)."""
+    """Write any checkpoint's model as the package's ``.pt`` (``write_model_file``); a tensor holding inf or NaN is
+    refused, naming it, before anything is written."""
     out = Path(out)
     if out.exists() and not overwrite:
         raise FileExistsError(f"out={str(out)!r} exists; choose another path or pass --overwrite.")
     ckpt = read_checkpoint(checkpoint)
-    weights = {key: t.to(dtype) if dtype is not None and t.is_floating_point() else t
+    weights = {key: refuse_non_finite(t.to(dtype) if dtype is not None and t.is_floating_point() else t, key)
                for key, t in ckpt.state_dict.items()}
     return write_model_file(out, ckpt.config, weights, ckpt.tokenizer)
-
-
-def export_main(argv: list[str] | None = None) -> None:
-    """Write a checkpoint (sharded folder or single file) as one inference file that records its tokenizer."""
-    parser = CommandParser(prog="moe-lightning export", description=export_main.__doc__)
-    parser.add_argument("checkpoint", help="sharded checkpoint folder or single-file .ckpt")
-    parser.add_argument("--out", required=True, help="output file (torch.save format)")
-    parser.add_argument("--dtype", choices=list(DTYPES), default=None,
-                        help="cast floating-point weights (default: keep the saved dtype)")
-    parser.add_argument("--overwrite", action="store_true")
-    args = parser.parse_args(argv)
-    out = export_checkpoint(args.checkpoint, args.out, DTYPES.get(args.dtype),
-                            args.overwrite)
-    print(f"wrote {out}")

@@ -34,7 +34,7 @@ EXTRA_COMMANDS = {
     "generate": "moe_lightning.commands.generate:main",
     "tokenize": "moe_lightning.data.tokenize.command:tokenize_main",
     "plan": "moe_lightning.planner.plan:main",
-    "export": "moe_lightning.commands.convert:export_main",  # --hf writes Hugging Face; otherwise loading.export_main
+    "export": "moe_lightning.commands.convert:export_main",  # a .pt, or with --hf a Hugging Face folder
     "convert": "moe_lightning.commands.convert:convert_main",
 }
 

@@ -60,8 +60,8 @@ def scale_shape(shape: tuple[int, ...]) -> tuple[int, int]:
 
 class Dequantized:
     """A ``SafetensorsDir`` whose FP8 weights read as ``dtype`` (weight x scale_inv, block by block); the scales
-    themselves are not keys. ``check`` refuses, before any weight is read, an FP8 tensor without its scale, a scale
-    without its FP8 weight, a scale of the wrong shape, or one that is not finite and positive."""
+    themselves are not keys. ``check`` refuses, before any read, an FP8 tensor without its scale, a scale without
+    its FP8 weight, or a scale of the wrong shape."""
 
     def __init__(self, files, dtype: torch.dtype):
         self.files, self.dtype = files, dtype
@@ -81,22 +81,10 @@ class Dequantized:
                 raise HFFormatError(f"{str(self.path)!r}: {scale!r} has shape {self.files.shape(scale)}, but a "
                                     f"{shape} weight in {BLOCK} x {BLOCK} blocks needs "
                                     f"{scale_shape(shape) if len(shape) == 2 else 'a 2-D weight'}.")
-            self._check_values(scale)
         for key in self.files.keys():
             if key not in self.scales and not key.endswith(SCALE_SUFFIX) and self.files.dtype(key) == FP8:
                 raise HFFormatError(f"{str(self.path)!r}: {key!r} is float8_e4m3fn but has no {key + SCALE_SUFFIX!r}: "
                                     f"its values cannot be dequantised.")
-
-    def _check_values(self, scale: str) -> None:
-        """A scale multiplies a whole 128 x 128 block: inf or NaN makes 16,384 non-finite weights, 0 a block of zeros,
-        a negative one a sign-flipped block. Scales are small (1/16,384 of their weight), so all are read here."""
-        values = self.files.get(scale)[:].to(torch.float32)
-        bad = ~(torch.isfinite(values) & (values > 0))
-        if bad.any():
-            block = [int(i) for i in bad.nonzero()[0]]
-            raise HFFormatError(f"{str(self.path)!r}: {scale!r} holds {int(bad.sum())} scale(s) that are not finite "
-                                f"and positive, e.g. {values[tuple(block)].item()} at block {block}: the weights "
-                                f"cannot be dequantised from it; the file is damaged (download it again).")
 
     def keys(self) -> set[str]:
         return self.files.keys() - set(self.scales.values())
@@ -107,15 +95,19 @@ class Dequantized:
     def get(self, key: str):
         if key not in self.scales:
             return self.files.get(key)
-        return Blocks(self.files.get(key), self.files.get(self.scales[key]), self.dtype)
+        return Blocks(self.files.get(key), self.files.get(self.scales[key]), self.dtype, self.scales[key])
 
 
 class Blocks:
-    """``Blocks(weight, scale, dtype)[rows, cols]``: that region of one FP8 weight, dequantised; only the region's
-    FP8 values and the scales of the blocks it touches are read."""
+    """``Blocks(weight, scale, dtype, name)[rows, cols]``: that region of one FP8 weight, dequantised; only the
+    region's FP8 values and the scales of the blocks it touches are read.
 
-    def __init__(self, weight, scale, dtype: torch.dtype):
-        self.weight, self.scale, self.dtype = weight, scale, dtype
+    A scale multiplies a whole 128 x 128 block: inf or NaN would make 16,384 non-finite weights, 0 a block of zeros,
+    a negative one a sign-flipped block, so a scale read that is not finite and positive is refused, naming the
+    scale tensor ``name`` (checked as read: a rank reads only its own blocks' scales)."""
+
+    def __init__(self, weight, scale, dtype: torch.dtype, name: str):
+        self.weight, self.scale, self.dtype, self.name = weight, scale, dtype, name
 
     def get_shape(self):
         return self.weight.get_shape()
@@ -126,6 +118,12 @@ class Blocks:
                               zip(index + (slice(None),) * (2 - len(index)), self.get_shape()))
         out_RC = self.weight[r0:r1, c0:c1].to(torch.float32)
         s_rc = self.scale[r0 // BLOCK:-(-r1 // BLOCK), c0 // BLOCK:-(-c1 // BLOCK)].to(torch.float32)
+        bad_rc = ~(torch.isfinite(s_rc) & (s_rc > 0))
+        if bad_rc.any():
+            at = [int(i) for i in bad_rc.nonzero()[0]]
+            raise HFFormatError(f"{self.name!r} holds {int(bad_rc.sum())} scale(s) that are not finite and positive, e.g. "
+                                f"{s_rc[tuple(at)].item()} at block {[r0 // BLOCK + at[0], c0 // BLOCK + at[1]]}: the "
+                                f"weights cannot be dequantised from it; the file is damaged (download it again).")
         s_rC = s_rc.repeat_interleave(BLOCK, dim=1)[:, c0 % BLOCK:c0 % BLOCK + c1 - c0]
         for i, start in enumerate(range(r0 - r0 % BLOCK, r1, BLOCK)):  # one block row at a time: no [R, C] scales
             out_RC[max(start, r0) - r0:min(start + BLOCK, r1) - r0] *= s_rC[i]

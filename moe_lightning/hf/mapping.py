@@ -35,6 +35,16 @@ class Source:
         raise NotImplementedError
 
 
+def refuse_non_finite(tensor: torch.Tensor, name: str) -> torch.Tensor:
+    """``tensor``, unless it holds inf or NaN: an export would carry a diverged run's values silently (every reader
+    loads them without a word), so writing one is refused, naming the tensor."""
+    if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+        bad = int((~torch.isfinite(tensor)).sum())
+        raise HFFormatError(f"{name} holds {bad} non-finite value(s) (inf or NaN) of {tensor.numel()}: refusing to "
+                            f"write it; export a checkpoint saved before the run diverged.")
+    return tensor
+
+
 def _shape_error(name: str, key: str, found, expected) -> HFFormatError:
     return HFFormatError(f"checkpoint tensor {key!r} has shape {tuple(found)}, but {name} needs {tuple(expected)}: "
                          f"config.json does not describe these weights.")

@@ -16,7 +16,7 @@ from moe_lightning.hf.deepseek import DeepseekV2, DeepseekV3
 from moe_lightning.hf.ernie import Ernie45Moe
 from moe_lightning.hf.glm4_moe import Glm4Moe
 from moe_lightning.hf.files import SafetensorsDir, read_config, write_directory
-from moe_lightning.hf.mapping import Absent, HFFormatError, Source
+from moe_lightning.hf.mapping import Absent, HFFormatError, Source, refuse_non_finite
 from moe_lightning.hf.mixtral import Mixtral
 from moe_lightning.hf.olmoe import Olmoe
 from moe_lightning.hf.qwen3_moe import Qwen3Moe
@@ -221,7 +221,8 @@ def write_pretrained(config: MoEConfig, get: Callable[[str], torch.Tensor], path
     """Write a Hugging Face directory, asking ``get(name)`` for one of our tensors at a time (streaming); ``files``
     (name -> text, e.g. the tokenizer's) go in with it. ``fp8_blocks`` writes the tensors the DeepSeek-V3 and Kimi K2
     releases store in FP8 (``fp8.quantized``) as 128 x 128 blocks with their ``*_scale_inv``, and says so in
-    ``quantization_config``."""
+    ``quantization_config``. A tensor holding inf or NaN is refused, naming it (nothing is written: the folder is
+    committed only once complete)."""
     family = choose_family(config, architecture, get)
     hf_config = family.config_to_hf(config)
     if fp8_blocks:
@@ -234,7 +235,7 @@ def write_pretrained(config: MoEConfig, get: Callable[[str], torch.Tensor], path
     def tensors():
         written = set()
         for name, source in sources.items():
-            for key, tensor in source.write(get(name), name).items():
+            for key, tensor in source.write(refuse_non_finite(get(name), name), name).items():
                 if key in written:  # a tied head is the embedding
                     continue
                 written.add(key)
