@@ -74,14 +74,17 @@ def quantize_rows(x_RD: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor,
 
     Scales are powers of two (the block's absolute maximum over the format's largest value, rounded up to one): the
     dequantized values are exact in bf16/fp32 and quantizing them again gives the same values, so the
-    hierarchical dispatcher's second hop adds no error. Costs up to one bit of range against an exact ``amax / 448`` scale."""
+    hierarchical dispatcher's second hop adds no error. Costs up to one bit of range against an exact ``amax / 448`` scale.
+    A block holding inf or NaN gets that amax as its scale, so it lands non-finite (NaN) and the NaN guard sees it
+    as it would the training dtype's rows (a finite scale would saturate it to +-448 silently)."""
     R, D = x_RD.shape
     B = -(-D // FP8_BLOCK)
     padded_RBb = torch.nn.functional.pad(x_RD.float(), (0, B * FP8_BLOCK - D)).view(R, B, FP8_BLOCK)
     amax_RB = padded_RBb.abs().amax(-1).clamp_min(torch.finfo(torch.float32).tiny) / torch.finfo(dtype).max
     mantissa, exponent = torch.frexp(amax_RB)  # amax = m * 2^e, m in [0.5, 1): 2^e, or 2^(e-1) when m = 0.5
     scale_RB = torch.ldexp(torch.ones_like(amax_RB), exponent - (mantissa == 0.5).to(exponent.dtype))
-    q_RD = (padded_RBb / scale_RB[..., None]).view(R, -1)[:, :D].to(dtype)
+    scale_RB = torch.where(amax_RB.isfinite(), scale_RB, amax_RB)  # frexp gives inf and NaN exponent 0: scale 1
+    q_RD = (padded_RBb / scale_RB[..., None]).view(R, B * FP8_BLOCK)[:, :D].to(dtype)
     return q_RD, scale_RB
 
 
@@ -122,7 +125,7 @@ class _Exchange:
                forward: bool = False):
         if forward and self.quantize is not None:
             (x, index), *rest = pieces
-            q, scale = quantize_rows(x.detach().view(x.shape[0], -1), self.quantize)
+            q, scale = quantize_rows(x.detach().flatten(1), self.quantize)  # 0 rows too: an empty chunk
             self._dequantize_to = x.dtype
             pieces = [(q.view(torch.uint8), index), (scale, index), *rest]
             del q, scale  # the packed buffer holds them; nothing else must
