@@ -12,9 +12,11 @@ sequences is shared by the N ranks of a group.
 - Attention FLOPs per rank: the causal (or in-document) pairs of the sequences over N (head-tail chunks balance
   causal pairs exactly; document borders break the balance, ``docs/context_parallel.md`` measures by how much).
   FLOPs per local token are those without CP, so tokens/s per GPU does not change.
-- Exchange: per layer, an all-gather of the key side in forward (again in a checkpointed block's recompute) and a
-  reduce-scatter of its gradient in backward, each sending ``(N-1)/N · b · S · width · 2`` bytes per GPU
-  (``width``: MLA ``kv_lora_rank + qk_rope_head_dim``, GQA ``2 · n_kv_heads · head_dim``; bf16).
+- Exchange: per layer, an all-gather of the key side in forward (again in a checkpointed block's recompute),
+  ``(N-1)/N · b · S · width · 2`` bytes per GPU (bf16), and a reduce-scatter of its gradient in backward, summed in
+  fp32 (``(N-1)/N · b · S · width · 4``; ``width``: MLA ``kv_lora_rank + qk_rope_head_dim``, GQA
+  ``2 · n_kv_heads · head_dim``).
+- A group wider than a node, or not dividing it, exchanges over InfiniBand: ``warnings`` says so.
 """
 
 from moe_lightning.model import MoEConfig
@@ -36,14 +38,27 @@ def exchange(config: MoEConfig, cp: int, micro_batch: int, seq_len: int, gpus_pe
         return None
     layers = config.n_layers + config.mtp_layers
     per_pass = (cp - 1) * micro_batch * seq_len * key_width(config) * element_size // cp
+    gradient = (cp - 1) * micro_batch * seq_len * key_width(config) * 4 // cp  # summed in fp32
     within_node = gpus_per_node % cp == 0
     gbps = nvlink_gbps if within_node else ib_gbps
     rows = {}
-    for name, passes in (("forward + backward", 2), ("+ recompute", 3)):
-        sent = layers * passes * per_pass
+    for name, gathers in (("forward + backward", 1), ("+ recompute", 2)):
+        sent = layers * (gathers * per_pass + gradient)
         rows[name] = {"bytes": sent, "seconds": sent / (gbps * 1e9) if gbps else None}
     return {"cp": cp, "layers": layers, "width": key_width(config), "bytes_per_layer_and_pass": per_pass,
-            "link": "NVLink" if within_node else "InfiniBand", "gbps": gbps, "rows": rows}
+            "gradient_bytes_per_layer": gradient, "link": "NVLink" if within_node else "InfiniBand", "gbps": gbps,
+            "rows": rows}
+
+
+def warnings(cp: int, gpus_per_node: int) -> list[str]:
+    """A context-parallel group that spans nodes exchanges over InfiniBand every layer: say so, with the sizes
+    that keep it within a node."""
+    if cp == 1 or gpus_per_node % cp == 0:
+        return []
+    within = [n for n in range(1, gpus_per_node + 1) if gpus_per_node % n == 0]
+    return [f"context_parallel_size={cp} puts groups across nodes of {gpus_per_node} GPUs: their key-side exchange "
+            f"(every layer, forward, recompute and backward) runs over InfiniBand; a size dividing gpus_per_node "
+            f"keeps it on NVLink: {within} (docs/context_parallel.md)"]
 
 
 def attention_flops_per_rank(config: MoEConfig, cp: int, micro_batch: int, seq_len: int,
@@ -66,8 +81,9 @@ def format_lines(result: dict) -> list[str]:
                  f"(the {'in-document' if w['doc_len'] else 'causal'} pairs / {cp})"]
     bw = f"at {ex['gbps']:g} GB/s {ex['link']} (--{'nvlink' if ex['link'] == 'NVLink' else 'ib'}-gbps)" \
         if ex["gbps"] else f"({ex['link']}: no bandwidth known, pass --nvlink-gbps / --ib-gbps)"
-    lines.append(f"{'':<18}exchange of the key side ({ex['width']} values a token, bf16) per GPU per step {bw}: "
-                 f"{ex['bytes_per_layer_and_pass'] / 2**20:,.1f} MiB per layer and pass x {ex['layers']} layers")
+    lines.append(f"{'':<18}exchange of the key side ({ex['width']} values a token, bf16; gradients fp32) per GPU per "
+                 f"step {bw}: {ex['bytes_per_layer_and_pass'] / 2**20:,.1f} MiB per layer and gather, "
+                 f"{ex['gradient_bytes_per_layer'] / 2**20:,.1f} MiB per layer's gradient x {ex['layers']} layers")
     for name, r in ex["rows"].items():
         time = f"{r['seconds']:.3g} s" if r["seconds"] is not None else "?"
         lines.append(f"{'':<18}{name:<22}{r['bytes'] / 2**30:>9.2f} GiB {time:>10}")

@@ -79,6 +79,17 @@ def dense_flops_per_token(config: MoEConfig, counts: dict[str, int] | None = Non
     return 6 * (matmul_params + shared_head)
 
 
+def cp_key_upprojection_flops_per_token(config: MoEConfig, cp: int) -> int:
+    """FLOPs per local token that context parallelism adds (forward + backward): with MLA every rank up-projects
+    every gathered latent through ``wkv_b`` for its own queries, the ``N - 1`` other ranks' keys too, so each local
+    token pays ``N - 1`` extra up-projections of ``6 · kv_lora_rank · H · (qk_nope + v)`` in every attention layer.
+    GQA exchanges K and V already projected: none."""
+    if cp == 1 or config.attention != "mla":
+        return 0
+    wkv_b = config.kv_lora_rank * config.n_heads * (config.qk_nope_head_dim + config.v_head_dim)
+    return 6 * (cp - 1) * (config.n_layers + config.mtp_layers) * wkv_b
+
+
 def training_flops_per_token(config: MoEConfig, seq_len: int, causal: bool = True,
                              counts: dict[str, int] | None = None, doc_len: int | None = None) -> float:
     """Matmuls (``dense_flops_per_token``) plus attention over the pairs actually scored

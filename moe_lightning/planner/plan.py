@@ -73,13 +73,14 @@ import torch
 from moe_lightning.planner import context_parallel, ep_traffic, exchange_time
 from moe_lightning.planner.activations import block_working_set_bytes, key_side_bytes, mtp_activation_bytes
 from moe_lightning.planner.run_config import load_model_config, read_run_config
-from moe_lightning.planner.flops import PEAK_BF16_FLOPS, parameter_counts, peak_bf16_flops, training_flops_per_token
+from moe_lightning.planner.flops import (PEAK_BF16_FLOPS, cp_key_upprojection_flops_per_token, parameter_counts,
+                                         peak_bf16_flops, training_flops_per_token)
 from moe_lightning.model import MoEConfig, MoETransformer
 from moe_lightning.optim.grouping import parameter_roles
 from moe_lightning.optim.host_staging import staging_bytes
 from moe_lightning.optim.muon_groups import MUON_ROLES
 from moe_lightning.parallel import MeshLayout
-from moe_lightning.parallel.parallelize import resolve_layout
+from moe_lightning.parallel.mesh import resolve_layout
 from moe_lightning.parallel.units import Unit, fsdp_units
 from moe_lightning.run.refusals import CommandParser, one_line, traceback_requested
 
@@ -101,6 +102,10 @@ class Cluster:
     shard_size: int | None = None
     expert_parallel_size: int = 1
     context_parallel_size: int = 1  # ranks sharing each sequence, folded into the shard dimension
+    ib_gbps: float | None = None  # per GPU per direction; None: by --gpu (ep_traffic.BANDWIDTH_GBPS)
+    nvlink_gbps: float | None = None
+    collective_latency_us: float = exchange_time.COLLECTIVE_LATENCY_US  # one blocking count exchange
+    host_sync_us: float = exchange_time.HOST_SYNC_US  # GPU idle after one host read-back
 
     @property
     def world_size(self) -> int:
@@ -113,6 +118,10 @@ class Cluster:
         for flag, gib in (("--gpu-memory", self.gpu_memory_gib), ("--host-memory", self.host_memory_gib)):
             if gib is not None and not gib > 0:
                 raise ValueError(f"{flag}={gib:g} must be > 0 (GiB per GPU).")
+        for flag, us in (("--collective-latency-us", self.collective_latency_us),
+                         ("--host-sync-us", self.host_sync_us)):
+            if not us >= 0:
+                raise ValueError(f"{flag}={us:g} must be >= 0 (microseconds).")
 
 
 @dataclass
@@ -290,16 +299,19 @@ def plan(config: MoEConfig, cluster: Cluster, work: Workload) -> dict:
     if work.doc_len is not None and not config.document_masking:
         raise ValueError(f"--doc-len={work.doc_len}: the model attends over the whole sequence "
                          "(model.init_args.config.document_masking is false); drop --doc-len or turn masking on.")
-    flops_per_token = training_flops_per_token(config, work.seq_len, counts=counts, doc_len=work.doc_len)
-    tokens_per_s = work.mfu * cluster.peak_tflops * 1e12 / flops_per_token
-    return {
+    cp_flops = cp_key_upprojection_flops_per_token(config, cp)
+    flops_per_token = training_flops_per_token(config, work.seq_len, counts=counts, doc_len=work.doc_len) + cp_flops
+    result = {
         "parameters": {"total": total, "active": active, "routed_experts": roles.get("expert_stack", 0),
                        "by_role": roles},
-        "flops_per_token": flops_per_token,
+        "flops_per_token": flops_per_token,  # the step's, per local token (CP's repeated key up-projection included)
+        "cp_key_upprojection_flops_per_token": cp_flops,
         "attention_flops_per_rank": context_parallel.attention_flops_per_rank(config, cp, work.micro_batch,
                                                                               work.seq_len, work.doc_len),
         "tokens_per_gpu": tokens,
         "fsdp_bytes": exchange_time.fsdp_bytes(units, mesh),
+        # the largest stage's all-gather (bf16) and reduce-scatter (fp32), at the step's edges
+        "fsdp_edge_bytes": 6 * unit * (S - 1) / S,
         "document_masking": config.document_masking,
         "cluster": asdict(cluster) | {"world_size": cluster.world_size, "shard_size": mesh.shard},
         "workload": asdict(work),
@@ -309,9 +321,17 @@ def plan(config: MoEConfig, cluster: Cluster, work: Workload) -> dict:
         "memory": variants,
         "configured": configured,  # the variant the workload runs
         "fits": variants[configured]["fits"],
-        "tokens_per_s_per_gpu": tokens_per_s,
-        "tokens_per_s_total": tokens_per_s * cluster.world_size,
     }
+    ib, nvlink = result["bandwidths"] = ep_traffic.bandwidths(cluster.gpu, cluster.ib_gbps, cluster.nvlink_gbps)
+    result["ep_traffic"] = ep_traffic.traffic(config, result, mesh, ib, nvlink)
+    result["cp_exchange"] = context_parallel.exchange(config, cp, work.micro_batch, work.seq_len,
+                                                      cluster.gpus_per_node, nvlink, ib)
+    result["warnings"] = context_parallel.warnings(cp, cluster.gpus_per_node)
+    result["step_time"] = exchange_time.step_time(config, result)
+    result["step_seconds"] = result["step_time"]["seconds"]
+    result["tokens_per_s_per_gpu"] = tokens / result["step_seconds"]
+    result["tokens_per_s_total"] = result["tokens_per_s_per_gpu"] * cluster.world_size
+    return result
 
 
 def format_plan(result: dict) -> str:
@@ -370,8 +390,11 @@ def format_plan(result: dict) -> str:
                      f"{_bytes(mtp['not_checkpointed'])} without (mtp: false{'' if w['offload_mtp'] else ', configured'})")
     lines += [
         f"throughput        {result['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU "
-        f"({result['tokens_per_s_total']:,.0f} total) at MFU {w['mfu']:.0%} of {c['peak_tflops']:g} TFLOP/s",
+        f"({result['tokens_per_s_total']:,.0f} total): {result['tokens_per_gpu']:,} tokens per GPU in a "
+        f"{result['step_seconds']:.3g} s step (step time below; compute alone at MFU {w['mfu']:.0%} of "
+        f"{c['peak_tflops']:g} TFLOP/s: {result['step_time']['parts']['compute']:.3g} s)",
     ]
+    lines += [f"warning           {warning}" for warning in result["warnings"]]
     lines += ep_traffic.format_traffic(result.get("ep_traffic"))
     lines += exchange_time.lines(result)
     return "\n".join(lines)
@@ -489,7 +512,9 @@ def main(argv: list[str]) -> None:
         config = load_model_config(args.config)
         inputs = planned_inputs(args, config)
         values = {name: value for name, (value, _) in inputs.items()}
-        cluster = Cluster(host_memory_gib=args.host_memory, **{name: v for name, (v, _) in assumed.items()},
+        cluster = Cluster(host_memory_gib=args.host_memory, ib_gbps=args.ib_gbps, nvlink_gbps=args.nvlink_gbps,
+                          collective_latency_us=args.collective_latency_us, host_sync_us=args.host_sync_us,
+                          **{name: v for name, (v, _) in assumed.items()},
                           **{f.name: values[f.name] for f in fields(Cluster) if f.name in values})
         work = Workload(mfu=args.mfu, reserve_gib=args.reserve, doc_len=args.doc_len,
                         **{f.name: values[f.name] for f in fields(Workload) if f.name in values})
@@ -497,10 +522,6 @@ def main(argv: list[str]) -> None:
         if inputs["shard_size"][0] is None:  # "auto": report the size the mesh resolved, not None
             inputs["shard_size"] = (result["cluster"]["shard_size"], inputs["shard_size"][1])
         result["inputs"] = assumed | inputs
-        result["ep_traffic"] = ep_traffic.traffic(config, result, args.ib_gbps, args.nvlink_gbps)
-        result["bandwidths"] = ib, nvlink = ep_traffic.bandwidths(gpu, args.ib_gbps, args.nvlink_gbps)
-        result["cp_exchange"] = context_parallel.exchange(config, cluster.context_parallel_size, work.micro_batch,
-                                                          work.seq_len, cluster.gpus_per_node, nvlink, ib)
     except (ValueError, OSError) as e:
         if traceback_requested():
             raise

@@ -49,16 +49,30 @@ def test_hierarchical_hops_are_summed_flat_parts_side_by_side(capsys):
     assert seconds(lines, "expert exchange (hierarchical + recompute, hops summed)") == pytest.approx(time, rel=5e-3)
 
 
-@pytest.mark.parametrize("chunks", [1, 2, 4])
-def test_exposed_exchange_after_chunked_overlap(capsys, chunks):
-    """Exposed = X - (C-1)/C x min(X, E): E the routed experts' matmul time, 8 x 3dF FLOPs per token and chosen
-    expert (forward, recompute, backward) at the planned MFU: 34.2 s; X 47.7 s hierarchical + recompute."""
-    lines = table(capsys, "--ep-overlap-chunks", str(chunks))
-    x = seconds(lines, "hops summed")
+@pytest.mark.parametrize("chunks, imbalance", [(1, 1.0), (2, 1.5), (4, 1.5), (4, 3.0)])
+def test_exposed_exchange_is_the_busiest_ranks_after_chunked_overlap(capsys, chunks, imbalance):
+    """X is the busiest rank's exchange, the mean rank's (47.7 s hierarchical + recompute) times --ep-imbalance
+    (an all-to-all ends when its busiest receiver does); exposed = X - (C-1)/C x min(X, E), E the routed experts'
+    matmul time, 8 x 3dF FLOPs per token and chosen expert (forward, recompute, backward) at the planned MFU: 34.2 s.
+    It used to price the mean rank."""
+    lines = table(capsys, "--ep-overlap-chunks", str(chunks), "--ep-imbalance", str(imbalance))
+    mean = seconds(lines, "hops summed")
+    busiest = imbalance * mean
+    assert seconds(lines, "busiest rank") == pytest.approx(busiest, rel=5e-3)
     line = next(line for line in lines if "exposed with" in line)
     assert f"E = {EXPERT_S:.3g} s" in line and EXPERT_S == pytest.approx(34.2, abs=0.05)
     exposed = float(line.split(" s ")[0].split()[-1])
-    assert exposed == pytest.approx(x - (chunks - 1) / chunks * min(x, EXPERT_S), rel=5e-3)
+    assert exposed == pytest.approx(busiest - (chunks - 1) / chunks * min(busiest, EXPERT_S), rel=5e-3)
+
+
+def test_each_moe_forward_pays_its_count_exchanges_and_host_read(capsys):
+    """55 MoE layers x (forward + recompute) = 110 passes; hierarchical dispatch exchanges counts twice (over the
+    nodes, then within) and reads the split sizes back once: 110 x (2 x 50 + 100) us = 22 ms at the defaults."""
+    line = next(line for line in table(capsys) if "count exchanges and host reads" in line)
+    assert float(line.split(" s ")[0].split()[-1]) == pytest.approx(110 * 200e-6, rel=5e-3)
+    line = next(line for line in table(capsys, "--collective-latency-us", "500", "--host-sync-us", "1000")
+                if "count exchanges and host reads" in line)
+    assert float(line.split(" s ")[0].split()[-1]) == pytest.approx(110 * 2000e-6, rel=5e-3)
 
 
 def test_fsdp_traffic_by_hand(capsys):
@@ -145,3 +159,52 @@ def test_strategy_fields_are_read_from_the_config(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["--config", str(path), "--ep-imbalance", "0.5"])
     assert "--ep-imbalance=0.5" in capsys.readouterr().err
+
+
+def test_step_time_adds_its_parts_and_tokens_per_s_comes_from_it():
+    """Issue 45, item 1: the headline was tokens / compute alone (417 tokens/s) while the exchange and FSDP rows
+    below it were never added. Now one step time is their sum and tokens/s is derived from it. By hand at 1t.yaml on
+    GH200: compute at 30 % MFU; the busiest rank's exchange 1.5 x the mean, all exposed at one chunk; 110 x 200 us
+    of count exchanges and host reads; FSDP hidden behind compute but for the largest stage's all-gather (bf16) and
+    reduce-scatter (fp32) at the step's edges: the embedding, 129,280 x 7,168, over 384 ranks at 25 GB/s."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        main([*GH200, "--json"])
+    result = json.loads(out.getvalue())
+    parts = result["step_time"]["parts"]
+    compute = T * result["flops_per_token"] / (0.3 * 989e12)
+    exchange = result["step_time"]["detail"]["expert_exchange"]
+    edge = 6 * 129280 * 7168 * 383 / 384 / 25e9
+    assert parts["compute"] == pytest.approx(compute, rel=1e-12)
+    assert parts["expert exchange (exposed)"] == pytest.approx(1.5 * exchange["mean_rank"], rel=1e-12)
+    assert parts["count exchanges and host reads"] == pytest.approx(110 * 200e-6, rel=1e-12)
+    assert parts["FSDP collectives (exposed)"] == pytest.approx(edge, rel=1e-9)
+    assert result["step_seconds"] == pytest.approx(compute + 1.5 * exchange["mean_rank"] + 110 * 200e-6 + edge,
+                                                   rel=1e-12)
+    assert result["step_seconds"] >= parts["compute"] + parts["expert exchange (exposed)"]
+    assert result["tokens_per_s_per_gpu"] * result["step_seconds"] == pytest.approx(result["tokens_per_gpu"], rel=1e-12)
+    assert result["tokens_per_gpu"] == T
+
+
+def plan_json(*flags) -> dict:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        main([*GH200, *flags, "--json"])
+    return json.loads(out.getvalue())
+
+
+def test_fsdp_traffic_beyond_the_compute_it_can_hide_behind_is_exposed():
+    """At 1 GB/s InfiniBand FSDP's 203.6 GB take 204 s, more than the compute it can run behind (157 s, less the
+    26 s of expert exchange hidden at 4 chunks, which hold the same NICs): the excess shows, on top of the edges.
+    With prefetch_depth 0 every all-gather is exposed (101.8 GB at 25 GB/s)."""
+    result = plan_json("--ib-gbps", "1", "--ep-overlap-chunks", "4")
+    step, fsdp = result["step_time"], result["fsdp_bytes"]
+    total = sum(fsdp.values()) / 1e9
+    edge = 6 * 129280 * 7168 * 383 / 384 / 1e9
+    hidden = step["detail"]["expert_exchange"]["hidden"]
+    assert hidden == pytest.approx(3 / 4 * EXPERT_S, rel=1e-3)  # X > E: the overlap hides 3/4 of E
+    window = step["parts"]["compute"] - hidden
+    assert step["parts"]["FSDP collectives (exposed)"] == pytest.approx(edge + (total - edge - window), rel=1e-9)
+    gathers = fsdp["all-gather (bf16)"] / 25e9
+    assert plan_json("--prefetch-depth", "0")["step_time"]["parts"]["FSDP collectives (exposed)"] == \
+        pytest.approx(gathers, rel=1e-12)

@@ -126,8 +126,24 @@ def test_memory_formulas_adamw_and_muon():
     assert gpu["all-gather buffers (bf16)"] == 2 * 2 * largest_unit + 2 * 32  # current + one prefetched, root
     assert gpu["reduce-scatter buffers"] == 6 * largest_unit
     assert gpu["loss working set"] == 12 * 64 * 16
-    peak = sum(gpu.values()) - min(gpu["loss working set"], gpu["block recompute working set"])
-    assert adamw["memory"]["without_offload"]["gpu_peak_bytes"] == peak
+
+
+def test_peak_counted_by_hand_from_the_config():
+    """The peak against a number counted from the config, not from plan's own rows (issue 41, item 6). TINY with a
+    4,096-word vocabulary, so the loss's working set (unchunked) is the larger transient and the block's drops out;
+    AdamW, one FSDP group of 2 x 2 GPUs, no expert parallelism, micro-batch 2 x 8 tokens, no reserve:
+    - parameters 22,816 - 2 x 64·32 + 2 x 4,096·32 = 280,864: sharded fp32 4·P/4, gradients 4·P/4, AdamW 8·P/4;
+    - boundary activations: 2 layers x 16 tokens x 32 x 2 B = 2,048;
+    - loss: 12 B x 4,096 x 16 tokens = 786,432;
+    - all-gather: the largest unit is the embedding (4,096·32 = 131,072; the MoE block holds 10,944), gathered in
+      bf16, with one prefetched: 2 x 2 x 131,072, and the root's final norm 2 x 32: 524,352;
+    - reduce-scatter: 6 x 131,072 = 786,432."""
+    config = MoEConfig(**{**TINY.__dict__, "vocab_size": 4096})
+    result = plan(config, Cluster(nodes=2, gpus_per_node=2, gpu_memory_gib=1.0),
+                  Workload(micro_batch=2, seq_len=8, reserve_gib=0))["memory"]["without_offload"]
+    assert result["gpu_bytes"]["block recompute working set"] < result["gpu_bytes"]["loss working set"]
+    P = 280_864
+    assert result["gpu_peak_bytes"] == P + P + 2 * P + 2_048 + 786_432 + 524_352 + 786_432 == 3_222_720
 
 
 def pinned_shards(shard: int) -> int:
@@ -164,10 +180,12 @@ def test_async_checkpoint_stages_the_sharded_state_in_host_memory(tmp_path, caps
     assert json.loads(capsys.readouterr().out)["inputs"]["async_checkpoint"] == [True, "config"]
 
 
-def test_throughput_from_mfu():
+def test_throughput_from_the_step_time():
     result = tiny_plan(mfu=0.5)
     assert result["flops_per_token"] == training_flops_per_token(TINY, 8)
-    assert result["tokens_per_s_per_gpu"] == pytest.approx(0.5 * 989e12 / result["flops_per_token"])
+    assert result["step_time"]["parts"]["compute"] == pytest.approx(16 * result["flops_per_token"] / (0.5 * 989e12))
+    assert result["tokens_per_s_per_gpu"] == pytest.approx(16 / result["step_seconds"])
+    assert result["step_seconds"] == pytest.approx(sum(result["step_time"]["parts"].values()))
 
 
 def test_one_trillion_on_384_gh200_matches_the_reference_run():
