@@ -114,8 +114,9 @@ def position(record: dict | None) -> tuple[int, int, int]:
 class Judge:
     """Names the stalled ranks from the records a watcher reads (see the module docstring); no I/O, no clock."""
 
-    def __init__(self, world_size: int, timeout_s: float, now: float):
+    def __init__(self, world_size: int, timeout_s: float, now: float, tick_s: float | None = None):
         self.timeout_s = timeout_s
+        self.tick_s = tick_s if tick_s is not None else poll_interval(timeout_s)  # a live rank ticks this often
         self.seen = {rank: Seen(None, now, now) for rank in range(world_size)}
 
     def observe(self, rank: int, record: dict, now: float) -> None:
@@ -134,15 +135,23 @@ class Judge:
             return None  # nobody trains yet: building a model or loading a checkpoint takes what it takes
         silent = [rank for rank, s in self.seen.items() if now - s.alive_at >= self.timeout_s]
         if silent:
-            stalled = [(rank, "never reported" if self.seen[rank].record is None else "its process does not answer "
-                        "(stopped, or hung in the kernel or driver)") for rank in silent]
+            stalled = [(rank, self.why(rank, now)) for rank in silent]
             return Verdict(stalled, [r for r in self.seen if r not in silent], self.seen, now)
         if any(now - s.progress_at < self.timeout_s for s in self.seen.values()):
             return None
         ahead = max(position(s.record) for s in self.seen.values())
         behind = [rank for rank, s in self.seen.items() if position(s.record) < ahead]
-        stalled = [(rank, "its process answers but its training thread made no progress") for rank in behind]
-        return Verdict(stalled, [r for r in self.seen if r not in behind], self.seen, now)
+        return Verdict([(rank, self.why(rank, now)) for rank in behind], [r for r in self.seen if r not in behind],
+                       self.seen, now)
+
+    def why(self, rank: int, now: float) -> str:
+        seen = self.seen[rank]
+        if seen.record is None:
+            return "never reported"
+        if now - seen.alive_at > 3 * self.tick_s:
+            return (f"its process has not answered for {now - seen.alive_at:.0f} s (stopped, or hung in the kernel "
+                    f"or driver)")
+        return "its process answers but its training thread made no progress"
 
 
 # ---- the report ------------------------------------------------------------------------------------------------
@@ -212,6 +221,15 @@ def report_json(verdict: Verdict, timeout_s: float, detected_by: int) -> dict:
 
 # ---- the thread ------------------------------------------------------------------------------------------------
 
+def own_children() -> list[int]:
+    """The pids of this process's children (Linux; none elsewhere)."""
+    try:
+        return [int(pid) for task in Path("/proc/self/task").iterdir()
+                for pid in (task / "children").read_text().split()]
+    except OSError:
+        return []
+
+
 def _hard_exit(code: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
@@ -260,7 +278,7 @@ class StallWatchdog:
             self.store = side_store(max(1.0, 2 * self.poll_s))
         self.store.set(self.key(f"rank/{self.rank}"), self.record())
         if self.rank in watchers(self.world_size):
-            self.judge = Judge(self.world_size, self.timeout_s, time.monotonic())
+            self.judge = Judge(self.world_size, self.timeout_s, time.monotonic(), tick_s=self.poll_s)
         self._thread = threading.Thread(target=self._run, name="stall-watchdog", daemon=True)
         self._thread.start()
         return self
@@ -372,10 +390,20 @@ class StallWatchdog:
             f"named by rank {summary['by']}'s report; exiting with status {EXIT_STALLED}")
         self._end([])
 
+    def _kill_own_children(self, stalled_records: list[dict | None]) -> None:
+        """Kill the stalled ranks that this process started (Lightning's launcher, one node): stopped, they would
+        outlive the job holding their memory; Lightning's launcher kills its children when one fails, likewise."""
+        mine = set(own_children())
+        for r in stalled_records:
+            if r and r["host"] == self.identity["host"] and r["pid"] in mine:
+                say(f"[rank {self.rank}] killing stalled rank {r['rank']} (pid {r['pid']}), started by this process")
+                os.kill(r["pid"], signal.SIGKILL)
+
     def _end(self, stalled_records: list[dict | None]) -> None:
         """Exit with ``EXIT_STALLED``; a Lightning-spawned child exits 0, after killing the main process if that
         is the stalled one (see ``spawned_child``)."""
         if not self.spawned_child:
+            self._kill_own_children(stalled_records)
             return self.exit(EXIT_STALLED)
         parent = os.getppid()
         if any(r and r["host"] == self.identity["host"] and r["pid"] == parent for r in stalled_records):

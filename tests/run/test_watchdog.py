@@ -57,7 +57,7 @@ def test_a_frozen_rank_is_named_after_the_timeout_and_a_slow_one_never():
             assert judge.verdict(now=t) is None
     verdict = judge.verdict(now=60)
     assert [rank for rank, _ in verdict.stalled] == [1] and verdict.waiting == [0]
-    assert "does not answer" in verdict.stalled[0][1]
+    assert verdict.stalled[0][1].startswith("its process has not answered for 31 s")
 
 
 def test_a_live_rank_stuck_outside_the_collective_the_others_wait_in_is_named_once_all_are_idle():

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 
+from moe_lightning.parallel import mesh
 from moe_lightning.run import heartbeat as heartbeats
 from moe_lightning.run.exits import EXIT_STALLED
 from moe_lightning.run.heartbeat import Heartbeat
@@ -27,8 +28,9 @@ def coordinates_of(strategy, rank: int) -> dict[str, int]:
 
 
 def group_names(strategy) -> Callable | None:
-    """The strategy's names for its process groups (``strategy.parallel.name_of``), when it has them."""
-    return getattr(getattr(strategy, "parallel", None), "name_of", None)
+    """The names of the process groups by their mesh dimension: ``strategy.parallel.name_of``, else
+    ``parallel.mesh.name_of`` (every group the mesh module made), when there is one."""
+    return getattr(getattr(strategy, "parallel", None), "name_of", None) or getattr(mesh, "name_of", None)
 
 
 class StallWatchdog(Callback):
