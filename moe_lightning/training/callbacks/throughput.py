@@ -7,7 +7,8 @@ import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
 
-from moe_lightning.planner.flops import attended_pairs_BS, attention_flops_per_pair, dense_flops_per_token, peak_bf16_flops
+from moe_lightning.planner.flops import (attended_pairs_BS, attention_flops_per_pair, cp_key_upprojection_flops_per_token,
+                                         dense_flops_per_token, peak_bf16_flops)
 from moe_lightning.model import MoEConfig
 from moe_lightning.training.callbacks._logging import StepInterval, check_interval, log_to_loggers
 
@@ -21,6 +22,11 @@ class MoEThroughputMonitor(L.Callback):
     Attention is counted over the (query, key) pairs each batch actually scores: with document masking only
     within documents (``flops.attended_pairs_BS``). The count is summed on the batch's device and read once
     per logging interval, where the timing synchronizes anyway: no host read per step.
+
+    Under context parallelism (``trainer.strategy.context_parallel_size`` N) the N ranks of a group read the same
+    batch and each computes 1/N of its tokens and attended pairs: a device counts its share, so a token is counted
+    once in the world's tokens/s. Each rank also up-projects every gathered key (MLA's ``wkv_b``), the FLOPs ``plan``
+    adds for CP (``flops.cp_key_upprojection_flops_per_token``): counted too, so the MFU measured is the one planned.
 
     Args:
         log_every_n_steps: Optimizer steps per measurement interval.
@@ -37,6 +43,7 @@ class MoEThroughputMonitor(L.Callback):
         self._config: Optional[MoEConfig] = None
         self._dense_per_token = 0
         self._per_pair = 0
+        self._cp = 1  # ranks sharing each sequence
         self._tokens = 0
         self._pairs: Optional[torch.Tensor] = None  # attended pairs since the last log, on the batch's device
         self._started: Optional[float] = None
@@ -48,7 +55,10 @@ class MoEThroughputMonitor(L.Callback):
         if not isinstance(self._config, MoEConfig):
             raise ValueError(f"MoEThroughputMonitor needs {type(pl_module).__name__}.config to be a MoEConfig "
                              "(the FLOPs count is analytic).")
-        self._dense_per_token = dense_flops_per_token(self._config)  # a reused callback may see another model
+        self._cp = getattr(trainer.strategy, "context_parallel_size", 1)
+        # a reused callback may see another model
+        self._dense_per_token = dense_flops_per_token(self._config) + cp_key_upprojection_flops_per_token(
+            self._config, self._cp)
         self._per_pair = attention_flops_per_pair(self._config)
         if self.peak_flops is None and pl_module.device.type == "cuda":
             name = torch.cuda.get_device_name(pl_module.device)
@@ -65,7 +75,7 @@ class MoEThroughputMonitor(L.Callback):
         if not isinstance(batch, torch.Tensor) or batch.ndim != 2:
             raise ValueError("MoEThroughputMonitor expects token batches of shape [batch, seq_len + 1] "
                              f"(inputs and shifted targets); got {type(batch).__name__}.")
-        self._tokens += batch.shape[0] * (batch.shape[1] - 1)
+        self._tokens += batch.shape[0] * (batch.shape[1] - 1) // self._cp  # this rank's share of the group's batch
         eod = self._config.eod_token_id if self._config.document_masking else None
         pairs = attended_pairs_BS(batch[:, :-1], eod).sum()
         self._pairs = pairs if self._pairs is None else self._pairs + pairs
@@ -75,7 +85,7 @@ class MoEThroughputMonitor(L.Callback):
             torch.cuda.synchronize(pl_module.device)
         now = time.perf_counter()
         seconds = now - self._started
-        flops = self._tokens * self._dense_per_token + self._per_pair * int(self._pairs.item())
+        flops = self._tokens * self._dense_per_token + self._per_pair * int(self._pairs.item()) / self._cp
         metrics = {"perf/tokens_per_sec_per_device": self._tokens / seconds,
                    "perf/tokens_per_sec": self._tokens * trainer.world_size / seconds,
                    "perf/tflops_per_device": flops / seconds / 1e12}
