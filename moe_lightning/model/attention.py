@@ -147,10 +147,6 @@ class SequenceShard:
         every position of the sequence in order (differentiable: its gradient returns to the owners)."""
         return key_side_BS
 
-    def reduce_max_logits(self, max_logits: torch.Tensor) -> torch.Tensor:
-        """QK-clip's per-head maxima, maximised over the ranks of a sequence (each saw only its own queries)."""
-        return max_logits
-
     def sum_over_sequence(self, sums_BX: torch.Tensor) -> torch.Tensor:
         """Per-sequence sums over this rank's positions ``[B, X]``, completed to the whole sequences' sums (the
         balancing losses' statistics: every rank then computes the sequences' own losses). Differentiable."""

@@ -8,8 +8,11 @@ every rank's two chunks sum to the same count (exact balance without documents; 
 
 The exchange (``ContextParallelShard.gather``): one all-gather of the key-side tensors packed side by side in
 forward, one reduce-scatter of their gradients in backward (rank r's tokens serve every rank's queries, so the
-gradient of its key side is the sum over ranks). On the wire per layer and pass each rank sends
-``B * S * width * element size * (N - 1) / N`` bytes.
+gradient of its key side is the sum over ranks). The pieces travel in one dtype, the autocast dtype when autocast
+is on (what the up-projection computes in; ``torch.cat`` would promote a bf16 rotary key and an fp32 latent to
+fp32, twice the bytes), else the pieces' own; the gradients are summed in fp32, as FSDP reduces parameter
+gradients. On the wire per layer each rank sends ``B * S * width * element size * (N - 1) / N`` bytes per
+all-gather and ``B * S * width * 4 * (N - 1) / N`` in the reduce-scatter.
 
 The loss (``context_parallel_mean``): rank r returns ``N * (its targets' cross-entropy sum) / (the sequence
 group's target count)``. The gradients the ranks compute sum to the gradient of ``N x`` the group's mean, and
@@ -53,22 +56,36 @@ def attended_pairs(doc_S: torch.Tensor, positions_S: torch.Tensor) -> int:
     return int((positions_S - first_S[positions_S] + 1).sum()) if T else 0
 
 
+def exchange_dtype(*key_side_BS: torch.Tensor) -> torch.dtype:
+    """The one dtype the key side travels in: autocast's when it is on (the dtype the up-projection and attention
+    compute in), else the pieces' own (they must agree: no silent promotion)."""
+    device = key_side_BS[0].device.type
+    if torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    dtypes = {x.dtype for x in key_side_BS}
+    if len(dtypes) > 1:
+        raise ValueError(f"ContextParallelShard.gather: key-side tensors of dtypes {sorted(map(str, dtypes))} outside "
+                         "autocast; they travel in one buffer: give them one dtype.")
+    return dtypes.pop()
+
+
 class _GatherSequence(torch.autograd.Function):
     """All-gather of the shards' key-side tensors into global order; reduce-scatter of their gradients."""
 
     @staticmethod
-    def forward(ctx, group, *local_BS):
+    def forward(ctx, group, dtype, *local_BS):
         N = dist.get_world_size(group)
         B, s = local_BS[0].shape[:2]
         c = s // 2
         widths = [x[0, 0].numel() for x in local_BS]
-        packed_BSX = torch.cat([x.reshape(B, s, -1) for x in local_BS], dim=-1).contiguous()
+        packed_BSX = torch.cat([x.reshape(B, s, -1).to(dtype) for x in local_BS], dim=-1).contiguous()
         gathered_NBSX = packed_BSX.new_empty(N * B, s, packed_BSX.shape[-1])  # gloo: ranks stacked on dim 0
         dist.all_gather_into_tensor(gathered_NBSX, packed_BSX, group=group)
         # rank r's rows are chunks r and 2N-1-r: heads in rank order, then tails in reverse rank order
         halves_B2NcX = gathered_NBSX.view(N, B, 2, c, -1).permute(1, 2, 0, 3, 4)
         global_BTX = torch.cat([halves_B2NcX[:, 0], halves_B2NcX[:, 1].flip(1)], dim=1).reshape(B, N * s, -1)
         ctx.group, ctx.N, ctx.shapes, ctx.widths = group, N, [x.shape for x in local_BS], widths
+        ctx.dtypes = [x.dtype for x in local_BS]
         return tuple(part.reshape(B, N * s, *x.shape[2:])
                      for part, x in zip(global_BTX.split(widths, dim=-1), local_BS))
 
@@ -79,12 +96,13 @@ class _GatherSequence(torch.autograd.Function):
         c = s // 2
         some = next(g for g in grad_BT if g is not None)
         grads = [some.new_zeros(B, N * s, w) if g is None else g for g, w in zip(grad_BT, ctx.widths)]
-        chunks_B2NcX = torch.cat([g.reshape(B, N * s, -1) for g in grads], dim=-1).view(B, 2 * N, c, -1)
+        chunks_B2NcX = torch.cat([g.reshape(B, N * s, -1).float() for g in grads], dim=-1).view(B, 2 * N, c, -1)
         per_rank_NB2cX = torch.stack([chunks_B2NcX[:, :N], chunks_B2NcX[:, N:].flip(1)], dim=2).transpose(0, 1)
         send_NBSX = per_rank_NB2cX.reshape(N * B, s, -1)  # a copy, ranks stacked on dim 0
         mine_BSX = send_NBSX.new_empty(B, s, send_NBSX.shape[-1])
         dist.reduce_scatter_tensor(mine_BSX, send_NBSX, op=dist.ReduceOp.SUM, group=ctx.group)
-        return (None, *(part.reshape(shape) for part, shape in zip(mine_BSX.split(ctx.widths, dim=-1), shapes)))
+        return (None, None, *(part.reshape(shape).to(dtype) for part, shape, dtype
+                              in zip(mine_BSX.split(ctx.widths, dim=-1), shapes, ctx.dtypes)))
 
 
 class _SumOverGroup(torch.autograd.Function):
@@ -110,7 +128,7 @@ class ContextParallelShard(SequenceShard):
 
         model.sequence_shard = ContextParallelShard(cp_group)
 
-    The key-side tensors of one call must share a dtype (they travel in one buffer)."""
+    The key-side tensors of one call travel in one buffer, in one dtype (``exchange_dtype``)."""
 
     def __init__(self, group: dist.ProcessGroup):
         self.group = group
@@ -123,15 +141,10 @@ class ContextParallelShard(SequenceShard):
         return x_BS.index_select(1, self.positions(x_BS.shape[1], x_BS.device))
 
     def gather(self, *key_side_BS: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return _GatherSequence.apply(self.group, *key_side_BS)
+        return _GatherSequence.apply(self.group, exchange_dtype(*key_side_BS), *key_side_BS)
 
     def truncated(self, seq_len: int, length: int) -> SequenceShard:
         return self if length == seq_len else _TruncatedShard(self, seq_len, length)
-
-    def reduce_max_logits(self, max_logits: torch.Tensor) -> torch.Tensor:
-        max_logits = max_logits.detach().clone()
-        dist.all_reduce(max_logits, op=dist.ReduceOp.MAX, group=self.group)
-        return max_logits
 
     def sum_over_sequence(self, sums_BX: torch.Tensor) -> torch.Tensor:
         return _SumOverGroup.apply(self.group, sums_BX)
@@ -147,8 +160,11 @@ class _TruncatedShard(SequenceShard):
         self.shard, self.seq_len, self.length, self.size = shard, seq_len, length, shard.size
 
     def positions(self, seq_len: int, device: torch.device) -> torch.Tensor:
-        positions_S = self.shard.positions(self.seq_len, device)
-        return positions_S[:int((positions_S < self.length).sum())]
+        """The shard's positions below ``length``: counted from the chunk bounds, not read back from the device."""
+        c = self.seq_len // (2 * self.size)
+        head, tail = self.shard.rank * c, (2 * self.size - 1 - self.shard.rank) * c
+        below = min(max(self.length - head, 0), c) + min(max(self.length - tail, 0), c)
+        return self.shard.positions(self.seq_len, device)[:below]
 
     def local(self, x_BS: torch.Tensor) -> torch.Tensor:
         return x_BS.index_select(1, self.positions(self.length, x_BS.device))
@@ -158,9 +174,6 @@ class _TruncatedShard(SequenceShard):
         padded = [torch.cat([x, x.new_zeros(x.shape[0], rows - x.shape[1], *x.shape[2:])], dim=1)
                   for x in key_side_BS]
         return tuple(x[:, :self.length] for x in self.shard.gather(*padded))
-
-    def reduce_max_logits(self, max_logits: torch.Tensor) -> torch.Tensor:
-        return self.shard.reduce_max_logits(max_logits)
 
     def sum_over_sequence(self, sums_BX: torch.Tensor) -> torch.Tensor:
         return self.shard.sum_over_sequence(sums_BX)

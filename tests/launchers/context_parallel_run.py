@@ -114,7 +114,8 @@ def main() -> None:
             scale = p_ref.grad.abs().max().clamp(min=1e-30)
             grad_error = max(grad_error, ((grad - p_ref.grad).abs().max() / scale).item())
         max_ref = torch.stack([a.max_logits for a in (b.attention for b in reference.layers)])
-        max_cp = shard.reduce_max_logits(torch.stack([b.attention.max_logits for b in sharded.layers]))
+        max_cp = torch.stack([b.attention.max_logits for b in sharded.layers])
+        dist.all_reduce(max_cp, op=dist.ReduceOp.MAX)  # as QK-clip combines every rank's maxima
         width = (config.kv_lora_rank + config.qk_rope_head_dim if attention == "mla"
                  else 2 * config.n_kv_heads * config.head_dim)
         aux_ref = [m.aux_loss.item() for m in reference.moe_layers() if m.aux_loss is not None]

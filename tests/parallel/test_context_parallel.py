@@ -147,3 +147,86 @@ def test_the_benchmarks_kernel_emulation_computes_sdpa(masked):
 
 def dense_causal(S: int, T: int) -> torch.Tensor:
     return (torch.arange(T - S, T)[:, None] >= torch.arange(T))[None, None]
+
+
+class _Sent:
+    """Records what the exchange's two collectives are handed: (op, dtype, bytes) per call."""
+
+    def __init__(self, monkeypatch):
+        import torch.distributed as dist
+
+        self.calls = []
+        gather, scatter = dist.all_gather_into_tensor, dist.reduce_scatter_tensor
+
+        def all_gather(out, inp, *args, **kwargs):
+            self.calls.append(("all_gather", inp.dtype, inp.numel() * inp.element_size()))
+            return gather(out, inp, *args, **kwargs)
+
+        def reduce_scatter(out, inp, *args, **kwargs):
+            self.calls.append(("reduce_scatter", inp.dtype, inp.numel() * inp.element_size()))
+            return scatter(out, inp, *args, **kwargs)
+        monkeypatch.setattr(dist, "all_gather_into_tensor", all_gather)
+        monkeypatch.setattr(dist, "reduce_scatter_tensor", reduce_scatter)
+
+
+def test_the_key_side_travels_in_the_autocast_dtype_and_its_gradient_is_summed_in_fp32(one_rank_group, monkeypatch):
+    """Issue 45, item 5. MLA with fp32 parameters under bf16 autocast: the normalised latent comes out fp32 and the
+    rotary key bf16, and ``torch.cat`` sent both as fp32 (8 x 12 x 4 B = 384 B a token instead of 96 x 2 B). Now the
+    gather sends B x S x (C + R) values in bf16, the reduce-scatter sums the gradients in fp32, and each piece's
+    gradient comes back in its own dtype."""
+    import torch.distributed as dist
+
+    from moe_lightning.model import MoEConfig
+    from moe_lightning.model.mla import MultiHeadLatentAttention
+    from moe_lightning.parallel.context_parallel import ContextParallelShard
+
+    B, S, C, R = 2, 16, 12, 4
+    config = MoEConfig(vocab_size=64, dim=32, n_heads=4, max_seq_len=S, attention="mla", q_lora_rank=0,
+                       kv_lora_rank=C, qk_nope_head_dim=8, qk_rope_head_dim=R, v_head_dim=8)
+    torch.manual_seed(0)
+    attention = MultiHeadLatentAttention(config)
+    sent = _Sent(monkeypatch)
+    x_BSD = torch.randn(B, S, 32, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out_BSD = attention(x_BSD, sequence_shard=ContextParallelShard(dist.group.WORLD))
+    out_BSD.float().mul(torch.linspace(-1, 1, out_BSD.numel()).view_as(out_BSD)).sum().backward()
+    assert sent.calls == [("all_gather", torch.bfloat16, B * S * (C + R) * 2),
+                          ("reduce_scatter", torch.float32, B * S * (C + R) * 4)]
+    assert x_BSD.grad is not None and torch.isfinite(x_BSD.grad).all()
+
+
+def test_mixed_dtypes_outside_autocast_are_refused():
+    from moe_lightning.parallel.context_parallel import exchange_dtype
+
+    assert exchange_dtype(torch.zeros(1, 2, 3), torch.zeros(1, 2, 1)) == torch.float32
+    with pytest.raises(ValueError, match="one dtype"):
+        exchange_dtype(torch.zeros(1, 2, 3), torch.zeros(1, 2, 1, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("size", [2, 4, 8])
+def test_a_truncated_shards_positions_are_counted_without_reading_the_device(size):
+    """Issue 45, item 5: multi-token prediction's depth k asks for this rank's positions below S - k; that count
+    was ``int((positions < length).sum())``, a device-to-host read (about three per depth and micro-batch on CUDA).
+    Counted from the chunk bounds now: no ``aten._local_scalar_dense`` (what ``int()``/``.item()`` dispatch to), and
+    the positions equal the filtered head-tail shard for every rank and length."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from moe_lightning.parallel.context_parallel import ContextParallelShard
+
+    class ScalarReads(TorchDispatchMode):
+        reads = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            ScalarReads.reads += func is torch.ops.aten._local_scalar_dense.default
+            return func(*args, **(kwargs or {}))
+
+    S = 8 * size
+    for rank in range(size):
+        shard = ContextParallelShard.__new__(ContextParallelShard)
+        shard.size, shard.rank = size, rank
+        everything = head_tail_positions(S, size, rank)
+        for length in range(S - 4, S + 1):
+            with ScalarReads():
+                got = shard.truncated(S, length).positions(length, torch.device("cpu"))
+            assert got.tolist() == [p for p in everything.tolist() if p < length]
+    assert ScalarReads.reads == 0
