@@ -60,6 +60,12 @@ for want in ${parts_wanted//,/ }; do
     printf '%s\n' "${PARTS[@]}" | grep -q "^$want|" || { echo "gpu_all: GPU_ALL_PARTS names an unknown part '$want'; parts: $(printf '%s ' "${PARTS[@]%%|*}")"; exit 2; }
 done
 
+# every part, the list's shapes and the preflight import torch: without it, one line instead of their tracebacks
+"$python" -c "import torch" >/dev/null 2>&1 || {
+    echo "gpu_all: $python cannot import torch: install torch and lightning there, or point PYTHON at an interpreter that has them"
+    exit 2
+}
+
 if ((list)); then
     total=0
     for row in "${selected[@]}"; do
