@@ -1,8 +1,10 @@
-"""Pipeline parallelism's pure parts: the stage layout, the refusals, stages built from a model with its names
-kept, and the stages chained in one process against one model's loss and gradients (float64, O(1) weights)."""
+"""Pipeline parallelism: the stage layout, the refusals, stages built from a model with its names kept, the stages
+chained in one process, and torch's schedules on real gloo ranks (tests/launchers/pipeline_run.py), each against
+one model's loss and gradients (float64, O(1) weights)."""
 
 import copy
 import itertools
+import json
 
 import pytest
 import torch
@@ -12,6 +14,7 @@ from moe_lightning.parallel import pipeline
 from moe_lightning.parallel.pipeline import (PipelineError, PipelineLoss, balanced_layout, keep_stage,
                                              resolve_pipeline, stage_layout)
 from moe_lightning.training.module import MoELanguageModel
+from tests.support.distributed import LAUNCHERS, run_ranks
 
 # O(1) activations (init 0.2); 4 blocks, the first dense; balancing losses on so their gradient scaling is checked
 SHAPE = dict(vocab_size=64, dim=32, n_layers=4, n_heads=4, n_kv_heads=2, max_seq_len=16, ffn_hidden=64,
@@ -165,3 +168,38 @@ def test_chained_stages_give_one_models_loss_and_gradients(stages, micro, extra,
     fp32_sums = {n for n in errors if n.endswith("router.gate.weight") or chunk and n == head}
     for name, error in errors.items():  # an fp32 sum over the tokens: fp32 eps 1.2e-7 times a few
         assert error < (2e-6 if name in fp32_sums else 1e-9), (name, error)
+
+
+def _pipeline_run(*args: str) -> dict:
+    out = run_ranks(LAUNCHERS / "pipeline_run.py", 2, *args, timeout=600)
+    return json.loads([line for line in out[0].splitlines() if line.startswith("{")][-1])
+
+
+def _check_against_one_process(result: dict) -> None:
+    """Loss values: the head's fp32 sums in another order (1e-6); gradients as in the chained test."""
+    assert result["names"]  # every parameter of the model is on some stage
+    assert result["main"][0] == pytest.approx(result["main"][1], rel=1e-6)
+    assert result["total"][0] == pytest.approx(result["total"][1], rel=1e-6)
+    for name, error in result["errors"].items():
+        assert error < (2e-6 if name.endswith("router.gate.weight") else 1e-9), (name, error)
+
+
+def test_1f1b_on_two_ranks_with_mtp_equals_one_process():
+    """torch's Schedule1F1B over 2 gloo ranks, 2 micro-batches, MTP (the embedding copy on the last stage, its
+    gradient summed with the first stage's) and document masking: one process's loss and gradients."""
+    result = _pipeline_run("--schedule", "1F1B", "--config",
+                           json.dumps(dict(mtp_layers=2, document_masking=True, eod_token_id=3)))
+    assert result["stages"] == [[0], [1]] and result["blocks_per_stage"] == [3, 1]  # MTP lightens the last stage
+    _check_against_one_process(result)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule, stages", [("GPipe", [[0], [1]]), ("Interleaved1F1B", [[0, 2], [1, 3]]),
+                                              ("InterleavedZeroBubble", [[0, 2], [1, 3]]),
+                                              ("ZBVZeroBubble", [[0, 3], [1, 2]]), ("DualPipeV", [[0, 3], [1, 2]])])
+def test_every_offered_schedule_on_two_ranks_equals_one_process(schedule, stages):
+    """4 micro-batches; the V schedules hold the first and the last stage on rank 0 (two embedding copies on one
+    rank, MTP on)."""
+    result = _pipeline_run("--schedule", schedule, "--microbatches", "4", "--config", json.dumps(dict(mtp_layers=1)))
+    assert result["stages"] == stages
+    _check_against_one_process(result)
