@@ -130,8 +130,7 @@ class Probe(L.Callback):
             self._snapshots.append((self.device.memory_allocated(), where, self.device.memory_snapshot()))
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        self.device.synchronize()
-        if batch_idx == TIMED[0]:
+        if batch_idx == TIMED[0]:  # read before the window opens (a previous step's frees are in it: an upper bound)
             self._retries = self.device.memory_stats().get("num_alloc_retries", 0)
             self.device.reset_peak_memory_stats()
         self.offload.timing, self.offload.waits = batch_idx in TIMED, []
@@ -141,6 +140,7 @@ class Probe(L.Callback):
                 [torch.profiler.ProfilerActivity.CUDA] if self.device.cuda else [])
             self._profiler = torch.profiler.profile(activities=activities, with_stack=True)
             self._profiler.__enter__()
+        self.device.synchronize()  # the window opens: from here to the synchronisation at the batch's end
         self._start = time.perf_counter()
         self._mark("start")
 
@@ -165,7 +165,7 @@ class Probe(L.Callback):
                               "sites": {s: self.sync_sites.count(s) for s in sorted(set(self.sync_sites))}}),
                   flush=True)
         self._snapshot("end of step", batch_idx)
-        if batch_idx == SNAPSHOT and self.device.cuda:
+        if batch_idx == SNAPSHOT and any(snapshot for _, _, snapshot in self._snapshots):
             names = {self.device.compute_stream_id(): "compute"}
             names.update({s.cuda_stream: "offload copies" for s in self.offload._side_streams.values()})
             _, where, snapshot = max(self._snapshots, key=lambda s: s[0])

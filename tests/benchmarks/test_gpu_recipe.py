@@ -1,0 +1,168 @@
+"""The recipe part's device-only code, run on CPU: the shape it picks by the card's memory (through ``plan``), its
+timed window (several steps, no snapshot or other host work inside), allocator retries counted over the timed
+steps only, and host syncs parsed from a recorded profiler trace (``fixtures/profiled_step_trace.json``)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.support.benchmark_script import load_benchmark
+from tests.support.distributed import REPO_ROOT, clean_env
+
+FIXTURES = REPO_ROOT / "tests" / "benchmarks" / "fixtures"
+GIB = 1 << 30
+
+
+@pytest.fixture(scope="module")
+def gpu_recipe():
+    return load_benchmark("gpu_recipe")
+
+
+@pytest.fixture(scope="module")
+def gpu_shapes():
+    return load_benchmark("gpu_shapes")
+
+
+@pytest.mark.parametrize("memory_gib, blocks, total, active", [(141, 20, "6.33B", "1.49B"), (80, 16, "5.11B", "1.24B")])
+def test_recipe_picks_the_largest_shape_whose_planned_peak_leaves_8_percent(gpu_recipe, capsys, memory_gib, blocks,
+                                                                           total, active):
+    """An H200 (141 GiB) runs the 6.33B / 1.49B recipe, an H100 80 GB 16 blocks (>= 1B active); the line gives the
+    planned peak against the memory, within 92 % of it."""
+    gpu_recipe.main(["--describe", "--gpu-memory", str(memory_gib)])
+    line = capsys.readouterr().out.strip()
+    assert line.startswith(f"recipe, {blocks} blocks: {total} parameters, {active} active, sequence 8192 x batch 2; "
+                           f"planned peak ")
+    peak = float(line.split("planned peak ")[1].split(" GiB")[0])
+    assert f"of {memory_gib:.1f} GiB" in line and peak <= 0.92 * memory_gib
+
+
+def test_recipe_table_steps_down_and_refuses_a_card_too_small_in_one_line(gpu_shapes, capsys):
+    shape = gpu_shapes.pick_recipe(60.0)
+    assert shape.config.n_layers == 12 and shape.peak_gib <= 0.92 * 60  # 51.8 GiB planned
+    assert gpu_shapes.recipe_shape(16).peak_gib > 0.92 * 60  # the next larger one would not leave 8 %
+    with pytest.raises(SystemExit):
+        gpu_shapes.main(["--gpu-memory", "40"])
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("gpu_shapes: no recipe shape fits 40.0 GiB: the smallest (recipe, "
+                                                   "12 blocks) plans 51.80 GiB")
+
+
+def test_sync_sites_of_a_recorded_trace_name_each_blocking_call_by_its_frame(gpu_recipe):
+    """The recorded CPU trace of the recipe's profiled step, with the CUDA runtime calls a GPU step makes placed in
+    chosen frames (see the fixture's make_ script): every blocking call, ``cudaFree`` included, is counted and named
+    by the innermost frame of this package, else Lightning's, else the operator (another thread); kernel launches
+    and asynchronous copies are not counted."""
+    trace = load_benchmark("gpu_trace")
+    events = trace.load_trace(FIXTURES / "profiled_step_trace.json")
+    injected = sorted((e for e in events if e.get("cat") == "cuda_runtime"), key=lambda e: e["ts"])
+    expected = [e["args"]["expected_site"] for e in injected if e["args"]["counts"]]
+    assert trace.sync_sites(events) == expected and len(expected) == 16
+    assert sum(e["name"] == "cudaFree" for e in injected) == 3 and "cudaFree" in trace.SYNC_CALLS
+    assert any(site.startswith("lightning/") for site in expected) and "aten::slice" in expected
+
+
+class StubCuda:
+    """``gpu_device.Device`` on the host with a stand-in allocator: statistics whose retry count grows by one at
+    every synchronisation, a snapshot of two stream pools, and a log of every call in order."""
+
+    def __init__(self, device):
+        self.device, self.cuda, self.calls, self.retries = device.device, False, [], 0
+        self.event, self.name = device.event, device.name
+
+    def synchronize(self):
+        self.calls.append("sync")
+        self.retries += 1
+
+    def memory_stats(self):
+        self.calls.append("stats")
+        return {"num_alloc_retries": self.retries, "allocated_bytes.all.peak": 5 * GIB,
+                "reserved_bytes.all.peak": 6 * GIB}
+
+    def memory_allocated(self):
+        return 4 * GIB
+
+    def memory_snapshot(self):
+        self.calls.append("snapshot")
+        return [{"stream": 7, "total_size": 4 * GIB, "allocated_size": 3 * GIB},
+                {"stream": 9, "total_size": GIB, "allocated_size": 0}]
+
+    def compute_stream_id(self):
+        return 7
+
+    def reset_peak_memory_stats(self):
+        self.calls.append("reset")
+
+
+def test_recipe_dry_run_times_three_steps_after_warm_up_with_nothing_else_in_their_windows(gpu_recipe, capsys):
+    gpu_device = load_benchmark("gpu_device")
+    import torch
+    stub = StubCuda(gpu_device.Device(torch.device("cpu")))
+    summary = gpu_recipe.main(["--dry-run"], device=stub)
+    out = capsys.readouterr().out.splitlines()
+    rows = [json.loads(line) for line in out if line.startswith('{"step"')]
+    assert [(r["step"], r["role"]) for r in rows] == [(0, "warm-up"), (1, "profiled"), (2, "snapshots"),
+                                                      (3, "timed"), (4, "timed"), (5, "timed")]
+    # each step's window is one pair of synchronisations; nothing but the step (no snapshot, no statistics) inside
+    syncs = [i for i, call in enumerate(stub.calls) if call == "sync"]
+    assert len(syncs) == 2 * len(rows)
+    windows = [stub.calls[syncs[2 * k] + 1:syncs[2 * k + 1]] for k in range(len(rows))]
+    assert windows[2] == ["snapshot", "snapshot"] and all(window == [] for window in windows[3:])
+    assert stub.calls.count("snapshot") == 3  # end of forward, end of backward, end of step: step 2 only
+    # the figure: median and range of the timed steps, printed last, after each part printed on its own
+    timed = [r["tokens_per_s"] for r in rows[3:]]
+    assert summary["timed_steps"] == [3, 4, 5] and summary["tokens_per_s"] == {
+        "median": sorted(timed)[1], "min": min(timed), "max": max(timed)}
+    syncs_at = next(i for i, line in enumerate(out) if line.startswith('{"host_syncs_profiled_step": 0'))
+    pools_at = next(i for i, line in enumerate(out) if line.startswith('{"pools_at_peak"'))
+    row_at = {r["step"]: next(i for i, line in enumerate(out) if line.startswith(f'{{"step": {r["step"]},'))
+              for r in rows}
+    assert row_at[0] < syncs_at < row_at[1] < pools_at < row_at[2] and out[-1].startswith("figure: recipe | ")
+    assert "3 timed steps, 0 syncs/step, 6 allocator retries" in out[-1]  # 6 syncs in the timed steps, not 12
+    assert summary["alloc_retries_timed_steps"] == 6
+    assert summary["pools_at_peak"] == {"where": "end of forward", "compute": {
+        "reserved_gib": 4.0, "allocated_gib": 3.0, "cached_unused_gib": 1.0}, "stream 9": {
+        "reserved_gib": 1.0, "allocated_gib": 0.0, "cached_unused_gib": 1.0}}
+    assert summary["max_allocated_gib"] == 5.0 and all(0 < loss < 10 for loss in summary["losses"])
+    assert summary["offload"]["boundaries_out"] == 2 and summary["offload"]["copies_in"] == 2  # 3 blocks, not the last
+    # MFU from the package's count: per-token FLOPs between the document-masked and the whole-sequence count
+    from moe_lightning.planner.flops import training_flops_per_token
+    config = gpu_recipe.recipe_config(dry_run=True)
+    flops_per_token = rows[3]["flops"] / (2 * 64)
+    assert flops_per_token == pytest.approx(training_flops_per_token(config, 64, doc_len=16), rel=0.1)
+    table = [line for line in out if line.startswith("| ")]
+    assert table[0] == "| measurement | value |" and any(line.startswith("| MFU vs measured bf16 GEMM") for line in table)
+
+
+def test_recipe_offload_stall_is_read_from_events(gpu_recipe):
+    class Event:  # stand-in timing event: elapsed_time(end) = end's time - this one's, in ms
+        def __init__(self, t):
+            self.t = t
+
+        def elapsed_time(self, other):
+            return other.t - self.t
+    offload = gpu_recipe.TimedOffload()
+    offload.waits = [(Event(10), Event(12.5)), (Event(20), Event(19)), (Event(30), Event(30.5))]
+    assert offload.exposed_ms() == (3.0, 2)  # the copy ending before compute reached the wait costs nothing
+
+
+@pytest.mark.slow
+def test_every_gpu_part_imports_and_the_list_prints_without_jsonargparse():
+    """The GPU machine has torch, Lightning and torchmetrics but not jsonargparse, and no registry to fetch it: every
+    part must import, and the shapes (the 1T shard's config included) be read, without it."""
+    script = f"""
+import sys
+sys.modules["jsonargparse"] = None  # any import of it fails
+sys.path.insert(0, {str(REPO_ROOT)!r})
+from tests.support.benchmark_script import load_benchmark
+for name in ("gpu_paths", "gpu_recipe", "gpu_attention", "gpu_compile", "gpu_offload", "gpu_muon", "gpu_strategy",
+             "gpu_ep_chunks", "gpu_preflight"):
+    load_benchmark(name)
+load_benchmark("gpu_shapes").main(["--gpu-memory", "80"])
+muon = load_benchmark("gpu_muon")
+print(len(muon.expert_shard_shapes(muon.REPO / "configs" / "1t.yaml")))
+"""
+    done = subprocess.run([sys.executable, "-c", script], env=clean_env(), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "recipe, 16 blocks" in done.stdout and done.stdout.splitlines()[-1] == "165"
