@@ -105,6 +105,36 @@ def test_the_tests_have_one_folder_per_package_folder():
     assert folders - helpers == set(LAYERS) and helpers <= folders
 
 
+def names_in(path: Path, calls_only: bool = False) -> set[str]:
+    """The names a file uses (``dist.new_group(...)`` gives ``new_group`` and ``dist``), or only those it calls."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if calls_only:
+            node = node.func if isinstance(node, ast.Call) else None
+        if isinstance(node, ast.Attribute):
+            names.add(node.attr)
+        elif isinstance(node, ast.Name):
+            names.add(node.id)
+    return names
+
+
+def test_one_module_makes_meshes_and_groups_and_one_applies_the_parallelisms():
+    """Issue 41: the layout is one object. Before: new_group loops in mesh.py, expert_parallel.py, the preemption
+    callback and the sharded checkpointer; parallelize_moe called by the strategy and the LightningModule, which
+    read the model's shard object to scale its loss."""
+    makers, parallelizers = set(), set()
+    for path in sorted(PACKAGE.rglob("*.py")):
+        called, module = names_in(path, calls_only=True), ".".join(path.relative_to(PACKAGE).with_suffix("").parts)
+        if called & {"new_group", "new_subgroups", "split_group", "init_device_mesh", "DeviceMesh"}:
+            makers.add(module)
+        if "parallelize_moe" in called:
+            parallelizers.add(module)
+    assert makers == {"parallel.mesh"}
+    assert parallelizers == {"training.strategy"}
+    read_by_module = names_in(PACKAGE / "training" / "module.py")
+    assert not read_by_module & {"sequence_shard", "device_mesh", "_device_mesh", "get_group", "parallel", "layout"}
+
+
 def test_test_only_code_is_not_in_the_package():
     assert not (PACKAGE / "parallel" / "comm.py").exists()
     import moe_lightning.commands.generate as generate

@@ -40,12 +40,14 @@ def expert_parameter_names(module: nn.Module) -> set[str]:
 
 
 def global_expert_view(tensor: DTensor, expert_mesh: DeviceMesh) -> DTensor:
-    """The same local shard, described on ``(replicate, ep, efsdp)`` with experts split by ``ep`` first.
+    """The same local shard, described on the expert mesh with experts split by its expert-parallel dimension
+    first. The mesh's dimensions, in order: replicas, expert-parallel ranks, expert-shard ranks (placements are
+    positional, so the order is the contract; ``parallel/mesh.py`` builds the mesh that way).
 
     Built like FSDP builds its own DTensors (no ``from_local``), so a shard kept in host memory (CPU
     offload, ``cpu_offload`` state dicts) is neither copied to the accelerator nor detached from the original.
     """
-    ep = expert_mesh["ep"].size()
+    ep = expert_mesh.size(1)
     shape = torch.Size((tensor.shape[0] * ep, *tensor.shape[1:]))
     stride = torch.empty(shape, device="meta").stride()
     spec = DTensorSpec(expert_mesh, (Replicate(), Shard(0), tensor.placements[-1]),
@@ -150,11 +152,10 @@ class ShardedCheckpointer:
     def _is_rank_zero() -> bool:
         return not dist.is_initialized() or dist.get_rank() == 0
 
-    def _make_groups(self) -> None:
-        """Every rank calls ``save``/``load`` together, so the groups are created in step."""
-        if dist.is_initialized() and self._agree_group is None:
-            self._agree_group = dist.new_group(backend="gloo")
-            self._group = dist.new_group(backend="gloo")
+    def use_groups(self, agree: dist.ProcessGroup | None, writer: dist.ProcessGroup | None) -> None:
+        """The two gloo world groups (the strategy's side channels): outcomes and polls, and the background writer's.
+        Without them (one process) every agreement is local."""
+        self._agree_group, self._group = agree, writer
 
     def _all(self, value: bool) -> bool:
         if self._agree_group is None:
@@ -184,7 +185,6 @@ class ShardedCheckpointer:
              expert_mesh: DeviceMesh | None, background: bool = False) -> None:
         """Write ``state`` (DCP, every rank) and ``metadata`` (rank 0, plain data) as the directory ``path``."""
         self.wait()
-        self._make_groups()
         partial = path.with_name(path.name + PARTIAL_SUFFIX)
         buffer = io.BytesIO()
         torch.save(metadata, buffer)  # small: the tensors are in ``state``

@@ -169,6 +169,12 @@ class MoETransformer(nn.Module):
         for module in self.mtp:
             module.init_weights(std, out_std)
 
+    def local_targets(self, targets_BS: torch.Tensor, seq_len: int) -> torch.Tensor:
+        """The targets of the positions ``forward(return_hidden=True)`` returns for a ``seq_len``-token input: all of
+        them on one rank; under a sequence shard this rank's share (of the first ``targets_BS.shape[1]`` positions
+        for a multi-token prediction depth)."""
+        return self.sequence_shard.truncated(seq_len, targets_BS.shape[1]).local(targets_BS)
+
     def moe_layers(self) -> list[MoELayer]:
         """Every MoE layer, the multi-token prediction blocks' last (they route, count and balance alike)."""
         blocks = [*self.layers, *(module.block for module in self.mtp)]

@@ -35,6 +35,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from moe_lightning.model import GroupedExperts, MoELayer
 from moe_lightning.model.moe import sum_into_tokens
 from moe_lightning.run import heartbeat
+from moe_lightning.parallel.mesh import node_groups
 
 
 def _pack(pieces: list[tuple[torch.Tensor, torch.Tensor | None]]
@@ -453,26 +454,6 @@ def plan_layout(table: list[tuple[Hashable, tuple[int, ...]]]) -> dict[tuple[int
     return plans
 
 
-def _subgroups(plans: dict[tuple[int, ...], list[list[int]] | str]
-               ) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
-    """This rank's inter-node group (same index within its node on every node) and intra-node group.
-
-    ``new_group`` is collective over the world: every rank creates every hierarchical group's subgroups, in the
-    order of ``plans`` (the same everywhere)."""
-    mine, inter, intra = dist.get_rank(), None, None
-    for blocks in plans.values():
-        if isinstance(blocks, str):
-            continue
-        for l in range(len(blocks[0])):
-            ranks = [block[l] for block in blocks]
-            made = dist.new_group(ranks)
-            inter = made if mine in ranks else inter
-        for block in blocks:
-            made = dist.new_group(block)
-            intra = made if mine in block else intra
-    return inter, intra
-
-
 def expert_positions(blocks: list[list[int]], group_ranks: list[int], experts_per_rank: int, me: int) -> list[int] | None:
     """``position_E`` of :class:`HierarchicalTokenDispatcher` for rank ``me``: its inter group orders the nodes by
     their rank with ``me``'s index within the node; inside a node the ranks are in rank order. None: identity."""
@@ -539,7 +520,8 @@ def make_dispatcher(group: dist.ProcessGroup, experts_per_rank: int, node: Hasha
     """The dispatcher of this rank's expert-parallel ``group`` and a sentence saying which and why.
 
     Every rank of the world must call this together: one ``all_gather_object`` learns every rank's node and group,
-    and every hierarchical group's sub-groups are created by all, so no rank waits in a collective the others skip.
+    and every hierarchical group's sub-groups are created by all (``mesh.node_groups``), so no rank waits in a
+    collective the others skip.
     ``node``: this process's node as the launcher names it (Lightning's ``node_rank``; default
     :func:`node_identity`). A group whose every node holds the same number of its ranks, on several nodes, gets
     hierarchical dispatch; any other group flat all-to-all, with the reason."""
@@ -549,7 +531,7 @@ def make_dispatcher(group: dist.ProcessGroup, experts_per_rank: int, node: Hasha
     table = [None] * dist.get_world_size()
     dist.all_gather_object(table, (node_identity() if node is None else node, tuple(group_ranks)))
     plans = plan_layout(table)
-    inter, intra = _subgroups(plans)
+    inter, intra = node_groups(plans, "cuda" if dist.get_backend(group) == "nccl" else "cpu")
     layout = plans[tuple(group_ranks)]
     options = dict(overlap_chunks=overlap_chunks, scale_in_exchange=scale_in_exchange, dispatch_dtype=dispatch_dtype)
     chunks = f", {overlap_chunks} overlap chunk{'s' if overlap_chunks > 1 else ''}"

@@ -1,4 +1,6 @@
-"""Device-mesh layout: HSDP (replicas x shards) with expert and context parallelism carved out of the shard ranks.
+"""The parallel layout: every dimension's size (``MeshLayout``, validated once by ``resolve_layout``) and the device
+meshes and process groups built from it (``ParallelMesh``, once per process). This is the only module that creates
+device meshes or process groups; every consumer takes its sub-mesh or group from ``ParallelMesh`` by name.
 
 Global rank ``g = r * shard + s``. Dense parameters are sharded over ``s`` and replicated over ``r``.
 For experts the shard index splits as ``s = f * ep + p``: ``p`` (the expert-parallel rank, fastest
@@ -9,14 +11,20 @@ Context parallelism is folded into the shard ranks too (as TorchTitan folds it i
 index also splits as ``s = d * cp + c``, ``c`` fastest, so a context-parallel group (the ``cp`` ranks that share
 every sequence of one batch) is ``cp`` neighbouring ranks, one node's NVLink. Its ranks still shard parameters and
 reduce gradients with the others; the data-parallel replica a rank reads is ``g // cp`` of ``world / cp``.
+
+Adding a dimension is one field of ``MeshLayout``, its rule in ``resolve``, its mesh in ``ParallelMesh`` and its step
+in ``parallelize_moe``.
 """
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
+
+from moe_lightning.parallel.context_parallel import check_sequence_length
 
 
 class MeshError(ValueError):
@@ -111,33 +119,6 @@ class MeshLayout:
                 f"{[d for d in _divisors(num_experts) if shard_size % d == 0]}.")
         return cls(world_size, replicate_size, shard_size, expert_parallel_size, context_parallel_size)
 
-    def dense_mesh(self, device_type: str) -> DeviceMesh:
-        """``("shard",)`` for plain FSDP, ``("replicate", "shard")`` for HSDP."""
-        if self.replicate == 1:
-            return init_device_mesh(device_type, (self.shard,), mesh_dim_names=("shard",))
-        return init_device_mesh(device_type, (self.replicate, self.shard), mesh_dim_names=("replicate", "shard"))
-
-    def expert_mesh(self, device_type: str) -> DeviceMesh:
-        """``("replicate", "ep", "efsdp")``: the DTensor order that splits experts by ``ep`` first."""
-        ranks = torch.arange(self.world_size).view(self.replicate, self.expert_shard, self.ep).transpose(1, 2)
-        return DeviceMesh(device_type, ranks, mesh_dim_names=("replicate", "ep", "efsdp"))
-
-    def groups(self, device_type: str) -> tuple[DeviceMesh, DeviceMesh | None, dist.ProcessGroup | None]:
-        """The dense mesh, the expert mesh (``ep > 1``) and this rank's context-parallel group (``cp > 1``)."""
-        return (self.dense_mesh(device_type), self.expert_mesh(device_type) if self.ep > 1 else None,
-                self.context_parallel_group())
-
-    def context_parallel_group(self) -> dist.ProcessGroup | None:
-        """This rank's context-parallel group (``cp`` neighbouring ranks), or None at ``cp == 1``. Every rank
-        creates every group, in the same order (``new_group`` is a world collective)."""
-        if self.cp == 1:
-            return None
-        mine = None
-        for first in range(0, self.world_size, self.cp):
-            group = dist.new_group(list(range(first, first + self.cp)))
-            mine = group if first <= dist.get_rank() < first + self.cp else mine
-        return mine
-
     def expert_placement(self, num_experts: int) -> tuple[Shard, str]:
         """``Shard(0)`` (whole experts per rank) when the local experts divide evenly, else ``Shard(1)``."""
         local, ranks = num_experts // self.ep, self.expert_shard
@@ -167,9 +148,123 @@ class MeshLayout:
         ranks = self.shard // ep
         return (num_experts // ep) % ranks == 0 or all(r % ranks == 0 for r in rows)
 
-    @staticmethod
-    def expert_fsdp_mesh(expert_mesh: DeviceMesh) -> DeviceMesh:
+
+def resolve_layout(world_size: int, replicate_size: int, shard_size: int | str, expert_parallel_size: int,
+                   context_parallel_size: int, config: Any | None, seq_len: int | None) -> MeshLayout:
+    """The one validation of a layout, shared by ``MoEFSDPStrategy`` and ``plan`` (a layout one accepts, the other
+    does): checked against the world, the model's ``config`` (a ``MoEConfig``) and the data's ``seq_len`` (when
+    known) before any process group exists or the model is built; one-line refusals naming the field and the fix."""
+    E = getattr(config, "num_experts", None)
+    layout = MeshLayout.resolve(world_size, replicate_size, shard_size, expert_parallel_size, E, context_parallel_size,
+                                seq_len)
+    if E:
+        layout.check_expert_shard(E, (config.expert_hidden, config.dim))
+    if layout.cp > 1 and seq_len is not None:
+        check_sequence_length(seq_len, layout.cp)
+    return layout
+
+
+def world_side_channel() -> dist.ProcessGroup:
+    """A gloo group over the whole world, for small CPU flags that must never wait behind (or sync) the training
+    collectives on the accelerator. A world collective: every rank calls it, in the same order."""
+    return dist.new_group(backend="gloo")
+
+
+_GROUP_NAMES: dict[dist.ProcessGroup, str] = {}  # every group made here, by the dimension it belongs to
+
+
+def name_of(group: dist.ProcessGroup | None) -> str | None:
+    """The dimension a process group made here belongs to (what a report about a collective names), else None."""
+    return _GROUP_NAMES.get(group)
+
+
+def _mesh(device_type: str, ranks: torch.Tensor, names: tuple[str, ...]) -> DeviceMesh:
+    """A mesh over ``ranks`` (every rank calls this for every mesh: each dimension's groups are world collectives;
+    a rank outside ``ranks`` takes part in their creation and gets no coordinate)."""
+    mesh = DeviceMesh(device_type, ranks, mesh_dim_names=names)
+    if mesh.get_coordinate() is not None:
+        for name in names:
+            _GROUP_NAMES.setdefault(mesh[name].get_group(), name)
+    return mesh
+
+
+def node_groups(plans: dict[tuple[int, ...], list[list[int]] | str], device_type: str
+                ) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
+    """This rank's inter-node group (its index within the node, on every node of its expert group) and intra-node
+    group for hierarchical expert dispatch, from every expert group's plan (``expert_parallel.plan_layout``: ranks
+    per node, or a sentence when flat). Every rank builds every hierarchical group's ``("ep_node", "ep_local")``
+    mesh, in the order of ``plans``; a rank of a flat group gets ``(None, None)``."""
+    mine, inter, intra = dist.get_rank(), None, None
+    for blocks in plans.values():
+        if isinstance(blocks, str):
+            continue
+        mesh = _mesh(device_type, torch.tensor(blocks), ("ep_node", "ep_local"))
+        if mesh.get_coordinate() is not None:
+            inter, intra = mesh["ep_node"].get_group(), mesh["ep_local"].get_group()
+    return inter, intra
+
+
+class ParallelMesh:
+    """The run's meshes, built once per process from a validated ``MeshLayout``; consumers ask by name.
+
+    ========================  ======================================  ==========================================
+    name                      ranks (``g = r * shard + s``)           used by
+    ========================  ======================================  ==========================================
+    ``"replicate"``           same ``s``, every ``r``                 HSDP gradient all-reduce
+    ``"shard"``               same ``r``: one replica                 FSDP units, gradient clipping, Muon
+    ``"ep"``                  ``ep`` neighbouring shard ranks         expert dispatch, checkpoint expert views
+    ``"efsdp"``               same ``p``, stride ``ep``               FSDP of the expert stacks, FlexShard
+    ``"cp"``                  ``cp`` neighbouring shard ranks         the context-parallel exchange
+    ========================  ======================================  ==========================================
+
+    Under expert parallelism ``expert`` is the ``("replicate", "ep", "efsdp")`` mesh (experts split by ``ep``
+    first, the DTensor order of a checkpoint's global expert views); ``dense`` is ``("shard",)`` or
+    ``("replicate", "shard")``. The node groups of hierarchical expert dispatch (``node_groups``) and the gloo
+    side channels (``side_channel``) come from here too; ``name_of(group)`` names any group made here. ``data_parallel_rank`` / ``data_parallel_size`` are what
+    the sampler reads: a context-parallel group reads one replica of the data.
+    """
+
+    SIDE_CHANNELS = ("preemption", "checkpoint", "checkpoint_writer")
+
+    def __init__(self, layout: MeshLayout, device_type: str):
+        self.layout, self.device_type = layout, device_type
+        r, s, ep, cp = layout.replicate, layout.shard, layout.ep, layout.cp
+        world_R_S = torch.arange(layout.world_size).view(r, s)
+        self.dense = _mesh(device_type, world_R_S[0] if r == 1 else world_R_S,
+                           ("shard",) if r == 1 else ("replicate", "shard"))
+        self.expert = None if ep == 1 else _mesh(
+            device_type, world_R_S.view(r, s // ep, ep).transpose(1, 2), ("replicate", "ep", "efsdp"))
+        self.context = None if cp == 1 else _mesh(device_type, world_R_S.view(r * s // cp, cp), ("cp_replica", "cp"))
+        self._side = {name: world_side_channel() for name in self.SIDE_CHANNELS} if layout.world_size > 1 else {}
+
+    def group(self, name: str) -> dist.ProcessGroup | None:
+        """This rank's group of dimension ``name`` (see the table); None where the dimension has size 1 and so no
+        group (``"shard"`` always has one)."""
+        if name in ("replicate", "shard"):
+            return self.dense[name].get_group() if name in self.dense.mesh_dim_names else None
+        if name in ("ep", "efsdp"):
+            return None if self.expert is None else self.expert[name].get_group()
+        if name == "cp":
+            return None if self.context is None else self.context["cp"].get_group()
+        raise KeyError(f"no mesh dimension {name!r}: the dimensions are replicate, shard, ep, efsdp, cp")
+
+    @property
+    def expert_fsdp(self) -> DeviceMesh | None:
         """The ranks that FSDP-shard (and HSDP-replicate) one block of experts."""
-        if expert_mesh["replicate"].size() == 1:
-            return expert_mesh["efsdp"]
-        return expert_mesh["replicate", "efsdp"]
+        if self.expert is None:
+            return None
+        return self.expert["efsdp"] if self.layout.replicate == 1 else self.expert["replicate", "efsdp"]
+
+    @property
+    def data_parallel_rank(self) -> int:
+        return dist.get_rank() // self.layout.cp
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.layout.data_parallel
+
+    def side_channel(self, name: str) -> dist.ProcessGroup | None:
+        """A gloo world group of its own for ``name`` (one of ``SIDE_CHANNELS``); None on one process."""
+        if name not in self.SIDE_CHANNELS:
+            raise KeyError(f"no side channel {name!r}: the channels are {', '.join(self.SIDE_CHANNELS)}")
+        return self._side.get(name)

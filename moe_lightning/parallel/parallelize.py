@@ -14,19 +14,15 @@ The order, and why:
     6. materialize         a meta-device build only: allocate the local shards and initialise them, or copy the
                            released weights in (after 4, so each rank touches only its own slices)
 
-A step is skipped when its argument says so: without ``sharding`` (one device, or a strategy that shards nothing)
-only 2 and 3 run. Nothing here reads a trainer or a strategy: ``MoEFSDPStrategy.setup`` calls it once with its
-arguments; on other strategies the module calls it for 2 and ``ActivationOffload`` applies 3 when fit starts.
+Each step takes what its dimension of ``sharding.mesh`` asks (a dimension of size 1 asks nothing). Nothing here reads
+a trainer or a strategy: ``MoEFSDPStrategy.setup`` is its one caller; on other strategies the module compiles the
+blocks itself (``compile_blocks``) and ``ActivationOffload`` applies 3 when fit starts.
 """
 
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from typing import Any
-
 import torch
-import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 
 from moe_lightning.checkpoint.sharded import expert_parameter_names, global_expert_views
@@ -34,18 +30,16 @@ from moe_lightning.dtypes import DTYPES
 from moe_lightning.model import GroupedExperts, MoETransformer
 from moe_lightning.parallel import fsdp
 from moe_lightning.parallel.compile import compile_blocks
-from moe_lightning.parallel.context_parallel import ContextParallelShard, check_sequence_length
+from moe_lightning.parallel.context_parallel import ContextParallelShard
 from moe_lightning.parallel.expert_parallel import apply_expert_parallel, check_overlap_chunks, divide_expert_gradients
-from moe_lightning.parallel.mesh import MeshError, MeshLayout
+from moe_lightning.parallel.mesh import MeshError, MeshLayout, ParallelMesh
 
 
 @dataclass(frozen=True)
 class Sharding:
-    """How ``parallelize_moe`` shards (``MoEFSDPStrategy`` builds it from its arguments and the mesh layout)."""
+    """How ``parallelize_moe`` shards (``MoEFSDPStrategy`` builds it from its arguments and its ``ParallelMesh``)."""
 
-    layout: MeshLayout
-    dense_mesh: DeviceMesh
-    expert_mesh: DeviceMesh | None  # ("replicate", "ep", "efsdp") under expert parallelism, else None
+    mesh: ParallelMesh  # every dimension's size and group, by name
     param_dtype: torch.dtype | None
     reduce_dtype: torch.dtype | None
     reshard_after_forward: bool
@@ -55,7 +49,6 @@ class Sharding:
     param_device: torch.device  # where the shards live (host memory under cpu_offload)
     buffer_device: torch.device  # the compute device
     seed: int  # of a meta-device build: the run's seed plus the shard rank (replicas agree, shards differ)
-    cp_group: dist.ProcessGroup | None = None  # this rank's context-parallel group (``layout.cp > 1``)
     ep_overlap_chunks: int = 1  # chunks each MoE layer's tokens are pipelined through (expert parallelism)
     dispatch_dtype: torch.dtype | None = None  # of the dispatch hops' hidden rows (None: the training dtype)
 
@@ -93,24 +86,7 @@ def the_transformer(module: torch.nn.Module, owner: str) -> MoETransformer:
     return models[0]
 
 
-def resolve_layout(world_size: int, replicate_size: int, shard_size: int | str, expert_parallel_size: int,
-                   context_parallel_size: int, config: Any | None, seq_len: int | None) -> MeshLayout:
-    """The mesh layout, checked against the world, the model's ``config`` (a ``MoEConfig``) and the data's
-    ``seq_len`` (when known) before any process group exists or the model is built: one-line refusals naming the
-    field and the fix."""
-    E = getattr(config, "num_experts", None)
-    layout = MeshLayout.resolve(world_size, replicate_size, shard_size, expert_parallel_size, E, context_parallel_size,
-                                seq_len)
-    if E:
-        layout.check_expert_shard(E, (config.expert_hidden, config.dim))
-    if layout.cp == 1:
-        return layout
-    if seq_len is not None:
-        check_sequence_length(seq_len, layout.cp)
-    return layout
-
-
-def parallelize_moe(model: MoETransformer, sharding: Sharding | None, *, compile: bool = False,
+def parallelize_moe(model: MoETransformer, sharding: Sharding, *, compile: bool = False,
                     wrap_blocks: Callable[[MoETransformer], None] | None = None,
                     fill_pretrained: Callable[[dict[str, torch.Tensor]], None] | None = None) -> list[str]:
     """Apply the steps above to ``model``, in place; returns what to log. ``wrap_blocks(model)`` wraps the blocks'
@@ -119,29 +95,25 @@ def parallelize_moe(model: MoETransformer, sharding: Sharding | None, *, compile
     if isinstance(model, FSDPModule):
         return []
     messages, on_meta = [], any(p.device.type == "meta" for p in model.parameters())
-    if sharding is not None:
-        layout, E = sharding.layout, model.config.num_experts
-        MeshLayout.resolve(layout.world_size, layout.replicate, layout.shard, layout.ep, E, layout.cp)
-        if layout.ep > 1:  # FSDP divides the expert gradients (below): exact at any ep, no x ep / ep rounding
-            messages.append(apply_expert_parallel(model.moe_layers(), sharding.expert_mesh["ep"].get_group(),
-                                                  overlap_chunks=sharding.ep_overlap_chunks, scale_in_exchange=False,
-                                                  dispatch_dtype=sharding.dispatch_dtype))
-        if sharding.cp_group is not None:
-            model.sequence_shard = ContextParallelShard(sharding.cp_group)
-            messages.append(f"context parallelism over {layout.cp} ranks: head-tail shards of every sequence.")
+    mesh, layout, E = sharding.mesh, sharding.mesh.layout, model.config.num_experts
+    if layout.ep > 1:  # FSDP divides the expert gradients (below): exact at any ep, no x ep / ep rounding
+        messages.append(apply_expert_parallel(model.moe_layers(), mesh.group("ep"),
+                                              overlap_chunks=sharding.ep_overlap_chunks, scale_in_exchange=False,
+                                              dispatch_dtype=sharding.dispatch_dtype))
+    if layout.cp > 1:
+        model.sequence_shard = ContextParallelShard(mesh.group("cp"))
+        messages.append(f"context parallelism over {layout.cp} ranks: head-tail shards of every sequence.")
     if compile:
         compile_blocks(model.layers)
     if wrap_blocks is not None:
         wrap_blocks(model)
-    if sharding is None:
-        return messages
     placement, message = layout.expert_placement(E)
     messages.append(message)
     policy = fsdp.FSDPPolicy(param_dtype=sharding.param_dtype, reduce_dtype=sharding.reduce_dtype,
                              reshard_after_forward=sharding.reshard_after_forward, cpu_offload=sharding.cpu_offload,
                              expert_placement=placement)
-    expert_fsdp_mesh = MeshLayout.expert_fsdp_mesh(sharding.expert_mesh) if sharding.expert_mesh is not None else None
-    stages = fsdp.apply_fsdp(model, sharding.dense_mesh, expert_fsdp_mesh, policy)
+    expert_fsdp_mesh = mesh.expert_fsdp
+    stages = fsdp.apply_fsdp(model, mesh.dense, expert_fsdp_mesh, policy)
     if expert_fsdp_mesh is not None:
         for experts in (m for m in model.modules() if isinstance(m, GroupedExperts) and isinstance(m, FSDPModule)):
             divide_expert_gradients(experts, expert_fsdp_mesh, layout.ep)
@@ -152,6 +124,6 @@ def parallelize_moe(model: MoETransformer, sharding: Sharding | None, *, compile
         fsdp.materialize(model, sharding.param_device, sharding.buffer_device, sharding.seed)
         if fill_pretrained is not None:
             with global_expert_views(model.state_dict(keep_vars=True), expert_parameter_names(model),
-                                     sharding.expert_mesh) as state:
+                                     mesh.expert) as state:
                 fill_pretrained(state)
     return messages

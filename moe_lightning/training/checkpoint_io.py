@@ -38,7 +38,7 @@ class CheckpointHooks:
     """``MoEFSDPStrategy``'s checkpoint methods, each delegated to ``checkpoint/``: sharded saves and loads written at
     any world size or ``ep`` (``checkpoint/state.py``), Lightning's top-k rotation, and the lifecycle of background
     saves (``ShardedCheckpointer``: committed at a batch boundary, waited for when fit ends, finished after an
-    exception). A mixin of the strategy: it reads the strategy's ``checkpointer``, ``expert_mesh``, ``lightning_module``,
+    exception). A mixin of the strategy: it reads the strategy's ``checkpointer``, ``parallel`` (its expert mesh), ``lightning_module``,
     ``model``, ``optimizers`` and ``async_checkpoint``."""
 
     checkpointer: ShardedCheckpointer
@@ -52,7 +52,7 @@ class CheckpointHooks:
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__}.save_checkpoint(storage_options=...) is not supported.")
         save_state(self.checkpointer, checkpoint, Path(self.broadcast(str(filepath))), self.lightning_module,
-                   self.expert_mesh, background=self.async_checkpoint and self._fitting)
+                   self.parallel.expert, background=self.async_checkpoint and self._fitting)
 
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
         """The plain data of a sharded directory or a single file, read as data only (never code). Its tensors load in
@@ -64,7 +64,7 @@ class CheckpointHooks:
         """The model's and the optimizers' shards (the optimizers exist: the strategy restores after its setup)."""
         path, self._restoring = self._restoring, None
         load_state(self.checkpointer, path, checkpoint, self.lightning_module, self.model, self.optimizers,
-                   self.expert_mesh, strict)
+                   self.parallel.expert, strict)
 
     def remove_checkpoint(self, filepath: _PATH) -> None:
         """Lightning's top-k rotation removes the previous checkpoint as a new save starts: while that save is written

@@ -19,7 +19,7 @@ from moe_lightning.training.lightning_internals import logs_written, optimizer_s
 from moe_lightning.model import MoEConfig, MoETransformer, mtp
 from moe_lightning.model.loss import context_parallel_mean
 from moe_lightning.optim import WarmupCosineLR, param_groups
-from moe_lightning.parallel.parallelize import parallelize_moe
+from moe_lightning.parallel.compile import compile_blocks
 from moe_lightning.checkpoint.compat import check_resume
 from moe_lightning.training.callbacks.preemption import Preemption
 
@@ -93,20 +93,22 @@ class MoELanguageModel(L.LightningModule):
         self.model: MoETransformer | None = None
         self.save_hyperparameters(ignore=["optimizer", "lr_scheduler"])
         self.tokens_seen = 0
+        # Set by a strategy that parallelizes the model itself (MoEFSDPStrategy), so the module reads no layout:
+        self.parallelized_by_strategy = False  # it compiles the blocks too
+        self.ranks_per_sequence = 1  # ranks sharing each sequence (context parallelism): the loss is a share, scaled
         self._pending_expert_counts: torch.Tensor | None = None
         self._train_loss_sum: torch.Tensor | None = None  # this optimizer step's micro-batch losses, on device
         self.val_loss_mean = torchmetrics.aggregation.MeanMetric()
 
     def configure_model(self) -> None:
         """Build once; under ``trainer.init_module(empty_init=True)`` this lands on the meta device. A strategy that
-        gives the module a device mesh (``MoEFSDPStrategy``) parallelizes it, compile included (``parallelize_moe``);
-        on any other the blocks are compiled here."""
+        parallelizes the model (``MoEFSDPStrategy``) compiles its blocks too; on any other they are compiled here."""
         if self.model is None:
             self.model = MoETransformer(self.config)
             if self.pretrained is not None and not self.model.tok_embeddings.weight.is_meta:
                 self.fill_pretrained(self.model.state_dict())
-            if self.device_mesh is None:
-                parallelize_moe(self.model, None, compile=self.compile_each_block)
+            if self.compile_each_block and not self.parallelized_by_strategy:
+                compile_blocks(self.model.layers)
 
     def fill_pretrained(self, state: dict[str, torch.Tensor]) -> None:
         """Copy the ``pretrained`` weights into ``state`` (the transformer's state dict, plain or sharded, in place).
@@ -129,12 +131,12 @@ class MoELanguageModel(L.LightningModule):
         inputs_BS, targets_BS = batch_BS1[:, :-1], batch_BS1[:, 1:]
         if self.training and self.config.mtp_layers:
             return self._multi_token_loss(batch_BS1)
-        shard = self.model.sequence_shard
-        if shard.size > 1:  # context parallelism: this rank's positions, scaled so the gradients stay exact
+        if self.ranks_per_sequence > 1:  # context parallelism: this rank's positions, scaled so the gradients stay exact
             h_BsD = self.model(inputs_BS, return_hidden=True)
-            total = self.model.output.cross_entropy_sums([h_BsD.flatten(0, 1)], [shard.local(targets_BS).flatten()],
+            local_targets = self.model.local_targets(targets_BS, targets_BS.shape[1]).flatten()
+            total = self.model.output.cross_entropy_sums([h_BsD.flatten(0, 1)], [local_targets],
                                                          self.loss_chunk_size)[0]
-            return context_parallel_mean(total, targets_BS, shard.size)
+            return context_parallel_mean(total, targets_BS, self.ranks_per_sequence)
         if self.loss_chunk_size is None:
             logits_BSV = self.model(inputs_BS)
             return F.cross_entropy(logits_BSV.flatten(0, 1).float(), targets_BS.flatten())
@@ -152,15 +154,15 @@ class MoELanguageModel(L.LightningModule):
         eod = self.config.eod_token_id if self.config.document_masking else None
         targets = [mtp.targets(batch_BS1, depth, eod) for depth in range(len(hidden))]
         # under context parallelism: this rank's positions of each depth, N x its share (context_parallel_mean)
-        shard, S = self.model.sequence_shard, batch_BS1.shape[1] - 1
-        local = [shard.truncated(S, t_BS.shape[1]).local(t_BS).flatten() for t_BS in targets]
+        share, S = self.ranks_per_sequence, batch_BS1.shape[1] - 1
+        local = [self.model.local_targets(t_BS, S).flatten() for t_BS in targets]
         totals = self.model.output.cross_entropy_sums([h_BSD.flatten(0, 1) for h_BSD in hidden], local,
                                                       self.loss_chunk_size)
-        losses = [shard.size * total / (t_BS != -100).sum().clamp(min=1) for total, t_BS in zip(totals, targets)]
+        losses = [share * total / (t_BS != -100).sum().clamp(min=1) for total, t_BS in zip(totals, targets)]
         main, mtp_mean = losses[0], torch.stack(losses[1:]).mean()
         self._main_loss = main
         logged = mtp_mean.detach().clone()
-        if shard.size > 1 and logs_written(self.trainer):  # a rank's share: log the world mean (as train/loss)
+        if share > 1 and logs_written(self.trainer):  # a rank's share: log the world mean (as train/loss)
             dist.all_reduce(logged)
             logged /= dist.get_world_size()
         self.log("train/mtp_loss", logged)
@@ -192,7 +194,7 @@ class MoELanguageModel(L.LightningModule):
             if aux:
                 self.log("train/aux_loss", torch.stack(aux).sum())
         # a context-parallel group's ranks share their batch: world / size batches a step
-        self.tokens_seen += batch_BS1[:, :-1].numel() * self.trainer.world_size // self.model.sequence_shard.size
+        self.tokens_seen += batch_BS1[:, :-1].numel() * self.trainer.world_size // self.ranks_per_sequence
         self._log_train_loss((loss if self._main_loss is None else self._main_loss).detach().float(), batch_idx)
         if logs_written(self.trainer):  # a Python number logged costs a host-to-device copy and a sync
             self.log("train/tokens_seen", float(self.tokens_seen))

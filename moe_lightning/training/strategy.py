@@ -1,5 +1,7 @@
-"""``MoEFSDPStrategy``: Lightning's face of FSDP2/HSDP with expert and context parallelism; it delegates. The model is
-parallelized by ``parallel.parallelize.parallelize_moe`` (its docstring states the order), gradients are clipped by
+"""``MoEFSDPStrategy``: Lightning's face of FSDP2/HSDP with expert and context parallelism; it delegates. The layout is
+one ``ParallelMesh`` (``parallel/mesh.py``: every dimension by name, validated and built once, in
+``setup_environment``); the model is parallelized by ``parallel.parallelize.parallelize_moe`` (its docstring states
+the order), gradients are clipped by
 ``parallel/clip.py``, accumulated under ``parallel/fsdp.py``'s policy, checkpoints go through ``CheckpointHooks``."""
 
 from collections.abc import Callable, Generator
@@ -18,8 +20,8 @@ from moe_lightning.dtypes import DTYPES
 from moe_lightning.model import MoETransformer
 from moe_lightning.parallel import fsdp
 from moe_lightning.parallel.clip import clip_grads_
-from moe_lightning.parallel.parallelize import (Sharding, check_strategy_arguments, parallelize_moe, resolve_layout,
-                                                the_transformer)
+from moe_lightning.parallel.mesh import MeshLayout, ParallelMesh, resolve_layout
+from moe_lightning.parallel.parallelize import Sharding, check_strategy_arguments, parallelize_moe, the_transformer
 from moe_lightning.training.callbacks.activation_offload import ActivationOffload
 from moe_lightning.training.checkpoint_io import CheckpointHooks, FileCheckpointIO
 from moe_lightning.training.lightning_internals import evaluate_under_no_grad
@@ -76,27 +78,35 @@ class MoEFSDPStrategy(CheckpointHooks, ModelParallelStrategy):
         self.reshard_after_forward, self.prefetch_depth = reshard_after_forward, prefetch_depth
         self.unshard_async_op, self.cpu_offload, self.meta_init = unshard_async_op, cpu_offload, meta_init
         self.accumulate_unsharded_grads, self.async_checkpoint = accumulate_unsharded_grads, async_checkpoint
-        self.layout, self.expert_mesh, self.cp_group = None, None, None  # + ("replicate", "ep", "efsdp") mesh, CP group
+        self.parallel: ParallelMesh | None = None  # every parallel dimension, by name: built in setup_environment
         self._fsdp_root: MoETransformer | None = None  # sharded by _parallelize
         self.checkpointer = ShardedCheckpointer()
         self.checkpoint_io = FileCheckpointIO()  # single-file saves (save_distributed_checkpoint=False)
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        """The ranks of a context-parallel group read the same sequences; all others read different ones."""
-        cp = self.context_parallel_size
-        return {"num_replicas": self.world_size // cp, "rank": self.global_rank // cp}
+        """The data-parallel replicas: the ranks of a context-parallel group read the same sequences."""
+        return {"num_replicas": self.parallel.data_parallel_size, "rank": self.parallel.data_parallel_rank}
+
+    @property
+    def layout(self) -> MeshLayout | None:
+        """The validated sizes of every dimension (``MeshLayout``), once the environment is set up."""
+        return None if self.parallel is None else self.parallel.layout
 
     def setup_environment(self) -> None:
         module = self.lightning_module  # the data's seq_len is checked here, before the model is built
         seq_len = getattr(module.trainer.datamodule, "seq_len", None) if module._trainer is not None else None
-        self.layout = resolve_layout(self.num_nodes * self.num_processes, self.replicate_size, self.shard_size,
-                                     self.expert_parallel_size, self.context_parallel_size, module.config, seq_len)
+        layout = resolve_layout(self.num_nodes * self.num_processes, self.replicate_size, self.shard_size,
+                                self.expert_parallel_size, self.context_parallel_size, module.config, seq_len)
         self._setup_distributed()
-        self._device_mesh, self.expert_mesh, self.cp_group = self.layout.groups(self.root_device.type)
-        module._device_mesh = self._device_mesh  # also tells the module that we parallelize it
-        rank_zero_info(f"{type(self).__name__}: {self.layout.replicate} replica(s) x {self.layout.shard} shard ranks, "
-                       f"expert_parallel_size={self.layout.ep}, context_parallel_size={self.layout.cp}.")
+        self.parallel = ParallelMesh(layout, self.root_device.type)
+        self._device_mesh = self.parallel.dense  # Lightning's ModelParallelStrategy reads it
+        module.parallelized_by_strategy = True  # so it does not compile the blocks itself
+        module.ranks_per_sequence = layout.cp  # its loss is a share of each sequence's: scale it (module.py)
+        self.checkpointer.use_groups(self.parallel.side_channel("checkpoint"),
+                                     self.parallel.side_channel("checkpoint_writer"))
+        rank_zero_info(f"{type(self).__name__}: {layout.replicate} replica(s) x {layout.shard} shard ranks, "
+                       f"expert_parallel_size={layout.ep}, context_parallel_size={layout.cp}.")
 
     @contextmanager
     def tensor_init_context(self, empty_init: Optional[bool] = None) -> Generator[None, None, None]:
@@ -118,11 +128,11 @@ class MoEFSDPStrategy(CheckpointHooks, ModelParallelStrategy):
     def _parallelize(self, wrap_blocks: Callable[[MoETransformer], None] | None = None) -> None:
         """``parallelize_moe`` with this strategy's arguments and the module's wishes (a no-op once sharded)."""
         module, model = self.lightning_module, the_transformer(self.lightning_module, type(self).__name__)
-        sharding = Sharding(self.layout, self._device_mesh, self.expert_mesh, self._dtype(self.param_dtype, torch.bfloat16),
+        sharding = Sharding(self.parallel, self._dtype(self.param_dtype, torch.bfloat16),
                             self._dtype(self.reduce_dtype, torch.float32), self.reshard_after_forward, self.cpu_offload,
                             self.prefetch_depth, self.unshard_async_op, self.param_device, self.root_device,
-                            torch.initial_seed() + self.global_rank % self.layout.shard, self.cp_group,
-                            self.ep_overlap_chunks, getattr(torch, self.dispatch_dtype) if self.dispatch_dtype else None)
+                            torch.initial_seed() + self.global_rank % self.layout.shard, self.ep_overlap_chunks,
+                            getattr(torch, self.dispatch_dtype) if self.dispatch_dtype else None)
         fill = module.fill_pretrained if getattr(module, "pretrained", None) is not None else None
         for message in parallelize_moe(model, sharding, compile=getattr(module, "compile_each_block", False),
                                        wrap_blocks=wrap_blocks, fill_pretrained=fill):

@@ -21,6 +21,14 @@ from moe_lightning.checkpoint import discovery
 from moe_lightning.checkpoint import sharded as ckpt
 from moe_lightning.checkpoint.commit import METADATA_FILE, save_file
 from moe_lightning.checkpoint.safe_load import CheckpointError
+from moe_lightning.parallel.mesh import world_side_channel
+
+
+def checkpointer() -> ckpt.ShardedCheckpointer:
+    """As the strategy sets it up: its agreements and background writes on gloo side channels of their own."""
+    saver = ckpt.ShardedCheckpointer()
+    saver.use_groups(world_side_channel(), world_side_channel())
+    return saver
 
 
 def say(scenario: str, step, error: BaseException | None) -> None:
@@ -31,7 +39,7 @@ def say(scenario: str, step, error: BaseException | None) -> None:
 def disk_full_in_meta(folder: Path) -> None:
     """Rank 0 runs out of disk while writing ``meta.pt``: every rank must raise, none may wait."""
     path = folder / "meta" / "last.ckpt"
-    saver = ckpt.ShardedCheckpointer()
+    saver = checkpointer()
     saver.save({"w": torch.ones(4) * dist.get_rank()}, {"global_step": 1}, path, set(), None)
     real_open = io.open
 
@@ -82,7 +90,7 @@ class FailingWriter(ckpt._HostCopyWriter):
 def async_failure(folder: Path) -> None:
     """The background write fails; rank 0 looks only once its own write has ended, rank 1 at once: both must raise
     at the same step."""
-    saver = ckpt.ShardedCheckpointer()
+    saver = checkpointer()
     saver.storage_writer = FailingWriter
     saver.save({"w": torch.ones(4)}, {"global_step": 1}, folder / "async" / "step=1.ckpt", set(), None,
                background=True)

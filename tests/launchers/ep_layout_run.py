@@ -21,7 +21,7 @@ from moe_lightning.model import MoEConfig
 from moe_lightning.model.moe import MoELayer
 from moe_lightning.parallel.expert_parallel import apply_expert_parallel, divide_expert_gradients, quantize_rows
 from moe_lightning.parallel.expert_parallel import dequantize_rows
-from moe_lightning.parallel.mesh import MeshLayout
+from moe_lightning.parallel.mesh import MeshLayout, ParallelMesh
 
 
 def layer(config: MoEConfig, dtype: torch.dtype) -> MoELayer:
@@ -57,9 +57,8 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
     config = MoEConfig(dim=32, num_experts=args.experts, top_k=args.top_k, expert_hidden=16, n_shared_experts=1)
-    mesh_layout = MeshLayout.resolve(world, 1, "auto", args.ep, args.experts)
-    expert_mesh = mesh_layout.expert_mesh("cpu")
-    efsdp = MeshLayout.expert_fsdp_mesh(expert_mesh)
+    mesh = ParallelMesh(MeshLayout.resolve(world, 1, "auto", args.ep, args.experts), "cpu")
+    efsdp = mesh.expert_fsdp
 
     gen = torch.Generator().manual_seed(100 + rank)
     x = torch.randn(1, args.tokens, config.dim, generator=gen).to(dtype)
@@ -75,7 +74,7 @@ def main() -> None:
     moe = layer(config, torch.float32)
     moe.router.to(dtype), moe.shared_experts.to(dtype)
     node = args.node_of.split(",")[rank] if args.node_of else None
-    message = apply_expert_parallel([moe], expert_mesh["ep"].get_group(), node=node, overlap_chunks=args.chunks,
+    message = apply_expert_parallel([moe], mesh.group("ep"), node=node, overlap_chunks=args.chunks,
                                     scale_in_exchange=args.scale == "exchange",
                                     dispatch_dtype=torch.float8_e4m3fn if args.fp8 else None)
     unit = fully_shard(moe.experts, mesh=efsdp, mp_policy=MixedPrecisionPolicy(param_dtype=dtype,

@@ -48,7 +48,7 @@ class Compare(Callback):
     def on_fit_start(self, trainer, pl_module):
         mismatched = []
         names = ckpt.expert_parameter_names(pl_module)
-        with ckpt.global_expert_views(pl_module.state_dict(), names, trainer.strategy.expert_mesh) as state:  # [E, ...]
+        with ckpt.global_expert_views(pl_module.state_dict(), names, trainer.strategy.parallel.expert) as state:  # [E, ...]
             for name, tensor in state.items():
                 full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
                 if not torch.equal(full.cpu(), self.reference[name[len("model."):]]):

@@ -12,6 +12,7 @@ import torch
 
 from moe_lightning import MoEConfig, MoELanguageModel
 from moe_lightning.parallel import MeshLayout
+from moe_lightning.parallel.mesh import ParallelMesh
 from moe_lightning.training.strategy import MoEFSDPStrategy
 from tests.support.distributed import REPO_ROOT, clean_env, free_port, run_ranks
 
@@ -41,8 +42,8 @@ def sharded(module: MoELanguageModel, **strategy_args) -> MoEFSDPStrategy:
     strategy = MoEFSDPStrategy(**strategy_args)
     strategy.parallel_devices = [torch.device("cpu")]
     strategy._lightning_module = module
-    strategy.layout = MeshLayout.resolve(1, 1, "auto", 1, module.config.num_experts)
-    strategy._device_mesh = strategy.layout.dense_mesh("cpu")
+    strategy.parallel = ParallelMesh(MeshLayout.resolve(1, 1, "auto", 1, module.config.num_experts), "cpu")
+    strategy._device_mesh = strategy.parallel.dense
     strategy._parallelize()
     return strategy
 

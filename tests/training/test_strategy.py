@@ -22,6 +22,7 @@ import torch.distributed.checkpoint as dcp
 
 from moe_lightning import MoEConfig, MoELanguageModel, MoETransformer
 from moe_lightning.parallel import MeshError, MeshLayout
+from moe_lightning.parallel.mesh import ParallelMesh
 from moe_lightning.commands.loading import export_checkpoint
 from moe_lightning.checkpoint.safe_load import CheckpointError
 from moe_lightning.checkpoint.sharded import ShardedCheckpointer
@@ -256,24 +257,12 @@ def test_invalid_mesh_names_the_argument_and_the_fix(world, kwargs, experts, mat
 def test_context_parallel_and_expert_shard_layouts_are_refused_before_any_group(cp, overrides, seq_len, match):
     """``resolve_layout`` (the strategy's ``setup_environment``, before process groups and the model): the data's
     sequence length and an expert shard FSDP2 cannot split; the balancing losses with MTP pass."""
-    from moe_lightning.parallel.parallelize import resolve_layout
+    from moe_lightning.parallel.mesh import resolve_layout
     config = MoEConfig(**{"num_experts": 4, **overrides})
     with pytest.raises(MeshError if "seq_len" not in match else ValueError, match=match):
         resolve_layout(4, 1, "auto", 1, cp, config, seq_len)
     balanced = MoEConfig(num_experts=4, mtp_layers=2, aux_loss_coef=0.01, z_loss_coef=1e-3)
     assert resolve_layout(4, 1, "auto", 2, 2, balanced, 32).cp == 2
-
-
-def test_context_parallel_ranks_read_the_same_sequences():
-    """The sampler's replicas are the data-parallel groups: ranks g and g' read the same batches iff g // cp ==
-    g' // cp (neighbouring ranks, as the context-parallel groups are laid out)."""
-    from lightning.fabric.plugins.environments import LightningEnvironment
-    strategy = MoEFSDPStrategy(context_parallel_size=2)
-    strategy.cluster_environment = LightningEnvironment()
-    strategy.cluster_environment.set_world_size(4)
-    for rank, replica in ((0, 0), (1, 0), (2, 1), (3, 1)):
-        strategy.cluster_environment.set_global_rank(rank)
-        assert strategy.distributed_sampler_kwargs == {"num_replicas": 2, "rank": replica}
 
 
 def test_default_mesh_is_plain_fsdp_over_all_ranks():
@@ -378,8 +367,8 @@ def test_meta_init_with_cpu_offload_puts_buffers_by_the_compute_and_shards_in_ho
     strategy = MoEFSDPStrategy(meta_init=True, cpu_offload=True)
     strategy.parallel_devices = [torch.device("meta")]  # the stand-in compute device
     strategy._lightning_module = module
-    strategy.layout = MeshLayout.resolve(1, 1, "auto", 1, config.num_experts)
-    strategy._device_mesh = strategy.layout.dense_mesh("cpu")
+    strategy.parallel = ParallelMesh(MeshLayout.resolve(1, 1, "auto", 1, config.num_experts), "cpu")
+    strategy._device_mesh = strategy.parallel.dense
     strategy._parallelize()
     buffers = dict(module.model.named_buffers())
     assert any(name.endswith("router.expert_bias") for name in buffers)

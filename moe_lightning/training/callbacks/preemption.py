@@ -18,6 +18,7 @@ from lightning.fabric.plugins.environments import LightningEnvironment, SLURMEnv
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint, Timer
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
+from moe_lightning.parallel.mesh import world_side_channel
 from moe_lightning.run.exits import EXIT_MAX_TIME, Preempted, requeue_slurm_job, say, stopped_word
 from moe_lightning.run.signals import StopSignals, end_startup
 from moe_lightning.training.lightning_internals import cluster_environment, install_signal_handlers, \
@@ -119,8 +120,9 @@ class Preemption(Callback):
 
     # ---- agreement ----------------------------------------------------------------------------------------
     def on_train_start(self, trainer, pl_module) -> None:
-        if trainer.world_size > 1 and dist.is_initialized() and self._group is None:
-            self._group = dist.new_group(backend="gloo")  # CPU flags: never a device sync
+        if trainer.world_size > 1 and dist.is_initialized() and self._group is None:  # CPU flags: never a device sync
+            parallel = getattr(trainer.strategy, "parallel", None)
+            self._group = parallel.side_channel("preemption") if parallel is not None else world_side_channel()
         self.signals.started = True
 
     def _flags(self) -> list[int]:
