@@ -8,9 +8,10 @@ and judge (``Judge``):
 
 - a rank whose ``tick`` has not changed for ``timeout_s`` does not answer at all (SIGSTOP, a process hung in the
   kernel or the driver): it is stalled;
-- otherwise, once every rank's training thread has made no progress for ``timeout_s``, the ranks behind the others
-  (step, collectives entered, phase) are stalled and the others wait for them; with none behind, every rank waits in
-  the same place (a collective that never completes, e.g. the network).
+- otherwise, once every rank's training thread has made no progress for ``timeout_s``, the ranks that stopped
+  answering (no tick for 3 polls: stopped a moment after their last progress), else those behind the others (step,
+  collectives entered, phase) are stalled and the others wait for them; with none, every rank waits in the same
+  place (a collective that never completes, e.g. the network).
 
 A rank that is only slow, stopped for less than ``timeout_s``, is never named. The first watcher to judge a stall
 stores the verdict (``compare_set``: one report), prints the report, writes it as ``stall-report.json`` in the run's
@@ -139,8 +140,9 @@ class Judge:
             return Verdict(stalled, [r for r in self.seen if r not in silent], self.seen, now)
         if any(now - s.progress_at < self.timeout_s for s in self.seen.values()):
             return None
+        frozen = [rank for rank, s in self.seen.items() if now - s.alive_at > 3 * self.tick_s]
         ahead = max(position(s.record) for s in self.seen.values())
-        behind = [rank for rank, s in self.seen.items() if position(s.record) < ahead]
+        behind = frozen or [rank for rank, s in self.seen.items() if position(s.record) < ahead]
         return Verdict([(rank, self.why(rank, now)) for rank in behind], [r for r in self.seen if r not in behind],
                        self.seen, now)
 

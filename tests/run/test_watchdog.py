@@ -169,3 +169,15 @@ def test_a_lost_store_names_the_rank_that_serves_it_from_the_last_records(tmp_pa
     assert exits.done.wait(20) and exits.codes == [EXIT_STALLED]
     err = capfd.readouterr().err
     assert "STALLED rank 0 (host node0, pid 100" in err and "serves the rendezvous store" in err
+
+
+def test_once_all_are_idle_a_rank_that_stopped_answering_is_named_though_at_the_same_point():
+    """Rank 1 froze 2 s after its last progress, at the start of its forward; rank 0 waits in a collective the
+    heartbeat does not record (an FSDP all-gather): both at one position. Before: "no rank is behind"."""
+    judge = Judge(2, timeout_s=30, now=0, tick_s=3)
+    for t in range(0, 31):
+        judge.observe(0, record(0, tick=t, progress=5, collective=a2a(20, "finished")), now=t)
+        judge.observe(1, record(1, tick=min(t, 2), progress=5, collective=a2a(20, "finished")), now=t)
+    verdict = judge.verdict(now=30)
+    assert [rank for rank, _ in verdict.stalled] == [1] and verdict.waiting == [0]
+    assert verdict.stalled[0][1].startswith("its process has not answered for 28 s")
