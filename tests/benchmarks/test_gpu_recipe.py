@@ -152,8 +152,14 @@ def test_every_gpu_part_imports_and_the_list_prints_without_jsonargparse():
     """The GPU machine has torch, Lightning and torchmetrics but not jsonargparse, and no registry to fetch it: every
     part must import, and the shapes (the 1T shard's config included) be read, without it."""
     script = f"""
-import sys
-sys.modules["jsonargparse"] = None  # any import of it fails
+import importlib.metadata, sys
+sys.modules["jsonargparse"] = None  # any import of it fails, and its metadata is gone (Lightning checks that first)
+version = importlib.metadata.version
+def without_jsonargparse(name):
+    if name == "jsonargparse":
+        raise importlib.metadata.PackageNotFoundError(name)
+    return version(name)
+importlib.metadata.version = without_jsonargparse
 sys.path.insert(0, {str(REPO_ROOT)!r})
 from tests.support.benchmark_script import load_benchmark
 for name in ("gpu_paths", "gpu_recipe", "gpu_attention", "gpu_compile", "gpu_offload", "gpu_muon", "gpu_strategy",
