@@ -188,6 +188,9 @@ def test_gpu_all_list_prints_each_parts_box_and_the_recipe_the_card_holds_withou
 
 def test_preflight_names_what_triton_lacks_in_one_line(monkeypatch, tmp_path, capsys):
     preflight = load_benchmark("gpu_preflight")
+    # the documented search rule, whether or not this torch ships Triton (its own libcuda_dirs caches its first
+    # answer and fails without a driver): importing it fails here, as where Triton is absent
+    monkeypatch.setitem(sys.modules, "triton", None)
     # a stand-in libcuda.so (exports cuInit) where TRITON_LIBCUDA_PATH points: the launcher links
     (tmp_path / "cuda.c").write_text("int cuInit(unsigned int flags) { return flags; }\n")
     subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(tmp_path / "libcuda.so"), str(tmp_path / "cuda.c")],
