@@ -30,7 +30,7 @@ from moe_lightning.checkpoint.compat import check_checkpoint
 from moe_lightning.data.tokenizer import load_tokenizer, tokenizer_identity
 from moe_lightning.checkpoint.commit import remove_unfinished_saves
 from moe_lightning.run.folders import remove_empty_run_folder
-from moe_lightning.run.refusals import keep_traceback, say_refusal, traceback_requested
+from moe_lightning.run.refusals import in_multi_process_run, say_refusal, traceback_requested
 from moe_lightning.training.callbacks.preemption import exit_if_stopped_by_max_time
 from moe_lightning.training.callbacks.resume import resolve_last
 from moe_lightning.training.callbacks.run_folders import ReleaseLocks, allocate_run_folder, lock_run_folders
@@ -389,7 +389,8 @@ class MoECLI(LightningCLI):
             super()._run_subcommand(subcommand)
         except BaseException as error:
             if self.trainer.world_size > 1 and self.trainer.state.status != TrainerStatus.INITIALIZING:
-                keep_traceback(error)  # raised inside the trainer's run of several ranks: the stack is the clue
+                in_multi_process_run(error, rank_zero_only.rank)  # the stack is the clue, unless a refusal before
+                # the process group exists: every rank made the same check
             saved = any(getattr(cb, "best_model_path", "") or getattr(cb, "last_model_path", "")
                         for cb in self.trainer.checkpoint_callbacks)  # its config.yaml is what resumes them
             release = [cb for cb in self.trainer.callbacks if isinstance(cb, ReleaseLocks)]

@@ -14,7 +14,10 @@ anywhere, the errors that name a path (``FileNotFoundError``, ``FileExistsError`
 ``NotADirectoryError``, ``PermissionError``, ``DiskFullError``) and Lightning's ``MisconfigurationException``.
 Everything else keeps its traceback: a ``TypeError``, ``RuntimeError`` or ``KeyError`` is a bug to report, and so
 is a ``ValueError`` raised inside torch or numpy. So does any exception raised inside a trainer's run with more than
-one process (``keep_traceback``): the rank that failed first is the one to read, in full.
+one process once its process group exists (``keep_traceback``): the rank that failed first is the one to read, in
+full. A refusal raised in such a run before the process group exists (the checks every rank makes alike from the
+same config: the mesh sizes and the sequence length, in the strategy's ``setup_environment``) stays one line, said by
+rank 0 alone; the other ranks exit with the same status silently (``in_multi_process_run``).
 """
 
 import argparse
@@ -57,6 +60,21 @@ def keep_traceback(error: BaseException) -> BaseException:
     return error
 
 
+def in_multi_process_run(error: BaseException, rank: int) -> None:
+    """Mark ``error``, raised inside a trainer's run of several processes on global ``rank``: a refusal raised
+    before the process group exists stays one line (rank 0 says it, the others are silent: every rank made the same
+    check from the same config, and no rank waits in a collective); anything else keeps its stack."""
+    if is_refusal(error) and not _process_group_exists():
+        error.moe_lightning_silent = rank != 0
+        return
+    keep_traceback(error)
+
+
+def _process_group_exists() -> bool:
+    dist = sys.modules.get("torch.distributed")  # not imported: no process group either
+    return dist is not None and dist.is_available() and dist.is_initialized()
+
+
 def _classes(names) -> tuple[type, ...]:
     found = (getattr(sys.modules.get(module), name, None) for module, name in names)
     return tuple(c for c in found if isinstance(c, type))
@@ -94,8 +112,9 @@ def one_line(error: BaseException | str) -> str:
     return " ".join(str(message).split()) or type(error).__name__
 
 
-def say_refusal(command: str, error: BaseException) -> None:
-    os.write(2, f"moe-lightning {command}: error: {one_line(error)}\n".encode())
+def say_refusal(command: str, error: BaseException | str) -> None:
+    if not getattr(error, "moe_lightning_silent", False):  # rank 0 says what every rank refused
+        os.write(2, f"moe-lightning {command}: error: {one_line(error)}\n".encode())
 
 
 class CommandParser(argparse.ArgumentParser):

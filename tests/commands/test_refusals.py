@@ -140,12 +140,15 @@ def test_plan_refusal_is_one_line(tmp_path, capfd):
     assert "gone.yaml" in lines[0]
 
 
-@pytest.mark.parametrize("world_size, status, kept", [(2, "RUNNING", True), (2, "INITIALIZING", False),
-                                                      (1, "RUNNING", False)])
-def test_an_error_inside_a_multi_process_trainer_run_keeps_its_traceback(monkeypatch, world_size, status, kept):
-    """Raised once a trainer of several ranks is running (not in the checks before it): the stack is shown."""
+@pytest.mark.parametrize("world_size, status, group, kept", [(2, "RUNNING", True, True), (2, "RUNNING", False, False),
+                                                             (2, "INITIALIZING", True, False), (1, "RUNNING", True, False)])
+def test_an_error_inside_a_multi_process_trainer_run_keeps_its_traceback(monkeypatch, world_size, status, group, kept):
+    """Raised once a trainer of several ranks is running and its process group exists (not in the checks before
+    it): the stack is shown. A refusal raised in the run before the process group exists (the layout checks) stays
+    one line."""
     from types import SimpleNamespace
 
+    import torch.distributed as dist
     from lightning.pytorch.cli import LightningCLI
     from lightning.pytorch.trainer.states import TrainerStatus
 
@@ -156,6 +159,7 @@ def test_an_error_inside_a_multi_process_trainer_run_keeps_its_traceback(monkeyp
         MoEConfig(num_experts=4, top_k=5)  # a check of the package's: a refusal, unless raised inside such a run
 
     monkeypatch.setattr(LightningCLI, "_run_subcommand", fails)
+    monkeypatch.setattr(dist, "is_initialized", lambda: group)
     trainer = SimpleNamespace(fast_dev_run=True, checkpoint_callbacks=[], callbacks=[], world_size=world_size,
                               state=SimpleNamespace(status=getattr(TrainerStatus, status)))
     cli = MoECLI.__new__(MoECLI)  # only what _run_subcommand reads: its trainer
