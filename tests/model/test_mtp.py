@@ -368,7 +368,7 @@ def test_padded_rows_never_reach_the_qk_clip_maxima(monkeypatch):
         out = flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa)
         B, H, L, _ = q.shape
         scores = q @ k.repeat_interleave(H // k.shape[1], 1).transpose(-1, -2) * scale
-        visible = create_mask(block_mask.mask_mod, B, 1, L, L)
+        visible = create_mask(block_mask.mask_mod, B, 1, L, L, device=q.device)
         return out, SimpleNamespace(max_scores=scores.masked_fill(~visible, float("-inf")).amax(-1))
 
     monkeypatch.setattr(attention, "flex_attention", kernel)
@@ -417,7 +417,7 @@ def test_padded_depths_meet_the_compiled_kernel_in_its_layout_and_pass_gradients
     assert len(graphs) == 1
 
     def stand_in(q, k, v, block_mask, scale, enable_gqa):
-        visible = create_mask(block_mask.mask_mod, q.shape[0], 1, q.shape[2], k.shape[2])
+        visible = create_mask(block_mask.mask_mod, q.shape[0], 1, q.shape[2], k.shape[2], device=q.device)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=scale)
     monkeypatch.setattr(attention, "flex_attention", stand_in)
     n = S - 2

@@ -87,7 +87,7 @@ def test_shard_masks_are_the_whole_sequences_rows_and_the_flex_predicate_agrees(
         assert torch.equal(shard.dense_B1ST, whole_B1ST[:, :, pos_S])
         flex = DocumentMask(doc_BT, q_positions_S=pos_S, flex=True)
         assert flex.dense_B1ST is None
-        assert torch.equal(create_mask(flex.block_mask.mask_mod, 2, 1, len(pos_S), 32), shard.dense_B1ST)
+        assert torch.equal(create_mask(flex.block_mask.mask_mod, 2, 1, len(pos_S), 32, device="cpu"), shard.dense_B1ST)
 
 
 def test_flex_attention_of_a_shards_queries_equals_sdpa_with_the_dense_mask():
