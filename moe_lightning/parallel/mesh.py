@@ -12,6 +12,10 @@ index also splits as ``s = d * cp + c``, ``c`` fastest, so a context-parallel gr
 every sequence of one batch) is ``cp`` neighbouring ranks, one node's NVLink. Its ranks still shard parameters and
 reduce gradients with the others; the data-parallel replica a rank reads is ``g // cp`` of ``world / cp``.
 
+Pipeline parallelism (``pp`` stages, ``parallel/pipeline.py``) sits between the two: ``g = (r * pp + p) * shard + s``,
+so one stage's shard ranks are neighbours (a node: FSDP, EP and CP inside it) and the ``pp`` ranks of one pipeline are
+``shard`` apart (across nodes, as the peers place PP). The ``pp`` ranks of a pipeline read the same batches.
+
 Adding a dimension is one field of ``MeshLayout``, its rule in ``resolve``, its mesh in ``ParallelMesh`` and its step
 in ``parallelize_moe``.
 """
@@ -62,6 +66,7 @@ class MeshLayout:
     shard: int
     ep: int
     cp: int = 1  # context-parallel ranks sharing each sequence (neighbouring shard ranks)
+    pp: int = 1  # pipeline stages (ranks ``shard`` apart); each stage is ``replicate x shard`` ranks
 
     @property
     def expert_shard(self) -> int:
@@ -70,20 +75,22 @@ class MeshLayout:
     @property
     def data_parallel(self) -> int:
         """Replicas of the data: the ranks that read different sequences (a context-parallel group reads one)."""
-        return self.world_size // self.cp
+        return self.world_size // (self.cp * self.pp)
 
     def coordinates(self, rank: int) -> dict[str, int]:
         """Where global ``rank`` sits in every named dimension (what a report about one rank prints)."""
         s = rank % self.shard
-        return {"replicate": rank // self.shard, "shard": s, "context": s % self.cp, "expert": s % self.ep,
-                "expert_shard": s // self.ep}
+        return {"replicate": rank // (self.shard * self.pp), "shard": s, "context": s % self.cp,
+                "expert": s % self.ep, "expert_shard": s // self.ep} | (
+            {"pipeline": rank // self.shard % self.pp} if self.pp > 1 else {})
 
     @staticmethod
     def check_arguments(replicate_size: int, shard_size: int | str, expert_parallel_size: int,
-                        context_parallel_size: int = 1) -> None:
+                        context_parallel_size: int = 1, pipeline_parallel_size: int = 1) -> None:
         """What can be checked without knowing the world size (at strategy construction)."""
         for name, value in (("replicate_size", replicate_size), ("expert_parallel_size", expert_parallel_size),
-                            ("context_parallel_size", context_parallel_size)):
+                            ("context_parallel_size", context_parallel_size),
+                            ("pipeline_parallel_size", pipeline_parallel_size)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise MeshError(f"strategy.{name}={value!r}: must be a positive integer.")
         if shard_size != "auto" and (not isinstance(shard_size, int) or isinstance(shard_size, bool) or shard_size < 1):
@@ -91,24 +98,38 @@ class MeshLayout:
         if isinstance(shard_size, int):
             _check_ep_divides_shard(shard_size, expert_parallel_size)
             _check_cp_divides_shard(shard_size, context_parallel_size)
+        if pipeline_parallel_size > 1 and (expert_parallel_size > 1 or context_parallel_size > 1):
+            name, size = ("expert_parallel_size", expert_parallel_size) if expert_parallel_size > 1 else \
+                ("context_parallel_size", context_parallel_size)
+            raise MeshError(f"strategy.{name}={size} with pipeline_parallel_size={pipeline_parallel_size}: "
+                            f"pipeline stages do not yet compose with {name.split('_')[0]} parallelism; set one of "
+                            "them to 1 (docs/pipeline.md).")
 
     @classmethod
     def resolve(cls, world_size: int, replicate_size: int, shard_size: int | str,
                 expert_parallel_size: int, num_experts: int | None = None,
-                context_parallel_size: int = 1, seq_len: int | None = None) -> "MeshLayout":
+                context_parallel_size: int = 1, seq_len: int | None = None,
+                pipeline_parallel_size: int = 1) -> "MeshLayout":
         """Check every size against the world, the model and the data's ``seq_len`` (when known) before any
         process group exists."""
-        cls.check_arguments(replicate_size, shard_size, expert_parallel_size, context_parallel_size)
+        cls.check_arguments(replicate_size, shard_size, expert_parallel_size, context_parallel_size,
+                            pipeline_parallel_size)
+        pp = pipeline_parallel_size
         if shard_size == "auto":
-            if world_size % replicate_size:
+            if world_size % (replicate_size * pp):
+                pp_words = f" x pipeline_parallel_size={pp}" if pp > 1 else ""
+                fits = [d for d in _divisors(world_size) if (world_size // pp) % d == 0] if world_size % pp == 0 \
+                    else _divisors(world_size)
                 raise MeshError(
-                    f"strategy.replicate_size={replicate_size} does not divide the world size {world_size} "
-                    f"(num_nodes x devices): choose replicate_size from {_divisors(world_size)}.")
-            shard_size = world_size // replicate_size
-        if replicate_size * shard_size != world_size:
+                    f"strategy.replicate_size={replicate_size}{pp_words} does not divide the world size {world_size} "
+                    f"(num_nodes x devices): choose replicate_size from {fits}"
+                    + (f" and pipeline_parallel_size from {_divisors(world_size)}" if pp > 1 else "") + ".")
+            shard_size = world_size // (replicate_size * pp)
+        if replicate_size * pp * shard_size != world_size:
+            pp_words = f" x strategy.pipeline_parallel_size={pp}" if pp > 1 else ""
             raise MeshError(
-                f"strategy.replicate_size={replicate_size} x strategy.shard_size={shard_size} = "
-                f"{replicate_size * shard_size}, but the world size (num_nodes x devices) is {world_size}: "
+                f"strategy.replicate_size={replicate_size}{pp_words} x strategy.shard_size={shard_size} = "
+                f"{replicate_size * pp * shard_size}, but the world size (num_nodes x devices) is {world_size}: "
                 f"make the product equal {world_size}, e.g. shard_size='auto'.")
         _check_ep_divides_shard(shard_size, expert_parallel_size)
         _check_cp_divides_shard(shard_size, context_parallel_size, seq_len)
@@ -117,7 +138,7 @@ class MeshLayout:
                 f"strategy.expert_parallel_size={expert_parallel_size} must divide the model's "
                 f"num_experts={num_experts}: choose it from "
                 f"{[d for d in _divisors(num_experts) if shard_size % d == 0]}.")
-        return cls(world_size, replicate_size, shard_size, expert_parallel_size, context_parallel_size)
+        return cls(world_size, replicate_size, shard_size, expert_parallel_size, context_parallel_size, pp)
 
     def expert_placement(self, num_experts: int) -> tuple[Shard, str]:
         """``Shard(0)`` (whole experts per rank) when the local experts divide evenly, else ``Shard(1)``."""
@@ -150,13 +171,14 @@ class MeshLayout:
 
 
 def resolve_layout(world_size: int, replicate_size: int, shard_size: int | str, expert_parallel_size: int,
-                   context_parallel_size: int, config: Any | None, seq_len: int | None) -> MeshLayout:
+                   context_parallel_size: int, config: Any | None, seq_len: int | None,
+                   pipeline_parallel_size: int = 1) -> MeshLayout:
     """The one validation of a layout, shared by ``MoEFSDPStrategy`` and ``plan`` (a layout one accepts, the other
     does): checked against the world, the model's ``config`` (a ``MoEConfig``) and the data's ``seq_len`` (when
     known) before any process group exists or the model is built; one-line refusals naming the field and the fix."""
     E = getattr(config, "num_experts", None)
     layout = MeshLayout.resolve(world_size, replicate_size, shard_size, expert_parallel_size, E, context_parallel_size,
-                                seq_len)
+                                seq_len, pipeline_parallel_size)
     if E:
         layout.check_expert_shard(E, (config.expert_hidden, config.dim))
     if layout.cp > 1 and seq_len is not None:
@@ -215,6 +237,8 @@ class ParallelMesh:
     ``"ep"``                  ``ep`` neighbouring shard ranks         expert dispatch, checkpoint expert views
     ``"efsdp"``               same ``p``, stride ``ep``               FSDP of the expert stacks, FlexShard
     ``"cp"``                  ``cp`` neighbouring shard ranks         the context-parallel exchange
+    ``"pp"``                  same ``r`` and ``s``, every stage       pipeline sends and receives (``pp > 1``)
+    ``"stage"``               same stage: every ``r`` and ``s``       expert counts of the stage's layers
     ========================  ======================================  ==========================================
 
     Under expert parallelism ``expert`` is the ``("replicate", "ep", "efsdp")`` mesh (experts split by ``ep``
@@ -228,10 +252,17 @@ class ParallelMesh:
 
     def __init__(self, layout: MeshLayout, device_type: str):
         self.layout, self.device_type = layout, device_type
-        r, s, ep, cp = layout.replicate, layout.shard, layout.ep, layout.cp
+        r, s, ep, cp, pp = layout.replicate, layout.shard, layout.ep, layout.cp, layout.pp
         world_R_S = torch.arange(layout.world_size).view(r, s)
-        self.dense = _mesh(device_type, world_R_S[0] if r == 1 else world_R_S,
-                           ("shard",) if r == 1 else ("replicate", "shard"))
+        self.pipeline, self._stage = None, None
+        if pp > 1:  # every stage's dense mesh is a sub-mesh of one ("replicate", "pp", "shard") mesh
+            self.pipeline = _mesh(device_type, torch.arange(layout.world_size).view(r, pp, s),
+                                  ("replicate", "pp", "shard"))
+            self.dense = self.pipeline["shard"] if r == 1 else self.pipeline["replicate", "shard"]
+            self._stage = self._stage_group(layout)
+        else:
+            self.dense = _mesh(device_type, world_R_S[0] if r == 1 else world_R_S,
+                               ("shard",) if r == 1 else ("replicate", "shard"))
         self.expert = None if ep == 1 else _mesh(
             device_type, world_R_S.view(r, s // ep, ep).transpose(1, 2), ("replicate", "ep", "efsdp"))
         self.context = None if cp == 1 else _mesh(device_type, world_R_S.view(r * s // cp, cp), ("cp_replica", "cp"))
@@ -246,7 +277,29 @@ class ParallelMesh:
             return None if self.expert is None else self.expert[name].get_group()
         if name == "cp":
             return None if self.context is None else self.context["cp"].get_group()
-        raise KeyError(f"no mesh dimension {name!r}: the dimensions are replicate, shard, ep, efsdp, cp")
+        if name == "pp":
+            return None if self.pipeline is None else self.pipeline["pp"].get_group()
+        if name == "stage":
+            return self._stage
+        raise KeyError(f"no mesh dimension {name!r}: the dimensions are replicate, shard, ep, efsdp, cp, pp, stage")
+
+    @staticmethod
+    def _stage_group(layout: MeshLayout) -> dist.ProcessGroup:
+        """The ranks of this rank's pipeline stage (every replica and shard rank): a world collective per stage."""
+        mine = None
+        ranks_R_P_S = torch.arange(layout.world_size).view(layout.replicate, layout.pp, layout.shard)
+        for p in range(layout.pp):
+            ranks = ranks_R_P_S[:, p].flatten().tolist()
+            group = dist.new_group(ranks)
+            if dist.get_rank() in ranks:
+                mine = group
+                _GROUP_NAMES.setdefault(group, "stage")
+        return mine
+
+    @property
+    def pipeline_rank(self) -> int:
+        """This rank's stage (0 without pipeline parallelism)."""
+        return dist.get_rank() // self.layout.shard % self.layout.pp
 
     @property
     def expert_fsdp(self) -> DeviceMesh | None:
@@ -257,7 +310,10 @@ class ParallelMesh:
 
     @property
     def data_parallel_rank(self) -> int:
-        return dist.get_rank() // self.layout.cp
+        """A pipeline's stages read the same batches, a context-parallel group the same sequences."""
+        g, layout = dist.get_rank(), self.layout
+        replica, s = g // (layout.shard * layout.pp), g % layout.shard
+        return (replica * layout.shard + s) // layout.cp
 
     @property
     def data_parallel_size(self) -> int:

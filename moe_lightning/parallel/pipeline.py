@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.pipelining as pipelining
 from torch import nn
+from torch.distributed.pipelining import PipelineStage
 
 from moe_lightning.model import MoEConfig, MoETransformer, mtp
 from moe_lightning.model.attention import DocumentMask, document_ids
@@ -237,6 +238,7 @@ class StageTransformer(MoETransformer):
     pipeline_first: bool
     pipeline_last: bool
     loss_chunk_size: int | None
+    step_expert_counts: torch.Tensor | None  # ``[local MoE layers, experts]`` summed over this step's micro-batches
 
     def forward(self, x: torch.Tensor, batch_BS1: torch.Tensor) -> torch.Tensor:
         tokens_BS = batch_BS1[:, :-1]
@@ -248,15 +250,26 @@ class StageTransformer(MoETransformer):
         for layer in self.layers:
             h_BSD = layer(h_BSD, mask=mask, cache=None, cos_sin=cos_sin, sequence_shard=None)
         if not self.pipeline_last:
+            self._count_experts()
             return h_BSD
         h_BSD = self.norm(h_BSD)
         if self.training and len(self.mtp):
             hidden = self._multi_token_hidden(tokens_BS, self.tok_embeddings(tokens_BS), h_BSD, None, mask)
         else:
             hidden = [h_BSD]
+        self._count_experts()
         targets = [mtp.targets(batch_BS1, depth, eod).flatten() for depth in range(len(hidden))]
         sums = self.output.cross_entropy_sums([h.flatten(0, 1) for h in hidden], targets, self.loss_chunk_size)
         return torch.stack(sums)
+
+    def _count_experts(self) -> None:
+        """Add this micro-batch's tokens per expert of every local MoE layer to the step's (read right after
+        the forward: a block recomputed in backward would overwrite them)."""
+        counts = [moe.tokens_per_expert for moe in self.moe_layers() if moe.tokens_per_expert is not None]
+        if counts and self.training:
+            counts_LE = torch.stack(counts)
+            self.step_expert_counts = counts_LE if self.step_expert_counts is None \
+                else self.step_expert_counts + counts_LE
 
 
 def reads_embedding_last(config: MoEConfig) -> bool:
@@ -280,7 +293,7 @@ def keep_stage(model: MoETransformer, stage: int, layout: PipelineLayout,
         model.mtp = nn.ModuleList()
     model.__class__ = StageTransformer
     model.pipeline_stage, model.pipeline_first, model.pipeline_last = stage, first, last
-    model.loss_chunk_size = loss_chunk_size
+    model.loss_chunk_size, model.step_expert_counts = loss_chunk_size, None
     return model
 
 
@@ -320,3 +333,80 @@ def sum_shared_embedding_grads(model: MoETransformer, group: dist.ProcessGroup |
         return
     grad = model.tok_embeddings.weight.grad
     dist.all_reduce(grad.to_local() if hasattr(grad, "to_local") else grad, group=group)
+
+
+class PipelineRunner:
+    """Runs torch's schedule over one batch on this rank's stages (``parts``, each a ``keep_stage`` model):
+    training, forward and backward over the ``layout.microbatches`` micro-batches; evaluation, forward only.
+    ``run`` returns each depth's loss over the batch ``[1 + D]`` (``[1]`` in evaluation), the same on every rank of
+    the pipeline (broadcast from the last stage's); after a training step the embedding copies' gradients are
+    summed (``embedding_group``) and each local MoE layer's ``tokens_per_expert`` holds the step's counts.
+
+    The stages are built at the first batch of each shape, with example tensors instead of torch's shape
+    inference: hidden states ``[B / M, S, dim]`` in ``activation_dtype`` (what flows between blocks: the
+    parameters' dtype), the last stage's sums in fp32 (or float64 for a float64 model)."""
+
+    def __init__(self, parts: list[StageTransformer], layout: PipelineLayout, group: dist.ProcessGroup | None,
+                 device: torch.device, activation_dtype: torch.dtype,
+                 embedding_group: dist.ProcessGroup | None = None):
+        self.parts, self.layout, self.group, self.device = parts, layout, group, device
+        self.activation_dtype, self.embedding_group = activation_dtype, embedding_group
+        self.config = parts[0].config
+        last_rank = layout.rank_of(layout.num_stages - 1)
+        self.last_rank = last_rank if group is None else dist.get_global_rank(group, last_rank)
+        self._schedules: dict[tuple[int, int, bool], tuple[object, PipelineLoss]] = {}
+
+    def _schedule(self, B: int, S: int, training: bool) -> tuple[object, PipelineLoss]:
+        key = (B, S, training)
+        if key not in self._schedules:
+            M, last = self.layout.microbatches, self.layout.num_stages - 1
+            b, dtype = B // M, self.activation_dtype
+            hidden = torch.empty(b, S, self.config.dim, dtype=dtype, device="meta", requires_grad=True)
+            sums = torch.empty(1 + (self.config.mtp_layers if training else 0), device="meta", requires_grad=True,
+                               dtype=torch.promote_types(dtype, torch.float32))
+            tokens = torch.empty(b, S + 1, dtype=torch.long, device="meta")
+            stages = [PipelineStage(part, part.pipeline_stage, self.layout.num_stages, self.device,
+                                    input_args=(tokens if part.pipeline_first else hidden,),
+                                    output_args=sums if part.pipeline_stage == last else hidden, group=self.group)
+                      for part in self.parts]
+            loss_fn = PipelineLoss(self.config)
+            cls = schedule_class(self.layout.schedule)
+            schedule = cls(stages[0] if len(stages) == 1 else stages, M, loss_fn=loss_fn, scale_grads=False)
+            self._schedules[key] = schedule, loss_fn
+        return self._schedules[key]
+
+    def run(self, batch_BS1: torch.Tensor, training: bool) -> torch.Tensor:
+        B, S1 = batch_BS1.shape
+        check_batch(B, self.layout.microbatches)
+        schedule, loss_fn = self._schedule(B, S1 - 1, training)
+        loss_fn.set_batch(batch_BS1, training)
+        for part in self.parts:
+            part.step_expert_counts = None
+            for moe in part.moe_layers():  # each micro-batch's balancing losses are means over its sequences
+                moe.aux_loss_grad_scale = 1 / self.layout.microbatches
+        if training:
+            schedule.step(batch_BS1, batch_BS1=batch_BS1, target=batch_BS1, return_outputs=False)
+            self._finish_training_step()
+        else:
+            schedule.eval(batch_BS1, batch_BS1=batch_BS1, target=batch_BS1)
+        depths = 1 + (self.config.mtp_layers if training else 0)
+        losses_K = loss_fn.losses().to(torch.float32) if loss_fn.sums else \
+            torch.zeros(depths, dtype=torch.float32, device=batch_BS1.device)
+        if self.group is not None:
+            dist.broadcast(losses_K, src=self.last_rank, group=self.group)
+        return losses_K
+
+    def _finish_training_step(self) -> None:
+        """Sum the embedding copies' gradients (between ranks, or on this rank for a V schedule's two stages)
+        and hand every local MoE layer the step's counts."""
+        with_embedding = [p for p in self.parts if p.tok_embeddings is not None]
+        if len(with_embedding) == 2:
+            first, last = (p.tok_embeddings.weight for p in with_embedding)
+            first.grad += last.grad
+            last.grad.copy_(first.grad)
+        for part in with_embedding:
+            sum_shared_embedding_grads(part, self.embedding_group)
+        for part in self.parts:
+            if part.step_expert_counts is not None:
+                for moe, counts_E in zip(part.moe_layers(), part.step_expert_counts):
+                    moe.tokens_per_expert = counts_E
