@@ -25,6 +25,7 @@ COMMANDS = {
     "plan": "memory and speed plan of a config on a cluster, without GPUs",
     "export": "write any checkpoint as one inference file that records its tokenizer",
     "convert": "Hugging Face folder <-> single-file checkpoint",
+    "stalls": "which rank stalled a run, from its stall-report.json and flight-recorder dumps (RUN_DIR)",
 }
 
 TRAINER_COMMANDS = ("fit", "validate", "test", "predict")  # LightningCLI's subcommands (moe_lightning.commands.cli)
@@ -36,6 +37,7 @@ EXTRA_COMMANDS = {
     "plan": "moe_lightning.planner.plan:main",
     "export": "moe_lightning.commands.convert:export_main",  # a .pt, or with --hf a Hugging Face folder
     "convert": "moe_lightning.commands.convert:convert_main",
+    "stalls": "moe_lightning.commands.stalls:main",
 }
 
 

@@ -37,6 +37,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from moe_lightning.run import flight_recorder
 from moe_lightning.run.exits import EXIT_STALLED, say
 from moe_lightning.run.heartbeat import PHASES, Heartbeat
 
@@ -158,54 +159,26 @@ class Judge:
 
 # ---- the report ------------------------------------------------------------------------------------------------
 
-def where(record: dict | None) -> str:
-    if record is None:
+def where(entry: dict) -> str:
+    coordinates = ", ".join(f"{k} {v}" for k, v in (entry.get("coordinates") or {}).items())
+    if "host" not in entry:
         return "no record"
-    coordinates = ", ".join(f"{k} {v}" for k, v in record.get("coordinates", {}).items())
-    return f"host {record['host']}, pid {record['pid']}" + (f"; {coordinates}" if coordinates else "")
+    return f"host {entry['host']}, pid {entry['pid']}" + (f"; {coordinates}" if coordinates else "")
 
 
-def doing(record: dict | None) -> str:
-    if record is None:
+def doing(entry: dict) -> str:
+    if "step" not in entry:
         return "never reported"
-    text = f"step {record['step']}, phase {record['phase']}"
-    collective = record.get("collective")
+    text = f"step {entry['step']}, phase {entry['phase']}"
+    collective = entry.get("collective")
     if collective:
         name = f"{collective['op']}({collective['dim']}) #{collective['seq']}"
         text += f", in {name}" if collective["state"] == "entered" else f", last finished {name}"
     return text
 
 
-def report_lines(verdict: Verdict, timeout_s: float, detected_by: int) -> list[str]:
-    seen, now = verdict.seen, verdict.at
-    lines = [f"stall detected by rank {detected_by}: no progress for {timeout_s:g} s (stall_timeout)"]
-    for rank, why in verdict.stalled:
-        s = seen[rank]
-        lines.append(f"  STALLED rank {rank} ({where(s.record)}): {doing(s.record)}; {why}; last progress "
-                     f"{now - s.progress_at:.0f} s ago")
-        waited = [seen[w].record for w in verdict.waiting if seen[w].record and seen[w].record.get("collective")]
-        mine = (s.record or {}).get("collective") or {}
-        missed = sorted({(c["op"], c["dim"], c["seq"]) for c in (r["collective"] for r in waited)
-                         if c["state"] == "entered" and c["seq"] > mine.get("seq", 0)})
-        if missed:
-            lines.append("    never entered " + ", ".join(f"{op}({dim}) #{seq}" for op, dim, seq in missed) +
-                         " that the others wait in")
-    if not verdict.stalled:
-        lines.append("  no rank is behind: every rank waits at the same point (a collective that never completes: "
-                     "network, driver)")
-    for rank in verdict.waiting:
-        lines.append(f"  waiting rank {rank} ({where(seen[rank].record)}): {doing(seen[rank].record)}")
-    hosts = stalled_hosts(verdict)
-    lines.append(f"every live rank exits with status {EXIT_STALLED}; --ckpt_path last resumes from the newest "
-                 f"complete checkpoint" + (f"; relaunch without {', '.join(hosts)}" if hosts else ""))
-    return lines
-
-
-def stalled_hosts(verdict: Verdict) -> list[str]:
-    return sorted({verdict.seen[r].record["host"] for r, _ in verdict.stalled if verdict.seen[r].record})
-
-
 def report_json(verdict: Verdict, timeout_s: float, detected_by: int) -> dict:
+    """The report as ``stall-report.json`` holds it (what ``report_lines`` and ``moe-lightning stalls`` print)."""
     seen, now = verdict.seen, verdict.at
 
     def entry(rank: int, why: str | None = None) -> dict:
@@ -215,10 +188,36 @@ def report_json(verdict: Verdict, timeout_s: float, detected_by: int) -> dict:
         out.pop("tick", None)
         return {**out, "why": why} if why else out
 
+    stalled = [entry(r, why) for r, why in verdict.stalled]
     return {"exit_status": EXIT_STALLED, "stall_timeout": timeout_s, "detected_by": detected_by,
-            "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "stalled": [entry(r, why) for r, why in verdict.stalled],
-            "waiting": [entry(r) for r in verdict.waiting], "exclude_hosts": stalled_hosts(verdict)}
+            "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "stalled": stalled,
+            "waiting": [entry(r) for r in verdict.waiting],
+            "exclude_hosts": sorted({e["host"] for e in stalled if "host" in e})}
+
+
+def report_lines(report: dict) -> list[str]:
+    """The printed report: each stalled rank (where, doing what, why, the collectives it never entered), then
+    what the others wait in, then the exit status and the hosts to leave out."""
+    lines = [f"stall detected by rank {report['detected_by']}: no progress for {report['stall_timeout']:g} s "
+             f"(stall_timeout)"]
+    waited = [w["collective"] for w in report["waiting"] if w.get("collective")]
+    for entry in report["stalled"]:
+        lines.append(f"  STALLED rank {entry['rank']} ({where(entry)}): {doing(entry)}; {entry['why']}; last "
+                     f"progress {entry['seconds_without_progress']:.0f} s ago")
+        mine = (entry.get("collective") or {}).get("seq", 0)
+        missed = sorted({(c["op"], c["dim"], c["seq"]) for c in waited if c["state"] == "entered" and c["seq"] > mine})
+        if missed:
+            lines.append("    never entered " + ", ".join(f"{op}({dim}) #{seq}" for op, dim, seq in missed) +
+                         " that the others wait in")
+    if not report["stalled"]:
+        lines.append("  no rank is behind: every rank waits at the same point (a collective that never completes: "
+                     "network, driver)")
+    for entry in report["waiting"]:
+        lines.append(f"  waiting rank {entry['rank']} ({where(entry)}): {doing(entry)}")
+    hosts = report["exclude_hosts"]
+    lines.append(f"every live rank exits with status {report['exit_status']}; --ckpt_path last resumes from the "
+                 f"newest complete checkpoint" + (f"; relaunch without {', '.join(hosts)}" if hosts else ""))
+    return lines
 
 
 # ---- the thread ------------------------------------------------------------------------------------------------
@@ -373,13 +372,13 @@ class StallWatchdog:
         return f"{getattr(self.store, 'host', '?')}:{getattr(self.store, 'port', '?')}"
 
     def _say_and_exit(self, verdict: Verdict, folder: Path | None) -> None:
-        lines = report_lines(verdict, self.timeout_s, self.rank)
+        report = report_json(verdict, self.timeout_s, self.rank)
+        lines = report_lines(report)
         if folder is not None:
             path = Path(folder) / REPORT_FILE
             try:
                 path.parent.mkdir(parents=True, exist_ok=True)
-                path.with_suffix(".tmp").write_text(json.dumps(report_json(verdict, self.timeout_s, self.rank),
-                                                               indent=1))
+                path.with_suffix(".tmp").write_text(json.dumps(report, indent=1))
                 os.replace(path.with_suffix(".tmp"), path)
                 lines.append(f"report: {path}")
             except OSError as error:
@@ -404,6 +403,10 @@ class StallWatchdog:
     def _end(self, stalled_records: list[dict | None]) -> None:
         """Exit with ``EXIT_STALLED``; a Lightning-spawned child exits 0, after killing the main process if that
         is the stalled one (see ``spawned_child``)."""
+        try:  # the last collectives every live rank saw, for `moe-lightning stalls` (when torch records them)
+            flight_recorder.dump(self.rank, self._report_dir() or Path("."))
+        except Exception as error:
+            say(f"[rank {self.rank}] no flight-recorder dump: {type(error).__name__}: {error}")
         if not self.spawned_child:
             self._kill_own_children(stalled_records)
             return self.exit(EXIT_STALLED)

@@ -70,7 +70,7 @@ def test_a_live_rank_stuck_outside_the_collective_the_others_wait_in_is_named_on
     verdict = judge.verdict(now=60)
     assert [rank for rank, _ in verdict.stalled] == [1] and verdict.waiting == [0]
     assert "training thread made no progress" in verdict.stalled[0][1]
-    lines = "\n".join(report_lines(verdict, 30, detected_by=0))
+    lines = "\n".join(report_lines(report_json(verdict, 30, detected_by=0)))
     assert "STALLED rank 1 (host node1, pid 101; replicate 0, shard 1, expert 1): step 3, phase data, last " \
            "finished all_to_all(expert) #8" in lines
     assert "never entered all_to_all(expert) #9 that the others wait in" in lines
@@ -89,7 +89,7 @@ def test_every_rank_waiting_in_the_same_collective_is_a_stall_with_nobody_behind
             judge.observe(rank, record(rank, tick=t, progress=5, collective=a2a(4)), now=t)
     verdict = judge.verdict(now=11)
     assert verdict.stalled == [] and verdict.waiting == [0, 1]
-    assert any("no rank is behind" in line for line in report_lines(verdict, 10, 0))
+    assert any("no rank is behind" in line for line in report_lines(report_json(verdict, 10, 0)))
 
 
 def test_nothing_is_judged_before_training_starts_or_after_a_rank_finished():
