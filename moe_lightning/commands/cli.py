@@ -36,6 +36,24 @@ from moe_lightning.training.callbacks.resume import resolve_last
 from moe_lightning.training.callbacks.run_folders import ReleaseLocks, allocate_run_folder, lock_run_folders
 
 
+
+TOKENIZER_FILE_HINTS = ("token", "vocab", "merges", ".model", "tiktoken", "spm")  # names tokenizer files carry
+
+
+def pretrained_tokenizer(pretrained: str | Path) -> str:
+    """The ``tokenizer.json`` of a pretrained folder, for a run that names no tokenizer. Without one (a Kimi K2
+    folder ships tiktoken files only) the data would fall back to byte ids, which are not the model's vocabulary:
+    refused, naming the tokenizer files the folder does hold."""
+    folder = Path(pretrained)
+    if (folder / "tokenizer.json").is_file():
+        return str(folder / "tokenizer.json")
+    found = sorted(p.name for p in folder.iterdir() if any(h in p.name.lower() for h in TOKENIZER_FILE_HINTS)) \
+        if folder.is_dir() else []
+    raise ValueError(f"model.pretrained={str(pretrained)!r} has no tokenizer.json (tokenizer files found: "
+                     f"{', '.join(found) or 'none'}), so the data would be byte ids, not this model's vocabulary: pass "
+                     f"--data.init_args.tokenizer=<the model's tokenizers JSON> (transformers' AutoTokenizer"
+                     f".from_pretrained(folder).save_pretrained(dir) writes one).")
+
 class SaveConfigBesideLogs(SaveConfigCallback):
     """Save the resolved config in the logger's folder; without a logger (or in ``fast_dev_run``) skip it
     rather than drop ``config.yaml`` into the working directory, where a second run would refuse to start."""
@@ -228,10 +246,8 @@ class MoECLI(LightningCLI):
             # validate/test/predict log beside the training runs (<name>-test/version_N), never as a new run folder
             logger_args.name = f"{logger_args.name or 'lightning_logs'}-{self.subcommand}"
         pretrained = config.get("model.init_args.pretrained")
-        tokenizer = Path(pretrained or "") / "tokenizer.json"
-        if pretrained and "data.init_args.tokenizer" in config and config.get("data.init_args.tokenizer") is None \
-                and tokenizer.is_file():
-            config["data.init_args.tokenizer"] = str(tokenizer)
+        if pretrained and "data.init_args.tokenizer" in config and config.get("data.init_args.tokenizer") is None:
+            config["data.init_args.tokenizer"] = pretrained_tokenizer(pretrained)
         check_gradient_clip(config.trainer)
         self._precision_defaulted = config.trainer.precision is None
         if self._precision_defaulted:

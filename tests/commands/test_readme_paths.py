@@ -12,6 +12,7 @@ import yaml
 
 from moe_lightning import hf
 from moe_lightning.commands import main as commands
+from moe_lightning.hf.tokenizer_files import byte_tokenizer_json
 
 from tests.commands.test_cli_imports import byte_run_checkpoint
 from tests.hf.test_mapping import build_reference
@@ -23,15 +24,18 @@ CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 def test_readme_fit_from_a_released_model_with_the_tiny_config(family, tmp_path, lightning_log):
     """``moe-lightning fit --config configs/tiny.yaml --model.init_args.pretrained <HF folder>``: tiny.yaml sizes a
     GQA model of dim 128; the folder's shape (dim 32, and MLA for DeepSeek-V3) replaces it, tiny's training
-    settings (max_seq_len 128) stay, and the log names every replaced field."""
+    settings (max_seq_len 128) stay, the folder's tokenizer.json is the data's, and the log names every replaced
+    field."""
     path = tmp_path / family
     build_reference(family).save_pretrained(path)
+    (path / "tokenizer.json").write_text(byte_tokenizer_json())  # a released folder ships its tokenizer
     run = commands.run(["fit", "--config", str(CONFIGS / "tiny.yaml"), "--model.init_args.pretrained", str(path),
                    "--trainer.max_steps=2", f"--trainer.logger.init_args.save_dir={tmp_path}",
                    "--data.init_args.batch_size=2", "--data.init_args.max_tokens=50000",
                    "--trainer.enable_progress_bar=false"])
     assert run.trainer.global_step == 2
     assert run.model.config.max_seq_len == 128  # tiny's training setting
+    assert run.datamodule.tokenizer_path == str(path / "tokenizer.json")
     shape = hf.load_config(path)
     assert run.model.config.dim == shape.dim == 32 and run.model.config.attention == shape.attention
     # tiny's training settings (max_seq_len, its balancing rate) apply; every other field is the checkpoint's
