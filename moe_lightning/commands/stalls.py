@@ -24,6 +24,14 @@ def newest_report(path: Path) -> Path | None:
     return found[-1] if found else None
 
 
+def dump_folder(report: Path | None, path: Path) -> Path | None:
+    """The watchdog's dumps beside the report, else the first flight-recorder folder under ``path`` (NCCL's own
+    dumps on its timeout, under the fit's root folder)."""
+    if report is not None and (report.parent / FOLDER).is_dir():
+        return report.parent / FOLDER
+    return next(iter(sorted(path.rglob(FOLDER))), None) if path.is_dir() else None
+
+
 def read_dumps(folder: Path) -> dict[int, dict]:
     """Every rank's flight-recorder dump in ``folder`` (``rank_<N>`` files), by rank."""
     dumps = {}
@@ -74,8 +82,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.hosts:
         print(",".join(report["exclude_hosts"]) if report else "")
         return
-    folder = path.parent if path is not None else args.path
-    dumps = read_dumps(folder / FOLDER)
+    found = dump_folder(path, args.path)
+    dumps = read_dumps(found) if found is not None else {}
     if report is None and not dumps:
         raise FileNotFoundError(f"no {REPORT_FILE} and no {FOLDER}/{PREFIX}<rank> dumps under {args.path}: "
                                 f"pass the folder of the run that stalled.")

@@ -30,13 +30,24 @@ def flight_recorder_env(run_folder: Path, environ=os.environ) -> dict[str, str]:
             "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
 
 
+def enable(run_folder: Path) -> dict[str, str]:
+    """Set ``flight_recorder_env``'s variables in this process (its ranks' process groups read them) and create
+    the dump folder; returns what was set."""
+    env = flight_recorder_env(run_folder)
+    if env:
+        (Path(run_folder) / FOLDER).mkdir(parents=True, exist_ok=True)
+        os.environ.update(env)
+    return env
+
+
 def recording(environ=os.environ) -> bool:
     return any(environ.get(name, "0") not in ("", "0") for name in BUFFER_VARS)
 
 
 def dump(rank: int, folder: Path) -> Path | None:
-    """Write this rank's recorder to ``folder/flight-recorder/rank_<rank>``; None when nothing records (or this
-    torch has no ``_dump_fr_trace``: torch 2.11's NCCL-only recorder dumps on NCCL's own timeout instead)."""
+    """Write this rank's recorder to ``folder/flight-recorder/rank_<rank>`` (beside the stall report); None when
+    nothing records (or this torch has no ``_dump_fr_trace``: torch 2.11's NCCL recorder dumps on NCCL's own
+    timeout, under ``TORCH_FR_DUMP_TEMP_FILE``, instead)."""
     if not recording():
         return None
     from torch._C import _distributed_c10d
@@ -44,8 +55,7 @@ def dump(rank: int, folder: Path) -> Path | None:
     write = getattr(_distributed_c10d, "_dump_fr_trace", None)
     if write is None:
         return None
-    path = Path(os.environ.get(FILE_VARS[0]) or os.environ.get(FILE_VARS[1]) or Path(folder) / FOLDER / PREFIX)
-    path = path.with_name(f"{path.name}{rank}")
+    path = Path(folder) / FOLDER / f"{PREFIX}{rank}"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(write())
     return path

@@ -14,12 +14,14 @@ from pathlib import Path
 
 import pytest
 
+from moe_lightning.commands.main import run
 from moe_lightning.run.exits import EXIT_STALLED
 from moe_lightning.run.watchdog import REPORT_FILE
+from moe_lightning.training.strategy import MoEFSDPStrategy
 from tests.training.test_preemption import PRINT_STEPS, finish, fit_command, launch, losses, step_of, \
     wait_for_line
 
-WATCHDOG = "--trainer.callbacks+=moe_lightning.training.callbacks.stall_watchdog.StallWatchdog"
+TIMEOUT = "--trainer.strategy.init_args.stall_timeout="  # MoEFSDPStrategy's: it adds the StallWatchdog callback
 STOP = "--trainer.callbacks+=tests.launchers.stall_helpers.StopAtStep"
 SMALL = ("--data.init_args.seq_len=32", "--data.init_args.batch_size=2", "--model.init_args.config.n_layers=2")
 GRACE_S = 30  # publishing, polling and the exit take seconds; this machine is shared and loaded
@@ -28,7 +30,7 @@ GRACE_S = 30  # publishing, polling and the exit take seconds; this machine is s
 def stalled_fit(tmp_path: Path, timeout_s: float, where: str, *extra: str, step: int = 3, rank: int = 1):
     """Run the fit until it ends; returns (exit status, output, seconds from the stop to the end, stopped pid)."""
     proc = launch(fit_command("tiny-fsdp.yaml", tmp_path, "--trainer.max_steps=60", *SMALL, PRINT_STEPS,
-                              WATCHDOG, f"--trainer.callbacks.timeout_s={timeout_s}",
+                              f"{TIMEOUT}{timeout_s}",
                               STOP, f"--trainer.callbacks.where={where}", f"--trainer.callbacks.step={step}",
                               f"--trainer.callbacks.rank={rank}", *extra), tmp_path)
     lines = wait_for_line(proc, "stopping rank")
@@ -54,9 +56,17 @@ def report(tmp_path: Path) -> dict:
     return json.loads(next(tmp_path.glob(f"tiny-fsdp/version_*/{REPORT_FILE}")).read_text())
 
 
-def test_a_rank_stopped_inside_the_expert_all_to_all_is_named_and_the_other_exits_with_the_stall_status(tmp_path):
+def test_a_bad_stall_timeout_is_refused_at_construction():
+    with pytest.raises(ValueError, match=r"^strategy\.stall_timeout=-5: .*0 turns the watchdog off"):
+        MoEFSDPStrategy(stall_timeout=-5)
+
+
+def test_a_rank_stopped_inside_the_expert_all_to_all_is_named_and_the_other_exits_with_the_stall_status(
+        tmp_path, monkeypatch, capsys):
     """Rank 1 SIGSTOPs itself right after launching its first expert all-to-all of step 3. Before: rank 0 waited
-    in gloo for the process group's 30 minutes, then failed naming nothing."""
+    in gloo for the process group's 30 minutes, then failed naming nothing. With torch's flight recorder on (gloo
+    records in torch 2.13), rank 0 dumps it beside the report, and ``moe-lightning stalls`` reads both."""
+    monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "2000")
     status, out, took, pid = stalled_fit(tmp_path, 15, "all_to_all")
     assert status == EXIT_STALLED, out[-3000:]
     assert took < 15 + GRACE_S, out[-3000:]
@@ -67,6 +77,10 @@ def test_a_rank_stopped_inside_the_expert_all_to_all_is_named_and_the_other_exit
     document = report(tmp_path)
     assert [(s["rank"], s["pid"], s["phase"]) for s in document["stalled"]] == [(1, pid, "forward")]
     assert document["stalled"][0]["collective"]["state"] == "entered"
+    run(["stalls", str(tmp_path)])
+    said = capsys.readouterr().out
+    assert f"pid {pid};" in said and "flight recorder (1 rank(s) dumped)" in said  # rank 1 never dumped
+    assert re.search(r"  \S+: rank 0 \(host .*\): gloo:all_to_all #\d+", said), said
 
 
 # ---- slow -------------------------------------------------------------------------------------------------------
@@ -137,8 +151,8 @@ def test_a_stopped_main_process_serving_the_store_is_named_by_the_child_which_en
 
 @pytest.mark.slow
 def test_sigterm_with_the_watchdog_on_saves_and_exits_143_as_without(tmp_path):
-    proc = launch(fit_command("tiny-fsdp.yaml", tmp_path, "--trainer.max_steps=40", *SMALL, PRINT_STEPS, WATCHDOG,
-                              "--trainer.callbacks.timeout_s=15"), tmp_path)
+    proc = launch(fit_command("tiny-fsdp.yaml", tmp_path, "--trainer.max_steps=40", *SMALL, PRINT_STEPS,
+                              f"{TIMEOUT}15"), tmp_path)
     wait_for_line(proc, "trained step 2")
     proc.send_signal(signal.SIGTERM)  # the main process only: rank 1 learns it from the flag all-reduce
     out = finish(proc)
