@@ -121,8 +121,10 @@ fi
 echo "start-up: $((SECONDS - start)) s (machine facts, preflight)" | tee -a "$report"
 failed=() rows=()
 
-children_cpu_s() {  # CPU seconds (user + system) of every child this shell has waited for
-    times | awk 'NR == 2 { s = 0; for (i = 1; i <= 2; i++) { split($i, t, "m"); s += t[1] * 60 + t[2] } printf "%d", s }'
+children_cpu_s() {  # CPU seconds (user + system) of every child this shell has waited for, into variable $1
+    times >"$logs/times"  # in this shell: a $(...) subshell would report its own children (none)
+    printf -v "$1" '%s' "$(awk 'NR == 2 { s = 0; for (i = 1; i <= 2; i++) { split($i, t, "m"); s += t[1] * 60 + t[2] }
+                               printf "%d", s }' "$logs/times")"
 }
 
 part() {  # part NAME BOX NEEDS_TRITON EXPANDABLE SCRIPT: run within min(BOX, budget left), record figure and outcome
@@ -135,14 +137,15 @@ part() {  # part NAME BOX NEEDS_TRITON EXPANDABLE SCRIPT: run within min(BOX, bu
     else
         ((box > left)) && box=$left
         echo "gpu_all: --- $name (time box ${box} s, $((SECONDS - start)) s elapsed) ---"
-        local t0=$SECONDS cpu0
-        cpu0=$(children_cpu_s)
+        local t0=$SECONDS cpu0 cpu1
+        children_cpu_s cpu0
         echo "=== $name (time box ${box} s) ===" >>"$out/gpu_all.log"
         ((expandable)) && allocator=expandable_segments:True
         PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-$allocator} GPU_ALL_BOX_S=$box timeout --kill-after=5 "$box" "$python" "$script" "${dry[@]}" 2>&1 | tee "$logs/$name.log" \
             | tee -a "$out/gpu_all.log"
         local rc=$? took=$((SECONDS - t0)) cpu
-        cpu=$(($(children_cpu_s) - cpu0))  # beside the wall time: on a shared machine the two part ways
+        children_cpu_s cpu1
+        cpu=$((cpu1 - cpu0))  # beside the wall time: on a shared machine the two part ways
         if ((rc == 0)); then outcome="ok in ${took} s (CPU ${cpu} s)"
         elif ((rc == 124 || rc == 137)); then outcome="TIMEOUT after ${box} s (CPU ${cpu} s)"; failed+=("$name:timeout")
         else outcome="FAILED (exit $rc) after ${took} s (CPU ${cpu} s)"; failed+=("$name:exit$rc"); fi

@@ -1,4 +1,4 @@
-"""Per-block ``torch.compile`` on one GPU against eager blocks: tokens/s of forward + backward, and what compiling costs.
+"""Per-block ``torch.compile`` on one GPU against eager blocks: forward + backward tokens/s, and what compiling costs.
 
     python benchmarks/gpu_compile.py             # one CUDA device, the recipe's blocks (a dense one, a MoE one)
     python benchmarks/gpu_compile.py --dry-run   # CPU, toy size, dynamo's "eager" backend (traces, no codegen)

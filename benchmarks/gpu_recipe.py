@@ -203,7 +203,8 @@ class Probe(L.Callback):
         tokens_per_s = spread([row["tokens_per_s"] for row in timed])
         achieved = spread([row["flops"] / row["step_s"] for row in timed])
         stats = self.device.memory_stats()
-        summary = {"device": self.device.name(), "model": self.describe_line, "routing": "as trained (no forced balance)",
+        summary = {"device": self.device.name(), "model": self.describe_line,
+                   "routing": "as trained (no forced balance)",
                    "timed_steps": [row["step"] for row in timed],
                    "step_s": spread([row["step_s"] for row in timed]),
                    "tokens_per_s": tokens_per_s,

@@ -15,7 +15,7 @@ by ``moe_lightning.planner.flops.parameter_counts``.
 
 The memory is ``--gpu-memory`` when given, else what ``torch.cuda.mem_get_info`` finds free on the device, else
 80 GiB (the H100 a lent machine most likely has). The other parts have one fixed shape each; their planned peak is
-printed too (``PART_PLANS``) and each refuses to start, in one line, where it would not fit.
+printed too (``FIXED``) and each refuses to start, in one line, where it would not fit.
 """
 
 import argparse
@@ -149,8 +149,9 @@ def fixed_shape(part: str) -> Shape:
                  planned_peak_bytes(config, seq_len, batch_size, **how))
 
 
-def recipe_config(dry_run: bool = False, blocks: int = RECIPE["n_layers"]) -> MoEConfig:
-    return MoEConfig(**(DRY if dry_run else dict(RECIPE, n_layers=blocks)))
+def recipe_config(dry_run: bool = False) -> MoEConfig:
+    """The recipe's largest model (its head dims are the parts' attention shape), or its toy-size dry run."""
+    return MoEConfig(**(DRY if dry_run else RECIPE))
 
 
 def packed_tokens(n: int, seq_len: int, vocab: int, eod: int, doc_len: int) -> torch.Tensor:

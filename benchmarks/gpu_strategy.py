@@ -1,7 +1,7 @@
 """MoEFSDPStrategy on the GPUs of one machine: tokens/s, MFU and allocator behaviour per variant.
 
     python benchmarks/gpu_strategy.py             # every variant in a fresh process, each in its own time box
-    python benchmarks/gpu_strategy.py --dry-run   # CPU, tiny shapes, every variant in this process (a test runs it)
+    python benchmarks/gpu_strategy.py --dry-run   # CPU, tiny shapes, the default variant in this process
 
 Each variant trains the same model (bf16 parameters, fp32 reduction and master weights, AdamW) on
 random tokens for ``--warmup`` + ``--steps`` optimizer steps (2 + 3; built on the meta device, so nothing is
@@ -150,7 +150,7 @@ def figure_line(results: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, all variants in this process")
+    parser.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, the default variant in this process")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--devices", type=int, default=None, help="GPUs to use (default: all visible)")
@@ -159,8 +159,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--peak-flops", type=float, default=None, help="override the GPU's bf16 peak FLOP/s")
     parser.add_argument("--variant", type=int, default=None, help=argparse.SUPPRESS)  # child process mode
     args = parser.parse_args(argv)
-    if args.dry_run:
-        results = [run_variant(v, DRY, 1, 1, args.peak_flops) for v in VARIANTS]
+    if args.dry_run:  # one process, as on one GPU: the default variant (the others change nothing at world size 1)
+        results = [run_variant(VARIANTS[0], DRY, 1, 1, args.peak_flops)]
         for result in results:
             print(json.dumps(result), flush=True)
         print(figure_line(results), flush=True)

@@ -27,7 +27,8 @@ FAKE_PYTHON = """#!/usr/bin/env bash
 # stand-in interpreter: "-" (the machine facts) prints a line; a part behaves as $BEHAVIOUR_<script name> says
 [[ $1 == - ]] && { cat >/dev/null; echo "torch fake"; exit 0; }
 name=$(basename "$1" .py)
-echo "{\\"part\\": \\"$name\\", \\"box_s\\": $GPU_ALL_BOX_S, \\"args\\": \\"${*:2}\\", \\"alloc\\": \\"${PYTORCH_CUDA_ALLOC_CONF:-}\\"}"
+alloc=${PYTORCH_CUDA_ALLOC_CONF:-}
+echo "{\\"part\\": \\"$name\\", \\"box_s\\": $GPU_ALL_BOX_S, \\"args\\": \\"${*:2}\\", \\"alloc\\": \\"$alloc\\"}"
 case $(printenv "BEHAVIOUR_$name") in
   fail) echo "{\\"part\\": \\"$name\\", \\"status\\": \\"failed\\"}"; exit 3 ;;
   hang) echo "figure: $name | early | t | PASS"; sleep 60 ;;
@@ -292,7 +293,8 @@ def test_gpu_attention_prints_its_figure_after_the_mla_shape_and_fails_on_a_rela
     lines = capsys.readouterr().out.splitlines()
     assert [line.split(":")[0] for line in lines] == ["mla", "figure", "gqa"]
     assert all("max relative diff 1.0" in line for line in (lines[0], lines[2]))  # the stand-in's 0.1 %
-    assert lines[1].startswith("figure: attention | MLA 2 x 96: FlexAttention + max scores ") and lines[1].endswith("| FAIL")
+    assert lines[1].startswith("figure: attention | MLA 2 x 96: FlexAttention + max scores ")
+    assert lines[1].endswith("| FAIL")
     assert calls and all(calls)
     big = torch.full((4,), 30.0)
     assert module.relative_diff(big + 0.125, big) == pytest.approx(0.125 / 30)
