@@ -158,9 +158,10 @@ class Probe(L.Callback):
         seconds = time.perf_counter() - self._start  # the timed window ends here: what follows is bookkeeping
         if self._profiler is not None:
             self._profiler.__exit__(None, None, None)
-            trace = self.trace_dir / "profiled_step.json"
+            trace = self.trace_dir / "profiled_step.json"  # hundreds of MB at full size: read once, then deleted
             self._profiler.export_chrome_trace(str(trace))
             self._profiler, self.sync_sites = None, sync_sites(load_trace(trace))
+            trace.unlink()
             print(json.dumps({"host_syncs_profiled_step": len(self.sync_sites),
                               "sites": {s: self.sync_sites.count(s) for s in sorted(set(self.sync_sites))}}),
                   flush=True)
@@ -296,20 +297,20 @@ def main(argv: list[str] | None = None, device: Device | None = None) -> dict | 
     gemm = gemm_ceiling(device) if cuda else gemm_ceiling(device, n=256, runs=3)
     print(json.dumps({"gemm_ceiling_tflops": round(gemm / 1e12, 3)}), flush=True)
     offload = TimedOffload(prefetch=1, min_offload_bytes=1 << 20 if cuda else 0)
-    trace_dir = Path(tempfile.mkdtemp(prefix="gpu_recipe_"))
-    probe = Probe(config, offload, device, gemm if cuda else None, line, trace_dir)
-    strategy = MoEFSDPStrategy(meta_init=True, cpu_offload=False)
-    trainer = L.Trainer(accelerator="cuda" if cuda else "cpu", devices=1, strategy=strategy,
-                        precision="bf16-mixed" if cuda else "32-true", max_steps=STEPS, gradient_clip_val=1.0,
-                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
-                        callbacks=[offload, QKClip(threshold=100.0), probe])
     optimizer = partial(Muon, lr=0.02, adjust_lr_fn="original", adamw_lr=3e-3, momentum=0.95,
                         ns_device="cuda" if cuda else None)
     module = MoELanguageModel(config, optimizer=optimizer, loss_chunk_size=LOSS_CHUNK if cuda else 32)
     torch.manual_seed(0)
     tokens = packed_tokens(STEPS * batch_size, seq_len, config.vocab_size, config.eod_token_id, doc_len)
-    trainer.fit(module, DataLoader(tokens, batch_size=batch_size))
+    with tempfile.TemporaryDirectory(prefix="gpu_recipe_") as trace_dir:
+        probe = Probe(config, offload, device, gemm if cuda else None, line, Path(trace_dir))
+        trainer = L.Trainer(accelerator="cuda" if cuda else "cpu", devices=1,
+                            strategy=MoEFSDPStrategy(meta_init=True, cpu_offload=False),
+                            precision="bf16-mixed" if cuda else "32-true", max_steps=STEPS, gradient_clip_val=1.0,
+                            logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                            enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
+                            callbacks=[offload, QKClip(threshold=100.0), probe])
+        trainer.fit(module, DataLoader(tokens, batch_size=batch_size))
     return probe.summary
 
 
