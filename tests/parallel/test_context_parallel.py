@@ -230,3 +230,52 @@ def test_a_truncated_shards_positions_are_counted_without_reading_the_device(siz
                 got = shard.truncated(S, length).positions(length, torch.device("cpu"))
             assert got.tolist() == [p for p in everything.tolist() if p < length]
     assert ScalarReads.reads == 0
+
+
+def test_multi_token_prediction_under_a_shard_reads_nothing_back_from_the_device():
+    """The whole MTP forward and backward as rank 0 of a CP 2 group (the exchange stood in for by a local copy: its
+    values do not matter here) makes exactly the host reads of the one-rank model: none of its own. Before, each
+    depth read its position count back (``int((positions < length).sum())``): 6 reads at 3 depths counted here,
+    and the loss's targets of each depth one more."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from moe_lightning.model import MoEConfig, MoETransformer
+    from moe_lightning.parallel.context_parallel import ContextParallelShard
+
+    class LocalPair(ContextParallelShard):  # rank 0 of 2; its "other rank" holds a copy of its rows
+        def __init__(self):
+            self.size, self.rank = 2, 0
+
+        def gather(self, *key_side_BS):
+            return tuple(torch.cat([x, x], dim=1) for x in key_side_BS)
+
+        def sum_over_sequence(self, sums_BX):
+            return sums_BX
+
+    class ScalarReads(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.reads = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.reads += func is torch.ops.aten._local_scalar_dense.default
+            return func(*args, **(kwargs or {}))
+
+    config = MoEConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, max_seq_len=32, ffn_hidden=48, n_dense_layers=1,
+                       num_experts=4, top_k=2, expert_hidden=16, attention="mla", q_lora_rank=0, kv_lora_rank=12,
+                       qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, mtp_layers=3, document_masking=True,
+                       eod_token_id=3, init_std=0.3)
+    tokens_BS = torch.randint(4, 64, (2, 32), generator=torch.Generator().manual_seed(0))
+    tokens_BS[:, [9, 20]] = 3
+    reads = {}
+    for name in ("one rank", "CP 2"):
+        torch.manual_seed(0)
+        model = MoETransformer(config)
+        if name == "CP 2":
+            model.sequence_shard = LocalPair()
+        with ScalarReads() as counter:
+            hidden = model(tokens_BS, return_hidden=True, mtp=True)
+            sum((h * torch.linspace(-1, 1, h.numel()).view_as(h)).sum() for h in hidden).backward()
+        reads[name] = counter.reads
+        assert [h.shape[1] for h in hidden] == ([32, 31, 30, 29] if name == "one rank" else [16, 15, 14, 13])  # rank 0 of 2: chunks 0 and 3
+    assert reads["CP 2"] == reads["one rank"]
