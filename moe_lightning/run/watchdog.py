@@ -259,6 +259,8 @@ class StallWatchdog:
         self.heartbeat, self.rank, self.world_size, self.timeout_s = heartbeat, rank, world_size, timeout_s
         self.poll_s = poll_interval(timeout_s)
         self.publish_s = min(1.0, self.poll_s / 4)  # a stalled rank's last record is at most this old
+        self.io_timeout_s = max(1.0, 2 * self.poll_s)  # a store call taking longer counts as no answer
+        self._stuck: threading.Thread | None = None  # a store call that never returned
         self.identity = {"host": socket.gethostname(), "pid": os.getpid(), **(identity or {})}
         self.report_dir, self.spawned_child, self.exit = report_dir, spawned_child, exit
         self.store, self.prefix = store, f"{PREFIX}/{generation}"
@@ -276,7 +278,7 @@ class StallWatchdog:
 
     def start(self) -> "StallWatchdog":
         if self.store is None:
-            self.store = side_store(max(1.0, 2 * self.poll_s))
+            self.store = side_store(60.0)  # generous for connecting; each call is bounded by ``_io`` instead
         self.store.set(self.key(f"rank/{self.rank}"), self.record())
         if self.rank in watchers(self.world_size):
             self.judge = Judge(self.world_size, self.timeout_s, time.monotonic(), tick_s=self.poll_s)
@@ -292,12 +294,36 @@ class StallWatchdog:
         self._thread.join()
         self._thread = None
         try:
-            self.store.set(self.key(f"rank/{self.rank}"), self.record(stopped=True))
+            self._io(lambda: self.store.set(self.key(f"rank/{self.rank}"), self.record(stopped=True)))
         except Exception:  # the store's host has gone: nobody is left to judge
             pass
 
     def publish_report_dir(self, folder: Path) -> None:
-        self.store.set(self.key("report_dir"), str(folder))
+        self._io(lambda: self.store.set(self.key("report_dir"), str(folder)))
+
+    def _io(self, call: Callable[[], object]):
+        """``call()`` (store operations) within ``io_timeout_s``, else ``TimeoutError``: a TCPStore client waits
+        without end for a server whose process is stopped (measured: ``check`` still blocked after 100 s with a
+        3 s client timeout), so every call runs in a thread of its own that this one stops waiting for."""
+        if self._stuck is not None and self._stuck.is_alive():
+            raise TimeoutError("an earlier store call has not returned")
+        result: dict = {}
+
+        def run() -> None:
+            try:
+                result["value"] = call()
+            except Exception as error:
+                result["error"] = error
+
+        thread = threading.Thread(target=run, name="stall-watchdog-store", daemon=True)
+        thread.start()
+        thread.join(self.io_timeout_s)
+        if thread.is_alive():
+            self._stuck = thread
+            raise TimeoutError(f"the store did not answer within {self.io_timeout_s:g} s")
+        if "error" in result:
+            raise result["error"]
+        return result.get("value")
 
     def _run(self) -> None:
         """Publish as soon as the training thread has progressed (at most every ``publish_s``) and every
@@ -310,14 +336,12 @@ class StallWatchdog:
                 continue
             try:
                 self.tick += 1
-                self.store.set(self.key(f"rank/{self.rank}"), self.record())
-                published, verdict = progress, None
+                summary, verdict = self._io(lambda: self._exchange(polling, now))
+                published, unreachable_since = progress, None
                 if polling:
                     next_poll = now + self.poll_s
-                    if self.store.check([self.key("verdict")]):
-                        return self._follow(json.loads(self.store.get(self.key("verdict"))))
-                    verdict = self._read_and_judge(now)
-                unreachable_since = None
+                if summary is not None:
+                    return self._follow(summary)
             except Exception as error:  # the store does not answer (its host stopped) or fails
                 unreachable_since = unreachable_since or now
                 if now - unreachable_since >= self.timeout_s:
@@ -325,6 +349,15 @@ class StallWatchdog:
                 continue
             if verdict is not None:
                 return self._report(verdict)
+
+    def _exchange(self, polling: bool, now: float) -> tuple[dict | None, Verdict | None]:
+        """Publish this rank's record; when polling, the verdict stored by another rank, or this watcher's own."""
+        self.store.set(self.key(f"rank/{self.rank}"), self.record())
+        if not polling:
+            return None, None
+        if self.store.check([self.key("verdict")]):
+            return json.loads(self.store.get(self.key("verdict"))), None
+        return None, self._read_and_judge(now)
 
     def _read_and_judge(self, now: float) -> Verdict | None:
         if self.judge is None:
@@ -338,7 +371,7 @@ class StallWatchdog:
     def _report(self, verdict: Verdict) -> None:
         summary = json.dumps({"by": self.rank, "stalled": [r for r, _ in verdict.stalled]}).encode()
         try:
-            current = self.store.compare_set(self.key("verdict"), b"", summary)
+            current = self._io(lambda: self.store.compare_set(self.key("verdict"), b"", summary))
         except Exception:  # the store failed just now: report from what was read
             current = summary
         if bytes(current) != summary:  # another watcher's report came first
@@ -347,8 +380,8 @@ class StallWatchdog:
 
     def _report_dir(self) -> Path | None:
         try:
-            if self.store.check([self.key("report_dir")]):
-                return Path(self.store.get(self.key("report_dir")).decode())
+            if self._io(lambda: self.store.check([self.key("report_dir")])):
+                return Path(self._io(lambda: self.store.get(self.key("report_dir"))).decode())
         except Exception:
             pass
         return self.report_dir

@@ -10,6 +10,7 @@ import subprocess
 import time
 from pathlib import Path
 
+import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 
 from moe_lightning.parallel import expert_parallel
@@ -33,8 +34,9 @@ def children() -> list[int]:
 
 class StopAtStep(Callback):
     """Rank ``rank`` stops itself when optimizer step ``step`` reaches ``where``: ``batch_start`` (the forward's
-    start), ``all_to_all`` (its first expert all-to-all of the step), ``save`` (inside the checkpoint save, after its
-    state is gathered), or ``data_worker`` (its data-loader worker is stopped instead, the rank itself runs on)."""
+    start), ``all_to_all`` (its first expert all-to-all of the step), ``reduce_scatter`` (its first FSDP gradient
+    reduce-scatter), ``save`` (inside the checkpoint save, after its state is gathered), or ``data_worker`` (its
+    data-loader worker is stopped instead, the rank itself runs on)."""
 
     def __init__(self, step: int = 3, rank: int = 1, where: str = "batch_start", seconds: float | None = None):
         self.step, self.rank, self.where, self.seconds = step, rank, where, seconds
@@ -59,6 +61,18 @@ class StopAtStep(Callback):
                 stop_here(self.rank, "all_to_all", self.seconds)
 
             expert_parallel._Exchange.launch = launch_then_stop
+        elif self.where == "reduce_scatter":  # FSDP2's gradient reduce-scatter (reduce_scatter_single in 2.13)
+            self.armed = False
+            name = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
+            issue = getattr(dist, name)
+
+            def issue_then_stop(*args, **kwargs):
+                setattr(dist, name, issue)
+                work = issue(*args, **kwargs)
+                stop_here(self.rank, "reduce_scatter", self.seconds)
+                return work
+
+            setattr(dist, name, issue_then_stop)
         elif self.where == "data_worker":
             self.armed = False
             for pid in children():  # the data-loader workers: this rank's only child processes

@@ -122,8 +122,7 @@ def test_a_rank_stopped_inside_a_checkpoint_save_leaves_the_previous_checkpoint_
     status, out, took, pid = stalled_fit(tmp_path, 15, "save", *saves, step=4)
     assert status == EXIT_STALLED and took < 15 + GRACE_S, out[-3000:]
     assert "phase checkpoint" in next(line for line in out.splitlines() if "STALLED rank 1" in line)
-    complete = sorted(p.name for p in folder.iterdir() if not p.name.endswith((".partial", ".old")))
-    assert complete == ["epoch=0-step=2.ckpt"], sorted(p.name for p in folder.iterdir())
+    assert sorted(p.name for p in folder.glob("*.ckpt*")) == ["epoch=0-step=2.ckpt"]  # no step 4, whole or not
     relaunch = launch(fit_command("tiny-fsdp.yaml", tmp_path, "--trainer.max_steps=5", *SMALL, "--ckpt_path=last",
                                   *saves), tmp_path)
     out = finish(relaunch)
@@ -158,3 +157,21 @@ def test_sigterm_with_the_watchdog_on_saves_and_exits_143_as_without(tmp_path):
     out = finish(proc)
     assert proc.returncode == 128 + signal.SIGTERM, out[-3000:]
     assert "preempted at step" in out and "stall" not in out.lower().replace("stallwatchdog", "")
+
+
+@pytest.mark.slow
+def test_a_rank_stopped_inside_an_fsdp_reduce_scatter_is_named_in_its_backward(tmp_path):
+    status, out, took, pid = stalled_fit(tmp_path, 15, "reduce_scatter")
+    assert status == EXIT_STALLED and took < 15 + GRACE_S, out[-3000:]
+    line = next(line for line in out.splitlines() if "STALLED rank 1" in line)
+    assert f"pid {pid};" in line and "step 3, phase backward" in line
+
+
+@pytest.mark.slow
+def test_on_four_ranks_the_stopped_one_is_named_with_its_mesh_coordinates(tmp_path):
+    """4 gloo processes, EP 2 inside a shard group of 4: rank 2 is expert rank 0 of expert-shard 1."""
+    status, out, took, pid = stalled_fit(tmp_path, 20, "all_to_all", "--trainer.devices=4", rank=2)
+    assert status == EXIT_STALLED and took < 20 + GRACE_S, out[-3000:]
+    line = next(line for line in out.splitlines() if "STALLED rank 2" in line)
+    assert f"pid {pid}; replicate 0, shard 2," in line and ", expert 0, expert_shard 1" in line
+    assert out.count("waiting rank") == 3
