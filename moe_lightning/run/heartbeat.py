@@ -1,7 +1,7 @@
 """What this rank's training thread is doing, kept in memory for the stall watchdog (``run/watchdog.py``).
 
 The training thread only assigns a few attributes (no I/O, no lock, no collective): its step, its phase (data,
-forward, backward, optimizer, checkpoint, validation) and the last collective it entered or finished (operation, the
+validation, checkpoint, forward, backward, optimizer) and the last collective it entered or finished (operation, the
 mesh dimension's name, sequence number). Every change bumps ``progress``; the watchdog thread publishes a snapshot
 through the rendezvous store, where the other ranks' watchdogs read it. A SIGSTOPped process stops both threads, so
 its published ``tick`` stops too; a rank stuck in its own code (a data-loader worker that never answers) keeps
@@ -14,8 +14,10 @@ heartbeat is active, as in a single process), so they need no handle on the watc
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-PHASES = ("start", "data", "forward", "backward", "optimizer", "checkpoint", "validation")
-"""A step's phases in the order a rank passes them (``start``: before the first training batch)."""
+PHASES = ("start", "data", "validation", "checkpoint", "forward", "backward", "optimizer")
+"""The phases of one heartbeat step in the order a rank passes them: the step counts up when an optimizer step ends,
+so a validation and a save at that boundary belong to the next step, before its forward (``start``: before the
+first training batch). The watchdog compares ranks in this order."""
 
 
 def unnamed_group(group) -> str:

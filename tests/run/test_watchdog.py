@@ -183,3 +183,14 @@ def test_once_all_are_idle_a_rank_that_stopped_answering_is_named_though_at_the_
     verdict = judge.verdict(now=30)
     assert [rank for rank, _ in verdict.stalled] == [1] and verdict.waiting == [0]
     assert verdict.stalled[0][1].startswith("its process has not answered for 28 s")
+
+
+def test_a_rank_still_saving_is_behind_one_that_saved_and_went_on():
+    """A save at a step boundary belongs to the next step, before its forward: the rank whose process answers but
+    whose save hangs (a filesystem) is the one named, not the rank waiting in the next forward."""
+    judge = Judge(2, timeout_s=10, now=0, tick_s=1)
+    for t in range(0, 12):
+        judge.observe(0, record(0, tick=t, progress=9, step=5, phase="forward"), now=t)
+        judge.observe(1, record(1, tick=t, progress=7, step=5, phase="checkpoint"), now=t)
+    verdict = judge.verdict(now=11)
+    assert [rank for rank, _ in verdict.stalled] == [1] and verdict.waiting == [0]
