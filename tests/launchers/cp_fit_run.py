@@ -6,15 +6,13 @@ Documents end at the newline byte (``--docs``), so every 32-token sequence holds
 Launched by tests/training/test_context_parallel_fit.py.
 """
 
-import argparse
 import json
 import os
 from functools import partial
 from pathlib import Path
 
-import lightning as L
 import torch
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.callbacks import Callback
 
 from moe_lightning import MoEConfig, MoELanguageModel, TextDataModule
 from moe_lightning.optim import Muon, WarmupCosineLR
@@ -24,6 +22,7 @@ from moe_lightning.training.lightning_internals import optimizer_step_ends
 from moe_lightning.training.strategy import MoEFSDPStrategy
 from tests.launchers.strategy_run import TINY, Record
 from tests.support.collectives import CollectiveCounter
+from tests.support.fit_launcher import cpu_trainer, fit_arguments, parse
 
 # O(1) activations (init 0.2, not 0.02) so attention is far from uniform and the logits clip at the threshold below
 SHAPE = {**TINY, "init_std": 0.2, "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 8, "v_head_dim": 8,
@@ -47,7 +46,7 @@ class StepState(Callback):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = fit_arguments(max_steps=3, checkpoints=True)
     parser.add_argument("--cp", type=int, default=1)
     parser.add_argument("--ep", type=int, default=1)
     parser.add_argument("--chunks", type=int, default=1, help="ep_overlap_chunks")
@@ -60,16 +59,9 @@ def main() -> None:
     parser.add_argument("--cpu-offload", action="store_true", help="cpu_offload=True (FSDP)")
     parser.add_argument("--batch-size", type=int, default=2, help="sequences per data replica")
     parser.add_argument("--accumulate", type=int, default=1)
-    parser.add_argument("--max-steps", type=int, default=3)
     parser.add_argument("--config", default="{}", help="JSON overrides of the model config")
-    parser.add_argument("--ckpt-dir", default=None)
-    parser.add_argument("--resume", default=None)
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args()
+    args = parse(parser)
 
-    torch.set_num_threads(1)
-    L.seed_everything(0, verbose=False)
-    devices = int(os.environ.get("WORLD_SIZE", "1"))
     strategy = MoEFSDPStrategy(context_parallel_size=args.cp, expert_parallel_size=args.ep,
                                ep_overlap_chunks=args.chunks, dispatch_dtype=args.dispatch_dtype,
                                cpu_offload=args.cpu_offload)
@@ -80,14 +72,8 @@ def main() -> None:
     callbacks = [c for c in (qk_clip, record, state) if c is not None]
     if args.offload_activations:
         callbacks.append(ActivationOffload(min_offload_bytes=0))
-    if args.ckpt_dir:
-        callbacks.append(ModelCheckpoint(dirpath=args.ckpt_dir, filename="{step}", every_n_train_steps=2,
-                                         save_top_k=-1))
-    trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=args.max_steps,
-                        accumulate_grad_batches=args.accumulate, limit_val_batches=0, num_sanity_val_steps=0,
-                        logger=False, enable_progress_bar=False, enable_model_summary=False,
-                        enable_checkpointing=bool(args.ckpt_dir), callbacks=callbacks, precision="32-true",
-                        gradient_clip_val=1.0)
+    trainer = cpu_trainer(strategy, callbacks, args.max_steps, args.ckpt_dir,
+                          accumulate_grad_batches=args.accumulate, gradient_clip_val=1.0)
     config = MoEConfig(**{**SHAPE, "attention": args.attention, "document_masking": args.docs,
                           **json.loads(args.config)})
     optimizer = partial(Muon, lr=1e-2, ns_dtype="float32") if args.muon else partial(torch.optim.AdamW, lr=1e-2, betas=(0.9, 0.95))

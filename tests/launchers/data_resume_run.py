@@ -4,19 +4,18 @@ Each rank writes ``<out>.rank<r>.json``: per step the world-mean loss and the se
 ``--kill-at-step`` ends every rank with SIGKILL after that step (the last checkpoint is the one before it).
 """
 
-import argparse
 import json
 import os
 import signal
 from functools import partial
 from pathlib import Path
 
-import lightning as L
 import torch
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.callbacks import Callback
 
 from moe_lightning import MoEConfig, MoELanguageModel, TextDataModule
 from moe_lightning.training.strategy import MoEFSDPStrategy
+from tests.support.fit_launcher import cpu_trainer, fit_arguments, parse
 
 TINY = dict(vocab_size=260, dim=32, n_layers=2, n_heads=2, n_kv_heads=1, ffn_hidden=64, n_dense_layers=1,
             num_experts=4, top_k=2, expert_hidden=32, max_seq_len=16)
@@ -38,27 +37,16 @@ class Record(Callback):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = fit_arguments(max_steps=6, checkpoints=True)
     parser.add_argument("--source", required=True, help="data.source as JSON")
     parser.add_argument("--batch-size", type=int, default=2)
-    parser.add_argument("--max-steps", type=int, default=6)
     parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--ckpt-dir", default=None)
-    parser.add_argument("--resume", default=None)
     parser.add_argument("--kill-at-step", type=int, default=-1)
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args()
+    args = parse(parser)
 
-    torch.set_num_threads(1)
-    L.seed_everything(0, verbose=False)
     rank = int(os.environ.get("RANK", "0"))
     record = Record(Path(f"{args.out}.rank{rank}.json"), args.kill_at_step)
-    callbacks = [record] + ([ModelCheckpoint(dirpath=args.ckpt_dir, filename="{step}", every_n_train_steps=2,
-                                             save_top_k=-1)] if args.ckpt_dir else [])
-    trainer = L.Trainer(accelerator="cpu", devices=int(os.environ.get("WORLD_SIZE", "1")), strategy=MoEFSDPStrategy(),
-                        max_steps=args.max_steps, limit_val_batches=0, num_sanity_val_steps=0, logger=False,
-                        enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
-                        enable_checkpointing=bool(args.ckpt_dir), precision="32-true")
+    trainer = cpu_trainer(MoEFSDPStrategy(), [record], args.max_steps, args.ckpt_dir)
     model = MoELanguageModel(MoEConfig(**TINY), optimizer=partial(torch.optim.AdamW, lr=1e-2))
     data = TextDataModule(json.loads(args.source), seq_len=16, batch_size=args.batch_size, num_workers=args.workers)
     trainer.fit(model, data, ckpt_path=args.resume)

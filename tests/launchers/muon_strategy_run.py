@@ -1,20 +1,17 @@
 """A few Muon training steps through Lightning (one process, or MoEFSDPStrategy ranks); rank 0 writes the
 world-mean loss of every step as JSON. Launched by tests/optim/test_flexshard.py."""
 
-import argparse
 import json
 import os
 from functools import partial
 from pathlib import Path
 
-import lightning as L
-import torch
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.callbacks import Callback
 
 from moe_lightning import MoEConfig, MoELanguageModel, TextDataModule
 from moe_lightning.optim import Muon, WarmupCosineLR
-from moe_lightning.training.strategy import MoEFSDPStrategy
 from tests.launchers.strategy_run import TINY
+from tests.support.fit_launcher import cpu_trainer, fit_arguments, fsdp_or_single, parse, world_size
 
 
 class Losses(Callback):
@@ -28,28 +25,14 @@ class Losses(Callback):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = fit_arguments(max_steps=4, checkpoints=True)
     parser.add_argument("--ep", type=int, default=0, help="0: one process without a strategy")
-    parser.add_argument("--max-steps", type=int, default=4)
-    parser.add_argument("--ckpt-dir", default=None)
-    parser.add_argument("--resume", default=None)
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args()
-    torch.set_num_threads(1)
-    L.seed_everything(0, verbose=False)
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    strategy = MoEFSDPStrategy(expert_parallel_size=args.ep) if args.ep else "auto"
-    callbacks = [Losses(Path(args.out))]
-    if args.ckpt_dir:
-        callbacks.append(ModelCheckpoint(dirpath=args.ckpt_dir, filename="{step}", every_n_train_steps=2,
-                                         save_top_k=-1))
-    trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=args.max_steps,
-                        limit_val_batches=0, num_sanity_val_steps=0, logger=False, enable_progress_bar=False,
-                        enable_model_summary=False, enable_checkpointing=bool(args.ckpt_dir), callbacks=callbacks,
-                        precision="32-true")
+    args = parse(parser)
+    strategy = fsdp_or_single(not args.ep, expert_parallel_size=args.ep)
+    trainer = cpu_trainer(strategy, [Losses(Path(args.out))], args.max_steps, args.ckpt_dir)
     model = MoELanguageModel(MoEConfig(**TINY), optimizer=partial(Muon, lr=1e-2),
                              lr_scheduler=partial(WarmupCosineLR, warmup_steps=2))
-    data = TextDataModule(source=os.__file__, seq_len=32, batch_size=4 // world, val_fraction=0.05)
+    data = TextDataModule(source=os.__file__, seq_len=32, batch_size=4 // world_size(), val_fraction=0.05)
     trainer.fit(model, data, ckpt_path=args.resume)
 
 

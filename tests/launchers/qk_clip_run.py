@@ -3,14 +3,12 @@ every step's combined max logits and clip factors, the final full query/key weig
 between its own rows after one more clip and a float64 reference of that clip. Launched by
 tests/training/test_qk_clip.py."""
 
-import argparse
 import json
 import os
 import re
 from functools import partial
 from pathlib import Path
 
-import lightning as L
 import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
@@ -20,7 +18,7 @@ from moe_lightning import MoEConfig, MoELanguageModel, TextDataModule
 from moe_lightning.training.callbacks import ActivationOffload, QKClip
 from moe_lightning.training.callbacks.qk_clip import attention_modules, clip_qk_
 from moe_lightning.optim import Muon
-from moe_lightning.training.strategy import MoEFSDPStrategy
+from tests.support.fit_launcher import cpu_trainer, fit_arguments, fsdp_or_single, parse, world_size
 
 # Odd row counts (wq: 3 heads x 9 = 27, wkv_b: 3 x (5 + 6) = 33): the two ranks' shards are uneven.
 MLA = dict(vocab_size=320, dim=48, n_layers=3, n_heads=3, max_seq_len=32, ffn_hidden=96, n_dense_layers=1,
@@ -42,21 +40,16 @@ class Steps(Callback):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = fit_arguments()
     parser.add_argument("--ep", type=int, default=0, help="0: one process without a strategy")
     parser.add_argument("--offload", action="store_true")
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args()
-    torch.set_num_threads(1)
-    L.seed_everything(0, verbose=False)
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    args = parse(parser)
+    world = world_size()
     qk_clip = QKClip(threshold=THRESHOLD)
     steps = Steps(qk_clip)
     callbacks = [qk_clip, steps] + ([ActivationOffload(min_offload_bytes=0)] if args.offload else [])
-    trainer = L.Trainer(accelerator="cpu", devices=world, strategy=MoEFSDPStrategy(expert_parallel_size=args.ep)
-                        if args.ep else "auto", max_steps=4, accumulate_grad_batches=2, limit_val_batches=0,
-                        num_sanity_val_steps=0, logger=False, enable_progress_bar=False, enable_model_summary=False,
-                        enable_checkpointing=False, callbacks=callbacks, precision="32-true")
+    trainer = cpu_trainer(fsdp_or_single(not args.ep, expert_parallel_size=args.ep), callbacks, max_steps=4,
+                          accumulate_grad_batches=2)
     model = MoELanguageModel(MoEConfig(**MLA), optimizer=partial(Muon, lr=0.05, adamw_lr=0.01))
     trainer.fit(model, TextDataModule(source=os.__file__, seq_len=32, batch_size=4 // world, val_fraction=0.05))
     weights = full_qk_weights(model)

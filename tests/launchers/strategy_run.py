@@ -5,7 +5,6 @@ and how often gradient clipping read a tensor back to the host.
 ``--strategy single`` is the one-process reference (Lightning's default single-device strategy).
 """
 
-import argparse
 import json
 import os
 import signal
@@ -14,15 +13,14 @@ from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
 
-import lightning as L
 import torch
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.callbacks import Callback
 
 from moe_lightning import MoEConfig, MoELanguageModel, TextDataModule
 from moe_lightning.checkpoint.sharded import ShardedCheckpointer
 from moe_lightning.optim import WarmupCosineLR
-from moe_lightning.training.strategy import MoEFSDPStrategy
 from tests.support.collectives import CollectiveCounter
+from tests.support.fit_launcher import cpu_trainer, fit_arguments, fsdp_or_single, parse
 
 TINY = dict(vocab_size=320, dim=64, n_layers=3, n_heads=4, n_kv_heads=2, max_seq_len=32, ffn_hidden=128,
             n_dense_layers=1, num_experts=4, top_k=2, expert_hidden=64, n_shared_experts=1)
@@ -133,16 +131,13 @@ class KillWhileWriting(ShardedCheckpointer):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = fit_arguments(max_steps=4, checkpoints=True)
     parser.add_argument("--strategy", choices=["single", "fsdp"], default="fsdp")
     parser.add_argument("--replicate", type=int, default=1)
     parser.add_argument("--ep", type=int, default=1)
     parser.add_argument("--batch-size", type=int, default=2)
     parser.add_argument("--accumulate", type=int, default=1)
-    parser.add_argument("--max-steps", type=int, default=4)
-    parser.add_argument("--ckpt-dir", default=None)
     parser.add_argument("--every", type=int, default=2)
-    parser.add_argument("--resume", default=None)
     parser.add_argument("--no-save-last", action="store_true", help="ModelCheckpoint(save_last=False)")
     parser.add_argument("--kill-at-save", type=int, default=0)
     parser.add_argument("--prefetch", type=int, default=1)
@@ -155,34 +150,21 @@ def main() -> None:
     parser.add_argument("--clip", type=float, default=None, help="gradient_clip_val")
     parser.add_argument("--config", default="{}", help="JSON overrides of the tiny MoEConfig")
     parser.add_argument("--loss-chunk", type=int, default=None, help="MoELanguageModel(loss_chunk_size=...)")
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args()
+    args = parse(parser)
 
-    torch.set_num_threads(1)
-    L.seed_everything(0, verbose=False)
-    devices = int(os.environ.get("WORLD_SIZE", "1"))
-    if args.strategy == "single":
-        strategy = "auto"
-    else:
-        kwargs = dict(replicate_size=args.replicate, expert_parallel_size=args.ep, prefetch_depth=args.prefetch,
-                      cpu_offload=args.offload, reshard_after_forward=not args.keep_gathered,
-                      unshard_async_op=args.async_op, meta_init=args.meta_init, async_checkpoint=args.async_checkpoint)
-        strategy = MoEFSDPStrategy(**kwargs)
-        if args.kill_at_save:
-            strategy.checkpointer = KillWhileWriting(args.kill_at_save)
+    strategy = fsdp_or_single(args.strategy == "single", replicate_size=args.replicate, expert_parallel_size=args.ep,
+                              prefetch_depth=args.prefetch, cpu_offload=args.offload,
+                              reshard_after_forward=not args.keep_gathered, unshard_async_op=args.async_op,
+                              meta_init=args.meta_init, async_checkpoint=args.async_checkpoint)
+    if args.strategy == "fsdp" and args.kill_at_save:
+        strategy.checkpointer = KillWhileWriting(args.kill_at_save)
     counter = CollectiveCounter()
     record = Record(counter, args.replicate, Path(args.out))
     if args.strategy == "fsdp":
         strategy.clip_grad_by_norm = record.counting_host_reads(strategy.clip_grad_by_norm)
-    callbacks = [record]
-    if args.ckpt_dir:
-        callbacks.append(ModelCheckpoint(dirpath=args.ckpt_dir, filename="{step}", every_n_train_steps=args.every,
-                                         save_top_k=-1, save_last=not args.no_save_last))
-    trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=args.max_steps,
-                        accumulate_grad_batches=args.accumulate, limit_val_batches=0, num_sanity_val_steps=0,
-                        logger=False, enable_progress_bar=False, enable_model_summary=False,
-                        enable_checkpointing=bool(args.ckpt_dir), callbacks=callbacks, precision="32-true",
-                        gradient_clip_val=args.clip)
+    trainer = cpu_trainer(strategy, [record], args.max_steps, args.ckpt_dir, every=args.every,
+                          save_last=not args.no_save_last, accumulate_grad_batches=args.accumulate,
+                          gradient_clip_val=args.clip)
     model = MoELanguageModel(MoEConfig(**{**TINY, **json.loads(args.config)}),
                              optimizer=partial(torch.optim.AdamW, lr=1e-2, betas=(0.9, 0.95)),
                              lr_scheduler=partial(WarmupCosineLR, warmup_steps=2), loss_chunk_size=args.loss_chunk)
