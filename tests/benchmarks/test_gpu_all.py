@@ -332,6 +332,7 @@ def test_gpu_paths_reaches_nccl_group_creation_with_a_device_id_torch_accepts(mo
     c10d = torch.distributed.distributed_c10d
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)  # older torch checks the index against this
     monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda *a, **k: torch.device("cuda"))
     monkeypatch.setattr(torch.accelerator, "device_count", lambda: 1)
     reached = {}
