@@ -137,7 +137,7 @@ def lines(result: dict) -> list[str]:
                    f"{s['passes']} MoE passes x ({s['count_exchanges_per_pass']} x {c['collective_latency_us']:g} us + "
                    f"{c['host_sync_us']:g} us) (--collective-latency-us, --host-sync-us)")
     fsdp = result["fsdp_bytes"]
-    link, gbps = fsdp_link(c, ib, nvlink)
+    link = fsdp_link(c, ib, nvlink)[0]
     traffic = ", ".join(f"{k} {v / 1e9:,.4g} GB" for k, v in fsdp.items() if v)
     if "fsdp" in detail:
         out.append(f"  {'FSDP collectives (' + link + ')':<58}{detail['fsdp']['seconds']:>9.3g} s   {traffic}")

@@ -198,7 +198,7 @@ def test_cp_adds_the_key_up_projection_each_rank_repeats():
 
     config = load_model_config(ONE_T_128K)
     model_flops = training_flops_per_token(config, 131072)
-    for cp in (2, 4, 8):
+    for cp in (2, 8):
         result = main_json(["--config", ONE_T_128K, *GH200, "--context-parallel-size", str(cp)])
         extra = 6 * (cp - 1) * 61 * 512 * 128 * 256
         assert result["cp_key_upprojection_flops_per_token"] == extra
