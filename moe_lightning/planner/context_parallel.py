@@ -11,7 +11,8 @@ sequences is shared by the N ranks of a group.
   (``activations.key_side_bytes``: at the 1T shape MLA up-projects all keys locally).
 - Attention FLOPs per rank: the causal (or in-document) pairs of the sequences over N (head-tail chunks balance
   causal pairs exactly; document borders break the balance, ``docs/context_parallel.md`` measures by how much).
-  FLOPs per local token are those without CP, so tokens/s per GPU does not change.
+  Per local token the FLOPs are those without CP plus, with MLA, the ``wkv_b`` up-projection of the other N - 1
+  ranks' keys (``flops.cp_key_upprojection_flops_per_token``).
 - Exchange: per layer, an all-gather of the key side in forward (again in a checkpointed block's recompute),
   ``(N-1)/N · b · S · width · 2`` bytes per GPU (bf16), and a reduce-scatter of its gradient in backward, summed in
   fp32 (``(N-1)/N · b · S · width · 4``; ``width``: MLA ``kv_lora_rank + qk_rope_head_dim``, GQA

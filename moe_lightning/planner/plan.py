@@ -55,8 +55,11 @@ d model dim, L layers, V vocabulary, K top-k; bytes are per GPU unless stated.
 - Context parallelism (``context_parallel_size`` N): every per-token row at ``b·s / N`` tokens, plus attention's
   key side over the whole sequence (``activations.key_side_bytes``); see ``planner/context_parallel.py``.
 
-Throughput: ``tokens/s per GPU = MFU · peak FLOP/s / training FLOPs per token`` (model FLOPs,
-``moe_lightning.planner.flops``: 6 × active matmul parameters + causal attention at sequence length s). With
+Throughput: ``tokens/s per GPU = tokens per GPU / step time``, the step built from its parts
+(``planner/exchange_time.py``: compute at the planned MFU, the exposed expert exchange, the count exchanges and
+host reads, the exposed FSDP collectives, the CP exchange). Compute counts training FLOPs per token
+(``moe_lightning.planner.flops``: 6 × active matmul parameters + causal attention at sequence length s, plus CP's
+repeated key up-projection). With
 ``document_masking``, attention scores only within documents: ``--doc-len`` (the typical document length) counts
 the pairs of documents of that length, as ``MoEThroughputMonitor`` counts each batch's; without it the count is
 causal over the whole sequence, an upper bound.
