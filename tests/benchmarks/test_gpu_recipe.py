@@ -2,6 +2,7 @@
 timed window (several steps, no snapshot or other host work inside), allocator retries counted over the timed
 steps only, and host syncs parsed from a recorded profiler trace (``fixtures/profiled_step_trace.json``)."""
 
+import contextlib
 import json
 import subprocess
 import sys
@@ -173,3 +174,48 @@ print(len(muon.expert_shard_shapes(muon.REPO / "configs" / "1t.yaml")))
     done = subprocess.run([sys.executable, "-c", script], env=clean_env(), capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "recipe, 16 blocks" in done.stdout and done.stdout.splitlines()[-1] == "165"
+
+
+def test_recipe_offload_timing_events_follow_every_copy_on_a_stand_in_copy_stream(gpu_recipe, monkeypatch):
+    """The CUDA path of ``TimedOffload`` on CPU: a stand-in side stream and host-clock events in place of CUDA's.
+    Every copy (2 boundaries out, 2 back in, for 3 blocks) records its end on the copy stream, and every wait of the
+    compute stream on one records where the compute stream reached it, in that order: one pair per copy."""
+    import torch
+    from moe_lightning.model import MoEConfig, MoETransformer
+    host_event = load_benchmark("gpu_device").HostEvent
+    recorded = []
+
+    class Event(host_event):
+        def record(self, stream=None):
+            super().record(stream)
+            recorded.append("copy end" if stream is not None else "compute reached")
+
+    class Stream:
+        def wait_stream(self, other):
+            pass
+
+        def wait_event(self, event):
+            recorded.append("compute waits")
+
+        def record_event(self):
+            return object()
+    monkeypatch.setattr(torch.cuda, "Event", lambda enable_timing=False: Event())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    offload = gpu_recipe.TimedOffload(prefetch=1, min_offload_bytes=0)
+    monkeypatch.setattr(offload, "_side_stream", lambda device: Stream())
+    offload.timing = True
+    config = MoEConfig(vocab_size=64, dim=32, n_layers=3, n_heads=4, n_kv_heads=2, max_seq_len=32, ffn_hidden=64,
+                       n_dense_layers=1, num_experts=4, top_k=2, expert_hidden=32)
+    torch.manual_seed(0)
+    model = MoETransformer(config)
+    offload.apply(model.layers)
+    logits_BSV = model(torch.randint(0, 64, (2, 16)))
+    logits_BSV.float().pow(2).mean().backward()
+    offload.remove()
+    assert offload.tensors_offloaded == 2 and offload.tensors_copied_in == 2
+    assert len(offload.waits) == 4 and recorded.count("copy end") == 4
+    assert recorded.count("compute reached") == 4 and all(  # each wait timed just before the compute stream waits
+        recorded[i + 1] == "compute waits" for i, what in enumerate(recorded) if what == "compute reached")
+    stall_ms, stalled = offload.exposed_ms()
+    assert stalled == 0 and stall_ms == 0.0  # each copy ended (host clock) before the compute stream reached it
