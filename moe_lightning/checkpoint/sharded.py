@@ -47,6 +47,9 @@ def global_expert_view(tensor: DTensor, expert_mesh: DeviceMesh) -> DTensor:
     Built like FSDP builds its own DTensors (no ``from_local``), so a shard kept in host memory (CPU
     offload, ``cpu_offload`` state dicts) is neither copied to the accelerator nor detached from the original.
     """
+    if expert_mesh.ndim != 3:
+        raise ValueError(f"global_expert_view needs the 3-D expert mesh (replicas, expert-parallel, expert-shard), "
+                         f"got {expert_mesh.ndim} dimensions {expert_mesh.mesh_dim_names}.")
     ep = expert_mesh.size(1)
     shape = torch.Size((tensor.shape[0] * ep, *tensor.shape[1:]))
     stride = torch.empty(shape, device="meta").stride()
@@ -184,6 +187,10 @@ class ShardedCheckpointer:
     def save(self, state: dict[str, Any], metadata: dict[str, Any], path: Path, expert_names: set[str],
              expert_mesh: DeviceMesh | None, background: bool = False) -> None:
         """Write ``state`` (DCP, every rank) and ``metadata`` (rank 0, plain data) as the directory ``path``."""
+        if self._agree_group is None and dist.is_initialized() and dist.get_world_size() > 1:
+            raise RuntimeError("ShardedCheckpointer.save on several processes needs its side channels first: call "
+                               "use_groups() with two gloo world groups (MoEFSDPStrategy does; "
+                               "parallel.mesh.world_side_channel makes one), else the ranks cannot agree on a save.")
         self.wait()
         partial = path.with_name(path.name + PARTIAL_SUFFIX)
         buffer = io.BytesIO()

@@ -205,8 +205,10 @@ def _mesh(device_type: str, ranks: torch.Tensor, names: tuple[str, ...]) -> Devi
     a rank outside ``ranks`` takes part in their creation and gets no coordinate)."""
     mesh = DeviceMesh(device_type, ranks, mesh_dim_names=names)
     if mesh.get_coordinate() is not None:
-        for name in names:
-            _GROUP_NAMES.setdefault(mesh[name].get_group(), name)
+        for name in names:  # a dimension over the whole world is torch's default group: not named after one of ours
+            group = mesh[name].get_group()
+            if group is not dist.group.WORLD:
+                _GROUP_NAMES.setdefault(group, name)
     return mesh
 
 

@@ -93,6 +93,9 @@ class MoEFSDPStrategy(CheckpointHooks, ModelParallelStrategy):
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         """The data-parallel replicas: the ranks of a context-parallel group read the same sequences."""
+        if self.parallel is None:
+            raise RuntimeError(f"{type(self).__name__}.distributed_sampler_kwargs is known once the environment is "
+                               "set up (setup_environment builds the layout).")
         return {"num_replicas": self.parallel.data_parallel_size, "rank": self.parallel.data_parallel_rank}
 
     @property
@@ -109,11 +112,12 @@ class MoEFSDPStrategy(CheckpointHooks, ModelParallelStrategy):
         if trainer is not None and self.root_device.type == "cuda":  # read when NCCL's groups are made
             flight_recorder.enable(trainer.default_root_dir)
         self._setup_distributed()
-        self.parallel = ParallelMesh(layout, self.root_device.type)
+        if self.parallel is None or self.parallel.layout != layout:  # once per process: fit after validate reuses it
+            self.parallel = ParallelMesh(layout, self.root_device.type)
         watched = trainer is None or any(isinstance(c, StallWatchdog) for c in trainer.callbacks)  # one from YAML
         if self.stall_timeout and not watched:
             trainer.callbacks.append(StallWatchdog(self.stall_timeout))  # watches from the first training batch
-        self._device_mesh = self.parallel.dense  # Lightning's ModelParallelStrategy reads it
+        self._device_mesh = module._device_mesh = self.parallel.dense  # Lightning's, for users' code (not ours)
         module.parallelized_by_strategy = True  # so it does not compile the blocks itself
         module.ranks_per_sequence = layout.cp  # its loss is a share of each sequence's: scale it (module.py)
         self.checkpointer.use_groups(self.parallel.side_channel("checkpoint"),
