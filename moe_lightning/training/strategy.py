@@ -116,7 +116,7 @@ class MoEFSDPStrategy(CheckpointHooks, ModelParallelStrategy):
             self.parallel = ParallelMesh(layout, self.root_device.type)
         watched = trainer is None or any(isinstance(c, StallWatchdog) for c in trainer.callbacks)  # one from YAML
         if self.stall_timeout and not watched:
-            trainer.callbacks.append(StallWatchdog(self.stall_timeout))  # watches from the first training batch
+            trainer.callbacks.insert(0, StallWatchdog(self.stall_timeout))  # first: its phase marks precede the rest
         self._device_mesh = module._device_mesh = self.parallel.dense  # Lightning's, for users' code (not ours)
         module.parallelized_by_strategy = True  # so it does not compile the blocks itself
         module.ranks_per_sequence = layout.cp  # its loss is a share of each sequence's: scale it (module.py)
