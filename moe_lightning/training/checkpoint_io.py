@@ -38,12 +38,18 @@ class CheckpointHooks:
     """``MoEFSDPStrategy``'s checkpoint methods, each delegated to ``checkpoint/``: sharded saves and loads written at
     any world size or ``ep`` (``checkpoint/state.py``), Lightning's top-k rotation, and the lifecycle of background
     saves (``ShardedCheckpointer``: committed at a batch boundary, waited for when fit ends, finished after an
-    exception). A mixin of the strategy: it reads the strategy's ``checkpointer``, ``parallel`` (its expert mesh), ``lightning_module``,
-    ``model``, ``optimizers`` and ``async_checkpoint``."""
+    exception). A mixin of the strategy: it reads the strategy's ``checkpointer``, ``parallel`` (its expert mesh),
+    ``lightning_module``, ``model``, ``optimizers`` and ``async_checkpoint``."""
 
     checkpointer: ShardedCheckpointer
     _fitting: bool = False  # background saves only inside fit
     _restoring: Path | None = None  # the checkpoint whose plain data load_checkpoint returned
+
+    @property
+    def _expert_mesh(self):
+        """The expert mesh of expert parallelism (checkpoints hold global expert views), None without it or before
+        the layout is built (a single-file restore in one process)."""
+        return None if self.parallel is None else self.parallel.expert
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None) -> None:
         """A sharded directory, visible only once complete (see ``ShardedCheckpointer``)."""
@@ -52,7 +58,7 @@ class CheckpointHooks:
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__}.save_checkpoint(storage_options=...) is not supported.")
         save_state(self.checkpointer, checkpoint, Path(self.broadcast(str(filepath))), self.lightning_module,
-                   self.parallel.expert, background=self.async_checkpoint and self._fitting)
+                   self._expert_mesh, background=self.async_checkpoint and self._fitting)
 
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
         """The plain data of a sharded directory or a single file, read as data only (never code). Its tensors load in
@@ -64,7 +70,7 @@ class CheckpointHooks:
         """The model's and the optimizers' shards (the optimizers exist: the strategy restores after its setup)."""
         path, self._restoring = self._restoring, None
         load_state(self.checkpointer, path, checkpoint, self.lightning_module, self.model, self.optimizers,
-                   self.parallel.expert, strict)
+                   self._expert_mesh, strict)
 
     def remove_checkpoint(self, filepath: _PATH) -> None:
         """Lightning's top-k rotation removes the previous checkpoint as a new save starts: while that save is written
