@@ -12,10 +12,11 @@ from pathlib import Path
 import torch
 
 from moe_lightning.dtypes import DTYPES
-from moe_lightning.commands.loading import export_checkpoint, open_checkpoint, write_model_file
+from moe_lightning.commands.loading import export_checkpoint, open_checkpoint, stream_model_file
 from moe_lightning.model import MoEConfig
 import moe_lightning.hf.fp8 as fp8
-from moe_lightning.hf.pretrained import FAMILIES, from_pretrained, stored_dtype_getter, write_pretrained
+from moe_lightning.hf.mapping import refuse_non_finite
+from moe_lightning.hf.pretrained import FAMILIES, OpenPretrained, kept_keys, stored_dtype_getter, write_pretrained
 from moe_lightning.hf.tokenizer_files import tokenizer_files
 from moe_lightning.run.refusals import CommandParser
 
@@ -39,20 +40,31 @@ def export_hf(checkpoint: str | Path, out: str | Path, architecture: str | None 
     """Any of our checkpoints (sharded or single-file) as a Hugging Face directory, tensor by tensor, with the
     ``tokenizer.json`` and ``tokenizer_config.json`` of the tokenizer the run recorded (the byte tokenizer too).
     ``fp8_blocks``: the attention and FFN weights as 128 x 128 FP8 blocks (the DeepSeek-V3 / Kimi K2 release
-    format); ``dtype`` then casts the other tensors."""
+    format); ``dtype`` then casts the other tensors. A model that came from a Hugging Face folder keeps that folder's
+    ``model_type`` and ``auto_map`` (a Kimi K2 stays ``kimi_k2``)."""
     opened = open_checkpoint(checkpoint)  # tokenizer None: a file converted from Hugging Face records none
     config = MoEConfig(**opened.config)
     files = tokenizer_files(opened.tokenizer, config.max_seq_len) if opened.tokenizer is not None else None
     get = stored_dtype_getter(opened.get, opened.stored_dtypes)
     return write_pretrained(config, _cast(get, dtype, fp8_blocks), out, architecture, max_shard_bytes, files,
-                            fp8_blocks)
+                            fp8_blocks, opened.hf_kept)
 
 
 def hf_to_file(src: str | Path, out: str | Path, dtype: torch.dtype | None = None) -> Path:
-    """A Hugging Face directory as the package's ``.pt`` (``loading.write_model_file``), with the stored dtype of
-    any tensor held wider (``from_pretrained``), so converting back is bit-identical."""
-    model = from_pretrained(src, dtype)
-    return write_model_file(out, dataclasses.asdict(model.config), model.state_dict(), None, model.stored_dtypes)
+    """A Hugging Face directory as the package's ``.pt`` (``loading.stream_model_file``), one tensor in memory at a
+    time: each stored dtype kept (the balancing bias read in float32, its stored dtype recorded, so converting back
+    is bit-identical), block-FP8 weights dequantised to float32 (``--fp8-blocks`` then writes the same blocks and
+    scales back), ``dtype`` casting everything; the folder's ``model_type`` and ``auto_map`` kept for the way
+    back. A tensor holding inf or NaN is refused, naming it."""
+    opened = OpenPretrained(src, dtype, fp8_dtype=torch.float32)
+    skeleton = {}
+    for name in opened.names:  # uninitialised: no page is touched until a tensor's bytes are written to the file
+        skeleton[name] = torch.empty(opened.shape(name), dtype=opened.dtype(name))
+    if opened.config.tie_embeddings:
+        skeleton["output.weight"] = skeleton["tok_embeddings.weight"]
+    return stream_model_file(out, dataclasses.asdict(opened.config), skeleton,
+                             lambda name: refuse_non_finite(opened.read(name), name), None, opened.widened,
+                             kept_keys(opened.hf))
 
 
 def _hf_options(parser: argparse.ArgumentParser) -> None:

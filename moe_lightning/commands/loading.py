@@ -13,6 +13,12 @@ Every file is unpickled by ``safe_load.load_metadata`` (plain data only), memory
 """
 
 import dataclasses
+import io
+import os
+import pickle
+import re
+import struct
+import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,9 +26,12 @@ from pathlib import Path
 import torch
 
 from moe_lightning.hf import from_pretrained
+from moe_lightning.hf.files import read_config
+from moe_lightning.hf.pretrained import kept_keys
 from moe_lightning.hf.mapping import refuse_non_finite
 from moe_lightning.model import MoEConfig, MoETransformer
-from moe_lightning.checkpoint.commit import METADATA_FILE, resolve_checkpoint, save_file
+from moe_lightning.checkpoint.commit import METADATA_FILE, is_disk_full, resolve_checkpoint, save_file
+from moe_lightning.run import durable
 from moe_lightning.checkpoint.discovery import checkpoint_metadata
 from moe_lightning.checkpoint.safe_load import load_metadata, single_process_dcp
 from moe_lightning.checkpoint.sharded import read_sharded_tensors, sharded_model_index
@@ -31,18 +40,96 @@ from moe_lightning.data.tokenizer import ByteTokenizer, HFTokenizer, tokenizer_f
 MODEL_PREFIX = "model."  # MoELanguageModel holds the transformer as ``self.model``
 
 
-def write_model_file(path: str | Path, config: dict, state_dict: dict[str, torch.Tensor], tokenizer: dict | None,
-                     stored_dtypes: dict[str, torch.dtype] | None = None) -> Path:
-    """The package's one ``.pt`` format, plain data (it loads with ``torch.load(..., weights_only=True)``):
-    ``config`` (``MoEConfig`` fields), ``state_dict`` (``MoETransformer`` names), ``tokenizer`` (the spec the run
-    recorded; ``None``: none recorded, e.g. converted from Hugging Face) and, optionally, ``stored_dtypes``
-    (name -> dtype name of tensors held wider than the source stored them, so converting back is bit-identical).
-    Streamed to disk atomically (``commit.save_file``)."""
+def _payload(config: dict, state_dict: dict[str, torch.Tensor], tokenizer: dict | None,
+             stored_dtypes: dict[str, torch.dtype] | None, hf_kept: dict | None) -> dict:
     payload = {"config": config, "state_dict": state_dict, "tokenizer": tokenizer}
     if stored_dtypes:
         payload["stored_dtypes"] = {name: str(dtype).removeprefix("torch.") for name, dtype in stored_dtypes.items()}
-    save_file(payload, Path(path))
+    if hf_kept:
+        payload["hf_kept"] = hf_kept
+    return payload
+
+
+def write_model_file(path: str | Path, config: dict, state_dict: dict[str, torch.Tensor], tokenizer: dict | None,
+                     stored_dtypes: dict[str, torch.dtype] | None = None, hf_kept: dict | None = None) -> Path:
+    """The package's one ``.pt`` format, plain data (it loads with ``torch.load(..., weights_only=True)``):
+    ``config`` (``MoEConfig`` fields), ``state_dict`` (``MoETransformer`` names), ``tokenizer`` (the spec the run
+    recorded; ``None``: none recorded, e.g. converted from Hugging Face) and, optionally, ``stored_dtypes``
+    (name -> dtype name of tensors held wider than the source stored them, so converting back is bit-identical)
+    and ``hf_kept`` (``hf.kept_keys`` of the Hugging Face folder it came from: its ``model_type``, ``auto_map``).
+    Streamed to disk atomically (``commit.save_file``)."""
+    save_file(_payload(config, state_dict, tokenizer, stored_dtypes, hf_kept), Path(path))
     return Path(path)
+
+
+def stream_model_file(path: str | Path, config: dict, skeleton: dict[str, torch.Tensor],
+                      read: Callable[[str], torch.Tensor], tokenizer: dict | None,
+                      stored_dtypes: dict[str, torch.dtype] | None = None, hf_kept: dict | None = None) -> Path:
+    """``write_model_file``'s format with one tensor in memory at a time. ``skeleton``: uninitialised tensors of the
+    final shapes and dtypes (a tied head the embedding's own object), whose pages are never touched. They are saved
+    with their bytes skipped (``torch.serialization.skip_data`` reserves each storage's record), then each record is
+    filled from ``read(name)`` (``os.pwrite``), at the offset the file itself gives (``_record_offsets``)."""
+    path = Path(path)
+
+    def write(file) -> None:
+        with torch.serialization.skip_data():
+            torch.save(_payload(config, skeleton, tokenizer, stored_dtypes, hf_kept), file)
+        file.flush()
+        for name, offset in _record_offsets(file, list(skeleton)).items():
+            tensor = read(name)
+            if tensor.shape != skeleton[name].shape or tensor.dtype != skeleton[name].dtype:
+                raise ValueError(f"{name}: read {tuple(tensor.shape)} {tensor.dtype}, but the file reserved "
+                                 f"{tuple(skeleton[name].shape)} {skeleton[name].dtype}.")
+            _write_at(file.fileno(), tensor, offset)
+            del tensor
+    try:
+        durable.write_with(path, write)
+    except Exception as error:
+        if is_disk_full(error):
+            raise durable.disk_full_error(path) from None
+        raise
+    return path
+
+
+def _write_at(fd: int, tensor: torch.Tensor, offset: int) -> None:
+    """``tensor``'s bytes at ``offset`` (``pwrite`` may write less than asked: about 2 GiB at most on Linux)."""
+    data = memoryview(tensor.contiguous().view(-1).view(torch.uint8).numpy())
+    done = 0
+    while done < len(data):
+        done += os.pwrite(fd, data[done:], offset + done)
+
+
+class _StorageKeys(pickle.Unpickler):
+    """Reads a torch.save ``data.pkl`` with each tensor replaced by its storage's record key (nothing else is built:
+    only plain containers, storage types and the tensor rebuild function are resolved)."""
+
+    def persistent_load(self, pid):
+        return pid[2]  # ("storage", storage type, key, location, numel)
+
+    def find_class(self, module: str, name: str):
+        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
+            return lambda key, *rest: key
+        if module == "torch" and name.endswith("Storage") or (module, name) == ("collections", "OrderedDict"):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"unexpected {module}.{name} in a file just written")
+
+
+def _record_offsets(file, names: list[str]) -> dict[str, int]:
+    """Where in ``file`` (a torch.save zip, flushed, readable) each name's storage bytes start, from the zip
+    directory, the records' local headers and ``data.pkl`` (which record each tensor is); one name per storage."""
+    archive = zipfile.ZipFile(file)
+    pickled = next(i for i in archive.infolist() if i.filename.endswith("/data.pkl"))
+    keys = _StorageKeys(io.BytesIO(archive.read(pickled))).load()["state_dict"]
+    starts = {}
+    for info in archive.infolist():
+        if match := re.fullmatch(r"[^/]+/data/(\d+)", info.filename):
+            file.seek(info.header_offset)
+            name_length, extra_length = struct.unpack("<26x2H", file.read(30))
+            starts[match[1]] = info.header_offset + 30 + name_length + extra_length
+    first = {}
+    for name in names:
+        first.setdefault(keys[name], name)
+    return {name: starts[key] for key, name in first.items()}
 
 
 @dataclass
@@ -65,6 +152,7 @@ class OpenCheckpoint:
     read: Callable[[list[str]], dict[str, torch.Tensor]]
     tokenizer: dict | None  # None: the checkpoint records none (a file converted from Hugging Face)
     stored_dtypes: dict[str, torch.dtype] = field(default_factory=dict)
+    hf_kept: dict | None = None  # hf.kept_keys of the Hugging Face folder the model came from
 
     def get(self, name: str) -> torch.Tensor:
         return self.read([name])[name]
@@ -88,6 +176,15 @@ def recorded_tokenizer(metadata: dict) -> dict | None:
         if isinstance(value, dict) and isinstance(value.get("tokenizer"), dict) and "kind" in value["tokenizer"]:
             return value["tokenizer"]
     return ByteTokenizer().spec()
+
+
+def pretrained_kept(metadata: dict) -> dict | None:
+    """``hf.kept_keys`` of the Hugging Face folder a run started from (``model.pretrained``), when it is still
+    there to read."""
+    pretrained = (metadata.get("hyper_parameters") or {}).get("pretrained")
+    if not pretrained or not (Path(pretrained) / "config.json").is_file():
+        return None
+    return kept_keys(read_config(pretrained))
 
 
 def tokenizer_spec(checkpoint: str | Path) -> dict | None:
@@ -128,7 +225,8 @@ def open_checkpoint(checkpoint: str | Path) -> OpenCheckpoint:
         def read_sharded(names: list[str]) -> dict[str, torch.Tensor]:
             with single_process_dcp():
                 return read_sharded_tensors(path, index, names)
-        return OpenCheckpoint("sharded", config, list(index), read_sharded, recorded_tokenizer(metadata))
+        return OpenCheckpoint("sharded", config, list(index), read_sharded, recorded_tokenizer(metadata),
+                              hf_kept=pretrained_kept(metadata))
     payload = load_metadata(path, mmap=True)  # mapped: an optimizer state beside the weights is never read
     if not isinstance(payload, dict) or "state_dict" not in payload:
         raise ValueError(f"checkpoint={str(path)!r}: neither a Lightning checkpoint nor a .pt of this package "
@@ -137,11 +235,12 @@ def open_checkpoint(checkpoint: str | Path) -> OpenCheckpoint:
     if "hyper_parameters" not in payload:  # the .pt format
         stored = {name: _dtype(value, path) for name, value in payload.get("stored_dtypes", {}).items()}
         return OpenCheckpoint("export", _plain_config(payload.get("config"), path), list(state),
-                              lambda names: {name: state[name] for name in names}, recorded_tokenizer(payload), stored)
+                              lambda names: {name: state[name] for name in names}, recorded_tokenizer(payload), stored,
+                              payload.get("hf_kept"))
     names = [key[len(MODEL_PREFIX):] for key in state if key.startswith(MODEL_PREFIX)]
     return OpenCheckpoint("lightning", _plain_config(payload["hyper_parameters"].get("config"), path), names,
                           lambda names: {name: state[MODEL_PREFIX + name] for name in names},
-                          recorded_tokenizer(payload))
+                          recorded_tokenizer(payload), hf_kept=pretrained_kept(payload))
 
 
 def read_checkpoint(checkpoint: str | Path) -> Checkpoint:

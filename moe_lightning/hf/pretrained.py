@@ -147,32 +147,68 @@ def fill_state_dict(state: dict[str, torch.Tensor], path: str | Path) -> None:
             local.copy_(sources[name].read(files.get, index))
 
 
+# config.json keys a family's ``config_to_hf`` does not write but a release relies on: a Kimi K2 folder is
+# ``model_type: kimi_k2`` with ``auto_map`` naming its code, read as DeepseekV3ForCausalLM. Kept on export.
+KEPT_KEYS = ("model_type", "auto_map")
+
+
+def kept_keys(hf: dict) -> dict:
+    """What an export of a model loaded from ``hf`` (config.json) keeps of it: ``KEPT_KEYS`` and the architecture
+    they belong with (``write_pretrained`` applies them only to that architecture)."""
+    return {"architectures": hf.get("architectures"), **{k: hf[k] for k in KEPT_KEYS if k in hf}}
+
+
+class OpenPretrained:
+    """A Hugging Face directory opened for reading one of our tensors at a time, every name, key and shape checked
+    first: ``names`` (``MoETransformer``'s), ``shape(name)``, ``dtype(name)`` (known before the read) and
+    ``read(name)``.
+
+    ``dtype=None`` keeps every tensor's stored dtype, except the balancing bias: the router updates and computes it
+    in float32 (a step of 1e-3 vanishes in bf16 at magnitude ~4), so a lower-precision bias is widened and its
+    stored dtype is kept in ``widened`` (for a writer to store it back bit-identically). Otherwise floating tensors
+    are cast to ``dtype`` and the bias is float32. Block-FP8 weights are dequantised (weight x scale_inv in float32)
+    into ``fp8_dtype``, or with ``None`` into ``dtype`` or, that None too, the dtype the checkpoint stores its
+    embedding in (bf16 for the releases), as DeepSeek's own conversion does."""
+
+    def __init__(self, path: str | Path, dtype: torch.dtype | None = None, fp8_dtype: torch.dtype | None = None):
+        self.hf = read_hf_config(path)
+        self.config = family_of(self.hf).config_from_hf(self.hf)
+        with torch.device("meta"):
+            shapes = {name: t.shape for name, t in MoETransformer(self.config).state_dict().items()}
+        self.names, self._shapes, self._dtype = list(shapes), shapes, dtype
+        _, self._sources, self._files = _checked(path, shapes, fp8_dtype or (None if dtype is None else torch.float32))
+        self.widened: dict[str, torch.dtype] = {}
+
+    def shape(self, name: str) -> torch.Size:
+        return self._shapes[name]
+
+    def _convert(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        if name.endswith("expert_bias"):
+            if self._dtype is None and tensor.dtype != torch.float32:
+                self.widened[name] = tensor.dtype
+            return tensor.float()
+        return tensor.to(self._dtype) if self._dtype is not None and tensor.is_floating_point() else tensor
+
+    def dtype(self, name: str) -> torch.dtype:
+        """From a read of at most one element."""
+        corner = tuple(slice(0, min(1, s)) for s in self._shapes[name])
+        return self._convert(name, self._sources[name].read(self._files.get, corner)).dtype
+
+    def read(self, name: str) -> torch.Tensor:
+        whole = tuple(slice(0, s) for s in self._shapes[name])
+        return self._convert(name, self._sources[name].read(self._files.get, whole))
+
+
 @torch.no_grad()
 def from_pretrained(path: str | Path, dtype: torch.dtype | None = None) -> MoETransformer:
-    """Build the model a Hugging Face directory describes and load its weights.
-
-    ``dtype=None`` keeps every tensor's stored dtype, except the balancing bias: the router updates and computes
-    it in float32 (a step of 1e-3 vanishes in bf16 at magnitude ~4), so a lower-precision bias is widened and its
-    stored dtype is kept in ``model.stored_dtypes`` for ``save_pretrained`` to write it back (bit-identical).
-    Otherwise floating weights are cast to ``dtype`` and the bias is float32. Block-FP8 weights are dequantised
-    (weight x scale_inv in float32) into ``dtype``, or with ``None`` into the dtype the checkpoint stores its
-    embedding in (bf16 for the releases), as DeepSeek's own conversion does.
-    """
-    config = load_config(path)
+    """Build the model a Hugging Face directory describes and load its weights, in the dtypes
+    :class:`OpenPretrained` reads them; ``model.stored_dtypes`` records the tensors held wider than stored (the
+    balancing bias), so ``save_pretrained`` writes them back bit-identically."""
+    opened = OpenPretrained(path, dtype)
+    config = opened.config
+    state = {name: opened.read(name) for name in opened.names}
     with torch.device("meta"):
         model = MoETransformer(config)
-    shapes = {name: t.shape for name, t in model.state_dict().items()}
-    _, sources, files = _checked(path, shapes, None if dtype is None else torch.float32)
-    state, stored = {}, {}
-    for name, shape in shapes.items():
-        tensor = sources[name].read(files.get, tuple(slice(0, s) for s in shape))
-        if name.endswith("expert_bias"):
-            if dtype is None and tensor.dtype != torch.float32:
-                stored[name] = tensor.dtype
-            tensor = tensor.float()
-        elif dtype is not None and tensor.is_floating_point():
-            tensor = tensor.to(dtype)
-        state[name] = tensor
     if config.tie_embeddings:
         state["output.weight"] = state["tok_embeddings.weight"]
     model.load_state_dict(state, assign=True)
@@ -180,7 +216,7 @@ def from_pretrained(path: str | Path, dtype: torch.dtype | None = None) -> MoETr
         model.output.weight = model.tok_embeddings.weight
     if left := [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]:
         raise HFFormatError(f"from_pretrained left {left[:4]} unloaded (not in the state dict).")
-    model.stored_dtypes = stored
+    model.stored_dtypes = opened.widened
     return model
 
 
@@ -217,14 +253,17 @@ def choose_family(config: MoEConfig, architecture: str | None = None,
 
 def write_pretrained(config: MoEConfig, get: Callable[[str], torch.Tensor], path: str | Path,
                      architecture: str | None = None, max_shard_bytes: int = 5 * 2**30,
-                     files: dict[str, str] | None = None, fp8_blocks: bool = False) -> Path:
+                     files: dict[str, str] | None = None, fp8_blocks: bool = False, kept: dict | None = None) -> Path:
     """Write a Hugging Face directory, asking ``get(name)`` for one of our tensors at a time (streaming); ``files``
     (name -> text, e.g. the tokenizer's) go in with it. ``fp8_blocks`` writes the tensors the DeepSeek-V3 and Kimi K2
     releases store in FP8 (``fp8.quantized``) as 128 x 128 blocks with their ``*_scale_inv``, and says so in
     ``quantization_config``. A tensor holding inf or NaN is refused, naming it (nothing is written: the folder is
-    committed only once complete)."""
+    committed only once complete). ``kept`` (``kept_keys`` of the config.json the model was loaded from) puts back
+    that folder's ``model_type`` and ``auto_map`` when writing the same architecture."""
     family = choose_family(config, architecture, get)
     hf_config = family.config_to_hf(config)
+    if kept and kept.get("architectures") == hf_config["architectures"]:
+        hf_config.update({k: v for k, v in kept.items() if k in KEPT_KEYS})
     if fp8_blocks:
         hf_config["quantization_config"] = dict(fp8.QUANTIZATION_CONFIG)
     sources = family.sources(config)

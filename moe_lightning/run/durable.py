@@ -60,8 +60,8 @@ def disk_full_error(path: Path, needed: int | None = None) -> DiskFullError:
 
 @contextmanager
 def atomic_write(path: str | Path, mode: int | None = None) -> Iterator[BinaryIO]:
-    """Open a new partial file beside ``path`` for binary writing; on a clean exit sync it, rename it over
-    ``path`` and sync the folder. On any exception the partial file is removed and ``path`` is untouched; a
+    """Open a new partial file beside ``path`` for binary writing (and reading back); on a clean exit sync it,
+    rename it over ``path`` and sync the folder. On any exception the partial file is removed and ``path`` is untouched; a
     full disk is raised as :class:`DiskFullError` naming the file. The file keeps the mode of the one it replaces
     (the user's choice), a new one gets ``mode`` (default 0644)."""
     path = Path(path)
@@ -74,7 +74,7 @@ def atomic_write(path: str | Path, mode: int | None = None) -> Iterator[BinaryIO
     fd, partial = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=PARTIAL_SUFFIX)
     try:
         os.chmod(partial, mode)  # mkstemp creates 0o600
-        with os.fdopen(fd, "wb") as file:
+        with os.fdopen(fd, "w+b") as file:
             yield file
             file.flush()
             os.fsync(file.fileno())

@@ -1,0 +1,108 @@
+"""``moe-lightning convert`` from a Hugging Face folder to ``.pt``: streamed one tensor at a time, block-FP8 weights
+dequantised to float32 (so converting back gives the release's blocks and scales bitwise), and the folder's
+``model_type`` and ``auto_map`` (a Kimi K2 is ``kimi_k2``) kept on the way back."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from moe_lightning.commands import main as commands
+from moe_lightning.hf import save_pretrained
+from moe_lightning.model import MoEConfig, MoETransformer
+
+from tests.hf.test_fp8 import KIMI, KIMI_JSON, bitwise_equal, build_release, tensors_of
+from tests.support.distributed import REPO_ROOT, clean_env
+
+# Peak anonymous memory (RssAnon, sampled every 2 ms: the file-backed pages of the memory-mapped safetensors shards
+# are page cache the kernel reclaims, not the process's own) over what it was just before the conversion.
+PEAK = """
+import json, sys, threading, time
+import moe_lightning.commands.convert  # imported before the baseline
+from moe_lightning.commands import main as commands
+
+def anonymous() -> int:
+    return next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("RssAnon:"))
+
+before, peak, done = anonymous(), [0], threading.Event()
+def sample():
+    while not done.is_set():
+        peak[0] = max(peak[0], anonymous())
+        time.sleep(0.002)
+sampler = threading.Thread(target=sample)
+sampler.start()
+commands.run(["convert", sys.argv[1], "--out", sys.argv[2]])
+done.set()
+sampler.join()
+print(json.dumps({"growth": max(peak[0], anonymous()) - before}))
+"""
+
+
+@pytest.mark.slow  # writes and converts a 208 MiB folder (~30 s on 2 loaded cores)
+def test_convert_to_pt_holds_about_one_tensor_not_the_model(tmp_path):
+    """A bf16 Mixtral-shaped folder of 208 MiB whose largest tensor is 8 MiB: converting it to .pt grows the
+    process's anonymous memory by less than a quarter of the model (measured +29 MiB of 320 MiB on a 12-layer
+    folder; the whole-model path it replaces, from_pretrained then torch.save: +301 MiB), and the file holds
+    every tensor bitwise."""
+    config = MoEConfig(vocab_size=4096, dim=512, n_layers=8, n_heads=8, n_kv_heads=8, max_seq_len=64, ffn_hidden=1024,
+                       num_experts=8, top_k=2, expert_hidden=1024, n_shared_experts=0, n_dense_layers=0,
+                       bias_update_rate=0.0)
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = MoETransformer(config)
+    model = model.to_empty(device="cpu").to(torch.bfloat16)
+    for p in model.parameters():
+        p.data.normal_(0, 1)
+    for b in model.buffers():
+        b.zero_()
+    save_pretrained(model, tmp_path / "hf", max_shard_bytes=64 * 2**20)
+    model_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    assert max(p.numel() * p.element_size() for p in model.parameters()) <= 8 * 2**20 < model_bytes / 25
+    result = subprocess.run([sys.executable, "-c", PEAK, str(tmp_path / "hf"), str(tmp_path / "model.pt")],
+                            cwd=REPO_ROOT, env=clean_env(), capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    growth = json.loads(result.stdout.strip().splitlines()[-1])["growth"]
+    assert growth < model_bytes / 4, (growth, model_bytes)
+    state = torch.load(tmp_path / "model.pt", weights_only=True)["state_dict"]
+    for name, tensor in model.state_dict().items():  # the balancing bias is held in float32 (the router's dtype)
+        assert bitwise_equal(state[name].to(tensor.dtype) if name.endswith("expert_bias") else state[name], tensor), name
+
+
+@pytest.fixture(scope="module")
+def kimi(tmp_path_factory):
+    _, _, path = build_release(tmp_path_factory.mktemp("kimi") / "fp8", KIMI, KIMI_JSON, seed=1)
+    return path
+
+
+def test_fp8_to_pt_is_float32_and_back_is_the_release_bitwise_keeping_kimis_model_type(kimi, tmp_path):
+    """convert (no --dtype) gives float32 attention and FFN weights (the exact dequantisation: its block maxima over
+    448 are the scales again), the embedding as stored (bf16); back with --fp8-blocks, every FP8 value and scale is
+    the release's bitwise (was: dequantised to bf16, every scale moved by up to 2^-8), and config.json keeps
+    model_type kimi_k2 and auto_map (was: rewritten to deepseek_v3, auto_map dropped)."""
+    commands.run(["convert", str(kimi), "--out", str(tmp_path / "model.pt")])
+    state = torch.load(tmp_path / "model.pt", weights_only=True)["state_dict"]
+    assert state["layers.0.attention.wkv_b.weight"].dtype == torch.float32
+    assert state["layers.1.ffn.experts.w1_EFD"].dtype == torch.float32
+    assert state["tok_embeddings.weight"].dtype == torch.bfloat16
+    commands.run(["convert", str(tmp_path / "model.pt"), "--out", str(tmp_path / "back"), "--fp8-blocks"])
+    original, back = tensors_of(kimi), tensors_of(tmp_path / "back")
+    assert set(back) == set(original)
+    assert all(bitwise_equal(back[key], tensor) for key, tensor in original.items())
+    config = json.loads((tmp_path / "back" / "config.json").read_text())
+    assert config["model_type"] == "kimi_k2" and config["auto_map"] == KIMI_JSON["auto_map"]
+    assert config["architectures"] == ["DeepseekV3ForCausalLM"]
+
+
+def test_kept_keys_are_not_forced_onto_another_architecture(kimi, tmp_path):
+    """A Kimi K2 model written as another family (here refused or chosen by shape) never carries kimi_k2."""
+    commands.run(["convert", str(kimi), "--out", str(tmp_path / "model.pt"), "--dtype", "fp32"])
+    payload = torch.load(tmp_path / "model.pt", weights_only=True)
+    assert payload["hf_kept"] == {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "kimi_k2",
+                                  "auto_map": KIMI_JSON["auto_map"]}
+    payload["hf_kept"]["architectures"] = ["SomethingElse"]
+    torch.save(payload, tmp_path / "other.pt")
+    commands.run(["convert", str(tmp_path / "other.pt"), "--out", str(tmp_path / "back")])
+    config = json.loads((tmp_path / "back" / "config.json").read_text())
+    assert config["model_type"] == "deepseek_v3" and "auto_map" not in config
