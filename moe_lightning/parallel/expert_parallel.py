@@ -25,6 +25,7 @@ world collective every rank enters), so every rank takes the same decisions and 
 import os
 import socket
 import warnings
+from collections import Counter
 from collections.abc import Callable, Hashable, Iterator
 
 import torch
@@ -92,6 +93,37 @@ def quantize_rows(x_RD: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor,
 def dequantize_rows(q_RD: torch.Tensor, scale_RB: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     D = q_RD.shape[1]
     return (q_RD.float() * scale_RB.repeat_interleave(FP8_BLOCK, 1)[:, :D]).to(dtype)
+
+
+# The busiest rank's received rows over the mean that `plan` prices the exchange's transient buffers at (its
+# --ep-imbalance default); measured skew reached 3.97x (docs/benchmarks.md), so a run past it is told.
+PLANNED_IMBALANCE = 1.5
+
+
+class SkewWarning:
+    """Warns once per process when this rank's experts receive more rows than ``PLANNED_IMBALANCE`` x its own
+    tokens x top-k (the mean under equal tokens per rank), naming the MoE layer and the factor: the exchange is
+    dropless, so its receive buffers grow with the skew beyond what `plan` priced. Reads only the split sizes the
+    dispatcher already has on the host (no extra sync). ``layer_names``: MoE layer names by their experts module
+    (``name_layers``)."""
+
+    def __init__(self):
+        self.layer_names: dict[int, str] = {}
+        self.warned = False
+
+    def name_layers(self, moe_layers: list[MoELayer]) -> None:
+        self.layer_names = {id(moe.experts): f"MoE layer {i}" for i, moe in enumerate(moe_layers)}
+
+    def check(self, received_rows: int, tokens: int, top_k: int, experts: GroupedExperts) -> None:
+        if self.warned or not tokens or received_rows <= PLANNED_IMBALANCE * tokens * top_k:
+            return
+        self.warned = True
+        name = self.layer_names.get(id(experts), "a MoE layer")
+        factor = received_rows / (tokens * top_k)
+        warnings.warn(f"expert parallelism: {name} received {received_rows} rows on rank {dist.get_rank()}, "
+                      f"{factor:.2f}x its {tokens} tokens x top-{top_k}, above the {PLANNED_IMBALANCE}x imbalance "
+                      f"plan prices the exchange's buffers at (dropless: they grow with the skew; plan "
+                      f"--ep-imbalance {factor:.2f} prices it). Warned once.", stacklevel=3)
 
 
 def _unpack(buffer: torch.Tensor, layout: list[tuple[torch.dtype, int]] | None, where: list[int]
@@ -322,6 +354,7 @@ class AllToAllTokenDispatcher:
         self.group, self.chunks, self.dispatch_dtype = group, overlap_chunks, check_dispatch_dtype(dispatch_dtype)
         self.ep = dist.get_world_size(group)
         self.grad_scale = float(self.ep) if scale_in_exchange else 1.0
+        self.skew = SkewWarning()
 
     @torch.compiler.disable  # host-side split sizes: a compiled block runs this part eagerly
     def __call__(self, x_TD, weights_TK, experts_TK, tokens_per_expert_E, experts: GroupedExperts,
@@ -332,6 +365,7 @@ class AllToAllTokenDispatcher:
         send_CPE = _chunk_counts(experts_TK, bounds, P * El, tokens_per_expert_E).view(C, P, El)
         recv_PCE = _exchange_counts(send_CPE.transpose(0, 1).reshape(P, C * El), self.group).view(P, C, El)
         splits = torch.stack([send_CPE.sum(2), recv_PCE.sum(2).T]).tolist()  # one sync for every chunk
+        self.skew.check(sum(map(sum, splits[1])), x_TD.shape[0], experts_TK.shape[1], experts)
         flows = [_through_experts(self.group, self.grad_scale, x_TD[a:b], weights_TK[a:b], experts_TK[a:b],
                                   splits[0][c], splits[1][c], recv_PCE[:, c], experts, self.dispatch_dtype)
                  for c, (a, b) in enumerate(bounds)]
@@ -363,6 +397,7 @@ class HierarchicalTokenDispatcher:
         self.group, self.inter, self.intra, self.nodes, self.local = group, inter, intra, nodes, local
         self.ep, self.chunks, self.position_E = nodes * local, overlap_chunks, position_E
         self.grad_scale = float(self.ep) if scale_in_exchange else 1.0
+        self.skew = SkewWarning()
 
     @torch.compiler.disable  # host-side split sizes: a compiled block runs this part eagerly
     def __call__(self, x_TD, weights_TK, experts_TK, tokens_per_expert_E, experts: GroupedExperts,
@@ -387,6 +422,7 @@ class HierarchicalTokenDispatcher:
         recv_LCE = _exchange_counts(node_counts_CLE.transpose(0, 1).reshape(L, -1), self.intra).view(L, C, El)
         splits = torch.cat([send_CNM[..., 0], recv_NCM[..., 0].T, node_counts_CLE.sum(2), recv_LCE.sum(2).T],
                            1).tolist()  # one sync for every chunk and both hops
+        self.skew.check(sum(sum(chunk[2 * N + L:]) for chunk in splits), x_TD.shape[0], experts_TK.shape[1], experts)
         flows = [self._flow(x_TD[a:b], weights_TK[a:b], experts_TK[a:b], node_TK[a:b], wanted_NT[:, a:b],
                             splits[c], recv_LCE[:, c], experts) for c, (a, b) in enumerate(bounds)]
         return _joined(*_pipeline(flows, overlap))
@@ -426,16 +462,17 @@ def node_identity() -> str:
     return socket.gethostname()
 
 
-def group_layout(ranks: list[int], node_of: dict[int, Hashable]) -> list[list[int]] | str:
+def group_layout(ranks: list[int], node_of: dict[int, Hashable], gpus_per_node: list[int] | None = None
+                 ) -> list[list[int]] | str:
     """The ranks of one group per node (nodes ordered by their first rank), when every node of the group holds the
-    same number of them; else why hierarchical dispatch cannot be used. Pure: every rank computes the same."""
+    same number of them; else why hierarchical dispatch cannot be used. Pure: every rank computes the same.
+    ``gpus_per_node``: the distinct node sizes (counted once by the caller of many groups; else counted here)."""
     per_node: dict[Hashable, list[int]] = {}
     for r in ranks:
         per_node.setdefault(node_of[r], []).append(r)
     blocks = [sorted(b) for b in per_node.values()]
     if len({len(b) for b in blocks}) > 1:
-        gpus = sorted({sum(1 for n in node_of.values() if n == node) for node in set(node_of.values())})
-        gpus_text = "/".join(map(str, gpus))
+        gpus_text = "/".join(map(str, gpus_per_node or sorted(set(Counter(node_of.values()).values()))))
         return (f"strategy.expert_parallel_size={len(ranks)} puts {' + '.join(str(len(b)) for b in blocks)} ranks of "
                 f"the group {ranks} on its nodes ({gpus_text} GPUs per node): hierarchical dispatch needs the same "
                 f"number on each node; choose expert_parallel_size dividing or a multiple of the GPUs per node "
@@ -447,9 +484,10 @@ def plan_layout(table: list[tuple[Hashable, tuple[int, ...]]]) -> dict[tuple[int
     """Every expert-parallel group's dispatch from every rank's ``(node, group ranks)``: its ranks per node when
     hierarchical, else why flat (a sentence). Pure, so every rank takes the same decision from the same table."""
     node_of = {rank: node for rank, (node, _) in enumerate(table)}
+    sizes = sorted(set(Counter(node_of.values()).values()))  # once: at 1,536 ranks the per-group recount took seconds
     plans = {}
     for ranks in sorted({group for _, group in table}):
-        layout = group_layout(list(ranks), node_of)
+        layout = group_layout(list(ranks), node_of, sizes)
         plans[ranks] = layout if isinstance(layout, str) or len(layout) > 1 else f"within one node of {len(ranks)} ranks"
     return plans
 
