@@ -65,7 +65,7 @@ def apply_fsdp(model: MoETransformer, dense_mesh: DeviceMesh, expert_mesh: Devic
         sharded = fully_shard(unit.module, mesh=expert_mesh if unit.experts else dense_mesh,
                               reshard_after_forward=reshard, **common)
         stages.setdefault(unit.stage, []).insert(0, sharded)  # a stage runs outer to inner: reverse of wrapping
-    if not model.config.tie_embeddings:  # the head runs last, whichever entry point runs it
+    if not model.config.tie_embeddings and model.output is not None:  # the head runs last, whichever entry runs it
         for method in ("cross_entropy", "cross_entropy_sums"):
             register_fsdp_forward_method(model.output, method)
     return [stages[i] for i in sorted(stages)]

@@ -241,6 +241,7 @@ class ParallelMesh:
     ``"cp"``                  ``cp`` neighbouring shard ranks         the context-parallel exchange
     ``"pp"``                  same ``r`` and ``s``, every stage       pipeline sends and receives (``pp > 1``)
     ``"stage"``               same stage: every ``r`` and ``s``       expert counts of the stage's layers
+    ``"pp_ends"``             the first and last stage, same r, s     the token embedding's two copies (MTP, tied)
     ========================  ======================================  ==========================================
 
     Under expert parallelism ``expert`` is the ``("replicate", "ep", "efsdp")`` mesh (experts split by ``ep``
@@ -255,13 +256,13 @@ class ParallelMesh:
     def __init__(self, layout: MeshLayout, device_type: str):
         self.layout, self.device_type = layout, device_type
         r, s, ep, cp, pp = layout.replicate, layout.shard, layout.ep, layout.cp, layout.pp
-        world_R_S = torch.arange(layout.world_size).view(r, s)
-        self.pipeline, self._stage = None, None
+        world_R_S = torch.arange(layout.world_size).view(r * pp, s)  # (under pp, EP and CP are refused)
+        self.pipeline, self._stage, self._ends = None, None, None
         if pp > 1:  # every stage's dense mesh is a sub-mesh of one ("replicate", "pp", "shard") mesh
             self.pipeline = _mesh(device_type, torch.arange(layout.world_size).view(r, pp, s),
                                   ("replicate", "pp", "shard"))
             self.dense = self.pipeline["shard"] if r == 1 else self.pipeline["replicate", "shard"]
-            self._stage = self._stage_group(layout)
+            self._stage, self._ends = self._stage_group(layout), self._ends_group(layout)
         else:
             self.dense = _mesh(device_type, world_R_S[0] if r == 1 else world_R_S,
                                ("shard",) if r == 1 else ("replicate", "shard"))
@@ -283,7 +284,10 @@ class ParallelMesh:
             return None if self.pipeline is None else self.pipeline["pp"].get_group()
         if name == "stage":
             return self._stage
-        raise KeyError(f"no mesh dimension {name!r}: the dimensions are replicate, shard, ep, efsdp, cp, pp, stage")
+        if name == "pp_ends":
+            return self._ends
+        raise KeyError(f"no mesh dimension {name!r}: the dimensions are replicate, shard, ep, efsdp, cp, pp, stage, "
+                       "pp_ends")
 
     @staticmethod
     def _stage_group(layout: MeshLayout) -> dist.ProcessGroup:
@@ -296,6 +300,20 @@ class ParallelMesh:
             if dist.get_rank() in ranks:
                 mine = group
                 _GROUP_NAMES.setdefault(group, "stage")
+        return mine
+
+    @staticmethod
+    def _ends_group(layout: MeshLayout) -> dist.ProcessGroup | None:
+        """This rank's pair of first and last stage (same replica and shard rank), None on the stages between."""
+        mine = None
+        ranks_R_P_S = torch.arange(layout.world_size).view(layout.replicate, layout.pp, layout.shard)
+        for r in range(layout.replicate):
+            for s in range(layout.shard):
+                ranks = [int(ranks_R_P_S[r, 0, s]), int(ranks_R_P_S[r, -1, s])]
+                group = dist.new_group(ranks)
+                if dist.get_rank() in ranks:
+                    mine = group
+                    _GROUP_NAMES.setdefault(group, "pp_ends")
         return mine
 
     @property

@@ -2,6 +2,8 @@
 
 The order, and why:
 
+    0. pipeline stage      the blocks of the other stages go, names kept (``pipeline.keep_stage``): every later step
+                           sees only this stage's blocks, embedding and head
     1. expert parallelism  each rank keeps its ``E / ep`` experts; the all-to-all dispatcher goes on every MoE layer;
                            context parallelism: the model's ``sequence_shard`` becomes this rank's head-tail share
     2. compile             each block's class becomes one with a compiled ``forward`` (``compile.py``)
@@ -33,6 +35,7 @@ from moe_lightning.parallel.compile import compile_blocks
 from moe_lightning.parallel.context_parallel import ContextParallelShard
 from moe_lightning.parallel.expert_parallel import apply_expert_parallel, check_overlap_chunks, divide_expert_gradients
 from moe_lightning.parallel.mesh import MeshError, MeshLayout, ParallelMesh
+from moe_lightning.parallel.pipeline import PipelineLayout, keep_stage
 
 
 @dataclass(frozen=True)
@@ -51,6 +54,8 @@ class Sharding:
     seed: int  # of a meta-device build: the run's seed plus the shard rank (replicas agree, shards differ)
     ep_overlap_chunks: int = 1  # chunks each MoE layer's tokens are pipelined through (expert parallelism)
     dispatch_dtype: torch.dtype | None = None  # of the dispatch hops' hidden rows (None: the training dtype)
+    pipeline: PipelineLayout | None = None  # the stages (``mesh.layout.pp > 1``)
+    loss_chunk_size: int | None = None  # the module's, for the last stage's loss (``pipeline.StageTransformer``)
 
 
 def check_strategy_arguments(replicate_size: int, shard_size: int | str, expert_parallel_size: int, param_dtype: str,
@@ -96,6 +101,13 @@ def parallelize_moe(model: MoETransformer, sharding: Sharding, *, compile: bool 
         return []
     messages, on_meta = [], any(p.device.type == "meta" for p in model.parameters())
     mesh, layout, E = sharding.mesh, sharding.mesh.layout, model.config.num_experts
+    if sharding.pipeline is not None:
+        stage = mesh.pipeline_rank
+        keep_stage(model, stage, sharding.pipeline, sharding.loss_chunk_size)
+        blocks = sharding.pipeline.blocks_of(stage)
+        messages.append(f"pipeline: {sharding.pipeline.num_stages} stages of {list(sharding.pipeline.blocks_per_stage)} "
+                        f"blocks, {sharding.pipeline.schedule} over {sharding.pipeline.microbatches} micro-batches; "
+                        f"rank 0 holds blocks {blocks.start}-{blocks.stop - 1}.")
     if layout.ep > 1:  # FSDP divides the expert gradients (below): exact at any ep, no x ep / ep rounding
         messages.append(apply_expert_parallel(model.moe_layers(), mesh.group("ep"),
                                               overlap_chunks=sharding.ep_overlap_chunks, scale_in_exchange=False,

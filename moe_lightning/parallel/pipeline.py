@@ -350,16 +350,30 @@ class PipelineRunner:
                  device: torch.device, activation_dtype: torch.dtype,
                  embedding_group: dist.ProcessGroup | None = None):
         self.parts, self.layout, self.group, self.device = parts, layout, group, device
-        self.activation_dtype, self.embedding_group = activation_dtype, embedding_group
         self.config = parts[0].config
+        self.activation_dtype = activation_dtype
+        self.embedding_group = embedding_group if reads_embedding_last(self.config) else None
         last_rank = layout.rank_of(layout.num_stages - 1)
         self.last_rank = last_rank if group is None else dist.get_global_rank(group, last_rank)
         self._schedules: dict[tuple[int, int, bool], tuple[object, PipelineLoss]] = {}
 
+    def microbatches(self, B: int, training: bool) -> int:
+        """``layout.microbatches`` in training (refused unless it divides the batch); in evaluation that, or else
+        the fewest micro-batches, at least one per stage, that divide a short batch (a held-out set's last one)."""
+        M = self.layout.microbatches
+        if training or B % M == 0:
+            check_batch(B, M)
+            return M
+        fits = [m for m in range(self.layout.num_stages, B + 1) if B % m == 0]
+        if not fits:
+            raise PipelineError(f"an evaluation batch of {B} sequences cannot feed {self.layout.num_stages} pipeline "
+                                "stages: give the held-out data at least that many sequences per batch (data.batch_size).")
+        return fits[0]
+
     def _schedule(self, B: int, S: int, training: bool) -> tuple[object, PipelineLoss]:
         key = (B, S, training)
         if key not in self._schedules:
-            M, last = self.layout.microbatches, self.layout.num_stages - 1
+            M, last = self.microbatches(B, training), self.layout.num_stages - 1
             b, dtype = B // M, self.activation_dtype
             hidden = torch.empty(b, S, self.config.dim, dtype=dtype, device="meta", requires_grad=True)
             sums = torch.empty(1 + (self.config.mtp_layers if training else 0), device="meta", requires_grad=True,
@@ -377,13 +391,12 @@ class PipelineRunner:
 
     def run(self, batch_BS1: torch.Tensor, training: bool) -> torch.Tensor:
         B, S1 = batch_BS1.shape
-        check_batch(B, self.layout.microbatches)
         schedule, loss_fn = self._schedule(B, S1 - 1, training)
         loss_fn.set_batch(batch_BS1, training)
         for part in self.parts:
             part.step_expert_counts = None
             for moe in part.moe_layers():  # each micro-batch's balancing losses are means over its sequences
-                moe.aux_loss_grad_scale = 1 / self.layout.microbatches
+                moe.aux_loss_grad_scale = 1 / self.microbatches(B, training)
         if training:
             schedule.step(batch_BS1, batch_BS1=batch_BS1, target=batch_BS1, return_outputs=False)
             self._finish_training_step()

@@ -54,15 +54,15 @@ def fsdp_units(model: MoETransformer, expert_parallel: bool) -> list[Unit]:
             planned.append((f"{name}.ffn.experts", module.ffn.experts, stage, True, False))
         planned.append((name, module, stage, False, False))
 
-    if not tied:
+    if not tied and model.tok_embeddings is not None:  # a pipeline stage may hold no embedding, head or blocks' all
         planned.append(("tok_embeddings", model.tok_embeddings, next(stages), False, False))
-    for i, layer in enumerate(model.layers):
+    for i, layer in model.layers.named_children():  # the model's block indices (a pipeline stage keeps them)
         block(f"layers.{i}", layer, next(stages))
     for k, module in enumerate(model.mtp):  # runs after the final norm: its norms and eh_proj enter the stage first
         stage = next(stages)
         block(f"mtp.{k}.block", module.block, stage)
         planned.append((f"mtp.{k}", module, stage, False, False))
-    if not tied:
+    if not tied and model.output is not None:
         planned.append(("output", model.output, next(stages), False, True))
     planned.append(("", model, None, False, True))
 

@@ -96,6 +96,8 @@ class MoELanguageModel(L.LightningModule):
         # Set by a strategy that parallelizes the model itself (MoEFSDPStrategy), so the module reads no layout:
         self.parallelized_by_strategy = False  # it compiles the blocks too
         self.ranks_per_sequence = 1  # ranks sharing each sequence (context parallelism): the loss is a share, scaled
+        self.pipeline = None  # pipeline parallelism: runs the schedule over a batch (parallel.pipeline.PipelineRunner)
+        self.expert_count_group = None  # the ranks that hold the same MoE layers (None: the world)
         self._pending_expert_counts: torch.Tensor | None = None
         self._train_loss_sum: torch.Tensor | None = None  # this optimizer step's micro-batch losses, on device
         self.val_loss_mean = torchmetrics.aggregation.MeanMetric()
@@ -128,6 +130,8 @@ class MoELanguageModel(L.LightningModule):
         return self.model(tokens_BS)
 
     def _loss(self, batch_BS1: torch.Tensor) -> torch.Tensor:
+        if self.pipeline is not None:
+            return self._pipeline_loss(batch_BS1)
         inputs_BS, targets_BS = batch_BS1[:, :-1], batch_BS1[:, 1:]
         if self.training and self.config.mtp_layers:
             return self._multi_token_loss(batch_BS1)
@@ -167,6 +171,22 @@ class MoELanguageModel(L.LightningModule):
             logged /= dist.get_world_size()
         self.log("train/mtp_loss", logged)
         return main + self.config.mtp_loss_weight * mtp_mean
+
+    def _pipeline_loss(self, batch_BS1: torch.Tensor) -> torch.Tensor:
+        """The batch through the pipeline's stages (training: forward and backward, already done when this
+        returns), its loss the same number on every stage: ``main + λ · mean(CE_k)`` as ``_multi_token_loss``."""
+        losses_K = self.pipeline.run(batch_BS1, training=self.training)
+        if len(losses_K) == 1:
+            return losses_K[0]
+        self._main_loss, mtp_mean = losses_K[0], losses_K[1:].mean()
+        self.log("train/mtp_loss", mtp_mean)
+        return losses_K[0] + self.config.mtp_loss_weight * mtp_mean
+
+    def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: torch.optim.Optimizer) -> None:
+        """Lightning zeroes the gradients between the training step and its backward; under pipeline parallelism
+        the step ran backward already, and the strategy zeroed them before it."""
+        if self.pipeline is None:
+            super().optimizer_zero_grad(epoch, batch_idx, optimizer)
 
     def expert_counts(self) -> torch.Tensor | None:
         """``[moe_layers, experts]`` token counts of the last forward."""
@@ -230,7 +250,7 @@ class MoELanguageModel(L.LightningModule):
             return
         counts_LE = pending.float()
         if dist.is_initialized():  # Lightning's strategy.reduce would add a barrier every step
-            dist.all_reduce(counts_LE)
+            dist.all_reduce(counts_LE, group=self.expert_count_group)
         for moe, counts_E in zip(self.model.moe_layers(), counts_LE):
             moe.router.update_bias(counts_E, self.config.bias_update_rate)
 

@@ -22,6 +22,8 @@ from moe_lightning.parallel import fsdp
 from moe_lightning.parallel.clip import clip_grads_
 from moe_lightning.parallel.mesh import MeshLayout, ParallelMesh, resolve_layout
 from moe_lightning.parallel.parallelize import Sharding, check_strategy_arguments, parallelize_moe, the_transformer
+from moe_lightning.parallel.pipeline import PipelineError, PipelineLayout, PipelineRunner, SCHEDULES, check_batch, \
+    resolve_pipeline
 from moe_lightning.run import flight_recorder
 from moe_lightning.run.watchdog import DEFAULT_STALL_TIMEOUT_S, check_stall_timeout
 from moe_lightning.training.callbacks.activation_offload import ActivationOffload
@@ -61,6 +63,12 @@ class MoEFSDPStrategy(CheckpointHooks, ModelParallelStrategy):
         async_checkpoint: Write sharded checkpoints in the background (one in flight; a failure raises next batch).
         process_group_backend: ``nccl``/``gloo``; default from the device.
         timeout: Collective timeout.
+        pipeline_parallel_size: Pipeline stages (``docs/pipeline.md``): ``replicate x pp x shard`` ranks, a stage's
+            shard ranks neighbours; each stage holds its blocks (the first the embedding, the last the norm, head,
+            loss and MTP), and torch's schedule runs the step's micro-batches through them.
+        pipeline_schedule: torch's schedule with one stage per rank: ``"1F1B"`` or ``"GPipe"``.
+        pipeline_microbatches: Micro-batches the per-rank batch splits into (at least the stages; default: as
+            many as stages). They replace ``accumulate_grad_batches``, which must stay 1.
         stall_timeout: Seconds a rank may make no progress before a surviving rank names it and every live rank
             exits with status 69 (``run/watchdog.py``, ``docs/distributed.md``); 0 turns the watchdog off.
     """
@@ -72,12 +80,21 @@ class MoEFSDPStrategy(CheckpointHooks, ModelParallelStrategy):
                  unshard_async_op: bool = False, cpu_offload: bool = False, accumulate_unsharded_grads: bool = False,
                  meta_init: bool = False, save_distributed_checkpoint: bool = True, async_checkpoint: bool = False,
                  process_group_backend: Optional[str] = None, timeout: Optional[timedelta] = default_pg_timeout,
+                 pipeline_parallel_size: int = 1, pipeline_schedule: str = "1F1B",
+                 pipeline_microbatches: Optional[int] = None,
                  stall_timeout: float = DEFAULT_STALL_TIMEOUT_S):
         super().__init__(save_distributed_checkpoint=save_distributed_checkpoint,
                          process_group_backend=process_group_backend, timeout=timeout)
         check_strategy_arguments(replicate_size, shard_size, expert_parallel_size, param_dtype, reduce_dtype,
                                  prefetch_depth, save_distributed_checkpoint, async_checkpoint, context_parallel_size,
                                  ep_overlap_chunks, dispatch_dtype)  # before any launch
+        MeshLayout.check_arguments(replicate_size, shard_size, expert_parallel_size, context_parallel_size,
+                                   pipeline_parallel_size)
+        if pipeline_parallel_size > 1:
+            _check_pipeline_arguments(pipeline_schedule, meta_init)
+        self.pipeline_parallel_size, self.pipeline_schedule = pipeline_parallel_size, pipeline_schedule
+        self.pipeline_microbatches = pipeline_microbatches
+        self.pipeline: PipelineLayout | None = None  # the stages, resolved in setup_environment (pp > 1)
         self.stall_timeout = check_stall_timeout(stall_timeout)
         self.replicate_size, self.shard_size, self.expert_parallel_size = replicate_size, shard_size, expert_parallel_size
         self.context_parallel_size, self.ep_overlap_chunks = context_parallel_size, ep_overlap_chunks
@@ -107,7 +124,12 @@ class MoEFSDPStrategy(CheckpointHooks, ModelParallelStrategy):
         module = self.lightning_module  # the data's seq_len is checked here, before the model is built
         seq_len = getattr(module.trainer.datamodule, "seq_len", None) if module._trainer is not None else None
         layout = resolve_layout(self.num_nodes * self.num_processes, self.replicate_size, self.shard_size,
-                                self.expert_parallel_size, self.context_parallel_size, module.config, seq_len)
+                                self.expert_parallel_size, self.context_parallel_size, module.config, seq_len,
+                                self.pipeline_parallel_size)
+        if layout.pp > 1:  # every pipeline refusal before any process group exists
+            self.pipeline = resolve_pipeline(module.config, layout.pp, self.pipeline_schedule,
+                                             self.pipeline_microbatches, seq_len=seq_len)
+            _check_pipeline_trainer(module.trainer if module._trainer is not None else None, self.pipeline)
         trainer = module._trainer
         if trainer is not None and self.root_device.type == "cuda":  # read when NCCL's groups are made
             flight_recorder.enable(trainer.default_root_dir)
@@ -120,6 +142,7 @@ class MoEFSDPStrategy(CheckpointHooks, ModelParallelStrategy):
         self._device_mesh = module._device_mesh = self.parallel.dense  # Lightning's, for users' code (not ours)
         module.parallelized_by_strategy = True  # so it does not compile the blocks itself
         module.ranks_per_sequence = layout.cp  # its loss is a share of each sequence's: scale it (module.py)
+        module.expert_count_group = self.parallel.group("stage")  # the ranks holding the same MoE layers
         self.checkpointer.use_groups(self.parallel.side_channel("checkpoint"),
                                      self.parallel.side_channel("checkpoint_writer"))
         rank_zero_info(f"{type(self).__name__}: {layout.replicate} replica(s) x {layout.shard} shard ranks, "
@@ -149,12 +172,17 @@ class MoEFSDPStrategy(CheckpointHooks, ModelParallelStrategy):
                             self._dtype(self.reduce_dtype, torch.float32), self.reshard_after_forward, self.cpu_offload,
                             self.prefetch_depth, self.unshard_async_op, self.param_device, self.root_device,
                             torch.initial_seed() + self.global_rank % self.layout.shard, self.ep_overlap_chunks,
-                            getattr(torch, self.dispatch_dtype) if self.dispatch_dtype else None)
+                            getattr(torch, self.dispatch_dtype) if self.dispatch_dtype else None, self.pipeline,
+                            getattr(module, "loss_chunk_size", None))
         fill = module.fill_pretrained if getattr(module, "pretrained", None) is not None else None
         for message in parallelize_moe(model, sharding, compile=getattr(module, "compile_each_block", False),
                                        wrap_blocks=wrap_blocks, fill_pretrained=fill):
             rank_zero_info(f"{type(self).__name__}: {message}")
         self._fsdp_root = model
+        if self.pipeline is not None and getattr(module, "pipeline", None) is None:
+            module.pipeline = PipelineRunner([model], self.pipeline, self.parallel.group("pp"), self.root_device,
+                                             sharding.param_dtype or torch.get_default_dtype(),
+                                             self.parallel.group("pp_ends"))
 
     @property
     def param_device(self) -> torch.device:
@@ -162,9 +190,42 @@ class MoEFSDPStrategy(CheckpointHooks, ModelParallelStrategy):
         return torch.device("cpu") if self.cpu_offload else self.root_device
 
     def clip_grad_by_norm(self, optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
-        """Scale gradients so their global L2 norm is at most ``max_norm``; returns the norm before clipping."""
-        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        return clip_grads_(grads, max_norm, self.root_device)
+        """Scale gradients so their global L2 norm is at most ``max_norm``; returns the norm before clipping.
+        Under pipeline parallelism the norm is over every stage; the last stage's copy of the token embedding
+        (its gradient the same summed one as the first stage's) counts once, and is scaled alike."""
+        copy = self._embedding_copy()
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"]
+                 if p.grad is not None and p is not copy]
+        total = clip_grads_(grads, max_norm, self.root_device)
+        if copy is not None and copy.grad is not None:
+            local = copy.grad.to_local() if hasattr(copy.grad, "to_local") else copy.grad
+            local.mul_(torch.clamp(max_norm / (total + 1e-6), max=1.0).to(local.device))
+        return total
+
+    def _embedding_copy(self) -> torch.nn.Parameter | None:
+        """The last pipeline stage's copy of the token embedding (MTP or a tied head reads it there)."""
+        model = self._fsdp_root
+        if self.pipeline is None or model is None or model.pipeline_first or model.tok_embeddings is None:
+            return None
+        return model.tok_embeddings.weight
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        """Under pipeline parallelism the module's step runs the schedule, forward and backward over the
+        micro-batches (``module.pipeline``): the gradients are zeroed before it, not by Lightning between the step
+        and its backward (the module's ``optimizer_zero_grad`` then does nothing; see ``backward``)."""
+        if self.pipeline is not None:
+            for optimizer in self.optimizers:
+                optimizer.zero_grad(set_to_none=True)
+        return super().training_step(*args, **kwargs)
+
+    def backward(self, closure_loss: torch.Tensor, optimizer: Optional[torch.optim.Optimizer], *args: Any,
+                 **kwargs: Any) -> torch.Tensor:
+        """Under pipeline parallelism the schedule has run backward inside the training step: Lightning's
+        before/after-backward hooks run, autograd does not run again (NeMo's Megatron strategy skips it alike)."""
+        if self.pipeline is None:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
+        return self.precision_plugin.post_backward(closure_loss, self.lightning_module)
 
     def block_backward_sync(self):
         root = self._fsdp_root
@@ -175,3 +236,28 @@ class MoEFSDPStrategy(CheckpointHooks, ModelParallelStrategy):
             return super().model_to_device()
         fsdp.move_all_but(self.lightning_module, MoETransformer, self.root_device)  # shards stay in host memory
         self.lightning_module._device = self.root_device  # what `.to` would set: where batches and metrics go
+
+
+def _check_pipeline_arguments(schedule: str, meta_init: bool) -> None:
+    """What this strategy composes with pipeline stages yet, checked at construction (one line each)."""
+    if schedule in SCHEDULES and SCHEDULES[schedule][1] != "single":
+        raise PipelineError(f"strategy.pipeline_schedule={schedule!r} runs several stages per rank, which a "
+                            "LightningModule's one model does not hold yet: use '1F1B' or 'GPipe' (the others run "
+                            "through torch directly: tests/launchers/pipeline_run.py).")
+    if meta_init:
+        raise PipelineError("strategy.meta_init=True with pipeline_parallel_size > 1: a stage is cut from the whole "
+                            "model built on every rank; set meta_init=False.")
+
+
+def _check_pipeline_trainer(trainer, layout: PipelineLayout) -> None:
+    """The trainer's and the data's settings the stages need (one line each, before any process group)."""
+    if trainer is None:
+        return
+    if trainer.accumulate_grad_batches != 1:
+        raise PipelineError(f"trainer.accumulate_grad_batches={trainer.accumulate_grad_batches} with "
+                            f"pipeline_parallel_size={layout.size}: the pipeline's micro-batches are the accumulation; "
+                            f"set it to 1 and raise strategy.pipeline_microbatches (now {layout.microbatches}) with "
+                            "data.batch_size instead.")
+    batch_size = getattr(trainer.datamodule, "batch_size", None)
+    if isinstance(batch_size, int):
+        check_batch(batch_size, layout.microbatches)
