@@ -2,11 +2,13 @@
 
 Their checkpoints already rotate interleaved pairs (transformers' ``rope_interleave=True``), as we do, so no
 rows move. V3 routes with sigmoid scores, a balancing bias (``e_score_correction_bias``) and groups ranked by
-their best two scores; V2 with softmax, no bias, groups ranked by their best score, weights never renormalised.
+their best two scores; V2 with softmax, no bias, groups ranked by their best score, weights never renormalised. Both are :class:`~moe_lightning.hf.family.Family` classes of their
+own (MLA, MTP layers and the FP8 releases share no skeleton with the GQA families).
 """
 
 import torch
 
+from moe_lightning.hf.family import check_group_size, check_leading_dense, check_shared_experts
 from moe_lightning.model import MoEConfig
 from moe_lightning.hf.mapping import (Copy, HFFormatError, Rows, Shared, check_representable, common_config, common_to_hf,
                       expert_sources, field, half_split_perm, layer_sources, no_bias_slot, outer_sources, refuse,
@@ -39,13 +41,9 @@ def _mla_to_hf(config: MoEConfig, architecture: str, model_type: str) -> dict:
         raise HFFormatError(f"MoEConfig.mla_norm_eps={config.mla_norm_eps} (latent norms use {latent_eps}) cannot be "
                             f"written as {architecture}, whose latent norms always use {LATENT_NORM_EPS}: set "
                             f"mla_norm_eps={LATENT_NORM_EPS}.")
+    check_leading_dense(config, architecture)
+    check_shared_experts(config, architecture)
     dense = config.n_layers - config.n_moe_layers
-    if any(config.is_moe_layer(i) != (i >= dense) for i in range(config.n_layers)):
-        raise HFFormatError(f"MoEConfig.dense_layers={config.dense_layers} cannot be written as {architecture}, whose "
-                            f"dense blocks are the first first_k_dense_replace: use Qwen3MoeForCausalLM's pattern.")
-    if config.n_shared_experts < 1:
-        raise HFFormatError(f"MoEConfig.n_shared_experts=0 cannot be written as {architecture}, which always has "
-                            f"shared experts: choose another architecture.")
     return {**common_to_hf(config, architecture, model_type), "num_key_value_heads": config.n_heads,
             "q_lora_rank": config.q_lora_rank or None, "kv_lora_rank": config.kv_lora_rank,
             "qk_nope_head_dim": config.qk_nope_head_dim, "qk_rope_head_dim": config.qk_rope_head_dim,
@@ -139,11 +137,7 @@ class DeepseekV3:
     @staticmethod
     def config_to_hf(config: MoEConfig) -> dict:
         check_representable(config, V3, score_func="sigmoid", group_score="top2_sum")
-        if config.num_experts < 2 * config.n_expert_groups:  # transformers' router takes each group's top 2
-            raise HFFormatError(f"MoEConfig.n_expert_groups={config.n_expert_groups} with num_experts="
-                                f"{config.num_experts} makes groups of fewer than 2 experts, which {V3} cannot "
-                                f"route (it ranks a group by its best two scores): use at most "
-                                f"{config.num_experts // 2} groups.")
+        check_group_size(config, V3)
         return {**_mla_to_hf(config, V3, "deepseek_v3"), "norm_topk_prob": config.route_norm,
                 "scoring_func": "sigmoid", "topk_method": "noaux_tc", "rope_interleave": True,
                 "num_nextn_predict_layers": config.mtp_layers}

@@ -4,12 +4,12 @@ weights), shared experts and leading dense blocks. It holds the sigmoid-routed G
 trains. Only models rotating every query/key dim (``partial_rotary_factor: 1.0``; GLM-4.5 itself rotates half).
 """
 
+from moe_lightning.hf.family import GQAFamily, check_group_size, check_leading_dense, check_shared_experts
+from moe_lightning.hf.mapping import Copy, HFFormatError, expert_sources, field, refuse, refuse_common, swiglu_sources
 from moe_lightning.model import MoEConfig
-from moe_lightning.hf.mapping import (Copy, HFFormatError, check_representable, common_to_hf, expert_sources, field, gqa_config,
-                      gqa_sources, layer_sources, outer_sources, refuse, refuse_common, swiglu_sources, with_defaults)
 
 
-class Glm4Moe:
+class Glm4Moe(GQAFamily):
     ARCHITECTURE, MODEL_TYPE = "Glm4MoeForCausalLM", "glm4_moe"
     # transformers' Glm4MoeConfig defaults for the keys read here that fix no tensor shape
     DEFAULTS = {"rms_norm_eps": 1e-5, "rope_theta": 1e4, "max_position_embeddings": 131072,
@@ -19,8 +19,7 @@ class Glm4Moe:
     PARTIAL_ROTARY = 0.5  # transformers' Glm4MoeConfig default (set in __post_init__, not a field)
 
     @classmethod
-    def config_from_hf(cls, hf: dict) -> MoEConfig:
-        hf = with_defaults(hf, cls.DEFAULTS)
+    def refuse(cls, hf: dict) -> None:
         refuse_common(hf)
         refuse(hf, "use_qk_norm", bool, "GLM-4.5's QK-norm is not implemented")
         partial = (hf.get("rope_parameters") or {}).get("partial_rotary_factor",
@@ -28,47 +27,39 @@ class Glm4Moe:
         if partial != 1.0:
             raise HFFormatError(f"config.json partial_rotary_factor={partial} is not supported: every query/key dim "
                                 "is rotated here.")
-        return MoEConfig(**gqa_config(hf), ffn_hidden=field(hf, "intermediate_size"),
-                         n_dense_layers=hf["first_k_dense_replace"] or 0,
-                         num_experts=field(hf, "n_routed_experts", "num_local_experts"),
-                         top_k=field(hf, "num_experts_per_tok"), expert_hidden=field(hf, "moe_intermediate_size"),
-                         n_shared_experts=hf["n_shared_experts"] or 0, score_func="sigmoid",
-                         route_norm=bool(hf["norm_topk_prob"]), route_scale=float(hf["routed_scaling_factor"]),
-                         n_expert_groups=hf["n_group"] or 1, n_limited_groups=hf["topk_group"] or 1,
-                         group_score="top2_sum", attention="gqa")
 
     @classmethod
-    def config_to_hf(cls, config: MoEConfig) -> dict:
-        check_representable(config, cls.ARCHITECTURE, attention="gqa", qk_norm="none", clip_qkv=None,
-                            score_func="sigmoid", group_score="top2_sum", rope_scaling="none")
-        dense = config.n_layers - config.n_moe_layers
-        if any(config.is_moe_layer(i) != (i >= dense) for i in range(config.n_layers)):
-            raise HFFormatError(f"MoEConfig.dense_layers={config.dense_layers} cannot be written as "
-                                f"{cls.ARCHITECTURE}, whose dense blocks are the first first_k_dense_replace: use "
-                                "Qwen3MoeForCausalLM's pattern.")
-        if config.n_shared_experts < 1:
-            raise HFFormatError(f"MoEConfig.n_shared_experts=0 cannot be written as {cls.ARCHITECTURE}, which always "
-                                "has shared experts: choose another architecture.")
-        if config.num_experts < 2 * config.n_expert_groups:  # transformers' router takes each group's top 2
-            raise HFFormatError(f"MoEConfig.n_expert_groups={config.n_expert_groups} with num_experts="
-                                f"{config.num_experts} makes groups of fewer than 2 experts, which "
-                                f"{cls.ARCHITECTURE} cannot route: use at most {config.num_experts // 2} groups.")
-        return {**common_to_hf(config, cls.ARCHITECTURE, cls.MODEL_TYPE), "num_key_value_heads": config.n_kv_heads,
-                "head_dim": config.head_dim, "partial_rotary_factor": 1.0, "intermediate_size": config.ffn_hidden,
-                "first_k_dense_replace": dense, "n_routed_experts": config.num_experts,
+    def fields(cls, hf: dict) -> dict:
+        return dict(ffn_hidden=field(hf, "intermediate_size"), n_dense_layers=hf["first_k_dense_replace"] or 0,
+                    num_experts=field(hf, "n_routed_experts", "num_local_experts"),
+                    top_k=field(hf, "num_experts_per_tok"), expert_hidden=field(hf, "moe_intermediate_size"),
+                    n_shared_experts=hf["n_shared_experts"] or 0, score_func="sigmoid",
+                    route_norm=bool(hf["norm_topk_prob"]), route_scale=float(hf["routed_scaling_factor"]),
+                    n_expert_groups=hf["n_group"] or 1, n_limited_groups=hf["topk_group"] or 1,
+                    group_score="top2_sum")
+
+    @classmethod
+    def requires(cls, config: MoEConfig) -> dict:
+        return dict(qk_norm="none", clip_qkv=None, score_func="sigmoid", group_score="top2_sum", rope_scaling="none")
+
+    @classmethod
+    def check(cls, config: MoEConfig) -> None:
+        check_leading_dense(config, cls.ARCHITECTURE)
+        check_shared_experts(config, cls.ARCHITECTURE)
+        check_group_size(config, cls.ARCHITECTURE)
+
+    @classmethod
+    def fields_to_hf(cls, config: MoEConfig) -> dict:
+        return {"head_dim": config.head_dim, "partial_rotary_factor": 1.0, "intermediate_size": config.ffn_hidden,
+                "first_k_dense_replace": config.n_layers - config.n_moe_layers, "n_routed_experts": config.num_experts,
                 "num_experts_per_tok": config.top_k, "moe_intermediate_size": config.expert_hidden,
                 "n_shared_experts": config.n_shared_experts, "routed_scaling_factor": config.route_scale,
                 "n_group": config.n_expert_groups, "topk_group": config.n_limited_groups,
                 "norm_topk_prob": config.route_norm, "use_qk_norm": False, "num_nextn_predict_layers": 0}
 
     @classmethod
-    def sources(cls, config: MoEConfig, hf: dict | None = None) -> dict:
-        def moe(p):
-            return {"ffn.router.gate.weight": Copy(f"{p}mlp.gate.weight"),
-                    "ffn.router.expert_bias": Copy(f"{p}mlp.gate.e_score_correction_bias"),
-                    **expert_sources(config, f"{p}mlp.experts"),
-                    **swiglu_sources("ffn.shared_experts", f"{p}mlp.shared_experts")}
-        out = outer_sources(config)
-        for i in range(config.n_layers):
-            out.update(layer_sources(config, i, gqa_sources(config, f"model.layers.{i}.", half_split=True), moe))
-        return out
+    def moe_sources(cls, config: MoEConfig, p: str) -> dict:
+        return {"ffn.router.gate.weight": Copy(f"{p}mlp.gate.weight"),
+                "ffn.router.expert_bias": Copy(f"{p}mlp.gate.e_score_correction_bias"),
+                **expert_sources(config, f"{p}mlp.experts"),
+                **swiglu_sources("ffn.shared_experts", f"{p}mlp.shared_experts")}

@@ -14,6 +14,7 @@ from moe_lightning.model import MoEConfig, MoETransformer
 import moe_lightning.hf.fp8 as fp8
 from moe_lightning.hf.deepseek import DeepseekV2, DeepseekV3
 from moe_lightning.hf.ernie import Ernie45Moe
+from moe_lightning.hf.family import Family
 from moe_lightning.hf.glm4_moe import Glm4Moe
 from moe_lightning.hf.files import SafetensorsDir, read_config, write_directory
 from moe_lightning.hf.mapping import Absent, HFFormatError, Source, refuse_non_finite
@@ -21,8 +22,16 @@ from moe_lightning.hf.mixtral import Mixtral
 from moe_lightning.hf.olmoe import Olmoe
 from moe_lightning.hf.qwen3_moe import Qwen3Moe
 
-FAMILIES = {family.ARCHITECTURE: family for family in (Mixtral, Qwen3Moe, Olmoe, DeepseekV3, DeepseekV2,
-                                                               Ernie45Moe, Glm4Moe)}
+# Every family (hf.family.Family), in the order choose_family tries them: adding one is its file and a line here.
+FAMILIES: dict[str, Family] = {family.ARCHITECTURE: family for family in (
+    Mixtral,
+    Qwen3Moe,
+    Olmoe,
+    DeepseekV3,
+    DeepseekV2,
+    Ernie45Moe,
+    Glm4Moe,
+)}
 
 
 def family_of(hf: dict):
