@@ -185,10 +185,7 @@ def resolve_pipeline(config: MoEConfig, size: int, schedule: str = "1F1B", micro
         raise PipelineError(f"strategy.pipeline_parallel_size={size} x pipeline_stages_per_rank={stages_per_rank} = "
                             f"{stages} stages, but the model has n_layers={config.n_layers} blocks and every stage "
                             f"needs one: make the product at most {config.n_layers}.")
-    if size > 1 and microbatches < size:
-        raise PipelineError(f"strategy.pipeline_microbatches={microbatches} is fewer than pipeline_parallel_size="
-                            f"{size} stages (the pipeline would wait forever for a micro-batch): use at least {size}, "
-                            f"e.g. {size} or {2 * size}, dividing the per-rank batch size.")
+    check_microbatches(size, microbatches)
     if style == "loop" and microbatches % max(1, microbatches // size):
         fits = [m for m in range(size, 4 * size + 1) if m % max(1, m // size) == 0]
         raise PipelineError(f"strategy.pipeline_microbatches={microbatches}: {schedule} runs rounds of "
@@ -196,6 +193,14 @@ def resolve_pipeline(config: MoEConfig, size: int, schedule: str = "1F1B", micro
                             f"of {fits}.")
     return PipelineLayout(size, schedule, microbatches, stages_per_rank,
                           tuple(stage_layout(config, stages, seq_len)))
+
+
+def check_microbatches(size: int, microbatches: int | None) -> None:
+    """Fewer micro-batches than stages would leave a stage waiting forever (torchtitan#775): refused."""
+    if size > 1 and microbatches is not None and microbatches < size:
+        raise PipelineError(f"strategy.pipeline_microbatches={microbatches} is fewer than pipeline_parallel_size="
+                            f"{size} stages (the pipeline would wait forever for a micro-batch): use at least {size}, "
+                            f"e.g. {size} or {2 * size}, dividing the per-rank batch size.")
 
 
 def check_batch(batch_size: int, microbatches: int) -> None:

@@ -73,7 +73,7 @@ from typing import Any
 
 import torch
 
-from moe_lightning.planner import context_parallel, ep_traffic, exchange_time
+from moe_lightning.planner import context_parallel, ep_traffic, exchange_time, pipeline
 from moe_lightning.planner.activations import block_working_set_bytes, key_side_bytes, mtp_activation_bytes
 from moe_lightning.planner.run_config import load_model_config, read_run_config
 from moe_lightning.planner.flops import (PEAK_BF16_FLOPS, cp_key_upprojection_flops_per_token, parameter_counts,
@@ -497,6 +497,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--reserve", type=float, default=3.0, help="GiB kept for CUDA context and slack")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     ep_traffic.add_arguments(parser)
+    pipeline.add_arguments(parser)
     args = parser.parse_args(argv)
 
     def refuse(message: str):  # a bad value, not a usage error: its line alone (CommandParser adds "see --help")
@@ -525,8 +526,12 @@ def main(argv: list[str]) -> None:
         if inputs["shard_size"][0] is None:  # "auto": report the size the mesh resolved, not None
             inputs["shard_size"] = (result["cluster"]["shard_size"], inputs["shard_size"][1])
         result["inputs"] = assumed | inputs
+        if args.pipeline_parallel_size:  # the same cluster and global batch in pipeline stages (planner/pipeline.py)
+            result["pipeline"] = pipeline.pipeline_rows(config, cluster, work, result, args.pipeline_parallel_size,
+                                                        args.pipeline_schedule, args.pipeline_microbatches)
     except (ValueError, OSError) as e:
         if traceback_requested():
             raise
         refuse(str(e))
-    print(json.dumps(result, indent=2) if args.json else format_plan(result))
+    print(json.dumps(result, indent=2) if args.json else "\n".join([format_plan(result),
+                                                                  *pipeline.format_rows(result.get("pipeline"))]))

@@ -1,0 +1,241 @@
+"""``plan``'s pipeline rows (``--pipeline-parallel-size``, ``--pipeline-schedule``, ``--pipeline-microbatches``).
+
+At the same world size and global batch as the plan without stages: ``world / P`` data-parallel pipelines, each
+taking ``P x micro_batch`` sequences a step in ``M`` micro-batches of ``b = P · micro_batch / M``. Priced per
+pipeline rank (its stages' blocks, from ``parallel.pipeline.stage_layout``, the function the strategy builds with):
+
+- Parameters, gradients and optimizer state: ``16`` bytes (AdamW, fp32) per parameter the rank's stages hold, over
+  the stage's shard ranks ``world / (replicate · P)``; the first stage adds the embedding, the last the final norm,
+  the head, the MTP modules (and the embedding's copy when MTP or a tied head reads it).
+- Boundary activations: ``in flight x blocks x b·s·d·2`` (bf16 block inputs), ``in flight`` the most micro-batches
+  whose forward ran and whose backward has not, read from torch's own order of the schedule's actions
+  (``torch.distributed.pipelining._schedule_visualizer.get_schedule_ops``: the schedule classes themselves,
+  built on mock stages; private in torch 2.11-2.13).
+- The block working set and (last stage) the loss working set: the plan's rows at ``b`` sequences instead of
+  ``micro_batch``.
+- FSDP within a stage: the plan's all-gather buffers; torch's ``PipelineStage`` skips the gradient reduction until
+  the last micro-batch, so the stage's gradients stay unsharded across the micro-batches (fp32; routed experts
+  ``1 / ep``, ``ep`` the expert-parallel size that fits in a stage's ``world / (replicate · P)`` ranks). FSDP
+  traffic: the plan's times the rank's share of the parameters, its all-gathers repeated each micro-batch
+  (resharded after forward) and its reduce-scatter once; exposed where it exceeds the rank's compute.
+
+Time: the schedule's actions timed in that same order (forward ``f_s``, full backward ``2·f_s``, a zero-bubble
+schedule's input and weight halves ``f_s`` each; ``f_s`` the stage's share of the plan's compute, from its FLOPs),
+each send between ranks ``b·s·d·2 / IB bandwidth`` (stages across nodes). The bubble is the idle fraction of that
+timeline; the step is its length plus the rank's exposed FSDP time; the expert exchange of the plan is priced per
+micro-batch at the same total (the same tokens cross the same links).
+"""
+
+import argparse
+import math
+from collections import defaultdict
+
+import torch
+
+from moe_lightning.model import MoEConfig, MoETransformer
+from moe_lightning.parallel.pipeline import SCHEDULES, block_costs, reads_embedding_last, resolve_pipeline
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--pipeline-parallel-size", type=int, default=None, help="pipeline stages P (prints the "
+                        "per-stage rows and the step with and without them)")
+    parser.add_argument("--pipeline-schedule", default="1F1B", choices=list(SCHEDULES), help="torch's schedule")
+    parser.add_argument("--pipeline-microbatches", type=int, default=None, help="micro-batches a step (default P)")
+
+
+def schedule_actions(schedule: str, size: int, microbatches: int, stages_per_rank: int) -> list[list]:
+    """Each pipeline rank's ``(kind, stage, micro-batch)`` computations in the order torch's ``schedule`` runs
+    them. The one-stage schedules run their own loop (torch 2.11-2.13 ``Schedule1F1B._step_microbatches``: rank
+    ``r`` runs ``min(M, P - r)`` forwards, then alternates backward and forward, then the last backwards; GPipe
+    every forward, then every backward); the others run their ``pipeline_order``, read from the schedule class
+    built on mock stages (``_schedule_visualizer.get_schedule_ops``; its orders for the one-stage schedules are
+    not what those run)."""
+    M = microbatches
+    if schedule == "GPipe":
+        return [[("F", r, m) for m in range(M)] + [("B", r, m) for m in range(M)] for r in range(size)]
+    if schedule == "1F1B":
+        orders = []
+        for r in range(size):
+            warmup = min(M, size - r)
+            order = [("F", r, m) for m in range(warmup)]
+            for m in range(M):
+                order.append(("B", r, m))
+                if warmup + m < M:
+                    order.append(("F", r, warmup + m))
+            orders.append(order)
+        return orders
+    from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
+    from moe_lightning.parallel.pipeline import schedule_class
+    ops = get_schedule_ops(schedule_class(schedule), size, M, stages_per_rank)
+    return [[step for a in rank if a is not None for step in _compute_steps(a)] for rank in ops]
+
+
+def _compute_steps(action) -> list[tuple[str, int, int]]:
+    """``(kind, stage, micro-batch)`` of the computations in one action (a DualPipeV overlap holds two)."""
+    subs = getattr(action, "sub_actions", None)
+    if subs:
+        return [s for sub in subs for s in _compute_steps(sub)]
+    kind = str(action.computation_type).split(".")[-1]
+    kind = {"FORWARD": "F", "FULL_BACKWARD": "B", "BACKWARD_INPUT": "I", "BACKWARD_WEIGHT": "W"}.get(kind, kind)
+    return [(kind, action.stage_index, action.microbatch_index)] if kind in "FBIW" and len(kind) == 1 else []
+
+
+def simulate(actions: list[list], forward_s: list[float], hop_s: float) -> dict:
+    """Time each rank's actions in order: an action starts when its rank is free and its inputs have arrived
+    (the previous stage's forward, the next stage's backward, plus ``hop_s`` between ranks). Returns the step's
+    length, each rank's busy time and idle fraction, and the most micro-batches each stage holds in flight."""
+    steps = actions
+    rank_of = {stage: r for r, rank in enumerate(steps) for _, stage, _ in rank}
+    last = max(rank_of)
+    done: dict[tuple[str, int, int], float] = {}
+    free, busy, position = [0.0] * len(steps), [0.0] * len(steps), [0] * len(steps)
+    held, most = defaultdict(int), defaultdict(int)
+
+    def ready(kind: str, stage: int, mb: int) -> float | None:
+        if kind == "F":
+            need = None if stage == 0 else ("F", stage - 1, mb)
+        elif kind in "BI":
+            need = ("F", stage, mb) if stage == last else \
+                (("B", stage + 1, mb) if ("B", stage + 1, mb) in done else ("I", stage + 1, mb))
+        else:
+            need = ("I", stage, mb)
+        if need is None:
+            return 0.0
+        if need not in done:
+            return None
+        return done[need] + (hop_s if rank_of[need[1]] != rank_of[stage] else 0.0)
+
+    progressed = True
+    while progressed:
+        progressed = False
+        for r, rank in enumerate(steps):
+            while position[r] < len(rank):
+                kind, stage, mb = rank[position[r]]
+                start = ready(kind, stage, mb)
+                if start is None:
+                    break
+                cost = forward_s[stage] * (2 if kind == "B" else 1)
+                end = max(start, free[r]) + cost
+                done[(kind, stage, mb)], free[r] = end, end
+                busy[r] += cost
+                held[stage] += 1 if kind == "F" else (-1 if kind in "BI" else 0)
+                most[stage] = max(most[stage], held[stage])
+                position[r] += 1
+                progressed = True
+    if any(p < len(rank) for p, rank in zip(position, steps)):
+        raise RuntimeError("the schedule's actions wait on each other (a dependency this timing does not know)")
+    length = max(free)
+    return {"seconds": length, "busy": busy, "idle_fraction": [1 - b / length for b in busy],
+            "in_flight": [most[s] for s in range(last + 1)]}
+
+
+def stage_parameters(config: MoEConfig, blocks_per_stage: list[int], routed: bool = False) -> list[int]:
+    """Parameters each stage holds (counted on a meta-device model); ``routed``: only the routed experts'."""
+    with torch.device("meta"):
+        model = MoETransformer(config)
+    numel = {name: p.numel() for name, p in model.named_parameters() if not routed or ".ffn.experts." in name}
+    block = [sum(n for k, n in numel.items() if k.startswith(f"layers.{i}.")) for i in range(config.n_layers)]
+    embedding = numel.get("tok_embeddings.weight", 0)
+    tail = sum(n for k, n in numel.items() if k.startswith(("norm.", "output.", "mtp.")))
+    counts, start = [], 0
+    for s, n in enumerate(blocks_per_stage):
+        count = sum(block[start:start + n])
+        if s == 0:
+            count += embedding
+        if s == len(blocks_per_stage) - 1:
+            count += tail + (embedding if reads_embedding_last(config) and len(blocks_per_stage) > 1 else 0)
+        counts.append(count)
+        start += n
+    return counts
+
+
+def pipeline_rows(config: MoEConfig, cluster, work, result: dict, size: int, schedule: str,
+                  microbatches: int | None) -> dict:
+    """The rows above for ``plan``'s ``result`` (the same cluster and workload without stages)."""
+    layout = resolve_pipeline(config, size, schedule, microbatches, seq_len=work.seq_len)
+    M, world = layout.microbatches, cluster.world_size
+    if world % (cluster.replicate_size * size) or (size * work.micro_batch) % M:
+        raise ValueError(f"--pipeline-parallel-size={size} with --pipeline-microbatches={M}: P must divide the "
+                         f"world of {world} / replicate_size, and M divide P x micro_batch = {size * work.micro_batch}.")
+    shard = world // (cluster.replicate_size * size)
+    b, s, d = size * work.micro_batch // M, work.seq_len, config.dim
+    costs, first_extra, last_extra = block_costs(config, work.seq_len)
+    stage_cost = []
+    for stage in range(layout.num_stages):
+        blocks = layout.blocks_of(stage)
+        stage_cost.append(sum(costs[blocks.start:blocks.stop]) + (first_extra if stage == 0 else 0)
+                          + (last_extra if stage == layout.num_stages - 1 else 0))
+    compute = result["step_time"]["parts"]["compute"]  # one GPU's step without stages: the same FLOPs per GPU
+    forward_s = [size * compute * c / sum(stage_cost) / (3 * M) for c in stage_cost]
+    ib_bytes_per_s = result["bandwidths"][0] * 1e9
+    hop_bytes = b * s * d * 2
+    timeline = simulate(schedule_actions(schedule, size, M, layout.stages_per_rank), forward_s, hop_bytes / ib_bytes_per_s)
+    params = stage_parameters(config, list(layout.blocks_per_stage))
+    routed = stage_parameters(config, list(layout.blocks_per_stage), routed=True)
+    ep = math.gcd(cluster.expert_parallel_size, shard)  # expert parallelism within a stage's shard ranks
+    total_params = result["parameters"]["total"]
+    memory = result["memory"]["with_offload" if work.activation_offload else "without_offload"]["gpu_bytes"]
+    scale = b / work.micro_batch
+    fsdp_s = result["step_time"]["detail"]["fsdp"]["seconds"]
+    ranks = []
+    for r in range(size):
+        stages = layout.stages_of(r)
+        held = sum(params[t] for t in stages)
+        boundary = sum(timeline["in_flight"][t] * layout.blocks_per_stage[t] for t in stages) * hop_bytes
+        held_routed = sum(routed[t] for t in stages)
+        rows = {"parameters, gradients, optimizer state (AdamW)": 16 * held / shard,
+                "all-gather buffers (bf16)": memory["all-gather buffers (bf16)"],
+                "unsharded gradients across micro-batches": 4 * (held - held_routed + held_routed / ep),
+                "boundary activations (in flight)": boundary,
+                "block recompute working set": memory["block recompute working set"] * scale}
+        if layout.num_stages - 1 in stages:
+            rows["loss working set"] = memory["loss working set"] * (scale if work.loss_chunk is None else 1)
+            if config.mtp_layers:
+                rows["multi-token prediction activations"] = memory["multi-token prediction activations"] * scale
+        rows["runtime reserve"] = memory["runtime reserve"]
+        sends = sum(1 for t in stages if t < layout.num_stages - 1) + sum(1 for t in stages if t > 0)
+        ranks.append({"stages": stages, "blocks": [layout.blocks_per_stage[t] for t in stages],
+                      "parameters": held, "bytes": {k: int(v) for k, v in rows.items()}, "peak": int(sum(rows.values())),
+                      "p2p_bytes": sends * M * hop_bytes,
+                      # all-gathered again each micro-batch (resharded after forward), reduce-scattered once
+                      "fsdp_seconds": fsdp_s * held / total_params * (M + 1) / 2,
+                      "in_flight": [timeline["in_flight"][t] for t in stages],
+                      "idle_fraction": timeline["idle_fraction"][r]})
+    exposed = result["step_time"]["parts"]
+    others = sum(v for k, v in exposed.items() if k not in ("compute", "FSDP collectives (exposed)"))
+    exposed_fsdp = max(max(0.0, r["fsdp_seconds"] - b_) for r, b_ in zip(ranks, timeline["busy"]))
+    step = timeline["seconds"] + exposed_fsdp + others
+    return {"size": size, "schedule": schedule, "microbatches": M, "micro_batch_sequences": b, "shard": shard,
+            "blocks_per_stage": list(layout.blocks_per_stage), "ranks": ranks,
+            "bubble": sum(r["idle_fraction"] for r in ranks) / size,
+            "textbook_bubble_1f1b": (size - 1) / (M + size - 1),
+            "p2p_seconds": hop_bytes / ib_bytes_per_s, "step_seconds": step, "step_seconds_without": result["step_seconds"],
+            "gpu_memory_gib": cluster.gpu_memory_gib}
+
+
+def format_rows(rows: dict | None) -> list[str]:
+    if rows is None:
+        return []
+    GiB = 2**30
+    lines = ["", f"pipeline          P={rows['size']} {rows['schedule']} over {rows['microbatches']} micro-batches of "
+                 f"{rows['micro_batch_sequences']} sequence(s); blocks per stage {rows['blocks_per_stage']}; "
+                 f"each stage sharded over {rows['shard']} ranks"]
+    names = list(rows["ranks"][0]["bytes"])
+    for rank in rows["ranks"]:
+        names += [n for n in rank["bytes"] if n not in names]
+    lines.append(f"{'per-GPU memory (GiB), by stage rank':<44}" + "".join(f"{f'rank {i}':>10}"
+                                                                      for i in range(len(rows["ranks"]))))
+    for name in names:
+        lines.append(f"{name:<44}" + "".join(f"{r['bytes'].get(name, 0) / GiB:>10.2f}" for r in rows["ranks"]))
+    lines.append(f"{'peak':<44}" + "".join(f"{r['peak'] / GiB:>10.2f}" for r in rows["ranks"]))
+    lines.append(f"{'fits ' + format(rows['gpu_memory_gib'], 'g') + ' GiB':<44}"
+                 + "".join(f"{'yes' if r['peak'] <= rows['gpu_memory_gib'] * GiB else 'NO':>10}" for r in rows["ranks"]))
+    lines.append(f"{'micro-batches in flight':<44}" + "".join(f"{str(r['in_flight']):>10}" for r in rows["ranks"]))
+    lines.append(f"{'idle fraction (bubble)':<44}" + "".join(f"{r['idle_fraction']:>10.3f}" for r in rows["ranks"]))
+    lines.append(f"{'P2P bytes per step (GB)':<44}" + "".join(f"{r['p2p_bytes'] / 1e9:>10.2f}" for r in rows["ranks"]))
+    lines.append(f"{'FSDP collectives per step (s)':<44}" + "".join(f"{r['fsdp_seconds']:>10.2f}" for r in rows["ranks"]))
+    lines.append(f"bubble            {rows['bubble']:.3f} of the step (1F1B's textbook (P-1)/(M+P-1) = "
+                 f"{rows['textbook_bubble_1f1b']:.3f}); one send {rows['p2p_seconds'] * 1e3:.1f} ms over IB")
+    lines.append(f"step              {rows['step_seconds']:.1f} s with the stages, {rows['step_seconds_without']:.1f} s "
+                 f"without (same world and global batch)")
+    return lines
