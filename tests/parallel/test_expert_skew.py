@@ -4,6 +4,8 @@
 import dataclasses
 import json
 
+import pytest
+
 from moe_lightning.parallel.expert_parallel import PLANNED_IMBALANCE
 from moe_lightning.planner.plan import Workload
 from tests.support.distributed import LAUNCHERS, run_ranks
@@ -14,6 +16,7 @@ def test_the_warning_threshold_is_the_imbalance_plan_prices():
     assert default == PLANNED_IMBALANCE == 1.5
 
 
+@pytest.mark.slow  # 2 processes (~25 s on 2 loaded cores); the main suite is at its time limit
 def test_a_rank_receiving_more_rows_than_planned_warns_once_naming_the_layer_and_factor():
     """EP 2: every token of both ranks routed to rank 0's two experts: rank 0 receives 256 rows for its 64 tokens x
     top-2, 2.00x (> 1.5x): one warning over two forwards; rank 1 (no rows) and the balanced forward none."""
