@@ -26,7 +26,7 @@ from moe_lightning.parallel.expert_parallel import apply_expert_parallel
 from moe_lightning.planner.run_config import load_model_config
 from moe_lightning.run import heartbeat
 from moe_lightning.run.heartbeat import Heartbeat
-from moe_lightning.run.watchdog import StallWatchdog
+from moe_lightning.run.watchdog import RankWatchdog
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PHASES_PER_STEP = 4  # forward, backward, optimizer, data (StallWatchdog's hooks)
@@ -86,7 +86,7 @@ def main() -> None:
     per_update = max(costs["enter_ns"], costs["entered_finished_pair_ns"] / 2)
     beat = Heartbeat()
     beat.entered("all_to_all", None)
-    record = StallWatchdog(beat, 0, 1, 600.0, identity={"coordinates": {"replicate": 0, "shard": 0, "context": 0,
+    record = RankWatchdog(beat, 0, 1, 600.0, identity={"coordinates": {"replicate": 0, "shard": 0, "context": 0,
                                                                           "expert": 0, "expert_shard": 0}}).record()
     print(json.dumps({"config": str(args.config.relative_to(REPO_ROOT)), "updates_per_step": updates, **costs,
                       "us_per_step": round(updates * per_update / 1e3, 2), "step_s": round(step_s, 4),

@@ -237,7 +237,7 @@ def _hard_exit(code: int) -> None:
     os._exit(code)
 
 
-class StallWatchdog:
+class RankWatchdog:
     """The watchdog of one rank (see the module docstring). ``start`` once the default process group exists.
 
     Args:
@@ -251,6 +251,7 @@ class StallWatchdog:
             main process is the stalled one, which it then kills (nothing else would end the job).
         store: A store client (tests); default: ``side_store``.
         exit: Ends the process (tests replace it).
+        generation: Which fit of this process it watches (each fit's keys apart from an earlier one's).
     """
 
     def __init__(self, heartbeat: Heartbeat, rank: int, world_size: int, timeout_s: float,
@@ -276,7 +277,7 @@ class StallWatchdog:
         return json.dumps({"rank": self.rank, **self.identity, **self.heartbeat.snapshot(), "tick": self.tick,
                            "stopped": stopped}).encode()
 
-    def start(self) -> "StallWatchdog":
+    def start(self) -> "RankWatchdog":
         if self.store is None:
             self.store = side_store(60.0)  # generous for connecting; each call is bounded by ``_io`` instead
         self.store.set(self.key(f"rank/{self.rank}"), self.record())
@@ -387,7 +388,7 @@ class StallWatchdog:
         return self.report_dir
 
     def _store_lost(self, error: Exception, now: float) -> None:
-        host = self.store_host()
+        host = store_host_rank()
         if self.judge is None or host is None:
             say(f"[rank {self.rank}] stall: the rendezvous store ({self._store_address()}) has not answered for "
                 f"{self.timeout_s:g} s ({type(error).__name__}); exiting with status {EXIT_STALLED}")
@@ -396,10 +397,6 @@ class StallWatchdog:
         why = f"its process, which serves the rendezvous store ({self._store_address()}), does not answer"
         verdict = Verdict([(host, why)], [r for r in seen if r != host], seen, now)
         self._say_and_exit(verdict, self.report_dir)
-
-    @staticmethod
-    def store_host() -> int | None:
-        return store_host_rank()
 
     def _store_address(self) -> str:
         return f"{getattr(self.store, 'host', '?')}:{getattr(self.store, 'port', '?')}"

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from moe_lightning.run import heartbeat
 from moe_lightning.run.exits import EXIT_MAX_TIME, EXIT_STALLED
 from moe_lightning.run.heartbeat import Heartbeat
-from moe_lightning.run.watchdog import REPORT_FILE, Judge, StallWatchdog, check_stall_timeout, report_json, \
+from moe_lightning.run.watchdog import REPORT_FILE, Judge, RankWatchdog, check_stall_timeout, report_json, \
     report_lines, watchers
 
 
@@ -132,7 +132,7 @@ def test_the_thread_reports_a_frozen_peer_writes_json_and_every_live_rank_exits(
     store = dist.HashStore()
     beats = [Heartbeat() for _ in range(3)]
     exits = [Exits() for _ in range(3)]
-    dogs = [StallWatchdog(beats[r], r, 3, timeout_s=1.0, identity={"coordinates": {"shard": r}}, store=store,
+    dogs = [RankWatchdog(beats[r], r, 3, timeout_s=1.0, identity={"coordinates": {"shard": r}}, store=store,
                           exit=exits[r], report_dir=tmp_path) for r in range(3)]
     for beat in beats:
         beat.enter("forward", step=3)
@@ -162,7 +162,7 @@ class LostStore:
 def test_a_lost_store_names_the_rank_that_serves_it_from_the_last_records(tmp_path, capfd):
     """Before: the watchdog thread itself blocked in the store call, and the job never ended."""
     beat, exits = Heartbeat(), Exits()
-    dog = StallWatchdog(beat, 1, 2, timeout_s=0.5, store=dist.HashStore(), exit=exits, report_dir=tmp_path)
+    dog = RankWatchdog(beat, 1, 2, timeout_s=0.5, store=dist.HashStore(), exit=exits, report_dir=tmp_path)
     dog.store.set(dog.key("rank/0"), json.dumps(record(0, tick=1, progress=1)).encode())
     beat.enter("forward", step=3)
     dog.start()

@@ -16,7 +16,7 @@ from moe_lightning.parallel import mesh
 from moe_lightning.run import heartbeat as heartbeats
 from moe_lightning.run.exits import EXIT_STALLED
 from moe_lightning.run.heartbeat import Heartbeat
-from moe_lightning.run.watchdog import DEFAULT_STALL_TIMEOUT_S, StallWatchdog as WatchdogThread, check_stall_timeout
+from moe_lightning.run.watchdog import DEFAULT_STALL_TIMEOUT_S, RankWatchdog, check_stall_timeout
 from moe_lightning.training.callbacks.preemption import exit_status
 
 _generation = 0  # fits started in this process: each watches under its own store keys
@@ -46,7 +46,7 @@ class StallWatchdog(Callback):
         self.timeout_s = check_stall_timeout(timeout_s, f"{type(self).__name__}.timeout_s")
         self.name_of = name_of
         self.heartbeat: Heartbeat | None = None
-        self.watchdog: WatchdogThread | None = None
+        self.watchdog: RankWatchdog | None = None
 
     def on_train_start(self, trainer, pl_module) -> None:
         global _generation
@@ -57,7 +57,7 @@ class StallWatchdog(Callback):
         self.heartbeat.enter("data", step=trainer.global_step)
         rank = trainer.global_rank
         folder = trainer.log_dir or trainer.default_root_dir
-        self.watchdog = WatchdogThread(
+        self.watchdog = RankWatchdog(
             self.heartbeat, rank, trainer.world_size, self.timeout_s,
             identity={"coordinates": coordinates_of(strategy, rank)}, report_dir=Path(folder),
             spawned_child=exit_status(trainer, EXIT_STALLED) == 0, generation=_generation)
