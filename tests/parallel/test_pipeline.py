@@ -8,13 +8,15 @@ import json
 
 import pytest
 import torch
+import yaml
 
 from moe_lightning.model import MoEConfig
 from moe_lightning.parallel import pipeline
 from moe_lightning.parallel.pipeline import (PipelineError, PipelineLoss, balanced_layout, keep_stage,
                                              resolve_pipeline, stage_layout)
+from moe_lightning.planner.pipeline import schedule_actions, simulate, stage_parameters
 from moe_lightning.training.module import MoELanguageModel
-from tests.support.distributed import LAUNCHERS, run_ranks
+from tests.support.distributed import LAUNCHERS, REPO_ROOT, run_nodes, run_ranks
 
 # O(1) activations (init 0.2); 4 blocks, the first dense; balancing losses on so their gradient scaling is checked
 SHAPE = dict(vocab_size=64, dim=32, n_layers=4, n_heads=4, n_kv_heads=2, max_seq_len=16, ffn_hidden=64,
@@ -86,6 +88,23 @@ def test_defaults_are_one_micro_batch_per_stage_and_two_stages_per_rank_for_inte
     assert layout.stages_of(0) == [0, 2] and layout.stages_of(1) == [1, 3]
     v = resolve_pipeline(MoEConfig(**SHAPE), 2, "ZBVZeroBubble")
     assert v.stages_of(0) == [0, 3] and v.stages_of(1) == [1, 2] and v.rank_of(3) == 0
+
+
+@pytest.mark.parametrize("size, micro", [(2, 2), (4, 4), (4, 8), (8, 16)])
+def test_planned_1f1b_bubble_is_the_textbook_fraction(size, micro):
+    """Timing the 1F1B order on equal stages gives (P-1)/(M+P-1) idle on every rank, and stage r holds
+    min(M, P-r) micro-batches (1F1B's P on the first stage)."""
+    timeline = simulate(schedule_actions("1F1B", size, micro, 1), [1.0] * size, 0.0)
+    assert timeline["idle_fraction"] == pytest.approx([(size - 1) / (micro + size - 1)] * size)
+    assert timeline["in_flight"] == [min(micro, size - r) for r in range(size)]
+
+
+def test_planned_zero_bubble_schedules_idle_less_than_1f1b():
+    """torch's own orders (its schedule classes on mock stages), equal stages, 4 ranks x 8 micro-batches."""
+    one = simulate(schedule_actions("1F1B", 4, 8, 1), [1.0] * 4, 0.0)["idle_fraction"][0]
+    for name in ("Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble"):
+        idle = simulate(schedule_actions(name, 4, 8, 2), [0.5] * 8, 0.0)["idle_fraction"]
+        assert max(idle) < one, (name, idle)
 
 
 def _build(config: MoEConfig, seed: int = 0) -> MoELanguageModel:
@@ -203,3 +222,35 @@ def test_every_offered_schedule_on_two_ranks_equals_one_process(schedule, stages
     result = _pipeline_run("--schedule", schedule, "--microbatches", "4", "--config", json.dumps(dict(mtp_layers=1)))
     assert result["stages"] == stages
     _check_against_one_process(result)
+
+
+def _fit(tmp_path, name: str, *args: str) -> tuple[dict, str]:
+    """tests/launchers/pipeline_fit_run.py on 2 gloo processes: its record and rank 0's log."""
+    out = tmp_path / name / "run.json"
+    out.parent.mkdir()
+    logs = run_nodes([str(LAUNCHERS / "pipeline_fit_run.py"), "--out", str(out), *args], 1, 2, cwd=out.parent,
+                     timeout=900)
+    return json.loads(out.read_text()), logs[0]
+
+
+@pytest.mark.slow
+def test_fit_at_two_stages_equals_one_stage_per_step_and_holds_the_planned_parameters(tmp_path):
+    """configs/tiny-fsdp.yaml's model and data (expert parallelism off), 3 steps with gradient clipping at 0.5 (so
+    the norm over both stages, the embedding counted once, decides every step), on 2 processes: 2 stages x 2
+    micro-batches of 4 sequences against FSDP over 2 ranks of 4 sequences each, the same 8 sequences a step.
+    Per-step losses to 1e-6 relative (fp32: the same terms summed in another order; measured: equal to the last
+    digit), the held-out loss (one batch of the same 8 sequences) alike. Each rank holds exactly the parameters
+    ``plan``'s stage rows count for its stage (fp32, shard size 1)."""
+    staged, staged_log = _fit(tmp_path, "pp2", "--pp", "2", "--microbatches", "2", "--batch", "8", "--clip", "0.5")
+    flat, flat_log = _fit(tmp_path, "pp1", "--pp", "1", "--batch", "4", "--clip", "0.5")
+    got, want = [r["loss"] for r in staged["rows"]], [r["loss"] for r in flat["rows"]]
+    assert len(got) == len(want) == 3
+    assert got == pytest.approx(want, rel=1e-6)
+
+    def val_loss(log: str) -> float:
+        return float([line for line in log.splitlines() if line.startswith("val/loss")][-1].split()[-1])
+    assert val_loss(staged_log) == pytest.approx(val_loss(flat_log), rel=1e-6)
+    config = MoEConfig(**yaml.safe_load((REPO_ROOT / "configs" / "tiny-fsdp.yaml").read_text())
+                       ["model"]["init_args"]["config"])
+    planned = stage_parameters(config, stage_layout(config, 2))
+    assert [rank["parameters"] for rank in staged["held"]] == [4 * n for n in planned]
