@@ -107,9 +107,11 @@ class _StorageKeys(pickle.Unpickler):
         return pid[2]  # ("storage", storage type, key, location, numel)
 
     def find_class(self, module: str, name: str):
-        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
+        if module == "torch._utils" and name.startswith("_rebuild_tensor"):  # its first argument is the storage
             return lambda key, *rest: key
-        if module == "torch" and name.endswith("Storage") or (module, name) == ("collections", "OrderedDict"):
+        storage = module in ("torch", "torch.storage") and name.endswith("Storage")
+        dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        if storage or dtype or (module, name) == ("collections", "OrderedDict"):
             return super().find_class(module, name)
         raise pickle.UnpicklingError(f"unexpected {module}.{name} in a file just written")
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from moe_lightning.commands import main as commands
+from moe_lightning.commands.loading import stream_model_file
 from moe_lightning.hf import save_pretrained
 from moe_lightning.model import MoEConfig, MoETransformer
 
@@ -22,6 +23,7 @@ PEAK = """
 import json, sys, threading, time
 import moe_lightning.commands.convert  # imported before the baseline
 from moe_lightning.commands import main as commands
+from moe_lightning.commands.loading import stream_model_file
 
 def anonymous() -> int:
     return next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("RssAnon:"))
@@ -68,6 +70,23 @@ def test_convert_to_pt_holds_about_one_tensor_not_the_model(tmp_path):
     state = torch.load(tmp_path / "model.pt", weights_only=True)["state_dict"]
     for name, tensor in model.state_dict().items():  # the balancing bias is held in float32 (the router's dtype)
         assert bitwise_equal(state[name].to(tensor.dtype) if name.endswith("expert_bias") else state[name], tensor), name
+
+
+def test_a_streamed_file_is_the_tensors_read_and_loads_as_torch_saves_it(tmp_path):
+    """Every dtype the converter writes (fp32, bf16, float8), an empty tensor and a tied pair (one storage, one
+    record): torch.load gives back each tensor read, bitwise, and the tied names share their storage."""
+    values = {"a": torch.randn(3, 5), "empty": torch.empty(0, 4), "bf16": torch.randn(7).bfloat16(),
+              "fp8": torch.randn(4, 4).to(torch.float8_e4m3fn)}
+    skeleton = {name: torch.empty(t.shape, dtype=t.dtype) for name, t in values.items()}
+    skeleton["tied"] = skeleton["a"]
+    reads = []
+    path = stream_model_file(tmp_path / "m.pt", {"dim": 5}, skeleton, lambda n: reads.append(n) or values[n], None)
+    loaded = torch.load(path, weights_only=True)
+    assert loaded["config"] == {"dim": 5} and loaded["tokenizer"] is None
+    for name, tensor in values.items():
+        assert bitwise_equal(loaded["state_dict"][name], tensor), name
+    assert loaded["state_dict"]["tied"].data_ptr() == loaded["state_dict"]["a"].data_ptr()
+    assert sorted(reads) == ["a", "bf16", "empty", "fp8"]  # each storage read once: the tied head is not read again
 
 
 @pytest.fixture(scope="module")
