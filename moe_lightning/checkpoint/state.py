@@ -26,15 +26,19 @@ def save_state(checkpointer: ShardedCheckpointer, checkpoint: dict[str, Any], pa
 
 def load_state(checkpointer: ShardedCheckpointer, path: Path, checkpoint: dict[str, Any], module: nn.Module,
                model: nn.Module, optimizers: list[torch.optim.Optimizer], expert_mesh: DeviceMesh | None,
-               strict: bool) -> None:
+               strict: bool, flatten_optimizer: bool = False) -> None:
     """Fill the shards of ``model`` and ``optimizers`` from ``path`` (``checkpoint``: its plain data,
-    ``discovery.checkpoint_metadata``; a single file's states, memory-mapped there, are taken out of it)."""
+    ``discovery.checkpoint_metadata``; a single file's states, memory-mapped there, are taken out of it).
+    ``flatten_optimizer``: the optimizer states were saved keyed by parameter name (pipeline stages hold different
+    parameter groups, so a group's index means nothing across ranks)."""
     if not path.is_dir():
         reshard.load_full_checkpoint(checkpoint, path, module, model, optimizers, expert_mesh)
         return
     state = {"state_dict": get_model_state_dict(model)}
-    state.update({f"optimizer_{i}": get_optimizer_state_dict(model, optimizer) for i, optimizer in enumerate(optimizers)})
+    flat = StateDictOptions(flatten_optimizer_state_dict=flatten_optimizer)
+    state.update({f"optimizer_{i}": get_optimizer_state_dict(model, optimizer, options=flat)
+                  for i, optimizer in enumerate(optimizers)})
     checkpointer.load(path, state, expert_parameter_names(module), expert_mesh)
     set_model_state_dict(model, state["state_dict"], options=StateDictOptions(strict=strict))
     for i, optimizer in enumerate(optimizers):
-        set_optimizer_state_dict(model, optimizer, state[f"optimizer_{i}"])
+        set_optimizer_state_dict(model, optimizer, state[f"optimizer_{i}"], options=flat)

@@ -70,7 +70,7 @@ class CheckpointHooks:
         """The model's and the optimizers' shards (the optimizers exist: the strategy restores after its setup)."""
         path, self._restoring = self._restoring, None
         load_state(self.checkpointer, path, checkpoint, self.lightning_module, self.model, self.optimizers,
-                   self._expert_mesh, strict)
+                   self._expert_mesh, strict, flatten_optimizer=getattr(self, "pipeline", None) is not None)
 
     def remove_checkpoint(self, filepath: _PATH) -> None:
         """Lightning's top-k rotation removes the previous checkpoint as a new save starts: while that save is written

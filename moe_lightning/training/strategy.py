@@ -202,6 +202,16 @@ class MoEFSDPStrategy(CheckpointHooks, ModelParallelStrategy):
             local.mul_(torch.clamp(max_norm / (total + 1e-6), max=1.0).to(local.device))
         return total
 
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """Under pipeline parallelism keyed by parameter name (``param_groups.<name>.lr``): each stage holds other
+        parameter groups, so a group's index means nothing across ranks (``checkpoint.state.load_state``)."""
+        if self.pipeline is None or not self._save_distributed_checkpoint:
+            return super().optimizer_state(optimizer)
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+        optimizer = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer's
+        return get_optimizer_state_dict(self.model, optimizer,
+                                        options=StateDictOptions(flatten_optimizer_state_dict=True, cpu_offload=True))
+
     def _embedding_copy(self) -> torch.nn.Parameter | None:
         """The last pipeline stage's copy of the token embedding (MTP or a tied head reads it there)."""
         model = self._fsdp_root

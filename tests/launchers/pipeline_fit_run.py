@@ -44,7 +44,7 @@ def main() -> None:
                         gradient_clip_val=args.clip,
                         callbacks=[EPFitProbe(args.out, save_at_steps=args.save_at)])
     trainer.fit(model, data, ckpt_path=args.ckpt)
-    if trainer.is_global_zero:
+    if trainer.is_global_zero and "val/loss" in trainer.callback_metrics:
         print("val/loss", float(trainer.callback_metrics["val/loss"]))
 
 
