@@ -17,7 +17,8 @@ is a ``ValueError`` raised inside torch or numpy. So does any exception raised i
 one process once its process group exists (``keep_traceback``): the rank that failed first is the one to read, in
 full. A refusal raised in such a run before the process group exists (the checks every rank makes alike from the
 same config: the mesh sizes and the sequence length, in the strategy's ``setup_environment``) stays one line, said by
-rank 0 alone; the other ranks exit with the same status silently (``in_multi_process_run``).
+rank 0 alone when every rank made the same check, the other ranks exiting with the same status silently; any other
+such refusal by each rank that hit it, naming its rank (``in_multi_process_run``).
 """
 
 import argparse
@@ -60,12 +61,23 @@ def keep_traceback(error: BaseException) -> BaseException:
     return error
 
 
+def same_on_every_rank(error: BaseException) -> BaseException:
+    """Mark a refusal that every rank of a run reaches alike (a check of the shared config: the layout's sizes), so
+    that rank 0 alone says it."""
+    error.moe_lightning_same_on_every_rank = True
+    return error
+
+
 def in_multi_process_run(error: BaseException, rank: int) -> None:
     """Mark ``error``, raised inside a trainer's run of several processes on global ``rank``: a refusal raised
-    before the process group exists stays one line (rank 0 says it, the others are silent: every rank made the same
-    check from the same config, and no rank waits in a collective); anything else keeps its stack."""
+    before the process group exists stays one line (no rank waits in a collective): said by rank 0 alone when every
+    rank made the same check (``same_on_every_rank``), else by the ranks that hit it, each naming itself (a folder
+    one node cannot write); anything else keeps its stack."""
     if is_refusal(error) and not _process_group_exists():
-        error.moe_lightning_silent = rank != 0
+        if getattr(error, "moe_lightning_same_on_every_rank", False):
+            error.moe_lightning_silent = rank != 0
+        else:
+            error.moe_lightning_rank = rank
         return
     keep_traceback(error)
 
@@ -114,7 +126,9 @@ def one_line(error: BaseException | str) -> str:
 
 def say_refusal(command: str, error: BaseException | str) -> None:
     if not getattr(error, "moe_lightning_silent", False):  # rank 0 says what every rank refused
-        os.write(2, f"moe-lightning {command}: error: {one_line(error)}\n".encode())
+        rank = getattr(error, "moe_lightning_rank", None)
+        where = "" if rank is None else f"rank {rank}: "
+        os.write(2, f"moe-lightning {command}: error: {where}{one_line(error)}\n".encode())
 
 
 class CommandParser(argparse.ArgumentParser):

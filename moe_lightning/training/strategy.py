@@ -25,6 +25,7 @@ from moe_lightning.parallel.parallelize import Sharding, check_strategy_argument
 from moe_lightning.parallel.pipeline import PipelineError, PipelineLayout, PipelineRunner, SCHEDULES, check_batch, \
     resolve_pipeline
 from moe_lightning.run import flight_recorder
+from moe_lightning.run.refusals import same_on_every_rank
 from moe_lightning.run.watchdog import DEFAULT_STALL_TIMEOUT_S, check_stall_timeout
 from moe_lightning.training.callbacks.activation_offload import ActivationOffload
 from moe_lightning.training.callbacks.stall_watchdog import StallWatchdog
@@ -123,13 +124,16 @@ class MoEFSDPStrategy(CheckpointHooks, ModelParallelStrategy):
     def setup_environment(self) -> None:
         module = self.lightning_module  # the data's seq_len is checked here, before the model is built
         seq_len = getattr(module.trainer.datamodule, "seq_len", None) if module._trainer is not None else None
-        layout = resolve_layout(self.num_nodes * self.num_processes, self.replicate_size, self.shard_size,
-                                self.expert_parallel_size, self.context_parallel_size, module.config, seq_len,
-                                self.pipeline_parallel_size)
-        if layout.pp > 1:  # every pipeline refusal before any process group exists
-            self.pipeline = resolve_pipeline(module.config, layout.pp, self.pipeline_schedule,
-                                             self.pipeline_microbatches, seq_len=seq_len)
-            _check_pipeline_trainer(module.trainer if module._trainer is not None else None, self.pipeline)
+        try:  # every rank checks the same config alike: rank 0 alone says a refusal (run/refusals.py)
+            layout = resolve_layout(self.num_nodes * self.num_processes, self.replicate_size, self.shard_size,
+                                    self.expert_parallel_size, self.context_parallel_size, module.config, seq_len,
+                                    self.pipeline_parallel_size)
+            if layout.pp > 1:  # every pipeline refusal before any process group exists
+                self.pipeline = resolve_pipeline(module.config, layout.pp, self.pipeline_schedule,
+                                                 self.pipeline_microbatches, seq_len=seq_len)
+                _check_pipeline_trainer(module.trainer if module._trainer is not None else None, self.pipeline)
+        except ValueError as refusal:
+            raise same_on_every_rank(refusal)
         trainer = module._trainer
         if trainer is not None and self.root_device.type == "cuda":  # read when NCCL's groups are made
             flight_recorder.enable(trainer.default_root_dir)

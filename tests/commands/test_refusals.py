@@ -167,3 +167,22 @@ def test_an_error_inside_a_multi_process_trainer_run_keeps_its_traceback(monkeyp
     with pytest.raises(ValueError) as raised:
         cli._run_subcommand("fit")
     assert is_refusal(raised.value) != kept
+
+
+@pytest.mark.parametrize("shared, rank, said", [(True, 0, "error: MoEConfig.top_k=5"), (True, 1, None),
+                                                 (False, 1, "error: rank 1: cannot write")])
+def test_a_pre_group_refusal_is_said_by_rank_0_only_when_every_rank_made_it(monkeypatch, capfd, shared, rank, said):
+    """Before: every refusal before the process group existed was silent on ranks other than 0, so one node's
+    unwritable folder (a PermissionError there alone) left rank 0 waiting in the rendezvous and nobody said why."""
+    from moe_lightning.run import refusals
+
+    monkeypatch.setattr(refusals, "_process_group_exists", lambda: False)
+    try:
+        MoEConfig(num_experts=4, top_k=5)  # a check of the package's, as the layout's are
+    except ValueError as refusal:
+        layout_refusal = refusal
+    error = refusals.same_on_every_rank(layout_refusal) if shared else PermissionError("cannot write")
+    refusals.in_multi_process_run(error, rank)
+    refusals.say_refusal("fit", error)
+    err = capfd.readouterr().err.strip()
+    assert (err == "") if said is None else (said in err and len(err.splitlines()) == 1)
