@@ -96,7 +96,8 @@ class _GatherSequence(torch.autograd.Function):
         c = s // 2
         some = next(g for g in grad_BT if g is not None)
         grads = [some.new_zeros(B, N * s, w) if g is None else g for g, w in zip(grad_BT, ctx.widths)]
-        chunks_B2NcX = torch.cat([g.reshape(B, N * s, -1).float() for g in grads], dim=-1).view(B, 2 * N, c, -1)
+        summed = torch.promote_types(some.dtype, torch.float32)  # at least fp32 (a float64 check keeps float64)
+        chunks_B2NcX = torch.cat([g.reshape(B, N * s, -1).to(summed) for g in grads], dim=-1).view(B, 2 * N, c, -1)
         per_rank_NB2cX = torch.stack([chunks_B2NcX[:, :N], chunks_B2NcX[:, N:].flip(1)], dim=2).transpose(0, 1)
         send_NBSX = per_rank_NB2cX.reshape(N * B, s, -1)  # a copy, ranks stacked on dim 0
         mine_BSX = send_NBSX.new_empty(B, s, send_NBSX.shape[-1])

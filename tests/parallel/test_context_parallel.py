@@ -195,6 +195,23 @@ def test_the_key_side_travels_in_the_autocast_dtype_and_its_gradient_is_summed_i
     assert x_BSD.grad is not None and torch.isfinite(x_BSD.grad).all()
 
 
+def test_a_float64_key_side_gradient_is_summed_in_float64(one_rank_group, monkeypatch):
+    """The fp32 sum widens bf16 gradients, and must not round float64 ones (the float64 recomputations that show CP
+    equals one process to 1e-16): on one rank the exchange's backward returns the upstream gradient exactly."""
+    import torch.distributed as dist
+
+    from moe_lightning.parallel.context_parallel import ContextParallelShard
+
+    sent = _Sent(monkeypatch)
+    latent_BSC = torch.randn(2, 8, 6, dtype=torch.float64, requires_grad=True)
+    rope_BSR = torch.randn(2, 8, 2, dtype=torch.float64, requires_grad=True)
+    gathered = ContextParallelShard(dist.group.WORLD).gather(latent_BSC, rope_BSR)
+    upstream = [torch.randn_like(g) / 3 for g in gathered]  # not representable in fp32
+    torch.autograd.backward(gathered, upstream)
+    assert sent.calls[-1][:2] == ("reduce_scatter", torch.float64)
+    assert torch.equal(latent_BSC.grad, upstream[0]) and torch.equal(rope_BSR.grad, upstream[1])
+
+
 def test_mixed_dtypes_outside_autocast_are_refused():
     from moe_lightning.parallel.context_parallel import exchange_dtype
 
