@@ -288,6 +288,12 @@ class MoEConfig:
         return sum(map(self.is_moe_layer, range(self.n_layers)))
 
     @property
+    def n_routed_passes(self) -> int:
+        """MoE layers one training forward runs: the main stack's and each multi-token prediction block's (built like
+        the last layer): what the expert exchange, its count exchanges and host reads are priced per."""
+        return self.n_moe_layers + self.mtp_layers * self.is_moe_layer(self.n_layers - 1)
+
+    @property
     def attention_head_dims(self) -> tuple[int, int]:
         """Per-head ``(query/key, value)`` widths: what attention scores and mixes over."""
         if self.attention == "mla":

@@ -267,7 +267,7 @@ def _rows(config: MoEConfig, shape: GroupShape, tokens: int, fp8: bool, ib: floa
         if kind == "hierarchical" and not shape.hierarchical:
             continue
         for recompute in (False, True):
-            inter, intra = (config.n_moe_layers * (s["forward"] * (2 if recompute else 1) + s["backward"])
+            inter, intra = (config.n_routed_passes * (s["forward"] * (2 if recompute else 1) + s["backward"])
                             for s in (scopes["inter"], scopes["intra"]))
             times = (inter / (ib * 1e9), intra / (nvlink * 1e9)) if ib and nvlink else None
             seconds = None if times is None else (max(times) if kind == "flat" else sum(times))
@@ -278,7 +278,7 @@ def _rows(config: MoEConfig, shape: GroupShape, tokens: int, fp8: bool, ib: floa
 
 def expert_seconds(config: MoEConfig, tokens: int, flops_per_s: float) -> float:
     """Routed-expert matmul time of one step (every MoE layer: forward, recompute and backward, ``8 · 3dFK``)."""
-    return config.n_moe_layers * 8 * 3 * config.dim * config.expert_hidden * config.top_k * tokens / flops_per_s
+    return config.n_routed_passes * 8 * 3 * config.dim * config.expert_hidden * config.top_k * tokens / flops_per_s
 
 
 def format_traffic(t: dict | None) -> list[str]:

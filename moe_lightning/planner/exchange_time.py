@@ -76,7 +76,7 @@ def step_time(config: MoEConfig, result: dict) -> dict:
     hidden_exchange = 0.0
     if t is not None:
         mean = t["rows"][t["used"]]["seconds"]
-        passes = 2 * config.n_moe_layers  # forward and its recompute
+        passes = 2 * config.n_routed_passes  # forward and its recompute
         collectives = 2 if t["hierarchical"] else 1
         syncs = passes * (collectives * c["collective_latency_us"] + c["host_sync_us"]) * 1e-6
         parts["count exchanges and host reads"] = syncs

@@ -75,6 +75,18 @@ def test_each_moe_forward_pays_its_count_exchanges_and_host_read(capsys):
     assert float(line.split(" s ")[0].split()[-1]) == pytest.approx(110 * 2000e-6, rel=5e-3)
 
 
+def test_multi_token_prediction_blocks_route_and_pay_their_exchange_too(capsys, tmp_path):
+    """Each MTP block is built like the last layer (an MoE layer at 1t.yaml): 1 depth adds 1 pass to the 55 of the
+    forward and 1 to the recompute, 112 x 200 us; the experts' matmul time grows by 56/55 too. Before: 110."""
+    with_mtp = tmp_path / "mtp.yaml"
+    with_mtp.write_text("model:\n  init_args:\n    config:\n      mtp_layers: 1\n")
+    line = next(line for line in table(capsys, "--config", str(with_mtp)) if "count exchanges and host reads" in line)
+    assert float(line.split(" s ")[0].split()[-1]) == pytest.approx(112 * 200e-6, rel=5e-3)
+    config = load_model_config([ONE_T, str(with_mtp)])
+    assert ep_traffic.expert_seconds(config, 1000, 1e12) == pytest.approx(
+        ep_traffic.expert_seconds(load_model_config([ONE_T]), 1000, 1e12) * 56 / 55)
+
+
 def test_fsdp_traffic_by_hand(capsys):
     """Every unit but the root (the final norm, 7168) gathered twice in bf16, the root once, every gradient
     reduce-scattered in fp32; dense units over 384 ranks, each expert unit's 1/96 of the experts over 384/96 = 4."""
