@@ -95,7 +95,9 @@ def main(argv: list[str] | None = None) -> dict:
     else:
         if not torch.cuda.is_available():
             parser.error("no CUDA device: run on a GPU, or pass --dry-run to check the script on CPU.")
-        device, config, dtype, backend = torch.device("cuda"), GPU_CONFIG, torch.bfloat16, "nccl"
+        # with an index: set_device (and NCCL's device_id) refuse a bare "cuda"
+        device = torch.device("cuda", torch.cuda.current_device())
+        config, dtype, backend = GPU_CONFIG, torch.bfloat16, "nccl"
         tokens, warmup, steps = args.tokens or 16384, args.warmup, args.steps
         torch.cuda.set_device(device)
     one_rank_group(backend)

@@ -372,6 +372,27 @@ def test_gpu_ep_chunks_dry_run_times_every_mode_with_one_host_read_and_equal_out
     assert "FP8 dispatch" not in lines[3] and "FP8 dispatch x" in lines[5] and "<= 1.10x" in lines[5]
 
 
+def test_gpu_ep_chunks_sets_an_indexed_cuda_device_before_its_nccl_group(monkeypatch):
+    """On a stand-in accelerator, the GPU path passes ``torch.cuda.set_device`` a device torch's own index check
+    accepts (a bare ``torch.device("cuda")`` raised "Expected a torch.device with a specified index") and goes on to
+    the NCCL group."""
+    module = load_benchmark("gpu_ep_chunks")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    set_to = []
+    monkeypatch.setattr(torch._C, "_cuda_setDevice", set_to.append, raising=False)  # absent from a CPU build
+
+    class Reached(Exception):
+        pass
+
+    def group(backend):
+        raise Reached(backend)
+    monkeypatch.setattr(module, "one_rank_group", group)
+    with pytest.raises(Reached, match="nccl"):
+        module.main([])
+    assert set_to == [0]
+
+
 @pytest.fixture(scope="module")
 def gpu_muon():
     return load_benchmark("gpu_muon")
