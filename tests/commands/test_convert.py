@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from moe_lightning.commands import main as commands
-from moe_lightning.commands.loading import stream_model_file
+from moe_lightning.commands.loading import pretrained_kept, stream_model_file
 from moe_lightning.hf import save_pretrained
 from moe_lightning.model import MoEConfig, MoETransformer
 
@@ -23,7 +23,7 @@ PEAK = """
 import json, sys, threading, time
 import moe_lightning.commands.convert  # imported before the baseline
 from moe_lightning.commands import main as commands
-from moe_lightning.commands.loading import stream_model_file
+from moe_lightning.commands.loading import pretrained_kept, stream_model_file
 
 def anonymous() -> int:
     return next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("RssAnon:"))
@@ -125,3 +125,13 @@ def test_kept_keys_are_not_forced_onto_another_architecture(kimi, tmp_path):
     commands.run(["convert", str(tmp_path / "other.pt"), "--out", str(tmp_path / "back")])
     config = json.loads((tmp_path / "back" / "config.json").read_text())
     assert config["model_type"] == "deepseek_v3" and "auto_map" not in config
+
+
+def test_a_run_started_from_the_folder_exports_with_its_model_type(kimi, tmp_path):
+    """A Lightning or sharded checkpoint of `fit --model.init_args.pretrained=<folder>` records the folder's path:
+    its model_type and auto_map are read there while it exists (nothing is guessed once it is gone)."""
+    kept = pretrained_kept({"hyper_parameters": {"pretrained": str(kimi)}})
+    assert kept == {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "kimi_k2",
+                    "auto_map": KIMI_JSON["auto_map"]}
+    assert pretrained_kept({"hyper_parameters": {"pretrained": str(tmp_path / "gone")}}) is None
+    assert pretrained_kept({"hyper_parameters": {}}) is None
