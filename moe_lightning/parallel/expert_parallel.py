@@ -599,6 +599,7 @@ def apply_expert_parallel(moe_layers: list[MoELayer], group: dist.ProcessGroup, 
             block = param[ep_rank * per_rank:(ep_rank + 1) * per_rank].clone()
             setattr(experts, name, nn.Parameter(block, requires_grad=param.requires_grad))
         moe.dispatcher = dispatcher
+    dispatcher.skew.name_layers(moe_layers)  # its warning names the layer
     if moe_layers and isinstance(dispatcher, HierarchicalTokenDispatcher):
         moe = moe_layers[0]
         reach, warning = node_reach(moe.router.n_groups, moe.router.n_limited_groups, moe.num_experts, moe.top_k,

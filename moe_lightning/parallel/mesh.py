@@ -77,6 +77,12 @@ class MeshLayout:
         """Replicas of the data: the ranks that read different sequences (a context-parallel group reads one)."""
         return self.world_size // (self.cp * self.pp)
 
+    def data_parallel_rank(self, rank: int) -> int:
+        """The data replica global ``rank`` reads: a pipeline's stages read the same batches, a context-parallel
+        group the same sequences."""
+        replica, s = rank // (self.shard * self.pp), rank % self.shard
+        return (replica * self.shard + s) // self.cp
+
     def coordinates(self, rank: int) -> dict[str, int]:
         """Where global ``rank`` sits in every named dimension (what a report about one rank prints)."""
         s = rank % self.shard
@@ -330,10 +336,7 @@ class ParallelMesh:
 
     @property
     def data_parallel_rank(self) -> int:
-        """A pipeline's stages read the same batches, a context-parallel group the same sequences."""
-        g, layout = dist.get_rank(), self.layout
-        replica, s = g // (layout.shard * layout.pp), g % layout.shard
-        return (replica * layout.shard + s) // layout.cp
+        return self.layout.data_parallel_rank(dist.get_rank())
 
     @property
     def data_parallel_size(self) -> int:

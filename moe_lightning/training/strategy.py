@@ -111,10 +111,10 @@ class MoEFSDPStrategy(CheckpointHooks, ModelParallelStrategy):
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         """The data-parallel replicas: the ranks of a context-parallel group read the same sequences."""
-        if self.parallel is None:
-            raise RuntimeError(f"{type(self).__name__}.distributed_sampler_kwargs is known once the environment is "
-                               "set up (setup_environment builds the layout).")
-        return {"num_replicas": self.parallel.data_parallel_size, "rank": self.parallel.data_parallel_rank}
+        layout = self.layout or MeshLayout.resolve(  # before setup (a resume's checks): the same from the arguments
+            self.world_size, self.replicate_size, self.shard_size, self.expert_parallel_size, None,
+            self.context_parallel_size, pipeline_parallel_size=self.pipeline_parallel_size)
+        return {"num_replicas": layout.data_parallel, "rank": layout.data_parallel_rank(self.global_rank)}
 
     @property
     def layout(self) -> MeshLayout | None:

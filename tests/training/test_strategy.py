@@ -265,6 +265,20 @@ def test_context_parallel_and_expert_shard_layouts_are_refused_before_any_group(
     assert resolve_layout(4, 1, "auto", 2, 2, balanced, 32).cp == 2
 
 
+@pytest.mark.parametrize("cp, pp, replicas", [(2, 1, [0, 0, 1, 1]), (1, 2, [0, 1, 0, 1])])
+def test_the_sampler_replicas_are_known_before_setup(cp, pp, replicas):
+    """A resume's checks read the sampler's replicas before ``setup_environment`` builds the mesh (raising there
+    broke every multi-process --ckpt_path relaunch): the same arithmetic from the arguments. A context-parallel
+    group's ranks read one replica; so do a pipeline's stages (stage-major: ranks 0, 1 then 2, 3 are stage 0, 1)."""
+    from lightning.fabric.plugins.environments import LightningEnvironment
+    strategy = MoEFSDPStrategy(context_parallel_size=cp, pipeline_parallel_size=pp)
+    strategy.cluster_environment = LightningEnvironment()
+    strategy.cluster_environment.set_world_size(4)
+    for rank, replica in enumerate(replicas):
+        strategy.cluster_environment.set_global_rank(rank)
+        assert strategy.distributed_sampler_kwargs == {"num_replicas": 4 // (cp * pp), "rank": replica}
+
+
 def test_default_mesh_is_plain_fsdp_over_all_ranks():
     layout = MeshLayout.resolve(8, 1, "auto", 1, 8)
     assert (layout.replicate, layout.shard, layout.ep) == (1, 8, 1)
