@@ -16,15 +16,19 @@ At world size 1 FSDP2 does no all-gather at all (``unshard`` returns early), so 
 output says why. With two or more GPUs every variant of ``unshard_async_op`` x ``prefetch_depth`` runs.
 """
 
-import argparse
-import itertools
-import json
-import os
-import signal
-import subprocess
-import sys
 import time
-from pathlib import Path
+
+STARTED = time.monotonic()  # before the imports: gpu_all.sh's time box counts them, CUDA's start and the plan too
+
+import argparse  # noqa: E402
+import itertools  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import signal  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -49,25 +53,27 @@ GIB = float(1 << 30)
 
 
 class StepTimer(Callback):
-    """Wall time of the optimizer steps after ``warmup`` (synchronised, so it measures finished work)."""
+    """Wall time of each optimizer step after ``warmup``, from batch start to batch end, both synchronised (so it
+    measures finished work and leaves out the fit's set-up and teardown)."""
 
     def __init__(self, warmup: int):
-        self.warmup, self.start, self.seconds = warmup, None, None
+        self.warmup, self.start, self.step_s = warmup, None, []
 
     def _sync(self, pl_module):
         if pl_module.device.type == "cuda":
             torch.cuda.synchronize(pl_module.device)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        if batch_idx == self.warmup:
+        if batch_idx >= self.warmup:
             self._sync(pl_module)
-            if pl_module.device.type == "cuda":
+            if batch_idx == self.warmup and pl_module.device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(pl_module.device)
             self.start = time.perf_counter()
 
-    def on_train_end(self, trainer, pl_module):
-        self._sync(pl_module)
-        self.seconds = time.perf_counter() - self.start
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if batch_idx >= self.warmup:
+            self._sync(pl_module)
+            self.step_s.append(time.perf_counter() - self.start)
 
 
 def run_variant(variant: dict, shapes: dict, warmup: int, steps: int, peak_flops: float | None,
@@ -86,10 +92,12 @@ def run_variant(variant: dict, shapes: dict, warmup: int, steps: int, peak_flops
     trainer.fit(MoELanguageModel(config), DataLoader(tokens, batch_size=batch_size))
     if not trainer.is_global_zero:
         return None
-    tokens_per_s = steps * batch_size * seq_len / timer.seconds  # per device
+    step_s = statistics.median(timer.step_s)
+    tokens_per_s = batch_size * seq_len / step_s  # per device, at the median step
     peak = peak_flops or (peak_bf16_flops(torch.cuda.get_device_name()) if cuda else None)
-    result = {**variant, "devices": devices, "tokens_per_s": round(tokens_per_s, 1),
-              "step_s": round(timer.seconds / steps, 4),
+    result = {**variant, "devices": devices, "tokens_per_s": round(tokens_per_s, 1), "timed_steps": len(timer.step_s),
+              "step_s": round(step_s, 4), "step_s_min": round(min(timer.step_s), 4),
+              "step_s_max": round(max(timer.step_s), 4),
               "mfu": round(tokens_per_s * training_flops_per_token(config, seq_len) / peak, 4) if peak else None}
     if cuda:
         stats = torch.cuda.memory_stats()
@@ -115,7 +123,8 @@ def stop_children_on_sigterm() -> None:
 
 
 def default_budget() -> float:
-    """Seconds for all variants: the time box gpu_all.sh gives this part ($GPU_ALL_BOX_S), less 5 s to report."""
+    """Seconds from this process's start (``STARTED``) to the end of the last variant: the time box gpu_all.sh gives
+    this part ($GPU_ALL_BOX_S), less 5 s to report."""
     return float(os.environ.get("GPU_ALL_BOX_S", 95)) - 5
 
 
@@ -144,7 +153,9 @@ def figure_line(results: list[dict]) -> str:
         return "figure: strategy | no variant finished | MFU >= 20% | FAIL"
     r = ok[0]
     mfu = f", MFU {r['mfu']:.1%}" if r.get("mfu") is not None else ""
-    return (f"figure: strategy | {r['tokens_per_s']:,.0f} tokens/s{mfu}, {r.get('alloc_retries', 0)} allocator retries "
+    steps = (f" (median of {r['timed_steps']} steps, {r['step_s_min']:.3f}-{r['step_s_max']:.3f} s)"
+             if "step_s_min" in r else "")
+    return (f"figure: strategy | {r['tokens_per_s']:,.0f} tokens/s{steps}{mfu}, {r.get('alloc_retries', 0)} allocator retries "
             f"| MFU >= 20% | {'PASS' if (r.get('mfu') or 0) >= 0.2 else 'FAIL'}")
 
 
@@ -155,7 +166,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--devices", type=int, default=None, help="GPUs to use (default: all visible)")
     parser.add_argument("--budget", type=float, default=default_budget(),
-                        help="seconds for all variants together (default: gpu_all.sh's time box less 10 s)")
+                        help="seconds from this process's start to the last variant's end (default: gpu_all.sh's "
+                        "time box less 5 s)")
     parser.add_argument("--peak-flops", type=float, default=None, help="override the GPU's bf16 peak FLOP/s")
     parser.add_argument("--variant", type=int, default=None, help=argparse.SUPPRESS)  # child process mode
     args = parser.parse_args(argv)
@@ -182,7 +194,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                                   "prefetch_depth change nothing here; running the default variant only. "
                                   "Measure them with >= 2 GPUs."}), flush=True)
         indices = [0]
-    deadline = time.monotonic() + args.budget
+    deadline = STARTED + args.budget  # the imports, CUDA's start and the fit check came out of the same box
     results = []
     for position, i in enumerate(indices):
         share = (deadline - time.monotonic()) / (len(indices) - position)  # what is left, split evenly

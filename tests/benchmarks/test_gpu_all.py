@@ -267,6 +267,41 @@ module.run_child(0, Namespace(devices=1, warmup=1, steps=1, peak_flops=None), ti
         raise AssertionError("the variant's process outlived gpu_strategy.py")
 
 
+def test_gpu_strategy_gives_its_variant_what_is_left_of_the_box_from_process_start(gpu_strategy, monkeypatch):
+    """The time box counts from the process's start: 20 s spent on imports, CUDA's start and the fit check leave the
+    one variant of a 40 s box 40 - 5 - 20 = 15 s, not 35 s (gpu_all.sh's timeout then killed the parent first, with
+    no line printed)."""
+    monkeypatch.setenv("GPU_ALL_BOX_S", "40")
+    monkeypatch.setattr(gpu_strategy, "STARTED", time.monotonic() - 20)
+    monkeypatch.setattr(gpu_strategy.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(gpu_strategy, "card_memory_gib", lambda: (80.0, "stand-in"))
+    monkeypatch.setattr(gpu_strategy, "check_fits", lambda *args: None)
+    monkeypatch.setattr(gpu_strategy, "stop_children_on_sigterm", lambda: None)
+    timeouts = []
+    monkeypatch.setattr(gpu_strategy, "run_child", lambda index, args, timeout: timeouts.append(timeout) or {
+        **gpu_strategy.VARIANTS[index], "status": "ok", "tokens_per_s": 1.0})
+    gpu_strategy.main(["--devices", "1"])
+    assert len(timeouts) == 1 and 14 <= timeouts[0] <= 15
+
+
+def test_gpu_strategy_times_each_step_and_leaves_out_the_fit_teardown(gpu_strategy, monkeypatch):
+    """Each step after the warm-up is timed from its batch start to its batch end (a clock that advances 1, 2, 3 s
+    over steps 1-3); what comes after the last batch (teardown: 100 s here) is in none of them."""
+    clock = [0.0]
+    monkeypatch.setattr(gpu_strategy.time, "perf_counter", lambda: clock[0])
+    timer, cpu = gpu_strategy.StepTimer(warmup=1), Namespace(device=torch.device("cpu"))
+    for batch_idx, seconds in enumerate([50.0, 1.0, 2.0, 3.0]):
+        timer.on_train_batch_start(None, cpu, None, batch_idx)
+        clock[0] += seconds
+        timer.on_train_batch_end(None, cpu, None, None, batch_idx)
+        clock[0] += 0.5  # between steps: the loop's own work
+    clock[0] += 100.0
+    assert timer.step_s == [1.0, 2.0, 3.0]
+    line = gpu_strategy.figure_line([{"tokens_per_s": 10.0, "timed_steps": 3, "step_s_min": 1.0, "step_s_max": 3.0,
+                                      "mfu": 0.25}])
+    assert "10 tokens/s (median of 3 steps, 1.000-3.000 s), MFU 25.0%" in line and line.endswith("PASS")
+
+
 def test_gpu_strategy_reports_a_child_that_fails_with_its_error(gpu_strategy, monkeypatch):
     monkeypatch.setattr(gpu_strategy.sys, "executable", sys.executable)
     monkeypatch.setenv("PYTHONPATH", str(REPO_ROOT))  # as gpu_all.sh exports it: the package need not be installed
