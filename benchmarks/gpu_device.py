@@ -51,9 +51,9 @@ class Device:
     def compute_stream_id(self) -> int | None:
         return torch.cuda.current_stream(self.device).cuda_stream if self.cuda else None
 
-    def reset_peak_memory_stats(self) -> None:
-        if self.cuda:
-            torch.cuda.reset_peak_memory_stats(self.device)
+    def mem_get_info(self) -> tuple[int, int] | None:
+        """Free and total bytes of the device (``None`` on the host)."""
+        return torch.cuda.mem_get_info(self.device) if self.cuda else None
 
 
 def gemm_ceiling(device: Device, n: int = 8192, runs: int = 20) -> float:

@@ -12,14 +12,17 @@ with ``MoEFSDPStrategy`` (meta init, no ``cpu_offload``), bf16-mixed, Muon (Newt
 ``ActivationOffload`` (prefetch 1), clipping, chunked loss; built in Python (no jsonargparse). Routing is as
 trained (no forced balance).
 
-Steps: 0 compiles (warm-up); 1 runs under the profiler (``with_stack``) and counts every blocking CUDA call
-(``gpu_trace.SYNC_CALLS``, ``cudaFree`` included) with the frame that made it, printed at once; 2 takes three
-allocator snapshots (end of forward, end of backward, end of step) for the per-stream pools, printed at once;
-3, 4 and 5 are timed: nothing but the training step between the synchronisations that bound each (no profiler,
-no snapshot, the loss read afterwards). The figure is their median tokens/s and MFU with the spread (min-max),
-printed after step 5, with forward / backward / optimizer times from CUDA events at Lightning's hooks, the offload
-copies' exposed time (for each copy, how long the compute stream waited on its event) and the allocator retries
-during the timed steps (each one a ``cudaFree`` of the cache and a device-wide sync). MFU is the package's count
+Steps: 0 compiles (warm-up); 1, 2 and 3 are timed: nothing but the training step between the synchronisations
+that bound each (no profiler, no snapshot, the loss read afterwards); the figure (their median tokens/s and MFU
+with the spread, min-max) is printed after step 3, before the slow diagnostics, with forward / backward /
+optimizer times from CUDA events at Lightning's hooks, the offload copies' exposed time (for each copy, how long
+the compute stream waited on its event) and the allocator retries during the timed steps (each one a ``cudaFree``
+of the cache and a device-wide sync). 4 takes three allocator snapshots (end of forward, end of backward, end of
+step) for the per-stream pools; 5 runs under the profiler (``with_stack``) and counts every blocking CUDA call
+(``gpu_trace.SYNC_CALLS``, ``cudaFree`` included) with the frame that made it, leaving out this script's own two
+synchronisations bounding the step (counted apart); each printed at once. After step 5: the planned peak beside
+the measured peaks of the whole run and the free memory, on one line, and the figure again, now with the syncs
+per step (gpu_all.sh keeps the last figure line: a time-out in the profiled step keeps the first). MFU is the package's count
 (``planner/flops.py``: 6 x active matmul parameters + attention over the pairs the document mask keeps, from the
 batch; recomputation not counted) over 989 TFLOP/s, and over the bf16 GEMM rate measured here first.
 """
@@ -44,7 +47,7 @@ from torch.utils.data import DataLoader  # noqa: E402
 from gpu_device import Device, gemm_ceiling  # noqa: E402
 from gpu_shapes import DOC_LEN, DRY_BATCH_SIZE, DRY_DOC_LEN, DRY_SEQ_LEN, LOSS_CHUNK, card_memory_gib  # noqa: E402
 from gpu_shapes import packed_tokens, pick_recipe, recipe_config  # noqa: E402
-from gpu_trace import load_trace, sync_sites  # noqa: E402
+from gpu_trace import OWN, load_trace, sync_sites  # noqa: E402
 from moe_lightning import MoEConfig, MoELanguageModel  # noqa: E402
 from moe_lightning.optim import Muon  # noqa: E402
 from moe_lightning.planner.flops import attended_pairs_BS, attention_flops_per_pair, dense_flops_per_token  # noqa: E402
@@ -53,8 +56,8 @@ from moe_lightning.training.strategy import MoEFSDPStrategy  # noqa: E402
 
 PEAK_FLOPS = 989e12  # H100 SXM and H200 dense bf16, datasheet
 MFU_TARGET = 0.20  # of PEAK_FLOPS, with real routing (a published MoE run fell from 32.4 % to 14.7 % with it)
-PROFILED, SNAPSHOT, TIMED = 1, 2, (3, 4, 5)  # step 0 is the warm-up (compiles)
-STEPS = TIMED[-1] + 1
+TIMED, SNAPSHOT, PROFILED = (1, 2, 3), 4, 5  # step 0 is the warm-up (compiles); the figure before the diagnostics
+STEPS = PROFILED + 1
 GIB = float(1 << 30)
 
 
@@ -112,13 +115,13 @@ class Probe(L.Callback):
     as it is known. ``device``: the CUDA calls (``gpu_device.Device``), a stand-in in tests."""
 
     def __init__(self, config: MoEConfig, offload: TimedOffload, device: Device, gemm_flops: float | None,
-                 describe_line: str, trace_dir: Path):
+                 describe_line: str, trace_dir: Path, planned_peak_gib: float | None = None):
         self.config, self.offload, self.device, self.gemm_flops = config, offload, device, gemm_flops
-        self.describe_line, self.trace_dir = describe_line, trace_dir
+        self.describe_line, self.trace_dir, self.planned_peak_gib = describe_line, trace_dir, planned_peak_gib
         self.dense, self.per_pair = dense_flops_per_token(config), attention_flops_per_pair(config)
         self.rows, self.timed, self.sync_sites, self.pools, self.summary = [], [], None, None, None
         self._profiler, self._marks, self._snapshots, self._start, self._retries = None, {}, [], 0.0, 0
-        self._stall_ms, self._stalled_waits, self._waits = [], 0, 0
+        self._stall_ms, self._stalled_waits, self._waits, self.own_syncs = [], 0, 0, None
 
     def _mark(self, name: str) -> None:
         event = self.device.event()
@@ -132,7 +135,6 @@ class Probe(L.Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if batch_idx == TIMED[0]:  # read before the window opens (a previous step's frees are in it: an upper bound)
             self._retries = self.device.memory_stats().get("num_alloc_retries", 0)
-            self.device.reset_peak_memory_stats()
         self.offload.timing, self.offload.waits = batch_idx in TIMED, []
         self._marks = {}
         if batch_idx == PROFILED:
@@ -160,11 +162,13 @@ class Probe(L.Callback):
             self._profiler.__exit__(None, None, None)
             trace = self.trace_dir / "profiled_step.json"  # hundreds of MB at full size: read once, then deleted
             self._profiler.export_chrome_trace(str(trace))
-            self._profiler, self.sync_sites = None, sync_sites(load_trace(trace))
+            every = sync_sites(load_trace(trace))
             trace.unlink()
+            self._profiler, self.sync_sites = None, [site for site in every if not site.startswith(OWN)]
+            self.own_syncs = len(every) - len(self.sync_sites)  # this probe's window bounds: not the step's
             print(json.dumps({"host_syncs_profiled_step": len(self.sync_sites),
-                              "sites": {s: self.sync_sites.count(s) for s in sorted(set(self.sync_sites))}}),
-                  flush=True)
+                              "sites": {s: self.sync_sites.count(s) for s in sorted(set(self.sync_sites))},
+                              "benchmarks_own_syncs_left_out": self.own_syncs}), flush=True)
         self._snapshot("end of step", batch_idx)
         if batch_idx == SNAPSHOT and any(snapshot for _, _, snapshot in self._snapshots):
             names = {self.device.compute_stream_id(): "compute"}
@@ -193,11 +197,27 @@ class Probe(L.Callback):
             self._waits += len(self.offload.waits)
         self.rows.append(row)
         print(json.dumps(row), flush=True)
-        if batch_idx == TIMED[-1]:
+        if batch_idx == TIMED[-1]:  # the figure first: the snapshots and the profiled step may run out of time
             self.summary = self._summarize()
+            print(figure_line(self.summary), flush=True)
+        if batch_idx == PROFILED:
+            self.summary.update(self._memory(), host_syncs_per_step=len(self.sync_sites),
+                                host_sync_sites={s: self.sync_sites.count(s) for s in sorted(set(self.sync_sites))},
+                                benchmarks_own_syncs_left_out=self.own_syncs, pools_at_peak=self.pools,
+                                losses=[row["loss"] for row in self.rows])
+            print(memory_line(self.summary), flush=True)
             print(json.dumps({"summary": self.summary}), flush=True)
             print(summary_table(self.summary), flush=True)
             print(figure_line(self.summary), flush=True)
+
+    def _memory(self) -> dict:
+        """Planned peak beside the measured peaks of the whole run (never reset) and the free memory now."""
+        stats, free_total = self.device.memory_stats(), self.device.mem_get_info()
+        return {"planned_peak_gib": self.planned_peak_gib,
+                "max_allocated_gib": round(stats["allocated_bytes.all.peak"] / GIB, 2) if stats else None,
+                "max_reserved_gib": round(stats["reserved_bytes.all.peak"] / GIB, 2) if stats else None,
+                "free_gib": round(free_total[0] / GIB, 2) if free_total else None,
+                "total_gib": round(free_total[1] / GIB, 2) if free_total else None}
 
     def _summarize(self) -> dict:
         timed = [row for row in self.rows if row["role"] == "timed"]
@@ -225,9 +245,6 @@ class Probe(L.Callback):
         if self._stall_ms:
             summary["offload"].update(exposed_stall_ms=round(statistics.median(self._stall_ms), 2),
                                       waits=self._waits, waits_that_stalled=self._stalled_waits)
-        if stats:
-            summary.update(max_allocated_gib=round(stats.get("allocated_bytes.all.peak", 0) / GIB, 2),
-                           max_reserved_gib=round(stats.get("reserved_bytes.all.peak", 0) / GIB, 2))
         return summary
 
 
@@ -243,9 +260,11 @@ def summary_table(summary: dict) -> str:
             ("MFU vs measured bf16 GEMM", f"{fmt(summary['mfu_vs_gemm_ceiling'], '.1%')} (GEMM "
                                           f"{fmt(summary['gemm_ceiling_tflops'], '.0f')} TFLOP/s)"),
             ("forward / backward / optimizer", " / ".join(f"{v} ms" for v in summary["phases_ms"].values())),
-            ("peak allocated / reserved (timed steps)", f"{fmt(summary.get('max_allocated_gib'), '.1f')} / "
-                                                         f"{fmt(summary.get('max_reserved_gib'), '.1f')} GiB"),
-            ("host syncs per step (profiled step 1)", fmt(summary["host_syncs_per_step"], "d")),
+            ("planned peak; measured peak allocated / reserved (whole run)",
+             f"{fmt(summary.get('planned_peak_gib'), '.1f')}; {fmt(summary.get('max_allocated_gib'), '.1f')} / "
+             f"{fmt(summary.get('max_reserved_gib'), '.1f')} GiB"),
+            (f"host syncs per step (profiled step {PROFILED}, the benchmark's own left out)",
+             fmt(summary["host_syncs_per_step"], "d")),
             ("allocator retries (timed steps)", fmt(summary["alloc_retries_timed_steps"], "d")),
             ("offload: boundaries out, exposed stall per step", f"{offload['boundaries_out']} "
                                                                 f"({offload['bytes_out'] / GIB:.2f} GiB), "
@@ -258,12 +277,21 @@ def summary_table(summary: dict) -> str:
     return "\n".join(["| measurement | value |", "| --- | --- |"] + [f"| {a} | {b} |" for a, b in rows])
 
 
+def memory_line(summary: dict) -> str:
+    def gib(key):
+        return "n/a" if summary.get(key) is None else f"{summary[key]:.2f} GiB"
+    return (f"memory: planned peak {gib('planned_peak_gib')}; measured over the whole run max_memory_allocated "
+            f"{gib('max_allocated_gib')}, max_memory_reserved {gib('max_reserved_gib')}; mem_get_info free "
+            f"{gib('free_gib')} of {gib('total_gib')}")
+
+
 def figure_line(summary: dict) -> str:
     tps, mfu, vs_gemm = summary["tokens_per_s"], summary["mfu_vs_989"], summary["mfu_vs_gemm_ceiling"]
     syncs, retries = summary["host_syncs_per_step"], summary["alloc_retries_timed_steps"]
     key = (f"{tps['median']:,.0f} tokens/s ({tps['min']:,.0f}-{tps['max']:,.0f}), MFU {mfu['median']:.1%}"
            + (f" ({vs_gemm:.1%} of measured GEMM)" if vs_gemm else "")
-           + f", {len(summary['timed_steps'])} timed steps, {'n/a' if syncs is None else syncs} syncs/step"
+           + f", {len(summary['timed_steps'])} timed steps, "
+           + (f"syncs/step not yet profiled (step {PROFILED})" if syncs is None else f"{syncs} syncs/step")
            + (f", {retries} allocator retries" if retries is not None else ""))
     return (f"figure: recipe | {key} | MFU >= {MFU_TARGET:.0%} of 989 TFLOP/s | "
             f"{'PASS' if mfu['median'] >= MFU_TARGET else 'FAIL'}")
@@ -281,6 +309,7 @@ def main(argv: list[str] | None = None, device: Device | None = None) -> dict | 
         parser.error("no CUDA device: run with --dry-run on CPU")
     if args.dry_run:
         config, seq_len, batch_size, doc_len = recipe_config(dry_run=True), DRY_SEQ_LEN, DRY_BATCH_SIZE, DRY_DOC_LEN
+        planned_peak_gib = None
         line = f"recipe model (dry run): toy size, {config.n_layers} blocks, sequence {seq_len} x batch {batch_size}"
     else:
         try:
@@ -289,6 +318,7 @@ def main(argv: list[str] | None = None, device: Device | None = None) -> dict | 
         except ValueError as error:
             parser.exit(2, f"gpu_recipe: {error}\n")
         config, seq_len, batch_size, doc_len = shape.config, shape.seq_len, shape.batch_size, DOC_LEN
+        planned_peak_gib = shape.peak_gib
         line = f"{shape.describe(memory)} ({source}); MLA, documents ~{doc_len} tokens"
     print(line, flush=True)
     if args.describe:
@@ -303,7 +333,7 @@ def main(argv: list[str] | None = None, device: Device | None = None) -> dict | 
     torch.manual_seed(0)
     tokens = packed_tokens(STEPS * batch_size, seq_len, config.vocab_size, config.eod_token_id, doc_len)
     with tempfile.TemporaryDirectory(prefix="gpu_recipe_") as trace_dir:
-        probe = Probe(config, offload, device, gemm if cuda else None, line, Path(trace_dir))
+        probe = Probe(config, offload, device, gemm if cuda else None, line, Path(trace_dir), planned_peak_gib)
         trainer = L.Trainer(accelerator="cuda" if cuda else "cpu", devices=1,
                             strategy=MoEFSDPStrategy(meta_init=True, cpu_offload=False),
                             precision="bf16-mixed" if cuda else "32-true", max_steps=STEPS, gradient_clip_val=1.0,

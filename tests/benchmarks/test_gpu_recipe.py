@@ -64,6 +64,28 @@ def test_sync_sites_of_a_recorded_trace_name_each_blocking_call_by_its_frame(gpu
     assert any(site.startswith("lightning/") for site in expected) and "aten::slice" in expected
 
 
+def test_sync_sites_mark_the_benchmarks_own_synchronisations_inside_lightnings_hooks():
+    """The probe's window bounds run inside Lightning's callback hooks, under ``main`` of the script: a blocking call
+    whose innermost frame of our code is a ``gpu_*.py`` one is the benchmark's own (marked, left out of the step's
+    count); one under a Lightning or package frame, even with the script's ``main`` further out, is the step's."""
+    trace = load_benchmark("gpu_trace")
+
+    def frame(name, ts, dur):
+        return {"ph": "X", "cat": "python_function", "name": name, "ts": ts, "dur": dur, "pid": 1, "tid": 1}
+
+    def sync(name, ts):
+        return {"ph": "X", "cat": "cuda_runtime", "name": name, "ts": ts, "dur": 1, "pid": 1, "tid": 1}
+    events = [frame("gpu_recipe.py(340): main", 0, 100), frame("lightning/pytorch/trainer/trainer.py(584): fit", 1, 98),
+              frame("lightning/pytorch/trainer/call.py(210): _call_callback_hooks", 10, 10),
+              frame("gpu_recipe.py(160): on_train_batch_end", 11, 8), frame("gpu_device.py(40): synchronize", 12, 6),
+              frame("torch/cuda/__init__.py(1080): synchronize", 13, 4), sync("cudaDeviceSynchronize", 14),
+              frame("moe_lightning/optim/muon.py(200): step", 30, 10), sync("cudaStreamSynchronize", 32),
+              frame("lightning/pytorch/loops/optimization/automatic.py(300): run", 50, 10), sync("cudaMemcpy", 52)]
+    sites = trace.sync_sites(events)
+    assert sites == [trace.OWN + "gpu_device.py(40): synchronize", "moe_lightning/optim/muon.py(200): step",
+                     "lightning/pytorch/loops/optimization/automatic.py(300): run"]
+
+
 class StubCuda:
     """``gpu_device.Device`` on the host with a stand-in allocator: statistics whose retry count grows by one at
     every synchronisation, a snapshot of two stream pools, and a log of every call in order."""
@@ -92,36 +114,46 @@ class StubCuda:
     def compute_stream_id(self):
         return 7
 
-    def reset_peak_memory_stats(self):
-        self.calls.append("reset")
+    def mem_get_info(self):
+        self.calls.append("mem_get_info")
+        return 70 * GIB, 80 * GIB
 
 
 def test_recipe_dry_run_times_three_steps_after_warm_up_with_nothing_else_in_their_windows(gpu_recipe, capsys):
+    """The timed steps come right after the warm-up and their figure is printed before the snapshot and profiled
+    steps (whose trace export is slow); after those, one memory line and the figure again with the syncs."""
     gpu_device = load_benchmark("gpu_device")
     import torch
     stub = StubCuda(gpu_device.Device(torch.device("cpu")))
     summary = gpu_recipe.main(["--dry-run"], device=stub)
     out = capsys.readouterr().out.splitlines()
     rows = [json.loads(line) for line in out if line.startswith('{"step"')]
-    assert [(r["step"], r["role"]) for r in rows] == [(0, "warm-up"), (1, "profiled"), (2, "snapshots"),
-                                                      (3, "timed"), (4, "timed"), (5, "timed")]
+    assert [(r["step"], r["role"]) for r in rows] == [(0, "warm-up"), (1, "timed"), (2, "timed"), (3, "timed"),
+                                                      (4, "snapshots"), (5, "profiled")]
     # each step's window is one pair of synchronisations; nothing but the step (no snapshot, no statistics) inside
     syncs = [i for i, call in enumerate(stub.calls) if call == "sync"]
     assert len(syncs) == 2 * len(rows)
     windows = [stub.calls[syncs[2 * k] + 1:syncs[2 * k + 1]] for k in range(len(rows))]
-    assert windows[2] == ["snapshot", "snapshot"] and all(window == [] for window in windows[3:])
-    assert stub.calls.count("snapshot") == 3  # end of forward, end of backward, end of step: step 2 only
-    # the figure: median and range of the timed steps, printed last, after each part printed on its own
-    timed = [r["tokens_per_s"] for r in rows[3:]]
-    assert summary["timed_steps"] == [3, 4, 5] and summary["tokens_per_s"] == {
+    assert windows[4] == ["snapshot", "snapshot"] and all(window == [] for window in windows[1:4])
+    assert stub.calls.count("snapshot") == 3  # end of forward, end of backward, end of step: step 4 only
+    # the figure: median and range of the timed steps, printed at once and again last with the syncs
+    timed = [r["tokens_per_s"] for r in rows[1:4]]
+    assert summary["timed_steps"] == [1, 2, 3] and summary["tokens_per_s"] == {
         "median": sorted(timed)[1], "min": min(timed), "max": max(timed)}
     syncs_at = next(i for i, line in enumerate(out) if line.startswith('{"host_syncs_profiled_step": 0'))
+    assert json.loads(out[syncs_at])["benchmarks_own_syncs_left_out"] == 0  # a CPU trace has no CUDA calls
     pools_at = next(i for i, line in enumerate(out) if line.startswith('{"pools_at_peak"'))
     row_at = {r["step"]: next(i for i, line in enumerate(out) if line.startswith(f'{{"step": {r["step"]},'))
               for r in rows}
-    assert row_at[0] < syncs_at < row_at[1] < pools_at < row_at[2] and out[-1].startswith("figure: recipe | ")
+    figures = [i for i, line in enumerate(out) if line.startswith("figure: recipe | ")]
+    memory_at = next(i for i, line in enumerate(out) if line.startswith("memory: "))
+    assert row_at[3] < figures[0] < pools_at < row_at[4] < syncs_at < row_at[5] < memory_at < figures[1]
+    assert len(figures) == 2 and figures[1] == len(out) - 1
+    assert "3 timed steps, syncs/step not yet profiled (step 5), 6 allocator retries" in out[figures[0]]
     assert "3 timed steps, 0 syncs/step, 6 allocator retries" in out[-1]  # 6 syncs in the timed steps, not 12
     assert summary["alloc_retries_timed_steps"] == 6
+    assert out[memory_at] == ("memory: planned peak n/a; measured over the whole run max_memory_allocated 5.00 GiB, "
+                              "max_memory_reserved 6.00 GiB; mem_get_info free 70.00 GiB of 80.00 GiB")
     assert summary["pools_at_peak"] == {"where": "end of forward", "compute": {
         "reserved_gib": 4.0, "allocated_gib": 3.0, "cached_unused_gib": 1.0}, "stream 9": {
         "reserved_gib": 1.0, "allocated_gib": 0.0, "cached_unused_gib": 1.0}}
