@@ -11,8 +11,8 @@ tokens, 2 sequences a micro-batch) over ``--size`` gloo processes through torch'
 of the step (waiting for a neighbour: on CPU processes a bubble shows as idle time, there is no overlap). The first
 step is a warm-up and not counted. Predicted: ``planner.pipeline.simulate`` over the same schedule's action order
 with each stage's forward time the measured one-process forward of its blocks (backward twice that). Bytes: every
-send a rank's stages hand the schedule (``PipelineStage.get_fwd_send_ops`` / ``get_bwd_send_ops``), against ``M x b·S·D·4`` per direction and stage
-boundary. Wall times depend on the machine and its load: say which when quoting them.
+send a rank's stages hand the schedule (``PipelineStage.get_fwd_send_ops`` / ``get_bwd_send_ops``), against
+``M x b·S·D·4`` per direction and stage boundary between ranks. Wall times depend on the machine and its load: say which when quoting them.
 """
 
 import argparse
@@ -158,8 +158,7 @@ def main() -> None:
             predicted = simulate(schedule_actions(schedule, args.size, M, layout.stages_per_rank), forward_s, 0.0)
             hop = SEQUENCES_PER_MICROBATCH * SEQ * config.dim * 4
             measured_idle = [1 - sum(r["busy"]) / sum(r["wall"]) for r in run["ranks"]]
-            planned_bytes = [M * hop * (sum(1 for t in layout.stages_of(r) if t < layout.num_stages - 1)
-                                        + sum(1 for t in layout.stages_of(r) if t > 0)) for r in range(args.size)]
+            planned_bytes = [M * hop * layout.sends_between_ranks(r) for r in range(args.size)]
             print(f"{schedule} M={M} blocks {list(layout.blocks_per_stage)}: idle per rank measured "
                   f"{[round(x, 3) for x in measured_idle]}, predicted {[round(x, 3) for x in predicted['idle_fraction']]}"
                   f"; sent per step {[r['sent'][0] for r in run['ranks']]} B, planned {planned_bytes} B; "

@@ -12,6 +12,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from torch.distributed.device_mesh import DeviceMesh
 
 from moe_lightning.checkpoint import reshard
+from moe_lightning.checkpoint.safe_load import SafeReader
 from moe_lightning.checkpoint.sharded import ShardedCheckpointer, expert_parameter_names
 
 
@@ -29,16 +30,28 @@ def load_state(checkpointer: ShardedCheckpointer, path: Path, checkpoint: dict[s
                strict: bool, flatten_optimizer: bool = False) -> None:
     """Fill the shards of ``model`` and ``optimizers`` from ``path`` (``checkpoint``: its plain data,
     ``discovery.checkpoint_metadata``; a single file's states, memory-mapped there, are taken out of it).
-    ``flatten_optimizer``: the optimizer states were saved keyed by parameter name (pipeline stages hold different
-    parameter groups, so a group's index means nothing across ranks)."""
+    ``flatten_optimizer``: this run saves optimizer states keyed by parameter name (pipeline stages hold different
+    parameter groups, so a group's index means nothing across ranks); a checkpoint saved so loads at any stage
+    count, one saved by group index only without stages."""
     if not path.is_dir():
         reshard.load_full_checkpoint(checkpoint, path, module, model, optimizers, expert_mesh)
         return
     state = {"state_dict": get_model_state_dict(model)}
-    flat = StateDictOptions(flatten_optimizer_state_dict=flatten_optimizer)
+    saved_by_name = optimizers and _optimizer_saved_by_name(path)
+    if flatten_optimizer and optimizers and not saved_by_name:
+        raise ValueError(f"{path} was written without pipeline stages: its optimizer states are per parameter-group "
+                         "index, which stages do not share; resume it at pipeline_parallel_size=1.")
+    flat = StateDictOptions(flatten_optimizer_state_dict=bool(saved_by_name))
     state.update({f"optimizer_{i}": get_optimizer_state_dict(model, optimizer, options=flat)
                   for i, optimizer in enumerate(optimizers)})
     checkpointer.load(path, state, expert_parameter_names(module), expert_mesh)
     set_model_state_dict(model, state["state_dict"], options=StateDictOptions(strict=strict))
     for i, optimizer in enumerate(optimizers):
         set_optimizer_state_dict(model, optimizer, state[f"optimizer_{i}"], options=flat)
+
+
+def _optimizer_saved_by_name(path: Path) -> bool:
+    """Whether a sharded checkpoint's optimizer states are keyed by parameter name
+    (``optimizer_0.param_groups.<name>.lr``, as under pipeline stages) rather than by group index."""
+    keys = SafeReader(path).read_metadata().state_dict_metadata
+    return any(k.startswith("optimizer_0.param_groups.") and not k.split(".")[2].isdigit() for k in keys)

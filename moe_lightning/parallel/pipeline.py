@@ -155,6 +155,12 @@ class PipelineLayout:
     def rank_of(self, stage: int) -> int:
         return next(r for r in range(self.size) if stage in self.stages_of(r))
 
+    def sends_between_ranks(self, pp_rank: int) -> int:
+        """Tensors ``pp_rank`` sends per micro-batch to other ranks: activations to the next stage and gradients
+        to the previous one, wherever that stage is on another rank (a V's middle stages share one)."""
+        return sum((t < self.num_stages - 1 and self.rank_of(t + 1) != pp_rank)
+                   + (t > 0 and self.rank_of(t - 1) != pp_rank) for t in self.stages_of(pp_rank))
+
 
 def resolve_pipeline(config: MoEConfig, size: int, schedule: str = "1F1B", microbatches: int | None = None,
                      stages_per_rank: int | None = None, seq_len: int | None = None) -> PipelineLayout:

@@ -193,10 +193,9 @@ def pipeline_rows(config: MoEConfig, cluster, work, result: dict, size: int, sch
             if config.mtp_layers:
                 rows["multi-token prediction activations"] = memory["multi-token prediction activations"] * scale
         rows["runtime reserve"] = memory["runtime reserve"]
-        sends = sum(1 for t in stages if t < layout.num_stages - 1) + sum(1 for t in stages if t > 0)
         ranks.append({"stages": stages, "blocks": [layout.blocks_per_stage[t] for t in stages],
                       "parameters": held, "bytes": {k: int(v) for k, v in rows.items()}, "peak": int(sum(rows.values())),
-                      "p2p_bytes": sends * M * hop_bytes,
+                      "p2p_bytes": layout.sends_between_ranks(r) * M * hop_bytes,
                       # all-gathered again each micro-batch (resharded after forward), reduce-scattered once
                       "fsdp_seconds": fsdp_s * held / total_params * (M + 1) / 2,
                       "in_flight": [timeline["in_flight"][t] for t in stages],

@@ -302,10 +302,12 @@ class MoELanguageModel(L.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     def lr_scheduler_step(self, scheduler, metric) -> None:
-        """After a resume the schedule continues from the requested base LR, not the checkpoint's."""
+        """After a resume the schedule continues from the requested base LR, not the checkpoint's, for every group
+        this run has (a checkpoint of pipeline stages holds rank 0's stage's groups only)."""
         if getattr(scheduler, "base_lrs", None) is not None:
-            scheduler.base_lrs = [g.get("initial_lr", base) for g, base in zip(scheduler.optimizer.param_groups,
-                                                                                  scheduler.base_lrs)]
+            saved = scheduler.base_lrs
+            scheduler.base_lrs = [g.get("initial_lr", saved[i] if i < len(saved) else g["lr"])
+                                  for i, g in enumerate(scheduler.optimizer.param_groups)]
         super().lr_scheduler_step(scheduler, metric)
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:

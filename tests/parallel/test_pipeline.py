@@ -145,7 +145,8 @@ def test_chained_stages_give_one_models_loss_and_gradients(stages, micro, extra,
     the one-process module's over the whole batch (``MoELanguageModel._loss``), the embedding copy's gradient
     summed into the first stage's. Float64 except what the model keeps fp32 by design: the router's matmul
     (model/moe.py; its weight gradient is an fp32 sum over tokens, so summed per micro-batch it rounds
-    differently: 2e-6 relative; so is the chunked loss's head gradient) and the head's cross-entropy (the loss values: 1e-6); every other gradient 1e-9."""
+    differently: 2e-6 relative; so is the chunked loss's head gradient) and the head's cross-entropy (the loss
+    values: 1e-6); every other gradient 1e-9."""
     config = MoEConfig(**{**SHAPE, **extra})
     g = torch.Generator().manual_seed(1)
     batch_BS1 = torch.randint(0, config.vocab_size, (8, 17), generator=g)
