@@ -8,7 +8,9 @@ For the recipe's MLA shape first (``gpu_shapes.RECIPE``: 16 heads, query/key 192
 8,192 tokens in ~2,048-token documents), then a GQA shape, it runs ``attend(..., return_max_logits=True)`` (on CUDA
 the compiled FlexAttention kernel with ``AuxRequest(max_scores=True)``, as QK-clip makes the recipe call it) and
 plain SDPA given the dense boolean mask; prints the largest output and gradient differences, and for each kernel
-the median forward+backward time of ``--runs`` timed calls after two warm-up calls, and the peak memory. Each timed
+the median forward+backward time of ``--runs`` timed calls after two warm-up calls, and the peak memory. Queries,
+keys and values are ``[B, S, H, D]`` tensors transposed to ``[B, H, S, D]``, as the model passes them (the compiled
+kernel is specialised on strides: the recipe's, and gpu_paths', compile is reused). Each timed
 call builds its own mask from the document ids (the BlockMask, or the dense ``[B, 1, S, S]`` mask), as every
 training step does. Differences are relative to the reference's largest magnitude (gradients reach ~30 at 8k
 tokens, where one bf16 step is 0.125): bf16 on CUDA (tolerance 2e-2: a few bf16 roundings, 2^-8 each, in two
@@ -84,9 +86,11 @@ def main(argv=None) -> dict:
     doc_BS = document_ids(tokens, 1).to(device)
     report = {}
     for name, s in SHAPES.items():
-        q = torch.randn(batch, s["heads"], seq, s["qk"], generator=g).to(device, dtype).requires_grad_(cuda)
-        k = torch.randn(batch, s["kv_heads"], seq, s["qk"], generator=g).to(device, dtype).requires_grad_(cuda)
-        v = torch.randn(batch, s["kv_heads"], seq, s["v"], generator=g).to(device, dtype).requires_grad_(cuda)
+        # [B, H, S, D] views of [B, S, H, D] tensors, the layout the model's projections hand the kernel
+        q = torch.randn(batch, seq, s["heads"], s["qk"], generator=g).to(device, dtype).transpose(1, 2)
+        k = torch.randn(batch, seq, s["kv_heads"], s["qk"], generator=g).to(device, dtype).transpose(1, 2)
+        v = torch.randn(batch, seq, s["kv_heads"], s["v"], generator=g).to(device, dtype).transpose(1, 2)
+        q, k, v = (t.requires_grad_(cuda) for t in (q, k, v))
         scale, gqa = s["qk"] ** -0.5, s["heads"] != s["kv_heads"]
 
         def ours(q, k, v):  # the path QK-clip makes the recipe take: FlexAttention + max scores (CPU: eager)
