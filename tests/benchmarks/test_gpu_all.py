@@ -443,9 +443,15 @@ def test_gpu_muon_takes_one_gpus_share_of_the_1t_experts_from_the_config(gpu_muo
 
 def test_gpu_muon_scales_the_host_time_by_newton_schulz_flops(gpu_muon, monkeypatch):
     """The host runs what fits in its time and the rest is scaled by FLOPs: on a clock that advances one second per
-    GFLOP, the scaled time is the FLOPs of every matrix."""
+    GFLOP, the scaled time is the FLOPs of every matrix; drawing the inputs (1000 s each here) is outside it."""
     clock = [0.0]
     monkeypatch.setattr(gpu_muon.time, "perf_counter", lambda: clock[0])
+    randn = torch.randn
+
+    def slow_randn(*args, **kwargs):
+        clock[0] += 1000.0
+        return randn(*args, **kwargs)
+    monkeypatch.setattr(gpu_muon.torch, "randn", slow_randn)
 
     def newton_schulz(G, schedule, dtype):
         clock[0] += gpu_muon.newton_schulz_flops(*G.shape[-2:], len(schedule)) / 1e9
@@ -460,12 +466,13 @@ def test_gpu_muon_dry_run_prints_the_ns_figure_then_both_optimizer_steps(gpu_muo
     shard = report["ns_1t"]
     assert shard["matrices"] == 2 * 3 * 4  # configs/1t-mini.yaml: 2 MoE layers, 8 experts over expert parallel 2
     assert shard["device_s"] > 0 and shard["host_s"] > 0 and shard["host_matrices_run"] >= 1
+    assert shard["device_with_pinned_round_trip_s"] > 0
     step = report["step"]
     assert step["weights"] == "fp32 master weights, fp32 gradients"
     assert all(step[name]["min_ms"] <= step[name]["median_ms"] <= step[name]["max_ms"] for name in ("muon", "adamw"))
     lines = capsys.readouterr().out.splitlines()
     assert [line[:10] for line in lines] == ['{"ns_1t": ', "figure: mu", '{"step": {']
-    assert "reference run 41.7 s vs 2.2 s" in lines[1]
+    assert "reference run 41.7 s vs 2.2 s (with copies)" in lines[1] and "s with the pinned host round trip" in lines[1]
 
 
 @pytest.mark.slow
