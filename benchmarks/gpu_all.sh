@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Every GPU measurement of the project in one command, within one budget, ending in one table:
-#   bash benchmarks/gpu_all.sh [BUDGET_SECONDS]        # default 450 s; GPU_ALL_PARTS=paths,recipe runs only those
+#   bash benchmarks/gpu_all.sh [BUDGET_SECONDS]        # default 500 s; GPU_ALL_PARTS=paths,recipe runs only those
 #   bash benchmarks/gpu_all.sh --list [--gpu-memory GIB]   # each part, its box and the shapes picked (no GPU needed;
 #                                                      # sized by GIB, else the card's free memory, else 80)
 #   bash benchmarks/gpu_all.sh --dry-run [BUDGET]      # every selected part with --dry-run, on CPU
@@ -12,8 +12,8 @@
 # the others refuse in one line. Every part but "strategy" (which reports the allocator's retries as they come by
 # default) runs with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True.
 # Time: each box is a cold-start estimate (empty compile cache; written beside it below; not yet measured on a
-# GPU); the boxes add up to 420 s and the start-up (machine facts, Triton preflight, ~10-15 s) and the cache packing
-# (~5-10 s) fit the 450 s budget, inside one 600 s device call. A lease is 900 s of device time: a fresh machine's
+# GPU); the boxes add up to 460 s, and with the start-up (machine facts, Triton preflight, ~10-15 s) fit the 500 s
+# budget; the cache packing (~5-10 s) comes after it, inside one 600 s device call. A lease is 900 s of device time: a fresh machine's
 # start (~60-120 s), this run and a rerun of the failed parts on a fresh machine fit.
 # Files under $OUT (the device tool's output folder, else ./gpu_results; it returns 8 files of <= 16 MiB): gpu_all.md
 # (machine facts, preflight, each part's outcome, the table), gpu_all.log (every part's lines, in order, after a
@@ -37,17 +37,17 @@ while (($#)); do
     esac
     shift
 done
-budget=${1:-450}
+budget=${1:-500}
 
 # name|time box s|needs Triton|expandable segments|command|what it measures|the box's cold-start estimate
 PARTS=(
   "paths|45|1|1|benchmarks/gpu_paths.py|grouped_mm, offload, host-staged NS, NCCL, FlexAttention (S, S-1) + max_scores: PASS/FAIL each|imports 8 s, eager checks 5 s, FlexAttention fwd+bwd compile 20 s (S-1 reuses it), slack 12 s"
-  "recipe|150|1|1|benchmarks/gpu_recipe.py|the card-sized recipe: tokens/s, MFU (989 TFLOP/s and measured GEMM) over 3 timed steps, memory, syncs, phases, offload stall|imports + meta init 20 s, GEMM 3 s, step 0 compiles FlexAttention 40 s, steps 1-5 at ~3 s, trace export 15 s, slack 55 s"
+  "recipe|150|1|1|benchmarks/gpu_recipe.py|the card-sized recipe: tokens/s, MFU (989 TFLOP/s and measured GEMM) over 3 timed steps, memory, syncs, phases, offload stall|imports + meta init 20 s, GEMM 3 s, step 0 compiles FlexAttention 40 s, timed steps 1-3 at ~3 s then the figure, snapshot step 4 and profiled step 5 ~6 s, trace export 15 s, slack 55 s"
   "attention|40|1|1|benchmarks/gpu_attention.py|FlexAttention + max scores vs dense-mask SDPA at the recipe's batch, MLA first: time, memory, difference|imports 6 s, GQA shape's compile 15 s (MLA's is the recipe's), 28 timed calls 5 s, slack 14 s"
-  "compile|60|1|1|benchmarks/gpu_compile.py|2 recipe blocks compiled vs eager: tokens/s, compile seconds|imports 8 s, eager 4 steps 3 s, Inductor compiles 2 block graphs fwd+bwd 40 s, slack 9 s"
+  "compile|90|1|1|benchmarks/gpu_compile.py|2 recipe blocks compiled vs eager: tokens/s, compile seconds (eager's figure first, provisional)|imports 8 s, eager 4 steps 3 s, Inductor's cold compile of 2 block graphs fwd+bwd 60 s, 4 compiled steps 3 s, slack 16 s"
   "offload|35|0|1|benchmarks/gpu_offload.py|ActivationOffload vs activation checkpointing: peak memory, tokens/s|imports 5 s, 5 modes x 3 steps at 65,536 tokens 20 s, slack 10 s; no compile"
-  "muon|40|0|1|benchmarks/gpu_muon.py|NS of one GPU's 1T expert shard on 16 host cores vs the GPU; Muon vs AdamW steps on fp32 master weights|imports 5 s, GPU NS 2 s, host NS 15 s (capped), 1.4B fp32 init 5 s, 8 optimizer steps 5 s, slack 8 s; no compile"
-  "strategy|30|0|0|benchmarks/gpu_strategy.py|MoEFSDPStrategy default variant: tokens/s, MFU, allocator retries (default allocator)|child: imports 8 s, meta init 2 s, 5 steps 5 s, slack 10 s, report 5 s; no compile"
+  "muon|40|0|1|benchmarks/gpu_muon.py|NS of one GPU's 1T expert shard on 16 host cores vs the GPU (also with its pinned host round trip); Muon vs AdamW steps on fp32 master weights|imports 5 s, GPU NS with and without the round trip of 9.7 GB pinned 5 s, host NS 12 s (capped), 1.4B fp32 init 5 s, 8 optimizer steps 5 s, slack 8 s; no compile"
+  "strategy|40|0|0|benchmarks/gpu_strategy.py|MoEFSDPStrategy default variant: tokens/s (median and range of the steps), MFU, allocator retries (default allocator)|parent: imports, CUDA start, fit check 8 s, then its child in what is left of the box less 5 s: imports 8 s, meta init 2 s, 5 steps 5 s, teardown 2 s, slack 10 s; report 5 s; no compile"
   "ep_chunks|20|0|1|benchmarks/gpu_ep_chunks.py|one MoE layer, one-rank NCCL group: ep_overlap_chunks 4 vs 1 (what chunking costs), FP8 dispatch|imports 5 s, NCCL init 3 s, 4 modes x 13 steps 4 s, slack 8 s; no compile"
 )
 selected=()

@@ -75,10 +75,10 @@ def test_gpu_all_runs_every_part_reports_failures_in_one_table_and_exits_nonzero
     assert "gpu_all: muon: FAILED (exit 3)" in done.stdout and "gpu_all: strategy: ok in " in done.stdout
     assert done.returncode == 1 and "FAILED PARTS: muon:exit3" in done.stdout
     assert "GPU_ALL_PARTS=muon bash benchmarks/gpu_all.sh" in done.stdout  # the rerun, spelled out
-    assert json.loads(part_log(tmp_path, "strategy")[0])["box_s"] == 30  # told its time box
+    assert json.loads(part_log(tmp_path, "strategy")[0])["box_s"] == 40  # told its time box
     boxes = [int(line.split("time box ")[1].split(" ")[0]) for line in done.stdout.splitlines() if "time box" in line]
-    assert sum(boxes) <= 420  # the limit; with start-up and cache packing inside the 450 s default budget
-    assert "budget 450 s" in done.stdout.splitlines()[0]
+    assert sum(boxes) == 460  # with start-up (~15 s) inside the 500 s budget; cache packing after, within a 600 s call
+    assert "budget 500 s" in done.stdout.splitlines()[0]
     # one table: the machine facts first, then a row per part (its figure, or why it has none)
     rows = table(done.stdout)
     assert rows[0] == "| part | key number | target | pass/fail | outcome |"
@@ -183,7 +183,7 @@ def test_gpu_all_list_prints_each_parts_box_and_the_recipe_the_card_holds_withou
     memory = float(recipe.split(" GiB of ")[1].split(" GiB")[0])
     assert active >= 1.0 and memory == 80.0 and peak <= 0.92 * memory
     assert recipe.startswith("recipe, 16 blocks: 5.11B parameters, 1.24B active, sequence 8192 x batch 2")
-    assert lines[-1].startswith("boxes: 420 s of a 450 s budget")
+    assert lines[-1].startswith("boxes: 460 s of a 500 s budget")
     assert not (tmp_path / "out").exists()  # nothing run, nothing written
 
 
