@@ -231,19 +231,14 @@ class StageBlocks(nn.ModuleList):
         blocks = list(self._modules.values())
         return nn.ModuleList(blocks[idx]) if isinstance(idx, slice) else blocks[idx]
 
-    @property
-    def indices(self) -> list[int]:
-        """The blocks' indices in the whole model."""
-        return [int(key) for key in self._modules]
-
 
 class StageTransformer(MoETransformer):
     """A ``MoETransformer`` pruned to one stage (the class ``keep_stage`` gives it; the model's code is not
     edited). ``forward(x, batch_BS1)``: ``x`` is the batch on the first stage, else the previous stage's hidden
     states ``[b, S, D]``; ``batch_BS1`` the micro-batch's ``S + 1`` tokens (every stage reads them: the document
     mask on every stage, the targets and MTP's shifted embeddings on the last). Returns the hidden states, or on
-    the last stage the summed cross-entropy of each depth ``[1 + D]`` (the head's dtype): the main loss's, then each MTP
-    depth's while training."""
+    the last stage the summed cross-entropy of each depth ``[1 + D]`` (the head's dtype): the main loss's, then
+    each MTP depth's while training."""
 
     pipeline_stage: int
     pipeline_first: bool
@@ -294,7 +289,8 @@ def keep_stage(model: MoETransformer, stage: int, layout: PipelineLayout,
     the last when ``reads_embedding_last``), the final norm, head and MTP modules on the last. Run it before
     anything wraps the blocks (compile, FSDP, offload) so they see only this stage's."""
     if type(model) is not MoETransformer:
-        raise TypeError(f"keep_stage prunes a plain MoETransformer before it is parallelized; got {type(model).__name__}.")
+        raise TypeError("keep_stage prunes a plain MoETransformer before it is parallelized; got "
+                        f"{type(model).__name__}.")
     first, last = stage == 0, stage == layout.num_stages - 1
     model.layers = StageBlocks({i: model.layers[i] for i in layout.blocks_of(stage)})
     if not (first or last and reads_embedding_last(model.config)):
