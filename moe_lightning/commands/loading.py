@@ -19,6 +19,7 @@ import pickle
 import re
 import struct
 import zipfile
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -68,19 +69,22 @@ def stream_model_file(path: str | Path, config: dict, skeleton: dict[str, torch.
     """``write_model_file``'s format with one tensor in memory at a time. ``skeleton``: uninitialised tensors of the
     final shapes and dtypes (a tied head the embedding's own object), whose pages are never touched. They are saved
     with their bytes skipped (``torch.serialization.skip_data`` reserves each storage's record), then each record is
-    filled from ``read(name)`` (``os.pwrite``), at the offset the file itself gives (``_record_offsets``)."""
+    filled from ``read(name)`` (``os.pwrite``), at the offset the file itself gives (``_records``), and its CRC-32
+    (written at save time for the skipped bytes) set to the bytes written, so the zip checks as intact."""
     path = Path(path)
 
     def write(file) -> None:
         with torch.serialization.skip_data():
             torch.save(_payload(config, skeleton, tokenizer, stored_dtypes, hf_kept), file)
         file.flush()
-        for name, offset in _record_offsets(file, list(skeleton)).items():
+        for name, record in _records(file, list(skeleton)).items():
             tensor = read(name)
             if tensor.shape != skeleton[name].shape or tensor.dtype != skeleton[name].dtype:
                 raise ValueError(f"{name}: read {tuple(tensor.shape)} {tensor.dtype}, but the file reserved "
                                  f"{tuple(skeleton[name].shape)} {skeleton[name].dtype}.")
-            _write_at(file.fileno(), tensor, offset)
+            crc = struct.pack("<I", _write_at(file.fileno(), tensor, record.data_offset))
+            for crc_offset in record.crc_offsets:
+                os.pwrite(file.fileno(), crc, crc_offset)
             del tensor
     try:
         durable.write_with(path, write)
@@ -91,12 +95,14 @@ def stream_model_file(path: str | Path, config: dict, skeleton: dict[str, torch.
     return path
 
 
-def _write_at(fd: int, tensor: torch.Tensor, offset: int) -> None:
-    """``tensor``'s bytes at ``offset`` (``pwrite`` may write less than asked: about 2 GiB at most on Linux)."""
+def _write_at(fd: int, tensor: torch.Tensor, offset: int) -> int:
+    """Writes ``tensor``'s bytes at ``offset`` (``pwrite`` may write less than asked: about 2 GiB at most on Linux);
+    returns their CRC-32."""
     data = memoryview(tensor.contiguous().view(-1).view(torch.uint8).numpy())
     done = 0
     while done < len(data):
         done += os.pwrite(fd, data[done:], offset + done)
+    return zlib.crc32(data)
 
 
 class _StorageKeys(pickle.Unpickler):
@@ -116,22 +122,50 @@ class _StorageKeys(pickle.Unpickler):
         raise pickle.UnpicklingError(f"unexpected {module}.{name} in a file just written")
 
 
-def _record_offsets(file, names: list[str]) -> dict[str, int]:
-    """Where in ``file`` (a torch.save zip, flushed, readable) each name's storage bytes start, from the zip
+@dataclass(frozen=True)
+class _Record:
+    """Where a stored (uncompressed) zip record's bytes start, and where its CRC-32 is written: in its central
+    directory entry (byte 16) and in its local header (byte 14) or, when the header defers it (flag bit 3, as
+    torch's writer does), in the data descriptor after the bytes (after its optional ``PK\\x07\\x08``)."""
+    data_offset: int
+    crc_offsets: tuple[int, int]
+
+
+def _records(file, names: list[str]) -> dict[str, _Record]:
+    """Where in ``file`` (a torch.save zip, flushed, readable) each name's storage record lies, from the zip
     directory, the records' local headers and ``data.pkl`` (which record each tensor is); one name per storage."""
     archive = zipfile.ZipFile(file)
     pickled = next(i for i in archive.infolist() if i.filename.endswith("/data.pkl"))
     keys = _StorageKeys(io.BytesIO(archive.read(pickled))).load()["state_dict"]
-    starts = {}
+    central = _central_entries(file, archive.start_dir, len(archive.infolist()))
+    records = {}
     for info in archive.infolist():
         if match := re.fullmatch(r"[^/]+/data/(\d+)", info.filename):
             file.seek(info.header_offset)
-            name_length, extra_length = struct.unpack("<26x2H", file.read(30))
-            starts[match[1]] = info.header_offset + 30 + name_length + extra_length
+            flags, name_length, extra_length = struct.unpack("<6xH18x2H", file.read(30))
+            data_offset = info.header_offset + 30 + name_length + extra_length
+            local_crc = info.header_offset + 14
+            if flags & 0x08:
+                file.seek(local_crc := data_offset + info.file_size)
+                local_crc += 4 if file.read(4) == b"PK\x07\x08" else 0
+            records[match[1]] = _Record(data_offset, (local_crc, central[info.filename] + 16))
     first = {}
     for name in names:
         first.setdefault(keys[name], name)
-    return {name: starts[key] for key, name in first.items()}
+    return {name: records[key] for key, name in first.items()}
+
+
+def _central_entries(file, start: int, count: int) -> dict[str, int]:
+    """Each file name's central directory entry offset (46 fixed bytes, then name, extra field and comment)."""
+    entries, offset = {}, start
+    for _ in range(count):
+        file.seek(offset)
+        signature, name_length, extra_length, comment_length = struct.unpack("<4s24x3H12x", file.read(46))
+        if signature != b"PK\x01\x02":
+            raise ValueError(f"no zip central directory entry at byte {offset} of a file just written")
+        entries[file.read(name_length).decode()] = offset
+        offset += 46 + name_length + extra_length + comment_length
+    return entries
 
 
 @dataclass

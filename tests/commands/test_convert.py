@@ -5,10 +5,12 @@ dequantised to float32 (so converting back gives the release's blocks and scales
 import json
 import subprocess
 import sys
+import zipfile
 
 import pytest
 import torch
 
+from moe_lightning.checkpoint.commit import _verify_zip
 from moe_lightning.commands import main as commands
 from moe_lightning.commands.loading import pretrained_kept, stream_model_file
 from moe_lightning.hf import save_pretrained
@@ -87,6 +89,29 @@ def test_a_streamed_file_is_the_tensors_read_and_loads_as_torch_saves_it(tmp_pat
         assert bitwise_equal(loaded["state_dict"][name], tensor), name
     assert loaded["state_dict"]["tied"].data_ptr() == loaded["state_dict"]["a"].data_ptr()
     assert sorted(reads) == ["a", "bf16", "empty", "fp8"]  # each storage read once: the tied head is not read again
+
+
+def test_a_streamed_file_passes_its_crc_checks(tmp_path):
+    """The records filled after the save carry the CRC-32 of the bytes written, in the central directory and in the
+    data descriptor after the bytes (torch's writer defers the local header's CRC there) (was: the CRC of the
+    skipped bytes, so zipfile's testzip and the package's own checkpoint check called the file damaged)."""
+    values = {"a": torch.randn(300, 5), "bf16": torch.randn(7).bfloat16(), "empty": torch.empty(0, 4)}
+    skeleton = {name: torch.empty(t.shape, dtype=t.dtype) for name, t in values.items()}
+    path = stream_model_file(tmp_path / "m.pt", {"dim": 5}, skeleton, values.__getitem__, None)
+    raw = path.read_bytes()
+    with zipfile.ZipFile(path) as archive:
+        assert archive.testzip() is None  # reads each record, checking it against the central directory's CRC
+        for info in archive.infolist():
+            header = info.header_offset
+            if not info.flag_bits & 0x08:  # an empty record: the CRC (0) is in its local header
+                assert int.from_bytes(raw[header + 14:header + 18], "little") == info.CRC, info.filename
+                continue
+            lengths = int.from_bytes(raw[header + 26:header + 28], "little") + \
+                int.from_bytes(raw[header + 28:header + 30], "little")
+            descriptor = header + 30 + lengths + info.file_size
+            assert raw[descriptor:descriptor + 4] == b"PK\x07\x08", info.filename
+            assert int.from_bytes(raw[descriptor + 4:descriptor + 8], "little") == info.CRC, info.filename
+    _verify_zip(path)
 
 
 @pytest.fixture(scope="module")
