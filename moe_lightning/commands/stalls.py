@@ -5,7 +5,8 @@ prints the watchdog's report (``run/watchdog.py``) and, from the flight-recorder
 (``flight-recorder/rank_<N>``, written by each live rank before it exited, or by NCCL on its own timeout), each
 process group's last collective per rank: the ranks that never entered the collective the others are in, named
 with the mesh coordinates the report recorded. ``--hosts`` prints only the hosts to leave out of a relaunch,
-comma-separated (what ``configs/slurm.sbatch`` passes to ``scontrol``).
+comma-separated (what ``configs/slurm.sbatch`` passes to ``scontrol``); ``--since EPOCH`` reads only a report written
+after that time (the script's own job: its exit status alone misses a stall when srun's tasks die by signals).
 """
 
 import argparse
@@ -17,11 +18,13 @@ from moe_lightning.run.flight_recorder import FOLDER, PREFIX
 from moe_lightning.run.watchdog import REPORT_FILE, report_lines, where
 
 
-def newest_report(path: Path) -> Path | None:
+def newest_report(path: Path, since: float = 0.0) -> Path | None:
+    """``path`` itself, or the newest report below it; None when none was written after ``since`` (epoch s)."""
     if path.is_file():
-        return path
-    found = sorted(path.rglob(REPORT_FILE), key=lambda p: p.stat().st_mtime) if path.is_dir() else []
-    return found[-1] if found else None
+        found = [path]
+    else:
+        found = sorted(path.rglob(REPORT_FILE), key=lambda p: p.stat().st_mtime) if path.is_dir() else []
+    return found[-1] if found and found[-1].stat().st_mtime >= since else None
 
 
 def dump_folder(report: Path | None, path: Path) -> Path | None:
@@ -76,8 +79,10 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="moe-lightning stalls", description=__doc__.split("\n\n")[0])
     parser.add_argument("path", type=Path, help="a run folder, a folder above runs, or a stall-report.json")
     parser.add_argument("--hosts", action="store_true", help="print only the hosts to exclude, comma-separated")
+    parser.add_argument("--since", type=float, default=0.0, metavar="EPOCH",
+                        help="only a report written at or after this time (seconds since the epoch)")
     args = parser.parse_args(argv)
-    path = newest_report(args.path)
+    path = newest_report(args.path, args.since)
     report = json.loads(path.read_text()) if path is not None else None
     if args.hosts:
         print(",".join(report["exclude_hosts"]) if report else "")

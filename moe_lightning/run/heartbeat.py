@@ -39,6 +39,7 @@ class Heartbeat:
     def __init__(self, name_of: Callable[[object], str | None] | None = None):
         self.name_of = name_of
         self.step, self.phase, self.progress = 0, "start", 0
+        self.trained = False  # a first training batch has completed: only then is this rank judged
         self.collectives = 0  # sequence number of the last collective entered
         self.collective: tuple[str, str, int, str] | None = None  # (op, dimension, seq, "entered" | "finished")
 
@@ -46,6 +47,11 @@ class Heartbeat:
         if step is not None:
             self.step = step
         self.phase = phase
+        self.progress += 1
+
+    def batch_done(self) -> None:
+        """A training batch has completed (the first one may compile and start the data loader for long)."""
+        self.trained = True
         self.progress += 1
 
     def entered(self, op: str, group=None) -> None:
@@ -69,7 +75,7 @@ class Heartbeat:
     def snapshot(self) -> dict:
         """The fields the watchdog publishes (read from another thread: each is one atomic assignment)."""
         collective = self.collective
-        return {"step": self.step, "phase": self.phase, "progress": self.progress,
+        return {"step": self.step, "phase": self.phase, "progress": self.progress, "trained": self.trained,
                 "collective": None if collective is None else dict(zip(("op", "dim", "seq", "state"), collective))}
 
 

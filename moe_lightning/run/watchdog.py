@@ -72,6 +72,23 @@ def store_host_rank() -> int | None:
     return None if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true" else 0
 
 
+def store_closed(error: BaseException) -> bool:
+    """The store's host process has exited (its socket closed: broken pipe, reset, refused), as opposed to one
+    that is stopped (a call that never returns: ``TimeoutError``) or a bug here (any other exception)."""
+    import torch.distributed as dist
+
+    if isinstance(error, TimeoutError):
+        return False
+    return isinstance(error, (ConnectionError, dist.DistNetworkError)) and "timed out" not in str(error)
+
+
+def store_failed(error: BaseException) -> bool:
+    """A store call failed for the store's sake (no answer, a closed or broken connection), not for a bug here."""
+    import torch.distributed as dist
+
+    return isinstance(error, (TimeoutError, ConnectionError, dist.DistError))
+
+
 def side_store(timeout_s: float):
     """A client of the default process group's rendezvous store of its own, whose operations give up after
     ``timeout_s`` (the training thread's client waits as long as the process group's timeout)."""
@@ -120,6 +137,15 @@ class Judge:
         self.timeout_s = timeout_s
         self.tick_s = tick_s if tick_s is not None else poll_interval(timeout_s)  # a live rank ticks this often
         self.seen = {rank: Seen(None, now, now) for rank in range(world_size)}
+        self.looked_at = now
+
+    def look(self, now: float) -> None:
+        """Called once per poll, before ``observe``: a gap of several polls in this watcher's own loop (the host
+        was suspended, or this process was stopped) says nothing of the others, so their clocks restart now."""
+        if now - self.looked_at > 3 * self.tick_s:
+            for seen in self.seen.values():
+                seen.alive_at = seen.progress_at = now
+        self.looked_at = now
 
     def observe(self, rank: int, record: dict, now: float) -> None:
         seen, previous = self.seen[rank], self.seen[rank].record
@@ -131,20 +157,27 @@ class Judge:
 
     def verdict(self, now: float) -> Verdict | None:
         records = [s.record for s in self.seen.values()]
-        if any(r is not None and r.get("stopped") for r in records):
+        if any(r is not None and r.get("stopped") and not r.get("failed") for r in records):
             return None  # a rank has finished its fit: the others are tearing down too
-        if all(r is None or r["phase"] == "start" for r in records):
-            return None  # nobody trains yet: building a model or loading a checkpoint takes what it takes
-        silent = [rank for rank, s in self.seen.items() if now - s.alive_at >= self.timeout_s]
+        if not all(r is not None and r.get("trained") for r in records):
+            return None  # a rank has not completed its first batch (a compile, the data loader's start-up)
+        failed = [rank for rank, s in self.seen.items() if s.record.get("failed")]
+        live = {rank: s for rank, s in self.seen.items() if rank not in failed}
+        if not live:
+            return None
+        silent = [rank for rank, s in live.items() if now - s.alive_at >= self.timeout_s]
         if silent:
             stalled = [(rank, self.why(rank, now)) for rank in silent]
-            return Verdict(stalled, [r for r in self.seen if r not in silent], self.seen, now)
-        if any(now - s.progress_at < self.timeout_s for s in self.seen.values()):
+            return Verdict(stalled, [r for r in live if r not in silent], self.seen, now)
+        if any(now - s.progress_at < self.timeout_s for s in live.values()):
             return None
-        frozen = [rank for rank, s in self.seen.items() if now - s.alive_at > 3 * self.tick_s]
-        ahead = max(position(s.record) for s in self.seen.values())
-        behind = frozen or [rank for rank, s in self.seen.items() if position(s.record) < ahead]
-        return Verdict([(rank, self.why(rank, now)) for rank in behind], [r for r in self.seen if r not in behind],
+        if failed:  # the others wait for a rank whose fit raised
+            return Verdict([(rank, "its fit raised an exception (see its log)") for rank in failed], list(live),
+                           self.seen, now)
+        frozen = [rank for rank, s in live.items() if now - s.alive_at > 3 * self.tick_s]
+        ahead = max(position(s.record) for s in live.values())
+        behind = frozen or [rank for rank, s in live.items() if position(s.record) < ahead]
+        return Verdict([(rank, self.why(rank, now)) for rank in behind], [r for r in live if r not in behind],
                        self.seen, now)
 
     def why(self, rank: int, now: float) -> str:
@@ -266,6 +299,8 @@ class RankWatchdog:
         self.report_dir, self.spawned_child, self.exit = report_dir, spawned_child, exit
         self.store, self.prefix = store, f"{PREFIX}/{generation}"
         self.tick = 0
+        self.started_at = time.time()  # a report written since then is this fit's and is never overwritten
+        self._bug_logged = False
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.judge: Judge | None = None
@@ -273,9 +308,9 @@ class RankWatchdog:
     def key(self, name: str) -> str:
         return f"{self.prefix}/{name}"
 
-    def record(self, stopped: bool = False) -> bytes:
+    def record(self, stopped: bool = False, failed: bool = False) -> bytes:
         return json.dumps({"rank": self.rank, **self.identity, **self.heartbeat.snapshot(), "tick": self.tick,
-                           "stopped": stopped}).encode()
+                           "stopped": stopped, "failed": failed}).encode()
 
     def start(self) -> "RankWatchdog":
         if self.store is None:
@@ -287,17 +322,27 @@ class RankWatchdog:
         self._thread.start()
         return self
 
-    def stop(self) -> None:
-        """This rank's fit has ended: the others stop judging (a rank that has finished is not stalled)."""
+    def stop(self, failed: bool = False) -> None:
+        """This rank's fit has ended: the others stop judging (a rank that has finished is not stalled), or, when
+        it ``failed`` (raised), judge the others on. A rank that fails because a verdict ended another (a collective
+        broken by a rank that exited) exits with ``EXIT_STALLED`` here: under srun its status is the job's."""
         if self._thread is None:
             return
         self._stop.set()
         self._thread.join()
         self._thread = None
         try:
-            self._io(lambda: self.store.set(self.key(f"rank/{self.rank}"), self.record(stopped=True)))
+            self._io(lambda: self.store.set(self.key(f"rank/{self.rank}"), self.record(stopped=True, failed=failed)))
+            summary = self._io(self._stored_verdict)
         except Exception:  # the store's host has gone: nobody is left to judge
-            pass
+            return
+        if summary is not None:
+            self._follow(summary)
+
+    def _stored_verdict(self) -> dict | None:
+        if self.store.check([self.key("verdict")]):
+            return json.loads(self.store.get(self.key("verdict")))
+        return None
 
     def publish_report_dir(self, folder: Path) -> None:
         self._io(lambda: self.store.set(self.key("report_dir"), str(folder)))
@@ -330,8 +375,11 @@ class RankWatchdog:
         """Publish as soon as the training thread has progressed (at most every ``publish_s``) and every
         ``poll_s`` regardless (the tick); every ``poll_s`` look for a verdict and, on a watcher, judge."""
         unreachable_since, published, next_poll = None, None, time.monotonic() + self.poll_s
+        progress_seen, progressed_at = None, time.monotonic()
         while not self._stop.wait(self.publish_s):
             now, progress = time.monotonic(), self.heartbeat.progress
+            if progress != progress_seen:
+                progress_seen, progressed_at = progress, now
             polling = now >= next_poll
             if progress == published and not polling:
                 continue
@@ -343,30 +391,57 @@ class RankWatchdog:
                     next_poll = now + self.poll_s
                 if summary is not None:
                     return self._follow(summary)
-            except Exception as error:  # the store does not answer (its host stopped) or fails
-                unreachable_since = unreachable_since or now
+            except Exception as error:
+                if not store_failed(error):  # a bug here: a healthy job goes on, unwatched by this rank's judge
+                    self._log_bug(error)
+                    continue
+                if store_closed(error) and self.heartbeat.trained and now - progressed_at >= self.timeout_s / 2:
+                    return self._reporter_exited(error)
+                unreachable_since = unreachable_since or now  # the store does not answer (its host stopped)
                 if now - unreachable_since >= self.timeout_s:
                     return self._store_lost(error, now)
                 continue
             if verdict is not None:
                 return self._report(verdict)
 
+    def _log_bug(self, error: Exception) -> None:
+        if not self._bug_logged:
+            say(f"[rank {self.rank}] stall watchdog: unexpected {type(error).__name__}: {error} (a bug, not a stall: "
+                f"training goes on; this rank keeps publishing)")
+            self._bug_logged = True
+
+    def _reporter_exited(self, error: Exception) -> None:
+        """The store closed while this rank has waited long enough for a verdict to be possible: the rank that
+        hosts it reported a stall and exited before this one read the verdict (a healthy store host that exits
+        has finished its fit, which a rank still idle inside its fit cannot have seen)."""
+        say(f"[rank {self.rank}] stall: the rendezvous store ({self._store_address()}) closed ({error}) while this "
+            f"rank waited: its host reported a stall and exited; exiting with status {EXIT_STALLED}")
+        self._end([])
+
     def _exchange(self, polling: bool, now: float) -> tuple[dict | None, Verdict | None]:
         """Publish this rank's record; when polling, the verdict stored by another rank, or this watcher's own."""
         self.store.set(self.key(f"rank/{self.rank}"), self.record())
         if not polling:
             return None, None
-        if self.store.check([self.key("verdict")]):
-            return json.loads(self.store.get(self.key("verdict"))), None
+        summary = self._stored_verdict()
+        if summary is not None:
+            self.store.add(self.key("acks"), 1)  # the reporter waits (bounded) for these before it exits
+            return summary, None
         return None, self._read_and_judge(now)
 
     def _read_and_judge(self, now: float) -> Verdict | None:
         if self.judge is None:
             return None
-        for rank in range(self.world_size):
-            key = self.key(f"rank/{rank}")
-            if self.judge.seen[rank].record is not None or self.store.check([key]):
-                self.judge.observe(rank, json.loads(self.store.get(key)), now)
+        self.judge.look(now)
+        keys = [self.key(f"rank/{rank}") for rank in range(self.world_size)]
+        multi_get = getattr(self.store, "multi_get", None)
+        if multi_get is not None and all(s.record is not None for s in self.judge.seen.values()):
+            values = dict(enumerate(multi_get(keys)))  # one round trip; every key exists (a get waits for one)
+        else:
+            values = {rank: self.store.get(key) for rank, key in enumerate(keys)
+                      if self.judge.seen[rank].record is not None or self.store.check([key])}
+        for rank, value in values.items():
+            self.judge.observe(rank, json.loads(bytes(value)), now)
         return self.judge.verdict(now)
 
     def _report(self, verdict: Verdict) -> None:
@@ -377,7 +452,7 @@ class RankWatchdog:
             current = summary
         if bytes(current) != summary:  # another watcher's report came first
             return self._follow(json.loads(current))
-        self._say_and_exit(verdict, self._report_dir())
+        self._say_and_exit(verdict, self._report_dir(), acks=len(verdict.waiting) - 1)
 
     def _report_dir(self) -> Path | None:
         try:
@@ -401,11 +476,25 @@ class RankWatchdog:
     def _store_address(self) -> str:
         return f"{getattr(self.store, 'host', '?')}:{getattr(self.store, 'port', '?')}"
 
-    def _say_and_exit(self, verdict: Verdict, folder: Path | None) -> None:
+    def _wait_for_acks(self, expected: int) -> None:
+        """Until ``expected`` other ranks have read the verdict, or ``2 * poll_s`` and a store call: the store's
+        host must outlive their reads, else they wait a whole timeout and name it (bounded: some may be stopped)."""
+        deadline = time.monotonic() + 2 * self.poll_s + self.io_timeout_s
+        while expected > 0 and time.monotonic() < deadline:
+            try:
+                if self._io(lambda: self.store.add(self.key("acks"), 0)) >= expected:
+                    return
+            except Exception:
+                return
+            time.sleep(min(0.1, self.poll_s / 4))
+
+    def _say_and_exit(self, verdict: Verdict, folder: Path | None, acks: int = 0) -> None:
         report = report_json(verdict, self.timeout_s, self.rank)
         lines = report_lines(report)
-        if folder is not None:
-            path = Path(folder) / REPORT_FILE
+        path = Path(folder) / REPORT_FILE if folder is not None else None
+        if path is not None and path.exists() and path.stat().st_mtime >= self.started_at:
+            lines.append(f"kept the report already written in this fit: {path}")  # the first verdict is the true one
+        elif path is not None:
             try:
                 path.parent.mkdir(parents=True, exist_ok=True)
                 path.with_suffix(".tmp").write_text(json.dumps(report, indent=1))
@@ -414,6 +503,7 @@ class RankWatchdog:
             except OSError as error:
                 lines.append(f"could not write {path}: {error}")
         say("\n".join(lines))
+        self._wait_for_acks(acks)
         self._end([verdict.seen[r].record for r, _ in verdict.stalled])
 
     def _follow(self, summary: dict) -> None:

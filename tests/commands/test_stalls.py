@@ -87,22 +87,55 @@ def test_stalls_reads_real_gloo_dumps(tmp_path, capsys):
     assert "  mesh_shard: rank 0: gloo:all_reduce #3" in out and "  BEHIND mesh_shard: rank 1: gloo:all_reduce #2" in out
 
 
-def test_the_slurm_script_requeues_a_stalled_job_without_the_named_host(tmp_path):
-    """srun (a stand-in) exits 69; the script asks `moe-lightning stalls --hosts` (the real one) and calls
-    `scontrol update ... ExcNodeList=` and `scontrol requeue` (a stand-in recording its arguments), and exits 69."""
-    run_folder(tmp_path)
+def run_sbatch(tmp_path: Path, srun: str, **env_extra: str) -> tuple[subprocess.CompletedProcess, list[str]]:
+    """configs/slurm.sbatch with stand-ins for ``srun`` (its body ``srun``) and ``scontrol`` (records its arguments)
+    and the real ``moe-lightning stalls``; returns the result and scontrol's calls."""
     bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    stand_ins = {"srun": "exit 69", "scontrol": f'echo "$@" >> {tmp_path / "scontrol.args"}',
+    bin_dir.mkdir(exist_ok=True)
+    stand_ins = {"srun": srun, "scontrol": f'echo "$@" >> {tmp_path / "scontrol.args"}',
                  "moe-lightning": f'[ "$1" = plan ] && exit 0; exec python -m moe_lightning "$@"'}
     for name, body in stand_ins.items():
         (bin_dir / name).write_text(f"#!/bin/sh\n{body}\n")
         (bin_dir / name).chmod(0o755)
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "PYTHONPATH": str(REPO_ROOT),
            "LOGS": str(tmp_path / "logs"), "SLURM_JOB_ID": "4242", "SLURM_JOB_NUM_NODES": "2",
-           "SLURM_NTASKS_PER_NODE": "4", "SLURM_CPUS_PER_TASK": "1"}
+           "SLURM_NTASKS_PER_NODE": "4", "SLURM_CPUS_PER_TASK": "1", **env_extra}
     result = subprocess.run(["bash", str(REPO_ROOT / "configs" / "slurm.sbatch")], cwd=tmp_path, env=env,
                             capture_output=True, text=True, timeout=120)
+    calls = tmp_path / "scontrol.args"
+    return result, calls.read_text().splitlines() if calls.exists() else []
+
+
+def test_the_slurm_script_requeues_a_stalled_job_without_the_named_host(tmp_path):
+    """The stalled task died by a signal (137), so srun's status is not 69: the report written during the job
+    decides. Before: only status 69 requeued."""
+    report = run_folder(tmp_path) / "stall-report.json"
+    result, calls = run_sbatch(tmp_path, f"sleep 1; touch {report}; exit 137")
     assert result.returncode == EXIT_STALLED, result.stderr
-    assert (tmp_path / "scontrol.args").read_text().splitlines() == ["update JobId=4242 ExcNodeList=gpu017",
-                                                                     "requeue 4242"]
+    assert calls == ["update JobId=4242 ExcNodeList=gpu017", "requeue 4242"]
+
+
+def test_the_slurm_script_ignores_an_old_report_and_one_that_names_no_host(tmp_path):
+    """Before: status 69 with an empty exclude list requeued onto the same hosts, without end."""
+    report = run_folder(tmp_path) / "stall-report.json"
+    os.utime(report, (1, 1))  # an earlier job's report
+    result, calls = run_sbatch(tmp_path, "exit 1")
+    assert result.returncode == 1 and calls == []
+    report.write_text(json.dumps({**REPORT, "stalled": [], "exclude_hosts": []}))
+    result, calls = run_sbatch(tmp_path, "exit 69")
+    assert result.returncode == EXIT_STALLED and calls == []
+
+
+def test_the_slurm_script_stops_requeueing_after_max_stall_requeues(tmp_path):
+    report = run_folder(tmp_path) / "stall-report.json"
+    result, calls = run_sbatch(tmp_path, f"sleep 1; touch {report}; exit 69", SLURM_RESTART_COUNT="3")
+    assert result.returncode == EXIT_STALLED and calls == []
+    assert "requeued 3 times already (MAX_STALL_REQUEUES): not again" in result.stderr
+
+
+def test_stalls_since_reads_only_a_report_written_after_it(tmp_path, capsys):
+    report = run_folder(tmp_path) / "stall-report.json"
+    os.utime(report, (1000, 1000))
+    run(["stalls", "--hosts", "--since", "1001", str(tmp_path / "logs")])
+    run(["stalls", "--hosts", "--since", "1000", str(tmp_path / "logs")])
+    assert capsys.readouterr().out == "\ngpu017\n"

@@ -16,7 +16,7 @@ from moe_lightning.run.watchdog import REPORT_FILE, Judge, RankWatchdog, check_s
 
 def record(rank, tick, progress, step=3, phase="forward", collective=None, **extra):
     return {"rank": rank, "host": f"node{rank}", "pid": 100 + rank, "tick": tick, "progress": progress,
-            "step": step, "phase": phase, "collective": collective, "stopped": False,
+            "step": step, "phase": phase, "collective": collective, "stopped": False, "trained": True,
             "coordinates": {"replicate": 0, "shard": rank, "expert": rank % 2}, **extra}
 
 
@@ -92,18 +92,18 @@ def test_every_rank_waiting_in_the_same_collective_is_a_stall_with_nobody_behind
     assert any("no rank is behind" in line for line in report_lines(report_json(verdict, 10, 0)))
 
 
-def test_nothing_is_judged_before_training_starts_or_after_a_rank_finished():
+def test_nothing_is_judged_before_every_rank_completed_a_batch_or_after_a_rank_finished():
+    """Before: judging began at on_train_start, so a first step's compile longer than the timeout was a stall."""
     judge = Judge(2, timeout_s=5, now=0)
-    judge.observe(0, record(0, tick=0, progress=0, phase="start"), now=0)
+    judge.observe(0, record(0, tick=0, progress=0, phase="start", trained=False), now=0)
     assert judge.verdict(now=100) is None  # the model is being built: no rank trains yet
-    judge.observe(0, record(0, tick=1, progress=1, stopped=True), now=100)
-    assert judge.verdict(now=200) is None  # rank 0's fit ended; rank 1 never reported
-    judge = Judge(2, timeout_s=5, now=0)
-    judge.observe(0, record(0, tick=1, progress=1), now=1)
-    for t in range(2, 7):
-        judge.observe(0, record(0, tick=t, progress=1), now=t)
-    verdict = judge.verdict(now=6)
-    assert verdict.stalled == [(1, "never reported")]
+    for t in range(0, 100):  # rank 1 compiles its first step for 100 s, ticking; rank 0 waits in a collective
+        judge.observe(0, record(0, tick=t, progress=3, phase="forward", trained=False), now=t)
+        judge.observe(1, record(1, tick=t, progress=2, phase="forward", trained=False), now=t)
+    assert judge.verdict(now=99) is None
+    judge.observe(0, record(0, tick=100, progress=9), now=100)
+    judge.observe(1, record(1, tick=100, progress=9, stopped=True), now=100)
+    assert judge.verdict(now=200) is None  # rank 1's fit ended: the other one tears down too
 
 
 def test_watchers_are_few():
@@ -135,6 +135,7 @@ def test_the_thread_reports_a_frozen_peer_writes_json_and_every_live_rank_exits(
     dogs = [RankWatchdog(beats[r], r, 3, timeout_s=1.0, identity={"coordinates": {"shard": r}}, store=store,
                           exit=exits[r], report_dir=tmp_path) for r in range(3)]
     for beat in beats:
+        beat.batch_done()
         beat.enter("forward", step=3)
     frozen = dogs[2]
     frozen.start()
@@ -164,6 +165,7 @@ def test_a_lost_store_names_the_rank_that_serves_it_from_the_last_records(tmp_pa
     beat, exits = Heartbeat(), Exits()
     dog = RankWatchdog(beat, 1, 2, timeout_s=0.5, store=dist.HashStore(), exit=exits, report_dir=tmp_path)
     dog.store.set(dog.key("rank/0"), json.dumps(record(0, tick=1, progress=1)).encode())
+    beat.batch_done()
     beat.enter("forward", step=3)
     dog.start()
     dog.judge.observe(0, record(0, tick=1, progress=1), now=0)
@@ -194,3 +196,147 @@ def test_a_rank_still_saving_is_behind_one_that_saved_and_went_on():
         judge.observe(1, record(1, tick=t, progress=7, step=5, phase="checkpoint"), now=t)
     verdict = judge.verdict(now=11)
     assert [rank for rank, _ in verdict.stalled] == [1] and verdict.waiting == [0]
+
+
+def test_a_watcher_that_was_suspended_restarts_its_clocks_rather_than_naming_everyone():
+    """The watcher's own loop stopped for 70 s (the host suspended); the first records it reads after are the old
+    ones. Before: every rank was silent for 70 s, so all were named."""
+    judge = Judge(2, timeout_s=30, now=0, tick_s=3)
+    for t in range(0, 10, 3):
+        judge.look(t)
+        for rank in (0, 1):
+            judge.observe(rank, record(rank, tick=t, progress=t), now=t)
+    judge.look(80)
+    for rank in (0, 1):
+        judge.observe(rank, record(rank, tick=9, progress=9), now=80)
+    assert judge.verdict(now=80) is None
+    judge.look(83)
+    judge.observe(0, record(0, tick=83, progress=83), now=83)  # rank 1 really is frozen: named a timeout later
+    judge.observe(1, record(1, tick=9, progress=9), now=83)
+    assert judge.verdict(now=109) is None
+    for t in range(86, 111, 3):
+        judge.look(t)
+        judge.observe(0, record(0, tick=t, progress=t), now=t)
+    assert [rank for rank, _ in judge.verdict(now=110).stalled] == [1]
+
+
+def test_a_rank_whose_fit_raised_is_named_once_the_others_wait_and_does_not_stop_judging():
+    """Before: a raising rank published stopped=True, which stopped every judgement (the others then hung)."""
+    judge = Judge(3, timeout_s=10, now=0, tick_s=1)
+    judge.observe(2, record(2, tick=1, progress=4, stopped=True, failed=True), now=0)
+    for t in range(0, 12):
+        judge.observe(0, record(0, tick=t, progress=min(t, 5)), now=t)
+        judge.observe(1, record(1, tick=t, progress=7 if t < 5 else 8), now=t)
+        assert judge.verdict(now=t) is None  # rank 1 progressed at t=5: not yet idle for 10 s
+    for t in range(12, 16):
+        judge.observe(0, record(0, tick=t, progress=5), now=t)
+        judge.observe(1, record(1, tick=t, progress=8), now=t)
+    verdict = judge.verdict(now=15)
+    assert verdict.stalled == [(2, "its fit raised an exception (see its log)")] and verdict.waiting == [0, 1]
+    judge.observe(0, record(0, tick=16, progress=5, stopped=True, failed=True), now=16)
+    judge.observe(1, record(1, tick=16, progress=8, stopped=True, failed=True), now=16)
+    assert judge.verdict(now=30) is None  # every rank raised: nobody is left to wait
+
+
+class BuggyStore(dist.HashStore):
+    """A store whose reads hit a bug of the watchdog's own (not the store's failure)."""
+
+    def get(self, key):
+        raise KeyError(key)
+
+    def multi_get(self, keys):
+        raise KeyError(keys[0])
+
+
+def test_a_bug_in_the_watchdog_is_logged_once_and_never_ends_a_healthy_job(capfd):
+    """Before: every exception counted as a lost store: after the timeout, rank 0 was named and the job ended."""
+    beat, exits = Heartbeat(), Exits()
+    dog = RankWatchdog(beat, 0, 2, timeout_s=0.3, store=BuggyStore(), exit=exits)
+    beat.batch_done()
+    dog.start()
+    assert not exits.done.wait(3)  # ten timeouts
+    dog.stop()
+    assert exits.codes == []
+    assert capfd.readouterr().err.count("stall watchdog: unexpected KeyError") == 1
+
+
+class ClosedStore:
+    """The store after its host (rank 0, the reporter) exited: every call fails at once, as a TCPStore client's
+    does on a closed socket (measured here: ``DistNetworkError('Broken pipe')``)."""
+
+    host, port = "node0", 29500
+
+    def __getattr__(self, name):
+        def closed(*args, **kwargs):
+            raise dist.DistNetworkError("Broken pipe")
+        return closed
+
+
+def test_a_follower_that_finds_the_store_closed_exits_at_once_and_keeps_the_true_report(tmp_path, capfd):
+    """Rank 0 reported rank 2 and exited with the store before rank 1 read the verdict. Before: rank 1 waited a
+    whole timeout, then named the healthy rank 0 and overwrote rank 0's report."""
+    (tmp_path / REPORT_FILE).write_text(json.dumps({"stalled": [{"rank": 2}]}))
+    beat, exits = Heartbeat(), Exits()
+    dog = RankWatchdog(beat, 1, 3, timeout_s=2.0, store=dist.HashStore(), exit=exits, report_dir=tmp_path)
+    dog.started_at -= 10  # the report above was written during this fit
+    beat.batch_done()
+    dog.start()
+    dog.store = ClosedStore()
+    assert exits.done.wait(10) and exits.codes == [EXIT_STALLED]
+    err = capfd.readouterr().err
+    assert "closed (Broken pipe) while this rank waited: its host reported a stall" in err
+    assert "STALLED rank 0" not in err
+    assert json.loads((tmp_path / REPORT_FILE).read_text())["stalled"] == [{"rank": 2}]
+
+
+def test_a_second_report_in_one_fit_keeps_the_first(tmp_path, capfd):
+    judge = Judge(2, timeout_s=5, now=0)
+    for t in range(0, 7):
+        judge.observe(0, record(0, tick=t, progress=1), now=t)
+        judge.observe(1, record(1, tick=0, progress=1), now=t)
+    dog = RankWatchdog(Heartbeat(), 0, 2, timeout_s=5, store=dist.HashStore(), exit=Exits(), report_dir=tmp_path)
+    (tmp_path / REPORT_FILE).write_text("{}")  # another rank's, written during this fit
+    dog._say_and_exit(judge.verdict(now=6), tmp_path)
+    assert (tmp_path / REPORT_FILE).read_text() == "{}"
+    assert f"kept the report already written in this fit: {tmp_path / REPORT_FILE}" in capfd.readouterr().err
+
+
+def test_a_rank_whose_fit_ends_after_a_stored_verdict_exits_stalled():
+    """Under srun the live ranks' fits often raise (a collective broken by a rank that exited) before their
+    watchdog reads the verdict; the callback's stop path then reads it. Before: such a rank exited 1."""
+    store, exits = dist.HashStore(), Exits()
+    dog = RankWatchdog(Heartbeat(), 1, 2, timeout_s=30, store=store, exit=exits).start()
+    store.set(dog.key("verdict"), json.dumps({"by": 0, "stalled": [3]}).encode())
+    dog.stop(failed=True)
+    assert exits.codes == [EXIT_STALLED]
+    assert json.loads(store.get(dog.key("rank/1")))["failed"] is True
+    quiet = RankWatchdog(Heartbeat(), 0, 2, timeout_s=30, store=dist.HashStore(), exit=exits).start()
+    quiet.stop()
+    assert exits.codes == [EXIT_STALLED]  # no verdict: a normal end exits nothing
+
+
+class CountingStore(dist.HashStore):
+    def __init__(self):
+        super().__init__()
+        self.calls = {"get": 0, "multi_get": 0}
+
+    def get(self, key):
+        self.calls["get"] += 1
+        return super().get(key)
+
+    def multi_get(self, keys):
+        self.calls["multi_get"] += 1
+        return super().multi_get(keys)
+
+
+def test_a_watcher_reads_every_record_with_one_multi_get_once_all_have_published():
+    store = CountingStore()
+    dog = RankWatchdog(Heartbeat(), 0, 4, timeout_s=30, store=store, exit=Exits())
+    dog.judge = Judge(4, 30, now=0)
+    for rank in range(4):
+        store.set(dog.key(f"rank/{rank}"), json.dumps(record(rank, tick=1, progress=1)).encode())
+    dog._read_and_judge(now=0)  # the first read: each key checked and read alone (a missing key would block)
+    store.calls.update(get=0, multi_get=0)
+    dog._read_and_judge(now=1)
+    assert store.calls == {"get": 0, "multi_get": 1}
+    assert dog.judge.seen[3].record["rank"] == 3

@@ -2,8 +2,9 @@
 
 The hooks only assign the phase and step (``run/heartbeat.py``); the thread (``run/watchdog.py``) publishes them
 through the rendezvous store, judges and ends the job with ``EXIT_STALLED`` when a rank stops making progress for
-``timeout_s``. It watches from the first training batch (building the model or loading a checkpoint is not judged)
-until the fit ends, on every rank of a job of two or more processes.
+``timeout_s``. It watches from the end of every rank's first training batch (building the model, loading a
+checkpoint, a first step's compile and the data loader's start-up are not judged) until the fit's teardown (the
+final save is watched), on every rank of a job of two or more processes.
 """
 
 from collections.abc import Callable
@@ -14,7 +15,7 @@ from lightning.pytorch.callbacks import Callback
 
 from moe_lightning.parallel import mesh
 from moe_lightning.run import heartbeat as heartbeats
-from moe_lightning.run.exits import EXIT_STALLED
+from moe_lightning.run.exits import EXIT_STALLED, Preempted
 from moe_lightning.run.heartbeat import Heartbeat
 from moe_lightning.run.watchdog import DEFAULT_STALL_TIMEOUT_S, RankWatchdog, check_stall_timeout
 from moe_lightning.training.callbacks.preemption import exit_status
@@ -81,6 +82,8 @@ class StallWatchdog(Callback):
         self._enter("optimizer")
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if self.heartbeat is not None:
+            self.heartbeat.batch_done()
         self._enter("data", trainer.global_step)  # the next batch is fetched next
 
     def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:
@@ -92,17 +95,14 @@ class StallWatchdog(Callback):
     def on_validation_end(self, trainer, pl_module) -> None:
         self._enter("data")
 
-    def _stop(self) -> None:
+    def _stop(self, failed: bool = False) -> None:
         if self.watchdog is not None:
-            self.watchdog.stop()
+            self.watchdog.stop(failed=failed)  # exits with EXIT_STALLED when another rank's verdict is stored
             heartbeats.activate(None)
             self.watchdog = self.heartbeat = None
 
-    def on_train_end(self, trainer, pl_module) -> None:
-        self._stop()
-
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
-        self._stop()
+        self._stop(failed=not isinstance(exception, Preempted))  # a preempted rank has saved and ends on purpose
 
     def teardown(self, trainer, pl_module, stage: str) -> None:
         self._stop()
