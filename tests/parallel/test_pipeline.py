@@ -270,3 +270,18 @@ def test_a_two_stage_checkpoint_resumes_at_one_stage_with_the_same_losses(tmp_pa
     with pytest.raises(RuntimeError, match="written without pipeline stages.*resume it at pipeline_parallel_size=1"):
         _fit(tmp_path, "refused", "--pp", "2", "--microbatches", "2", "--batch", "8", "--steps", "5",
              "--ckpt", str(tmp_path / "pp1" / "step=3.ckpt"))
+
+
+def test_fsdp_units_of_a_stage_keep_the_models_block_names_and_skip_what_it_lacks():
+    """The FSDP units (parallel/units.py, what plan prices and fsdp.py shards) of a middle and a last stage: the
+    blocks under their own indices, each owning its parameters, and no embedding or head unit where there is none."""
+    from moe_lightning.parallel.units import fsdp_units
+    config = MoEConfig(**SHAPE)
+    layout = resolve_pipeline(config, 3)
+    for stage in (1, 2):
+        part = keep_stage(_build(config).model, stage, layout)
+        units = {u.name: u for u in fsdp_units(part, expert_parallel=False)}
+        blocks = [f"layers.{i}" for i in layout.blocks_of(stage)]
+        assert [n for n in units if n.startswith("layers.")] == blocks
+        assert all(units[n].numel > 0 for n in blocks)
+        assert "tok_embeddings" not in units and ("output" in units) == (stage == 2)
