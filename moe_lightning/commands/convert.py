@@ -64,7 +64,7 @@ def hf_to_file(src: str | Path, out: str | Path, dtype: torch.dtype | None = Non
         skeleton["output.weight"] = skeleton["tok_embeddings.weight"]
     return stream_model_file(out, dataclasses.asdict(opened.config), skeleton,
                              lambda name: refuse_non_finite(opened.read(name), name), None, opened.widened,
-                             kept_keys(opened.hf))
+                             kept_keys(opened.hf, src))
 
 
 def _hf_options(parser: argparse.ArgumentParser) -> None:

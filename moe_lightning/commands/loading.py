@@ -220,7 +220,7 @@ def pretrained_kept(metadata: dict) -> dict | None:
     pretrained = (metadata.get("hyper_parameters") or {}).get("pretrained")
     if not pretrained or not (Path(pretrained) / "config.json").is_file():
         return None
-    return kept_keys(read_config(pretrained))
+    return kept_keys(read_config(pretrained), pretrained)
 
 
 def tokenizer_spec(checkpoint: str | Path) -> dict | None:

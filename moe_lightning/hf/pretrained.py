@@ -157,14 +157,47 @@ def fill_state_dict(state: dict[str, torch.Tensor], path: str | Path) -> None:
 
 
 # config.json keys a family's ``config_to_hf`` does not write but a release relies on: a Kimi K2 folder is
-# ``model_type: kimi_k2`` with ``auto_map`` naming its code, read as DeepseekV3ForCausalLM. Kept on export.
+# ``model_type: kimi_k2`` with ``auto_map`` naming its code, read as DeepseekV3ForCausalLM. Kept on export only with
+# that code beside them: without it transformers refuses ``kimi_k2`` but reads the family's own ``deepseek_v3``.
 KEPT_KEYS = ("model_type", "auto_map")
 
 
-def kept_keys(hf: dict) -> dict:
-    """What an export of a model loaded from ``hf`` (config.json) keeps of it: ``KEPT_KEYS`` and the architecture
-    they belong with (``write_pretrained`` applies them only to that architecture)."""
-    return {"architectures": hf.get("architectures"), **{k: hf[k] for k in KEPT_KEYS if k in hf}}
+def kept_keys(hf: dict, folder: str | Path | None = None) -> dict:
+    """What an export of a model loaded from ``hf`` (config.json of ``folder``) keeps of it: ``KEPT_KEYS``, the
+    architecture they belong with (``write_pretrained`` applies them only to that architecture) and, when ``auto_map``
+    names code, the text of the folder's top-level ``.py`` files as ``code`` (read as text, never imported)."""
+    kept = {"architectures": hf.get("architectures"), **{k: hf[k] for k in KEPT_KEYS if k in hf}}
+    if "auto_map" in hf and folder is not None:
+        kept["code"] = {file.name: file.read_text() for file in sorted(Path(folder).glob("*.py")) if file.is_file()}
+    return kept
+
+
+def _code_files(auto_map: dict) -> set[str]:
+    """The files an ``auto_map`` names (``"module.Class"`` -> ``module.py``; a tokenizer's entry is a list, one
+    item may be None). A reference into another repository (``"repo--module.Class"``) names no file that can travel
+    with the model: it is kept as is, so it is never found."""
+    references = [ref for value in auto_map.values() for ref in (value if isinstance(value, list) else [value]) if ref]
+    return {ref if "--" in ref else ref.rsplit(".", 1)[0] + ".py" for ref in references}
+
+
+def _apply_kept(hf_config: dict, kept: dict | None) -> dict[str, str]:
+    """Puts ``kept``'s ``model_type`` and ``auto_map`` into ``hf_config`` when it is the architecture they came with
+    and every code file ``auto_map`` names travels too; returns those files (name -> text). Otherwise the family's
+    own ``model_type`` stays (one warning naming what was dropped and why)."""
+    if not kept or kept.get("architectures") != hf_config["architectures"]:
+        return {}
+    code = kept.get("code") or {}
+    missing = sorted(_code_files(kept["auto_map"]) - set(code)) if "auto_map" in kept else []
+    if "auto_map" in kept and not missing:
+        hf_config.update({k: kept[k] for k in KEPT_KEYS if k in kept})
+        return code
+    dropped = {k: kept[k] for k in KEPT_KEYS if k in kept and kept[k] != hf_config.get(k)}
+    if dropped:
+        why = (f"the code it names ({', '.join(missing)}) is not with the model: the folder it came from no longer "
+               "holds it" if missing else "it names no code for that model_type")
+        warnings.warn(f"config.json written with model_type {hf_config['model_type']!r}, dropping {dropped}: {why}.",
+                      stacklevel=3)
+    return {}
 
 
 class OpenPretrained:
@@ -267,12 +300,12 @@ def write_pretrained(config: MoEConfig, get: Callable[[str], torch.Tensor], path
     (name -> text, e.g. the tokenizer's) go in with it. ``fp8_blocks`` writes the tensors the DeepSeek-V3 and Kimi K2
     releases store in FP8 (``fp8.quantized``) as 128 x 128 blocks with their ``*_scale_inv``, and says so in
     ``quantization_config``. A tensor holding inf or NaN is refused, naming it (nothing is written: the folder is
-    committed only once complete). ``kept`` (``kept_keys`` of the config.json the model was loaded from) puts back
-    that folder's ``model_type`` and ``auto_map`` when writing the same architecture."""
+    committed only once complete). ``kept`` (``kept_keys`` of the folder the model was loaded from) puts back that
+    folder's ``model_type`` and ``auto_map``, with the code files ``auto_map`` names, when writing the same
+    architecture and that code is there to copy."""
     family = choose_family(config, architecture, get)
     hf_config = family.config_to_hf(config)
-    if kept and kept.get("architectures") == hf_config["architectures"]:
-        hf_config.update({k: v for k, v in kept.items() if k in KEPT_KEYS})
+    files = {**(files or {}), **_apply_kept(hf_config, kept)}
     if fp8_blocks:
         hf_config["quantization_config"] = dict(fp8.QUANTIZATION_CONFIG)
     sources = family.sources(config)

@@ -3,12 +3,14 @@ dequantised to float32 (so converting back gives the release's blocks and scales
 ``model_type`` and ``auto_map`` (a Kimi K2 is ``kimi_k2``) kept on the way back."""
 
 import json
+import shutil
 import subprocess
 import sys
 import zipfile
 
 import pytest
 import torch
+import transformers
 
 from moe_lightning.checkpoint.commit import _verify_zip
 from moe_lightning.commands import main as commands
@@ -114,9 +116,16 @@ def test_a_streamed_file_passes_its_crc_checks(tmp_path):
     _verify_zip(path)
 
 
+# A release's remote code, as text that would fail if anything ran it (it is only ever copied).
+KIMI_CODE = {name: f'raise RuntimeError("{name} must be copied, never run")\n'
+             for name in ("configuration_deepseek.py", "modeling_deepseek.py")}
+
+
 @pytest.fixture(scope="module")
 def kimi(tmp_path_factory):
     _, _, path = build_release(tmp_path_factory.mktemp("kimi") / "fp8", KIMI, KIMI_JSON, seed=1)
+    for name, text in KIMI_CODE.items():
+        (path / name).write_text(text)
     return path
 
 
@@ -137,6 +146,23 @@ def test_fp8_to_pt_is_float32_and_back_is_the_release_bitwise_keeping_kimis_mode
     config = json.loads((tmp_path / "back" / "config.json").read_text())
     assert config["model_type"] == "kimi_k2" and config["auto_map"] == KIMI_JSON["auto_map"]
     assert config["architectures"] == ["DeepseekV3ForCausalLM"]
+    assert {name: (tmp_path / "back" / name).read_text() for name in KIMI_CODE} == KIMI_CODE  # the code auto_map names
+
+
+def test_without_the_code_auto_map_names_an_export_is_deepseek_v3_and_loads(kimi, tmp_path):
+    """A Kimi K2 folder whose remote code is gone: the export says model_type deepseek_v3 without auto_map (one
+    warning naming what was dropped), and transformers' AutoConfig reads it without trust_remote_code (was: kimi_k2
+    and auto_map kept, so AutoConfig asked for remote code that is not there, and failed)."""
+    folder = tmp_path / "no_code"
+    shutil.copytree(kimi, folder, ignore=shutil.ignore_patterns("*.py"))
+    commands.run(["convert", str(folder), "--out", str(tmp_path / "model.pt")])
+    with pytest.warns(UserWarning, match=r"model_type 'deepseek_v3', dropping .*kimi_k2.*configuration_deepseek.py"):
+        commands.run(["convert", str(tmp_path / "model.pt"), "--out", str(tmp_path / "back")])
+    config = json.loads((tmp_path / "back" / "config.json").read_text())
+    assert config["model_type"] == "deepseek_v3" and "auto_map" not in config
+    assert not list((tmp_path / "back").glob("*.py"))
+    loaded = transformers.AutoConfig.from_pretrained(tmp_path / "back")
+    assert isinstance(loaded, transformers.DeepseekV3Config) and loaded.n_routed_experts == KIMI["n_routed_experts"]
 
 
 def test_kept_keys_are_not_forced_onto_another_architecture(kimi, tmp_path):
@@ -144,7 +170,7 @@ def test_kept_keys_are_not_forced_onto_another_architecture(kimi, tmp_path):
     commands.run(["convert", str(kimi), "--out", str(tmp_path / "model.pt"), "--dtype", "fp32"])
     payload = torch.load(tmp_path / "model.pt", weights_only=True)
     assert payload["hf_kept"] == {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "kimi_k2",
-                                  "auto_map": KIMI_JSON["auto_map"]}
+                                  "auto_map": KIMI_JSON["auto_map"], "code": KIMI_CODE}
     payload["hf_kept"]["architectures"] = ["SomethingElse"]
     torch.save(payload, tmp_path / "other.pt")
     commands.run(["convert", str(tmp_path / "other.pt"), "--out", str(tmp_path / "back")])
@@ -157,6 +183,6 @@ def test_a_run_started_from_the_folder_exports_with_its_model_type(kimi, tmp_pat
     its model_type and auto_map are read there while it exists (nothing is guessed once it is gone)."""
     kept = pretrained_kept({"hyper_parameters": {"pretrained": str(kimi)}})
     assert kept == {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "kimi_k2",
-                    "auto_map": KIMI_JSON["auto_map"]}
+                    "auto_map": KIMI_JSON["auto_map"], "code": KIMI_CODE}
     assert pretrained_kept({"hyper_parameters": {"pretrained": str(tmp_path / "gone")}}) is None
     assert pretrained_kept({"hyper_parameters": {}}) is None
