@@ -38,6 +38,9 @@ class _MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     """Imports an old path as the module at its new one (the same module object, so the same classes), warning
     once per path. First on ``sys.meta_path``: the ordinary finder would load a moved submodule a second time."""
 
+    def __init__(self):
+        self.own_specs = {}  # old name -> the module's own spec, which the import machinery overwrites
+
     def find_spec(self, name, path=None, target=None):
         return importlib.util.spec_from_loader(name, self) if moved_to(name) else None
 
@@ -45,10 +48,13 @@ class _MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         new = moved_to(spec.name)
         warnings.warn(f"{spec.name} moved to {new}: write {new} in configs and code ({spec.name} will be removed).",
                       FutureWarning, stacklevel=2)
-        return importlib.import_module(new)
+        module = importlib.import_module(new)
+        self.own_specs[spec.name] = module.__spec__
+        return module
 
     def exec_module(self, module):
-        """The module was executed at its new path."""
+        """The module was executed at its new path: only its own spec is put back (``reload`` reads it)."""
+        module.__spec__ = self.own_specs.pop(module.__spec__.name)
 
 
 if not any(isinstance(finder, _MovedModules) for finder in sys.meta_path):

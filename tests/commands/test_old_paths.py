@@ -55,6 +55,24 @@ def test_every_old_class_path_is_the_new_class_with_a_warning_naming_the_new_pat
             assert any(m.startswith(f"{old_module} moved to {new_module}:") for m in said), (old, said)
 
 
+def test_an_old_path_leaves_the_modules_own_spec_so_reload_works(monkeypatch):
+    """Importing by an old path does not rename the real module (was: its ``__spec__`` became the old path's, so
+    ``importlib.reload`` of it looked up the old name and ran nothing)."""
+    forget_old_paths(monkeypatch)
+    for new in ("moe_lightning.training.strategy", "moe_lightning.training.callbacks.qk_clip"):
+        module = importlib.import_module(new)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            importlib.import_module(new.replace("training.", ""))
+        assert module.__spec__.name == new and module.__spec__.origin.endswith(new.rsplit(".", 1)[1] + ".py")
+        before = dict(vars(module))
+        try:
+            module.__dict__.pop("__doc__")  # reload executes the file again: it sets the docstring back
+            assert importlib.reload(module) is module and module.__doc__ == before["__doc__"]
+        finally:
+            vars(module).clear()
+            vars(module).update(before)  # the classes other tests hold
+
 def test_fit_runs_a_config_with_the_old_strategy_and_callback_paths(tmp_path, monkeypatch):
     forget_old_paths(monkeypatch)
     config = yaml.safe_load((REPO_ROOT / "configs" / "tiny-fsdp.yaml").read_text())
