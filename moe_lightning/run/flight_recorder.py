@@ -8,6 +8,7 @@ described ``mesh_<dimension>``), ``collective_seq_id``, ``profiling_name`` (``nc
 """
 
 import os
+import pickle
 from pathlib import Path
 
 FOLDER = "flight-recorder"
@@ -44,18 +45,47 @@ def recording(environ=os.environ) -> bool:
     return any(environ.get(name, "0") not in ("", "0") for name in BUFFER_VARS)
 
 
+DUMPERS = ("_dump_nccl_trace", "_dump_fr_trace")
+"""torch's recorders, each a pickle in the same format: NCCL's (CUDA builds) and the one other backends (gloo) use."""
+
+
+def _identity(entry: dict) -> tuple:
+    return (tuple(entry.get("process_group", ())), entry.get("collective_seq_id"), entry.get("p2p_seq_id"),
+            entry.get("profiling_name"))
+
+
+def merged_dumps(pickles: list[bytes]) -> bytes | None:
+    """One dump of several recorders' (an entry both hold, should a recorder cover both backends, once)."""
+    if not pickles:
+        return None
+    merged = pickle.loads(pickles[0])
+    entries = merged.setdefault("entries", [])
+    known = {_identity(entry) for entry in entries}
+    for other in map(pickle.loads, pickles[1:]):
+        entries.extend(e for e in other.get("entries", []) if _identity(e) not in known)
+        for field in ("pg_config", "pg_status"):
+            merged.setdefault(field, {}).update(other.get(field, {}))
+    return pickle.dumps(merged)
+
+
 def dump(rank: int, folder: Path) -> Path | None:
-    """Write this rank's recorder to ``folder/flight-recorder/rank_<rank>`` (beside the stall report); None when
-    nothing records (or this torch has no ``_dump_fr_trace``: torch 2.11's NCCL recorder dumps on NCCL's own
-    timeout, under ``TORCH_FR_DUMP_TEMP_FILE``, instead)."""
+    """Write this rank's recorders (NCCL's and gloo's, merged) to ``folder/flight-recorder/rank_<rank>`` (beside
+    the stall report); None when nothing records (or this torch has neither dump function: torch 2.11's NCCL
+    recorder dumps on NCCL's own timeout, under ``TORCH_FR_DUMP_TEMP_FILE``, instead)."""
     if not recording():
         return None
     from torch._C import _distributed_c10d
 
-    write = getattr(_distributed_c10d, "_dump_fr_trace", None)
-    if write is None:
+    pickles = []
+    for write in filter(None, (getattr(_distributed_c10d, name, None) for name in DUMPERS)):
+        try:
+            pickles.append(write())
+        except RuntimeError:  # a recorder this process never used (NCCL's without an NCCL group)
+            pass
+    data = merged_dumps(pickles)
+    if data is None:
         return None
     path = Path(folder) / FOLDER / f"{PREFIX}{rank}"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(write())
+    path.write_bytes(data)
     return path

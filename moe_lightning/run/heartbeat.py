@@ -42,6 +42,7 @@ class Heartbeat:
         self.trained = False  # a first training batch has completed: only then is this rank judged
         self.collectives = 0  # sequence number of the last collective entered
         self.collective: tuple[str, str, int, str] | None = None  # (op, dimension, seq, "entered" | "finished")
+        self.device_done: Callable[[], bool] | None = None  # whether the device has completed it (see ``finished``)
 
     def enter(self, phase: str, step: int | None = None) -> None:
         if step is not None:
@@ -55,11 +56,16 @@ class Heartbeat:
         self.progress += 1
 
     def entered(self, op: str, group=None) -> None:
+        self.device_done = None
         self.collectives += 1
         self.collective = (op, self.dimension(group), self.collectives, "entered")
         self.progress += 1
 
-    def finished(self) -> None:
+    def finished(self, device_done: Callable[[], bool] | None = None) -> None:
+        """The wait of the collective entered last returned. On NCCL that only orders the current stream after it:
+        ``device_done`` (a CUDA event's ``query``) then says whether the device has completed it, and until it
+        does the snapshot still says "entered"."""
+        self.device_done = device_done
         if self.collective is not None:
             op, dim, seq, _ = self.collective
             self.collective = (op, dim, seq, "finished")
@@ -74,7 +80,9 @@ class Heartbeat:
 
     def snapshot(self) -> dict:
         """The fields the watchdog publishes (read from another thread: each is one atomic assignment)."""
-        collective = self.collective
+        collective, device_done = self.collective, self.device_done
+        if collective is not None and device_done is not None and not device_done():
+            collective = (*collective[:3], "entered")
         return {"step": self.step, "phase": self.phase, "progress": self.progress, "trained": self.trained,
                 "collective": None if collective is None else dict(zip(("op", "dim", "seq", "state"), collective))}
 
@@ -98,10 +106,19 @@ def entered(op: str, group=None) -> None:
         _active.entered(op, group)
 
 
-def finished() -> None:
-    """The collective entered last has completed here (its wait returned)."""
-    if _active is not None:
-        _active.finished()
+def finished(output=None) -> None:
+    """The collective entered last has completed here (its wait returned); ``output``, its output tensor: on a
+    CUDA one the wait only ordered the stream, so a CUDA event recorded now tells the watchdog when it completes."""
+    if _active is None:
+        return
+    device_done = None
+    if output is not None and output.is_cuda:
+        import torch
+
+        event = torch.cuda.Event()
+        event.record()
+        device_done = event.query
+    _active.finished(device_done)
 
 
 @contextmanager

@@ -139,3 +139,26 @@ def test_stalls_since_reads_only_a_report_written_after_it(tmp_path, capsys):
     run(["stalls", "--hosts", "--since", "1001", str(tmp_path / "logs")])
     run(["stalls", "--hosts", "--since", "1000", str(tmp_path / "logs")])
     assert capsys.readouterr().out == "\ngpu017\n"
+
+
+def test_the_dump_merges_nccls_recorder_with_gloos(tmp_path, monkeypatch):
+    """Before: only ``_dump_fr_trace`` (gloo's recorder) was written; an NCCL job's collectives were missing."""
+    from torch._C import _distributed_c10d
+
+    from moe_lightning.run import flight_recorder
+
+    def recorder(*entries):
+        return pickle.dumps({"version": "2.10", "pg_config": {"1": {"desc": entries[0]["process_group"][1]}},
+                             "pg_status": {}, "entries": list(entries)})
+
+    nccl = entry(18, "started")
+    gloo = {**entry(3, "completed", "preemption"), "profiling_name": "gloo:all_reduce"}
+    earlier = entry(17, "completed")
+    monkeypatch.setattr(_distributed_c10d, "_dump_nccl_trace", lambda: recorder(earlier, nccl), raising=False)
+    monkeypatch.setattr(_distributed_c10d, "_dump_fr_trace", lambda: recorder(gloo, nccl), raising=False)
+    monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "2000")
+    path = flight_recorder.dump(1, tmp_path)
+    written = pickle.loads(path.read_bytes())
+    assert path == tmp_path / "flight-recorder" / "rank_1"
+    assert sorted((e["profiling_name"], e["collective_seq_id"]) for e in written["entries"]) == \
+        [("gloo:all_reduce", 3), ("nccl:all_to_all", 17), ("nccl:all_to_all", 18)]  # one entry both hold: once

@@ -5,6 +5,7 @@ import json
 import threading
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from moe_lightning.run import heartbeat
@@ -340,3 +341,22 @@ def test_a_watcher_reads_every_record_with_one_multi_get_once_all_have_published
     dog._read_and_judge(now=1)
     assert store.calls == {"get": 0, "multi_get": 1}
     assert dog.judge.seen[3].record["rank"] == 3
+
+
+def test_a_collective_whose_wait_returned_is_finished_only_once_the_device_completed_it():
+    """On NCCL, wait() returns at once (it orders the stream): before, the record said "finished" while the device
+    still waited in the collective. A fake device completion stands in for the CUDA event."""
+    beat, device = Heartbeat(), {"done": False}
+    beat.entered("all_to_all", None)
+    beat.finished(lambda: device["done"])
+    assert beat.snapshot()["collective"]["state"] == "entered"
+    device["done"] = True
+    assert beat.snapshot()["collective"]["state"] == "finished"
+    beat.entered("all_to_all", None)  # the next collective forgets the last one's completion
+    assert beat.device_done is None and beat.snapshot()["collective"]["seq"] == 2
+    heartbeat.activate(beat)
+    try:
+        heartbeat.finished(torch.zeros(2))  # a CPU output (gloo): its wait did complete it
+    finally:
+        heartbeat.activate(None)
+    assert beat.device_done is None and beat.snapshot()["collective"]["state"] == "finished"
