@@ -22,7 +22,10 @@ never committed: a sharded save is renamed into place only once complete and ``-
 clean-up removes) an unfinished ``.partial``; a single file is written beside and renamed.
 
 When the process hosting the store stops (rank 0's, unless torchrun's agent hosts it), nothing can be read: a rank
-whose store operations have failed for ``timeout_s`` names that rank from the last records it read.
+whose store operations have failed for ``timeout_s`` names that rank from the last records it read. When it exits
+(its socket closes), it most likely reported: it waited (bounded) for the others to read its verdict, and a rank
+that finds the store closed after waiting half ``timeout_s`` itself exits at once. Only store failures count so:
+any other exception is a bug here, printed once, and the job goes on.
 """
 
 import datetime
@@ -415,7 +418,7 @@ class RankWatchdog:
         hosts it reported a stall and exited before this one read the verdict (a healthy store host that exits
         has finished its fit, which a rank still idle inside its fit cannot have seen)."""
         say(f"[rank {self.rank}] stall: the rendezvous store ({self._store_address()}) closed ({error}) while this "
-            f"rank waited: its host reported a stall and exited; exiting with status {EXIT_STALLED}")
+            f"rank waited: its host exited (it reported a stall, or its fit failed); exiting with status {EXIT_STALLED}")
         self._end([])
 
     def _exchange(self, polling: bool, now: float) -> tuple[dict | None, Verdict | None]:

@@ -285,7 +285,7 @@ def test_a_follower_that_finds_the_store_closed_exits_at_once_and_keeps_the_true
     dog.store = ClosedStore()
     assert exits.done.wait(10) and exits.codes == [EXIT_STALLED]
     err = capfd.readouterr().err
-    assert "closed (Broken pipe) while this rank waited: its host reported a stall" in err
+    assert "closed (Broken pipe) while this rank waited: its host exited (it reported a stall" in err
     assert "STALLED rank 0" not in err
     assert json.loads((tmp_path / REPORT_FILE).read_text())["stalled"] == [{"rank": 2}]
 
