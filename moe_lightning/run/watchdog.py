@@ -418,7 +418,8 @@ class RankWatchdog:
         hosts it reported a stall and exited before this one read the verdict (a healthy store host that exits
         has finished its fit, which a rank still idle inside its fit cannot have seen)."""
         say(f"[rank {self.rank}] stall: the rendezvous store ({self._store_address()}) closed ({error}) while this "
-            f"rank waited: its host exited (it reported a stall, or its fit failed); exiting with status {EXIT_STALLED}")
+            f"rank waited: its host exited (it reported a stall, or its fit failed); exiting with status "
+            f"{EXIT_STALLED}")
         self._end([])
 
     def _exchange(self, polling: bool, now: float) -> tuple[dict | None, Verdict | None]:
@@ -428,7 +429,6 @@ class RankWatchdog:
             return None, None
         summary = self._stored_verdict()
         if summary is not None:
-            self.store.add(self.key("acks"), 1)  # the reporter waits (bounded) for these before it exits
             return summary, None
         return None, self._read_and_judge(now)
 
@@ -455,7 +455,7 @@ class RankWatchdog:
             current = summary
         if bytes(current) != summary:  # another watcher's report came first
             return self._follow(json.loads(current))
-        self._say_and_exit(verdict, self._report_dir(), acks=len(verdict.waiting) - 1)
+        self._say_and_exit(verdict, self._report_dir(), acks=len([r for r in verdict.waiting if r != self.rank]))
 
     def _report_dir(self) -> Path | None:
         try:
@@ -510,6 +510,10 @@ class RankWatchdog:
         self._end([verdict.seen[r].record for r, _ in verdict.stalled])
 
     def _follow(self, summary: dict) -> None:
+        try:  # the reporter waits (bounded) for these before it exits and takes the store with it
+            self._io(lambda: self.store.add(self.key("acks"), 1))
+        except Exception:
+            pass
         say(f"[rank {self.rank}] stall: rank(s) {', '.join(map(str, summary['stalled'])) or 'none behind'} "
             f"named by rank {summary['by']}'s report; exiting with status {EXIT_STALLED}")
         self._end([])

@@ -360,3 +360,22 @@ def test_a_collective_whose_wait_returned_is_finished_only_once_the_device_compl
     finally:
         heartbeat.activate(None)
     assert beat.device_done is None and beat.snapshot()["collective"]["state"] == "finished"
+
+
+def test_the_reporter_waits_for_the_others_to_read_its_verdict_but_not_for_ever():
+    """The reporter (rank 0) hosts the store: before, it exited at once and the others could not read the verdict."""
+    store = dist.HashStore()
+    reporter = RankWatchdog(Heartbeat(), 0, 2, timeout_s=30, store=store, exit=Exits())  # waits up to 12 s
+    follower = RankWatchdog(Heartbeat(), 1, 2, timeout_s=30, store=store, exit=Exits())
+    waiting = threading.Thread(target=reporter._wait_for_acks, args=(1,))
+    waiting.start()
+    waiting.join(0.5)
+    assert waiting.is_alive()
+    follower._follow({"by": 0, "stalled": [2]})
+    waiting.join(5)
+    assert not waiting.is_alive() and follower.exit.codes == [EXIT_STALLED]
+    alone = RankWatchdog(Heartbeat(), 0, 2, timeout_s=0.3, store=dist.HashStore(), exit=Exits())  # up to 1.2 s
+    waiting = threading.Thread(target=alone._wait_for_acks, args=(1,))
+    waiting.start()
+    waiting.join(10)
+    assert not waiting.is_alive()  # nobody read it (the others may be stopped): it exits anyway
