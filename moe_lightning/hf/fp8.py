@@ -104,7 +104,8 @@ class Blocks:
 
     A scale multiplies a whole 128 x 128 block: inf or NaN would make 16,384 non-finite weights, 0 a block of zeros,
     a negative one a sign-flipped block, so a scale read that is not finite and positive is refused, naming the
-    scale tensor ``name`` (checked as read: a rank reads only its own blocks' scales)."""
+    scale tensor ``name`` (checked as read: a rank reads only its own blocks' scales). A zero scale over values that
+    are all zero (in the region read) loses nothing and is read."""
 
     def __init__(self, weight, scale, dtype: torch.dtype, name: str):
         self.weight, self.scale, self.dtype, self.name = weight, scale, dtype, name
@@ -118,7 +119,11 @@ class Blocks:
                               zip(index + (slice(None),) * (2 - len(index)), self.get_shape()))
         out_RC = self.weight[r0:r1, c0:c1].to(torch.float32)
         s_rc = self.scale[r0 // BLOCK:-(-r1 // BLOCK), c0 // BLOCK:-(-c1 // BLOCK)].to(torch.float32)
-        bad_rc = ~(torch.isfinite(s_rc) & (s_rc > 0))
+        bad_rc = ~(torch.isfinite(s_rc) & (s_rc >= 0))
+        for i, j in (s_rc == 0).nonzero().tolist():  # lossless over a block of zeros: refused only over a value
+            rows = slice(max((r0 // BLOCK + i) * BLOCK, r0) - r0, min((r0 // BLOCK + i + 1) * BLOCK, r1) - r0)
+            cols = slice(max((c0 // BLOCK + j) * BLOCK, c0) - c0, min((c0 // BLOCK + j + 1) * BLOCK, c1) - c0)
+            bad_rc[i, j] = out_RC[rows, cols].any()
         if bad_rc.any():
             at = [int(i) for i in bad_rc.nonzero()[0]]
             raise HFFormatError(f"{self.name!r} holds {int(bad_rc.sum())} scale(s) that are not finite and positive, e.g. "

@@ -423,6 +423,23 @@ def test_sharded_checkpoint_exports_to_the_release_bitwise(release, sharded_fp8)
     assert all(bitwise_equal(exported[key], tensor) for key, tensor in original.items())
 
 
+def test_a_zero_scale_over_an_all_zero_block_is_read_as_zeros(release, tmp_path):
+    """0 x 0 loses nothing: a zero scale over a block whose FP8 values are all zero loads as the same block with
+    scale 1 (the quantiser's own choice for an all-zero block) does (was: refused as a damaged scale)."""
+    _, _, path = release
+    stored = tensors_of(path)
+    weight = stored[SCALE.removesuffix("_scale_inv")].float()
+    weight[128:256, :128] = 0
+    weight = weight.to(torch.float8_e4m3fn)
+    folders = {}
+    for value in (0.0, 1.0):
+        scale = stored[SCALE].clone()
+        scale[1, 0] = value
+        folders[value] = _edited(path, tmp_path / str(value), replace={SCALE: scale, SCALE.removesuffix("_scale_inv"): weight})
+    zero, one = (hf.from_pretrained(folders[v], dtype=torch.float32).state_dict() for v in (0.0, 1.0))
+    assert all(bitwise_equal(zero[name], tensor) for name, tensor in one.items())
+
+
 @pytest.mark.parametrize("value", [float("inf"), float("nan"), 0.0, -1.0], ids=["inf", "nan", "zero", "negative"])
 def test_a_scale_that_is_not_finite_and_positive_is_refused_naming_it(release, value, tmp_path, capfd):
     """inf or NaN would make a block of 16,384 non-finite weights, 0 a block of zeros, -1 a sign-flipped block: each
