@@ -45,14 +45,18 @@ def pretrained_tokenizer(pretrained: str | Path) -> str:
     folder ships tiktoken files only) the data would fall back to byte ids, which are not the model's vocabulary:
     refused, naming the tokenizer files the folder does hold."""
     folder = Path(pretrained)
+    if not folder.is_dir():
+        state = "is a file, not a folder" if folder.exists() else "does not exist"
+        raise ValueError(f"model.pretrained={str(pretrained)!r} {state}: pass the Hugging Face model's folder "
+                         f"(config.json and its safetensors).")
     if (folder / "tokenizer.json").is_file():
         return str(folder / "tokenizer.json")
-    found = sorted(p.name for p in folder.iterdir() if any(h in p.name.lower() for h in TOKENIZER_FILE_HINTS)) \
-        if folder.is_dir() else []
+    found = sorted(p.name for p in folder.iterdir() if any(h in p.name.lower() for h in TOKENIZER_FILE_HINTS))
     raise ValueError(f"model.pretrained={str(pretrained)!r} has no tokenizer.json (tokenizer files found: "
-                     f"{', '.join(found) or 'none'}), so the data would be byte ids, not this model's vocabulary: pass "
-                     f"--data.init_args.tokenizer=<the model's tokenizers JSON> (transformers' AutoTokenizer"
-                     f".from_pretrained(folder).save_pretrained(dir) writes one).")
+                     f"{', '.join(found) or 'none'}), so the data would be byte ids, not this model's vocabulary: "
+                     f"produce a tokenizer.json from them (e.g. convert the tokenizer with its own tools) and put it "
+                     f"in the folder or pass --data.init_args.tokenizer=<that tokenizer.json>.")
+
 
 class SaveConfigBesideLogs(SaveConfigCallback):
     """Save the resolved config in the logger's folder; without a logger (or in ``fast_dev_run``) skip it

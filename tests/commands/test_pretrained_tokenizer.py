@@ -35,6 +35,7 @@ def test_fit_from_a_folder_without_tokenizer_json_is_refused_naming_its_tokenize
     assert exit_.value.code == 2 and ours == [lines[-1]], lines
     assert "has no tokenizer.json (tokenizer files found: tiktoken.model, tokenization_kimi.py, " \
            "tokenizer_config.json)" in lines[-1] and "--data.init_args.tokenizer=" in lines[-1]
+    assert "produce a tokenizer.json" in lines[-1] and "save_pretrained" not in lines[-1]  # it writes none here
     assert not any(line.startswith("tokenize:") for line in lines)
 
 
@@ -44,3 +45,12 @@ def test_the_folders_tokenizer_json_is_taken_and_a_folder_without_tokenizer_file
         pretrained_tokenizer(tmp_path)
     (tmp_path / "tokenizer.json").write_text("{}")
     assert pretrained_tokenizer(tmp_path) == str(tmp_path / "tokenizer.json")
+
+
+def test_a_missing_or_mistyped_folder_is_said_to_be_missing(tmp_path):
+    """Was: "has no tokenizer.json (tokenizer files found: none)", as if the folder were there."""
+    with pytest.raises(ValueError, match=r"pretrained='.*typo' does not exist: pass the Hugging Face model's folder"):
+        pretrained_tokenizer(tmp_path / "typo")
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match=r"config.json' is a file, not a folder"):
+        pretrained_tokenizer(tmp_path / "config.json")
