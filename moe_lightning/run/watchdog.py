@@ -386,16 +386,16 @@ class RankWatchdog:
             polling = now >= next_poll
             if progress == published and not polling:
                 continue
+            if polling:
+                next_poll = now + self.poll_s
             try:
                 self.tick += 1
                 summary, verdict = self._io(lambda: self._exchange(polling, now))
                 published, unreachable_since = progress, None
-                if polling:
-                    next_poll = now + self.poll_s
                 if summary is not None:
                     return self._follow(summary)
             except Exception as error:
-                if not store_failed(error):  # a bug here: a healthy job goes on, unwatched by this rank's judge
+                if not store_failed(error):  # a bug here, not the store's failure: printed once, the job goes on
                     self._log_bug(error)
                     continue
                 if store_closed(error) and self.heartbeat.trained and now - progressed_at >= self.timeout_s / 2:
