@@ -268,7 +268,7 @@ class ParallelMesh:
             self.pipeline = _mesh(device_type, torch.arange(layout.world_size).view(r, pp, s),
                                   ("replicate", "pp", "shard"))
             self.dense = self.pipeline["shard"] if r == 1 else self.pipeline["replicate", "shard"]
-            self._stage, self._ends = self._stage_group(layout), self._ends_group(layout)
+            self._stage, self._ends = self._stage_group(layout, device_type), self._ends_group(layout, device_type)
         else:
             self.dense = _mesh(device_type, world_R_S[0] if r == 1 else world_R_S,
                                ("shard",) if r == 1 else ("replicate", "shard"))
@@ -296,31 +296,18 @@ class ParallelMesh:
                        "pp_ends")
 
     @staticmethod
-    def _stage_group(layout: MeshLayout) -> dist.ProcessGroup:
-        """The ranks of this rank's pipeline stage (every replica and shard rank): a world collective per stage."""
-        mine = None
-        ranks_R_P_S = torch.arange(layout.world_size).view(layout.replicate, layout.pp, layout.shard)
-        for p in range(layout.pp):
-            ranks = ranks_R_P_S[:, p].flatten().tolist()
-            group = dist.new_group(ranks)
-            if dist.get_rank() in ranks:
-                mine = group
-                _GROUP_NAMES.setdefault(group, "stage")
-        return mine
+    def _stage_group(layout: MeshLayout, device_type: str) -> dist.ProcessGroup:
+        """The ranks of this rank's pipeline stage (every replica and shard rank of it)."""
+        ranks_P_RS = torch.arange(layout.world_size).view(layout.replicate, layout.pp, layout.shard).transpose(0, 1)
+        return _mesh(device_type, ranks_P_RS.reshape(layout.pp, -1), ("stage_line", "stage"))["stage"].get_group()
 
     @staticmethod
-    def _ends_group(layout: MeshLayout) -> dist.ProcessGroup | None:
+    def _ends_group(layout: MeshLayout, device_type: str) -> dist.ProcessGroup | None:
         """This rank's pair of first and last stage (same replica and shard rank), None on the stages between."""
-        mine = None
         ranks_R_P_S = torch.arange(layout.world_size).view(layout.replicate, layout.pp, layout.shard)
-        for r in range(layout.replicate):
-            for s in range(layout.shard):
-                ranks = [int(ranks_R_P_S[r, 0, s]), int(ranks_R_P_S[r, -1, s])]
-                group = dist.new_group(ranks)
-                if dist.get_rank() in ranks:
-                    mine = group
-                    _GROUP_NAMES.setdefault(group, "pp_ends")
-        return mine
+        ends_RS_2 = torch.stack([ranks_R_P_S[:, 0], ranks_R_P_S[:, -1]], dim=-1).reshape(-1, 2)
+        mesh = _mesh(device_type, ends_RS_2, ("ends_line", "pp_ends"))
+        return None if mesh.get_coordinate() is None else mesh["pp_ends"].get_group()
 
     @property
     def pipeline_rank(self) -> int:

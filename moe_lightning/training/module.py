@@ -51,6 +51,12 @@ def _keep_requested_hyperparameters(optimizer: torch.optim.Optimizer, requested:
         rank_zero_info(f"resume: optimizer {change} (using the requested value)")
 
 
+def _sum_over_world(counts: torch.Tensor) -> None:
+    """In place, over every rank (one all-reduce; Lightning's ``strategy.reduce`` would add a barrier every step)."""
+    if dist.is_initialized():
+        dist.all_reduce(counts)
+
+
 class MoELanguageModel(L.LightningModule):
     """Next-token prediction with an MoE transformer.
 
@@ -97,7 +103,8 @@ class MoELanguageModel(L.LightningModule):
         self.parallelized_by_strategy = False  # it compiles the blocks too
         self.ranks_per_sequence = 1  # ranks sharing each sequence (context parallelism): the loss is a share, scaled
         self.pipeline = None  # pipeline parallelism: runs the schedule over a batch (parallel.pipeline.PipelineRunner)
-        self.expert_count_group = None  # the ranks that hold the same MoE layers (None: the world)
+        self.ranks_per_batch = 1  # ranks reading each batch (context parallelism, pipeline stages): tokens seen once
+        self.sum_expert_counts = _sum_over_world  # over the ranks that hold the same MoE layers (a stage's, under PP)
         self._pending_expert_counts: torch.Tensor | None = None
         self._train_loss_sum: torch.Tensor | None = None  # this optimizer step's micro-batch losses, on device
         self.val_loss_mean = torchmetrics.aggregation.MeanMetric()
@@ -214,7 +221,7 @@ class MoELanguageModel(L.LightningModule):
             if aux:
                 self.log("train/aux_loss", torch.stack(aux).sum())
         # a context-parallel group's ranks share their batch: world / size batches a step
-        self.tokens_seen += batch_BS1[:, :-1].numel() * self.trainer.world_size // self.ranks_per_sequence
+        self.tokens_seen += batch_BS1[:, :-1].numel() * self.trainer.world_size // self.ranks_per_batch
         self._log_train_loss((loss if self._main_loss is None else self._main_loss).detach().float(), batch_idx)
         if logs_written(self.trainer):  # a Python number logged costs a host-to-device copy and a sync
             self.log("train/tokens_seen", float(self.tokens_seen))
@@ -249,8 +256,7 @@ class MoELanguageModel(L.LightningModule):
         if pending is None or self.config.bias_update_rate == 0:
             return
         counts_LE = pending.float()
-        if dist.is_initialized():  # Lightning's strategy.reduce would add a barrier every step
-            dist.all_reduce(counts_LE, group=self.expert_count_group)
+        self.sum_expert_counts(counts_LE)
         for moe, counts_E in zip(self.model.moe_layers(), counts_LE):
             moe.router.update_bias(counts_E, self.config.bias_update_rate)
 

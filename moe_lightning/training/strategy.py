@@ -7,9 +7,11 @@ the order), gradients are clipped by
 from collections.abc import Callable, Generator
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
+from functools import partial
 from typing import Any, Literal, Optional, Union
 
 import torch
+import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
@@ -146,7 +148,8 @@ class MoEFSDPStrategy(CheckpointHooks, ModelParallelStrategy):
         self._device_mesh = module._device_mesh = self.parallel.dense  # Lightning's, for users' code (not ours)
         module.parallelized_by_strategy = True  # so it does not compile the blocks itself
         module.ranks_per_sequence = layout.cp  # its loss is a share of each sequence's: scale it (module.py)
-        module.expert_count_group = self.parallel.group("stage")  # the ranks holding the same MoE layers
+        module.ranks_per_batch = layout.cp * layout.pp  # a pipeline's stages read one batch, as a CP group does
+        module.sum_expert_counts = partial(dist.all_reduce, group=self.parallel.group("stage"))  # same MoE layers
         self.checkpointer.use_groups(self.parallel.side_channel("checkpoint"),
                                      self.parallel.side_channel("checkpoint_writer"))
         rank_zero_info(f"{type(self).__name__}: {layout.replicate} replica(s) x {layout.shard} shard ranks, "

@@ -20,12 +20,15 @@ def main() -> None:
     parser.add_argument("--replicate", type=int, default=1)
     parser.add_argument("--ep", type=int, default=1)
     parser.add_argument("--cp", type=int, default=1)
+    parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--per-node", type=int, default=0)
     args = parser.parse_args()
     dist.init_process_group("gloo")
     world = dist.get_world_size()
-    mesh = ParallelMesh(MeshLayout.resolve(world, args.replicate, "auto", args.ep, None, args.cp), "cpu")
-    groups = {name: mesh.group(name) for name in ("replicate", "shard", "ep", "efsdp", "cp")}
+    mesh = ParallelMesh(MeshLayout.resolve(world, args.replicate, "auto", args.ep, None, args.cp,
+                                           pipeline_parallel_size=args.pp), "cpu")
+    names = ("replicate", "shard", "ep", "efsdp", "cp") + (("pp", "stage", "pp_ends") if args.pp > 1 else ())
+    groups = {name: mesh.group(name) for name in names}
     report = {"groups": {name: ranks(g) for name, g in groups.items()},
               "names": {name: name_of(g) for name, g in groups.items() if g is not None},
               "data_parallel": [mesh.data_parallel_rank, mesh.data_parallel_size],

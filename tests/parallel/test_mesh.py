@@ -48,6 +48,22 @@ def test_hierarchical_node_groups_come_from_the_mesh_module():
         assert nodes["names"] == ["ep_node", "ep_local"]
 
 
+@pytest.mark.slow
+def test_pipeline_groups_are_the_stage_the_pipeline_and_its_two_ends():
+    """4 stages of 1 rank: a stage's group is the rank itself, the pipeline all 4, the ends group ranks 0 and 3 (the
+    embedding's two copies), none on the middle stages; all made by the mesh module."""
+    outputs = run_ranks(LAUNCHERS / "mesh_run.py", 4, "--pp", "4")
+    for g, out in enumerate(outputs):
+        groups = json.loads(out.strip().splitlines()[-1])["groups"]
+        assert groups["stage"] == [g] and groups["pp"] == [0, 1, 2, 3]
+        assert groups["pp_ends"] == ([0, 3] if g in (0, 3) else None)
+        assert report_data_parallel(out) == [0, 1]
+
+
+def report_data_parallel(out: str) -> list[int]:
+    return json.loads(out.strip().splitlines()[-1])["data_parallel"]
+
+
 def test_coordinates_invert_the_rank_arithmetic():
     layout = MeshLayout.resolve(16, 2, "auto", 4, 8, 2)
     for g in range(16):

@@ -17,13 +17,14 @@ CONFIG = MoEConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, max_seq_len=S, 
                    qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8)
 
 
-def measure(monkeypatch, cp: int, world: int = 8) -> dict[str, float]:
+def measure(monkeypatch, cp: int, world: int = 8, pp: int = 1) -> dict[str, float]:
     """One logging interval of one optimizer step, 2.0 s long by the callback's clock, on a rank of a world of 8
     whose strategy splits sequences over ``cp`` ranks."""
     clock = iter([10.0, 12.0])
     monkeypatch.setattr(throughput.time, "perf_counter", lambda: next(clock))
     logged = []
-    trainer = SimpleNamespace(strategy=SimpleNamespace(context_parallel_size=cp), world_size=world, global_step=1,
+    strategy = SimpleNamespace(context_parallel_size=cp, pipeline_parallel_size=pp)
+    trainer = SimpleNamespace(strategy=strategy, world_size=world, global_step=1,
                               loggers=[SimpleNamespace(log_metrics=lambda metrics, step: logged.append(metrics))],
                               fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace(_should_accumulate=lambda: False)))
     module = SimpleNamespace(config=CONFIG, device=torch.device("cpu"))
@@ -61,3 +62,11 @@ def test_cp4_is_not_four_times_cp1(monkeypatch):
     one, four = measure(monkeypatch, 1), measure(monkeypatch, 4)
     assert four["perf/tokens_per_sec"] == one["perf/tokens_per_sec"] / 4
     assert four["perf/tokens_per_sec_per_device"] == one["perf/tokens_per_sec_per_device"] / 4
+
+
+def test_a_pipelines_stages_count_their_batch_once(monkeypatch):
+    """2 stages read one batch (each runs about half the layers): a device counts half of it, the world each token
+    once, and the FLOPs per device are the world's mean. Before: tokens/s and MFU twice too high under 2 stages."""
+    whole, staged = measure(monkeypatch, 1), measure(monkeypatch, 1, pp=2)
+    assert staged["perf/tokens_per_sec"] == whole["perf/tokens_per_sec"] / 2
+    assert staged["perf/tflops_per_device"] == pytest.approx(whole["perf/tflops_per_device"] / 2, rel=1e-12)

@@ -27,6 +27,8 @@ class MoEThroughputMonitor(L.Callback):
     batch and each computes 1/N of its tokens and attended pairs: a device counts its share, so a token is counted
     once in the world's tokens/s. Each rank also up-projects every gathered key (MLA's ``wkv_b``), the FLOPs ``plan``
     adds for CP (``flops.cp_key_upprojection_flops_per_token``): counted too, so the MFU measured is the one planned.
+    A pipeline's P stages also read one batch, each running about 1/P of the layers: a device counts 1/(N·P) of
+    the batch, so tokens are counted once and the FLOPs per device are the world's mean (stages are not equal).
 
     Args:
         log_every_n_steps: Optimizer steps per measurement interval.
@@ -44,6 +46,7 @@ class MoEThroughputMonitor(L.Callback):
         self._dense_per_token = 0
         self._per_pair = 0
         self._cp = 1  # ranks sharing each sequence
+        self._share = 1  # ranks reading each batch: a CP group, times a pipeline's stages
         self._tokens = 0
         self._pairs: Optional[torch.Tensor] = None  # attended pairs since the last log, on the batch's device
         self._started: Optional[float] = None
@@ -56,6 +59,7 @@ class MoEThroughputMonitor(L.Callback):
             raise ValueError(f"MoEThroughputMonitor needs {type(pl_module).__name__}.config to be a MoEConfig "
                              "(the FLOPs count is analytic).")
         self._cp = getattr(trainer.strategy, "context_parallel_size", 1)
+        self._share = self._cp * getattr(trainer.strategy, "pipeline_parallel_size", 1)  # ranks reading each batch
         # a reused callback may see another model
         self._dense_per_token = dense_flops_per_token(self._config) + cp_key_upprojection_flops_per_token(
             self._config, self._cp)
@@ -75,7 +79,7 @@ class MoEThroughputMonitor(L.Callback):
         if not isinstance(batch, torch.Tensor) or batch.ndim != 2:
             raise ValueError("MoEThroughputMonitor expects token batches of shape [batch, seq_len + 1] "
                              f"(inputs and shifted targets); got {type(batch).__name__}.")
-        self._tokens += batch.shape[0] * (batch.shape[1] - 1) // self._cp  # this rank's share of the group's batch
+        self._tokens += batch.shape[0] * (batch.shape[1] - 1) // self._share  # this rank's share of its batch
         eod = self._config.eod_token_id if self._config.document_masking else None
         pairs = attended_pairs_BS(batch[:, :-1], eod).sum()
         self._pairs = pairs if self._pairs is None else self._pairs + pairs
@@ -85,7 +89,7 @@ class MoEThroughputMonitor(L.Callback):
             torch.cuda.synchronize(pl_module.device)
         now = time.perf_counter()
         seconds = now - self._started
-        flops = self._tokens * self._dense_per_token + self._per_pair * int(self._pairs.item()) / self._cp
+        flops = self._tokens * self._dense_per_token + self._per_pair * int(self._pairs.item()) / self._share
         metrics = {"perf/tokens_per_sec_per_device": self._tokens / seconds,
                    "perf/tokens_per_sec": self._tokens * trainer.world_size / seconds,
                    "perf/tflops_per_device": flops / seconds / 1e12}
