@@ -10,7 +10,8 @@ of ``E / ep`` experts, and ``f`` (the expert-FSDP rank) shards those experts FSD
 Context parallelism is folded into the shard ranks too (as TorchTitan folds it into its FSDP dimension): the shard
 index also splits as ``s = d * cp + c``, ``c`` fastest, so a context-parallel group (the ``cp`` ranks that share
 every sequence of one batch) is ``cp`` neighbouring ranks, one node's NVLink. Its ranks still shard parameters and
-reduce gradients with the others; the data-parallel replica a rank reads is ``g // cp`` of ``world / cp``.
+reduce gradients with the others; without stages the data-parallel replica a rank reads is ``g // cp`` of
+``world / cp`` (``MeshLayout.data_parallel_rank``).
 
 Pipeline parallelism (``pp`` stages, ``parallel/pipeline.py``) sits between the two: ``g = (r * pp + p) * shard + s``,
 so one stage's shard ranks are neighbours (a node: FSDP, EP and CP inside it) and the ``pp`` ranks of one pipeline are
@@ -238,7 +239,7 @@ class ParallelMesh:
     """The run's meshes, built once per process from a validated ``MeshLayout``; consumers ask by name.
 
     ========================  ======================================  ==========================================
-    name                      ranks (``g = r * shard + s``)           used by
+    name                      ranks (``g = (r * pp + p) * shard + s``)  used by
     ========================  ======================================  ==========================================
     ``"replicate"``           same ``s``, every ``r``                 HSDP gradient all-reduce
     ``"shard"``               same ``r``: one replica                 FSDP units, gradient clipping, Muon
@@ -253,8 +254,9 @@ class ParallelMesh:
     Under expert parallelism ``expert`` is the ``("replicate", "ep", "efsdp")`` mesh (experts split by ``ep``
     first, the DTensor order of a checkpoint's global expert views); ``dense`` is ``("shard",)`` or
     ``("replicate", "shard")``. The node groups of hierarchical expert dispatch (``node_groups``) and the gloo
-    side channels (``side_channel``) come from here too; ``name_of(group)`` names any group made here. ``data_parallel_rank`` / ``data_parallel_size`` are what
-    the sampler reads: a context-parallel group reads one replica of the data.
+    side channels (``side_channel``) come from here too; ``name_of(group)`` names any group made here.
+    ``data_parallel_rank`` / ``data_parallel_size`` are what the sampler reads: a context-parallel group, and a
+    pipeline's stages, read one replica of the data.
     """
 
     SIDE_CHANNELS = ("preemption", "checkpoint", "checkpoint_writer")
