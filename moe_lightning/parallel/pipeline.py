@@ -366,16 +366,23 @@ class PipelineRunner:
 
     def microbatches(self, B: int, training: bool) -> int:
         """``layout.microbatches`` in training (refused unless it divides the batch); in evaluation that, or else
-        the fewest micro-batches, at least one per stage, that divide a short batch (a held-out set's last one)."""
+        the fewest micro-batches, at least one per stage, that divide a short batch (a held-out set's last one), or
+        one sequence each when the batch has fewer sequences than stages and a rank runs one stage (as GPipe)."""
         M = self.layout.microbatches
         if training or B % M == 0:
             check_batch(B, M)
             return M
         fits = [m for m in range(self.layout.num_stages, B + 1) if B % m == 0]
-        if not fits:
-            raise PipelineError(f"an evaluation batch of {B} sequences cannot feed {self.layout.num_stages} pipeline "
-                                "stages: give the held-out data at least that many sequences per batch (data.batch_size).")
-        return fits[0]
+        if fits or len(self.parts) == 1:
+            return fits[0] if fits else B
+        raise PipelineError(f"an evaluation batch of {B} sequences cannot feed {self.layout.num_stages} pipeline "
+                            "stages: give the held-out data at least that many sequences per batch (data.batch_size).")
+
+    def schedule_name(self, M: int, training: bool) -> str:
+        """The layout's schedule, except GPipe for an evaluation of fewer micro-batches than stages: forward only,
+        any schedule's order computes the same losses, and torch's 1F1B refuses fewer micro-batches than stages."""
+        short = not training and M < self.layout.num_stages and len(self.parts) == 1
+        return "GPipe" if short else self.layout.schedule
 
     def _schedule(self, B: int, S: int, training: bool) -> tuple[object, PipelineLoss]:
         key = (B, S, training)
@@ -391,7 +398,7 @@ class PipelineRunner:
                                     output_args=sums if part.pipeline_stage == last else hidden, group=self.group)
                       for part in self.parts]
             loss_fn = PipelineLoss(self.config)
-            cls = schedule_class(self.layout.schedule)
+            cls = schedule_class(self.schedule_name(M, training))
             schedule = cls(stages[0] if len(stages) == 1 else stages, M, loss_fn=loss_fn, scale_grads=False)
             self._schedules[key] = schedule, loss_fn
         return self._schedules[key]

@@ -29,7 +29,10 @@ from moe_lightning.parallel.pipeline import PipelineError, PipelineLayout, Pipel
 from moe_lightning.run import flight_recorder
 from moe_lightning.run.refusals import same_on_every_rank
 from moe_lightning.run.watchdog import DEFAULT_STALL_TIMEOUT_S, check_stall_timeout
+from moe_lightning.optim.muon import Muon
 from moe_lightning.training.callbacks.activation_offload import ActivationOffload
+from moe_lightning.training.callbacks.expert_load import ExpertLoadMonitor
+from moe_lightning.training.callbacks.qk_clip import QKClip
 from moe_lightning.training.callbacks.stall_watchdog import StallWatchdog
 from moe_lightning.training.checkpoint_io import CheckpointHooks, FileCheckpointIO
 from moe_lightning.training.lightning_internals import evaluate_under_no_grad
@@ -94,7 +97,7 @@ class MoEFSDPStrategy(CheckpointHooks, ModelParallelStrategy):
         MeshLayout.check_arguments(replicate_size, shard_size, expert_parallel_size, context_parallel_size,
                                    pipeline_parallel_size)
         if pipeline_parallel_size > 1:
-            _check_pipeline_arguments(pipeline_schedule, meta_init)
+            _check_pipeline_arguments(pipeline_schedule, meta_init, cpu_offload, save_distributed_checkpoint)
         self.pipeline_parallel_size, self.pipeline_schedule = pipeline_parallel_size, pipeline_schedule
         self.pipeline_microbatches = pipeline_microbatches
         self.pipeline: PipelineLayout | None = None  # the stages, resolved in setup_environment (pp > 1)
@@ -165,6 +168,8 @@ class MoEFSDPStrategy(CheckpointHooks, ModelParallelStrategy):
         offload = [cb for cb in trainer.callbacks if isinstance(cb, ActivationOffload)]  # its wish: wrap the blocks
         self._parallelize(offload[0].wrap if offload and trainer.state.fn == TrainerFn.FITTING else None)
         super().setup(trainer)
+        if self.pipeline is not None:  # the optimizer exists only now (the module builds it): before any step
+            _check_pipeline_optimizers(self.optimizers)
         evaluate_under_no_grad(trainer)
         # Lightning clips with one norm over all gradients, which cannot combine DTensors of two meshes; ours can.
         self.precision_plugin.clip_grad_by_norm = self.clip_grad_by_norm
@@ -255,7 +260,8 @@ class MoEFSDPStrategy(CheckpointHooks, ModelParallelStrategy):
         self.lightning_module._device = self.root_device  # what `.to` would set: where batches and metrics go
 
 
-def _check_pipeline_arguments(schedule: str, meta_init: bool) -> None:
+def _check_pipeline_arguments(schedule: str, meta_init: bool, cpu_offload: bool = False,
+                              save_distributed_checkpoint: bool = True) -> None:
     """What this strategy composes with pipeline stages yet, checked at construction (one line each)."""
     if schedule in SCHEDULES and SCHEDULES[schedule][1] != "single":
         raise PipelineError(f"strategy.pipeline_schedule={schedule!r} runs several stages per rank, which a "
@@ -264,6 +270,12 @@ def _check_pipeline_arguments(schedule: str, meta_init: bool) -> None:
     if meta_init:
         raise PipelineError("strategy.meta_init=True with pipeline_parallel_size > 1: a stage is cut from the whole "
                             "model built on every rank; set meta_init=False.")
+    if cpu_offload:  # the embedding copies' gradient sum would all-reduce host tensors over the device's group
+        raise PipelineError("strategy.cpu_offload=True with pipeline_parallel_size > 1: the stages' shared "
+                            "embedding gradient is summed over the accelerator's group; set cpu_offload=False.")
+    if not save_distributed_checkpoint:  # rank 0 alone writes a single file, and it holds stage 0 only
+        raise PipelineError("strategy.save_distributed_checkpoint=False with pipeline_parallel_size > 1: a "
+                            "single-file checkpoint would hold the first stage only; set it to True.")
 
 
 def _check_pipeline_trainer(trainer, layout: PipelineLayout) -> None:
@@ -278,3 +290,17 @@ def _check_pipeline_trainer(trainer, layout: PipelineLayout) -> None:
     batch_size = getattr(trainer.datamodule, "batch_size", None)
     if isinstance(batch_size, int):
         check_batch(batch_size, layout.microbatches)
+    for callback in trainer.callbacks:  # they reduce over every rank, where each stage holds other layers
+        if isinstance(callback, (QKClip, ExpertLoadMonitor)):
+            raise PipelineError(f"trainer.callbacks holds {type(callback).__name__} with pipeline_parallel_size="
+                                f"{layout.size}: it reduces its per-layer statistics over every rank, across "
+                                "stages holding different layers; remove it or set pipeline_parallel_size=1.")
+
+
+def _check_pipeline_optimizers(optimizers: list[torch.optim.Optimizer]) -> None:
+    """Muon plans its row exchanges from the parameters every rank trains; each stage holds others."""
+    for optimizer in optimizers:
+        if isinstance(optimizer, Muon):
+            raise PipelineError("model.optimizer is Muon with pipeline_parallel_size > 1: it checks that every "
+                                "rank trains the same matrices, which stages do not; use AdamW (the default) or "
+                                "set pipeline_parallel_size=1.")

@@ -285,3 +285,53 @@ def test_fsdp_units_of_a_stage_keep_the_models_block_names_and_skip_what_it_lack
         assert [n for n in units if n.startswith("layers.")] == blocks
         assert all(units[n].numel > 0 for n in blocks)
         assert "tok_embeddings" not in units and ("output" in units) == (stage == 2)
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    (dict(cpu_offload=True), r"strategy.cpu_offload=True with pipeline_parallel_size > 1.*set cpu_offload=False"),
+    (dict(save_distributed_checkpoint=False),
+     r"strategy.save_distributed_checkpoint=False with pipeline_parallel_size > 1.*first stage only"),
+])
+def test_settings_stages_cannot_honour_are_refused_at_construction(kwargs, words):
+    """A host-memory gradient summed over the accelerator's group; a single-file save holding stage 0 only."""
+    from moe_lightning.training.strategy import MoEFSDPStrategy
+    with pytest.raises(PipelineError, match=words) as refused:
+        MoEFSDPStrategy(pipeline_parallel_size=2, **kwargs)
+    assert "\n" not in str(refused.value)
+
+
+@pytest.mark.parametrize("callback", ["QKClip", "ExpertLoadMonitor"])
+def test_callbacks_reducing_over_every_rank_are_refused_with_stages(callback):
+    """Each stage holds other layers, so a per-layer reduction over the world merges different layers."""
+    from types import SimpleNamespace
+    from moe_lightning.training import callbacks
+    from moe_lightning.training.strategy import _check_pipeline_trainer
+    trainer = SimpleNamespace(accumulate_grad_batches=1, datamodule=None, callbacks=[getattr(callbacks, callback)()])
+    with pytest.raises(PipelineError, match=rf"trainer.callbacks holds {callback} with pipeline_parallel_size=2") \
+            as refused:
+        _check_pipeline_trainer(trainer, resolve_pipeline(MoEConfig(**SHAPE), 2))
+    assert "\n" not in str(refused.value)
+
+
+def test_muon_is_refused_with_stages_and_adamw_is_not():
+    """Muon checks that every rank trains the same matrices (a world all-gather), which stages never do."""
+    from moe_lightning.optim import Muon
+    from moe_lightning.training.strategy import _check_pipeline_optimizers
+    params = list(torch.nn.Linear(4, 4).parameters())
+    _check_pipeline_optimizers([torch.optim.AdamW(params)])
+    with pytest.raises(PipelineError, match=r"model.optimizer is Muon with pipeline_parallel_size > 1") as refused:
+        _check_pipeline_optimizers([Muon(params)])
+    assert "\n" not in str(refused.value)
+
+
+@pytest.mark.parametrize("batch, microbatches, schedule", [(1, 1, "GPipe"), (3, 3, "1F1B"), (4, 2, "1F1B")])
+def test_a_short_held_out_batch_runs_with_fewer_micro_batches(batch, microbatches, schedule):
+    """The held-out set's last batch may hold fewer sequences than stages: it runs one sequence per micro-batch
+    as GPipe (forward only, the same losses; torch's 1F1B refuses fewer micro-batches than stages). That two
+    ranks then equal one process was checked by hand (docs/pipeline.md); before, a batch of 1 raised mid-fit."""
+    layout = resolve_pipeline(MoEConfig(**SHAPE), 2, "1F1B", 2)
+    part = keep_stage(_build(MoEConfig(**SHAPE)).model, 0, layout)
+    runner = pipeline.PipelineRunner([part], layout, None, torch.device("cpu"), torch.float32)
+    M = runner.microbatches(batch, training=False)
+    assert (M, runner.schedule_name(M, training=False)) == (microbatches, schedule)
+    assert runner.schedule_name(2, training=True) == "1F1B"
