@@ -57,7 +57,8 @@ def write_model_file(path: str | Path, config: dict, state_dict: dict[str, torch
     ``config`` (``MoEConfig`` fields), ``state_dict`` (``MoETransformer`` names), ``tokenizer`` (the spec the run
     recorded; ``None``: none recorded, e.g. converted from Hugging Face) and, optionally, ``stored_dtypes``
     (name -> dtype name of tensors held wider than the source stored them, so converting back is bit-identical)
-    and ``hf_kept`` (``hf.kept_keys`` of the Hugging Face folder it came from: its ``model_type``, ``auto_map``).
+    and ``hf_kept`` (``hf.kept_keys`` of the Hugging Face folder it came from: its ``model_type``, ``auto_map`` and
+    the text of the code ``auto_map`` names).
     Streamed to disk atomically (``commit.save_file``)."""
     save_file(_payload(config, state_dict, tokenizer, stored_dtypes, hf_kept), Path(path))
     return Path(path)
