@@ -341,10 +341,21 @@ def test_muon_is_refused_with_stages_and_adamw_is_not():
 def test_a_short_held_out_batch_runs_with_fewer_micro_batches(batch, microbatches, schedule):
     """The held-out set's last batch may hold fewer sequences than stages: it runs one sequence per micro-batch
     as GPipe (forward only, the same losses; torch's 1F1B refuses fewer micro-batches than stages). That two
-    ranks then equal one process was checked by hand (docs/pipeline.md); before, a batch of 1 raised mid-fit."""
+    ranks then equal one process: the slow test below; before, a batch of 1 raised mid-fit."""
     layout = resolve_pipeline(MoEConfig(**SHAPE), 2, "1F1B", 2)
     part = keep_stage(_build(MoEConfig(**SHAPE)).model, 0, layout)
     runner = pipeline.PipelineRunner([part], layout, None, torch.device("cpu"), torch.float32)
     M = runner.microbatches(batch, training=False)
     assert (M, runner.schedule_name(M, training=False)) == (microbatches, schedule)
     assert runner.schedule_name(2, training=True) == "1F1B"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("batch", [1, 3])
+def test_a_short_held_out_batch_on_two_ranks_equals_one_process(batch):
+    """The held-out loss of a batch shorter than the stages (1: GPipe, one micro-batch) or not divided by the
+    micro-batches (3: three) equals one process's; fp32 loss sums, so 1e-6."""
+    out = run_ranks(LAUNCHERS / "pipeline_short_eval_run.py", 2, str(batch), timeout=600)
+    result = json.loads([line for line in out[0].splitlines() if line.startswith("{")][-1])
+    assert result["microbatches"] == batch and result["schedule"] == ("GPipe" if batch == 1 else "1F1B")
+    assert result["pipeline"] == pytest.approx(result["one_process"], rel=1e-6)
