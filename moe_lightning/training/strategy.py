@@ -96,8 +96,6 @@ class MoEFSDPStrategy(CheckpointHooks, ModelParallelStrategy):
                                  ep_overlap_chunks, dispatch_dtype)  # before any launch
         MeshLayout.check_arguments(replicate_size, shard_size, expert_parallel_size, context_parallel_size,
                                    pipeline_parallel_size)
-        if pipeline_parallel_size > 1:
-            _check_pipeline_arguments(pipeline_schedule, meta_init, cpu_offload, save_distributed_checkpoint)
         self.pipeline_parallel_size, self.pipeline_schedule = pipeline_parallel_size, pipeline_schedule
         self.pipeline_microbatches = pipeline_microbatches
         self.pipeline: PipelineLayout | None = None  # the stages, resolved in setup_environment (pp > 1)
@@ -133,7 +131,10 @@ class MoEFSDPStrategy(CheckpointHooks, ModelParallelStrategy):
             layout = resolve_layout(self.num_nodes * self.num_processes, self.replicate_size, self.shard_size,
                                     self.expert_parallel_size, self.context_parallel_size, module.config, seq_len,
                                     self.pipeline_parallel_size)
-            if layout.pp > 1:  # every pipeline refusal before any process group exists
+            if layout.pp > 1:  # every pipeline refusal before any process group exists (here, not in __init__:
+                # jsonargparse would bury the one line in its own multi-line error)
+                _check_pipeline_arguments(self.pipeline_schedule, self.meta_init, self.cpu_offload,
+                                          self._save_distributed_checkpoint)
                 self.pipeline = resolve_pipeline(module.config, layout.pp, self.pipeline_schedule,
                                                  self.pipeline_microbatches, seq_len=seq_len)
                 _check_pipeline_trainer(module.trainer if module._trainer is not None else None, self.pipeline)
@@ -262,7 +263,7 @@ class MoEFSDPStrategy(CheckpointHooks, ModelParallelStrategy):
 
 def _check_pipeline_arguments(schedule: str, meta_init: bool, cpu_offload: bool = False,
                               save_distributed_checkpoint: bool = True) -> None:
-    """What this strategy composes with pipeline stages yet, checked at construction (one line each)."""
+    """What this strategy composes with pipeline stages yet (one line each)."""
     if schedule in SCHEDULES and SCHEDULES[schedule][1] != "single":
         raise PipelineError(f"strategy.pipeline_schedule={schedule!r} runs several stages per rank, which a "
                             "LightningModule's one model does not hold yet: use '1F1B' or 'GPipe' (the others run "

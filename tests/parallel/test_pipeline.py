@@ -292,11 +292,11 @@ def test_fsdp_units_of_a_stage_keep_the_models_block_names_and_skip_what_it_lack
     (dict(save_distributed_checkpoint=False),
      r"strategy.save_distributed_checkpoint=False with pipeline_parallel_size > 1.*first stage only"),
 ])
-def test_settings_stages_cannot_honour_are_refused_at_construction(kwargs, words):
+def test_strategy_settings_stages_cannot_honour_are_refused(kwargs, words):
     """A host-memory gradient summed over the accelerator's group; a single-file save holding stage 0 only."""
-    from moe_lightning.training.strategy import MoEFSDPStrategy
+    from moe_lightning.training.strategy import _check_pipeline_arguments
     with pytest.raises(PipelineError, match=words) as refused:
-        MoEFSDPStrategy(pipeline_parallel_size=2, **kwargs)
+        _check_pipeline_arguments(**{"schedule": "1F1B", "meta_init": False, **kwargs})
     assert "\n" not in str(refused.value)
 
 
