@@ -12,10 +12,10 @@ import json
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from moe_lightning.model import MoEConfig, MoETransformer
 from moe_lightning.parallel.expert_parallel import apply_expert_parallel
+from tests.support.ep_loop import train_steps
 
 STEPS = 12
 TOKENS = {0: 5, 1: 2}  # positions predicted per rank and step (the sequence holds one more)
@@ -23,35 +23,20 @@ CONFIG = MoEConfig(vocab_size=64, dim=128, n_layers=2, n_heads=4, n_kv_heads=2, 
                    num_experts=8, top_k=2, expert_hidden=64, n_shared_experts=1, n_dense_layers=1)
 
 
-def train(chunks: int, rank: int, world: int) -> list[float]:
+def train(chunks: int, rank: int) -> list[float]:
     torch.manual_seed(0)
     model = MoETransformer(CONFIG)
     apply_expert_parallel(model.moe_layers(), dist.group.WORLD, overlap_chunks=chunks,
                           dispatch_dtype=torch.float8_e4m3fn)
-    expert_params = {id(p) for moe in model.moe_layers() for p in moe.experts.parameters()}
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     tokens = torch.randint(0, CONFIG.vocab_size, (1, TOKENS[rank] + 1), generator=torch.Generator().manual_seed(rank))
-    losses = []
-    for _ in range(STEPS):
-        logits = model(tokens[:, :-1])
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
-        optimizer.zero_grad()
-        loss.backward()
-        for p in model.parameters():
-            if id(p) not in expert_params and p.grad is not None:
-                dist.all_reduce(p.grad)
-                p.grad /= world
-        optimizer.step()
-        mean = loss.detach().clone()
-        dist.all_reduce(mean)
-        losses.append(mean.item() / world)
-    return losses
+    return train_steps(model, optimizer, [tokens] * STEPS)
 
 
 def main() -> None:
     dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    runs = {"chunks_8": train(8, rank, world), "chunks_1": train(1, rank, world)}
+    rank = dist.get_rank()
+    runs = {"chunks_8": train(8, rank), "chunks_1": train(1, rank)}
     if rank == 0:
         print(json.dumps(runs), flush=True)
     dist.barrier()  # no rank tears its groups down while another still talks (gloo aborts)

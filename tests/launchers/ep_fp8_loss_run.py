@@ -14,11 +14,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from moe_lightning.model.transformer import MoETransformer
 from moe_lightning.parallel.expert_parallel import apply_expert_parallel
 from moe_lightning.planner.run_config import load_model_config
+from tests.support.ep_loop import train_steps
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 STEPS, BATCH, SEQ = 50, 4, 128
@@ -36,23 +36,8 @@ def train(dispatch_dtype, rank: int, world: int) -> list[float]:
     torch.manual_seed(0)
     model = MoETransformer(config)
     apply_expert_parallel(model.moe_layers(), dist.group.WORLD, dispatch_dtype=dispatch_dtype)
-    expert_params = {id(p) for moe in model.moe_layers() for p in moe.experts.parameters()}
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95))
-    losses = []
-    for tokens in batches(rank, world):
-        logits = model(tokens[:, :-1])
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
-        optimizer.zero_grad()
-        loss.backward()
-        for p in model.parameters():
-            if id(p) not in expert_params and p.grad is not None:
-                dist.all_reduce(p.grad)
-                p.grad /= world
-        optimizer.step()
-        mean = loss.detach().clone()
-        dist.all_reduce(mean)
-        losses.append(mean.item() / world)
-    return losses
+    return train_steps(model, optimizer, batches(rank, world))
 
 
 def main() -> None:
