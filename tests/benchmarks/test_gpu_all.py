@@ -154,6 +154,7 @@ def test_gpu_all_exits_zero_only_when_every_part_succeeded(tmp_path):
     assert done.returncode == 0 and done.stdout.splitlines()[-1] == "gpu_all: all parts ok"
 
 
+@pytest.mark.slow
 def test_gpu_all_time_boxes_a_hanging_part_keeps_its_early_figure_and_skips_what_the_budget_cannot_hold(tmp_path):
     done = run_gpu_all(tmp_path, "17", gpu_paths="hang")
     assert "gpu_all: paths: TIMEOUT after 17 s" in done.stdout
@@ -228,6 +229,7 @@ def test_gpu_strategy_reports_a_child_that_runs_out_of_time(gpu_strategy):
     assert result["status"] == "timeout" and result["unshard_async_op"] is False and result["prefetch_depth"] == 1
 
 
+@pytest.mark.slow
 def test_gpu_strategy_budget_follows_the_time_box_and_sigterm_kills_the_child_group(tmp_path):
     """gpu_all.sh's ``timeout`` signals gpu_strategy.py only; its variant runs in a session of its own, so the
     script must kill that group itself, or a timed-out variant keeps training on the GPU."""
@@ -302,6 +304,7 @@ def test_gpu_strategy_times_each_step_and_leaves_out_the_fit_teardown(gpu_strate
     assert "10 tokens/s (median of 3 steps, 1.000-3.000 s), MFU 25.0%" in line and line.endswith("PASS")
 
 
+@pytest.mark.slow
 def test_gpu_strategy_reports_a_child_that_fails_with_its_error(gpu_strategy, monkeypatch):
     monkeypatch.setattr(gpu_strategy.sys, "executable", sys.executable)
     monkeypatch.setenv("PYTHONPATH", str(REPO_ROOT))  # as gpu_all.sh exports it: the package need not be installed

@@ -28,6 +28,7 @@ def result_of(output: str) -> dict:
     return json.loads(next(line for line in output.splitlines() if line.startswith("{")))
 
 
+@pytest.mark.slow
 def test_two_nodes_of_three_with_ep_2_finish_and_equal_one_process():
     """The layout that hung: 2 torchrun agents x 3 ranks, ep 2. The group {2, 3} straddles the nodes and goes
     hierarchical (2 nodes x 1), the others stay flat: every rank learnt it from the same table and created the same

@@ -22,7 +22,7 @@ def expected_groups(g: int, world: int, replicate: int, ep: int, cp: int) -> dic
     }
 
 
-@pytest.mark.parametrize("replicate, ep, cp", [(2, 2, 1), (1, 2, 2)])
+@pytest.mark.parametrize("replicate, ep, cp", [pytest.param(2, 2, 1, marks=pytest.mark.slow), (1, 2, 2)])
 def test_every_named_group_is_the_ranks_the_layout_says(replicate, ep, cp):
     world = 4
     outputs = run_ranks(LAUNCHERS / "mesh_run.py", world, "--replicate", str(replicate), "--ep", str(ep),

@@ -328,13 +328,15 @@ def test_trainer_fails_on_mesh_before_building_the_model():
         os.environ.update(saved_env)
 
 
+@pytest.mark.slow
 def test_gpu_benchmark_dry_run_runs_every_variant_on_cpu():
-    """benchmarks/gpu_strategy.py stays runnable without a GPU: --dry-run trains each variant on CPU."""
+    """benchmarks/gpu_strategy.py stays runnable without a GPU: --dry-run trains the default variant on CPU in one
+    process, as one GPU runs it (the other variants change nothing at world size 1: FSDP gathers nothing there)."""
     out = subprocess.run([sys.executable, str(REPO_ROOT / "benchmarks" / "gpu_strategy.py"), "--dry-run"],
                          env=clean_env(), cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
-    assert [(r["unshard_async_op"], r["prefetch_depth"]) for r in rows] == [(False, 1), (False, 2), (True, 1), (True, 2)]
+    assert [(r["unshard_async_op"], r["prefetch_depth"]) for r in rows] == [(False, 1)]
     assert all(r["tokens_per_s"] > 0 for r in rows)
 
 
