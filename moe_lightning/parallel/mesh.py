@@ -259,7 +259,7 @@ class ParallelMesh:
     pipeline's stages, read one replica of the data.
     """
 
-    SIDE_CHANNELS = ("preemption", "checkpoint", "checkpoint_writer")
+    SIDE_CHANNELS = ("preemption", "checkpoint", "checkpoint_writer", "stragglers")
 
     def __init__(self, layout: MeshLayout, device_type: str):
         self.layout, self.device_type = layout, device_type
