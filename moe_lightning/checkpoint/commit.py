@@ -49,7 +49,7 @@ def save_file(obj: Any, path: Path) -> None:
     """``torch.save`` streamed into ``path`` through ``durable.write_with`` (beside, synced, renamed, folder
     synced): never a truncated file under ``path``, never a whole-checkpoint buffer in memory."""
     try:
-        durable.write_with(path, lambda file: torch.save(obj, file))
+        durable.write_with(path, lambda file: torch.save(obj, durable.ProgressingFile(file)))  # a long save progresses
     except Exception as error:  # torch's zip writer reports a full disk as a RuntimeError ("unexpected pos")
         if is_disk_full(error):
             raise durable.disk_full_error(path) from None

@@ -21,6 +21,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
 from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -116,9 +117,23 @@ def _local_bytes(state: dict[str, Any]) -> int:
     return 0
 
 
+class _ProgressingFileSystem(FileSystem):
+    """DCP's file system whose written files report each write to the heartbeat (``durable.ProgressingFile``)."""
+
+    @contextmanager
+    def create_stream(self, path, mode: str):
+        with super().create_stream(path, mode) as stream:
+            yield durable.ProgressingFile(stream) if "w" in mode else stream
+
+
 class _HostCopyWriter(FileSystemWriter):
     """Stages for ``async_save`` by copying every tensor into new host memory. (Older torch staged with
-    ``.to("cpu")``, which leaves a tensor already in host memory shared with training while it is written.)"""
+    ``.to("cpu")``, which leaves a tensor already in host memory shared with training while it is written.) Its
+    files tell the heartbeat of every write: a long save is progress, not a stall."""
+
+    def __init__(self, path, **kwargs):
+        super().__init__(path, **kwargs)
+        self.fs = _ProgressingFileSystem()
 
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         staged = _create_cpu_state_dict(state_dict)

@@ -17,6 +17,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO
 
+from moe_lightning.run import heartbeat
+
 PARTIAL_SUFFIX = ".partial"
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
@@ -94,6 +96,22 @@ def write_bytes(path: str | Path, data: bytes) -> None:
 
 def write_text(path: str | Path, text: str) -> None:
     write_bytes(path, text.encode())
+
+
+class ProgressingFile:
+    """A file whose every ``write`` tells this rank's heartbeat the writer moves on (``heartbeat.progressed``: one
+    integer increment), so the stall watchdog does not take a long checkpoint write for a stalled rank; a write
+    that stops (a stopped process, a hung file system) stops the progress with it. Everything else is the file's."""
+
+    def __init__(self, file: BinaryIO):
+        self._file = file
+
+    def write(self, data) -> int:
+        heartbeat.progressed()
+        return self._file.write(data)
+
+    def __getattr__(self, name: str):
+        return getattr(self._file, name)
 
 
 def write_with(path: str | Path, writer: Callable[[BinaryIO], None]) -> None:

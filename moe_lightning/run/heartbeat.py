@@ -8,9 +8,14 @@ its published ``tick`` stops too; a rank stuck in its own code (a data-loader wo
 ticking but stops progressing.
 
 Package code marks its collectives through the module functions ``entered`` / ``finished`` (no-ops while no
-heartbeat is active, as in a single process), so they need no handle on the watchdog.
+heartbeat is active, as in a single process), so they need no handle on the watchdog; a long write that is not a
+collective (a checkpoint's files) calls ``progressed`` as it goes, so it is not taken for a stall.
+
+``waited_s`` adds up the host seconds between each ``entered`` and its ``finished``: the time this rank spent
+waiting inside recorded collectives, which the straggler check (``run/stragglers.py``) subtracts from its step time.
 """
 
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
@@ -43,6 +48,8 @@ class Heartbeat:
         self.collectives = 0  # sequence number of the last collective entered
         self.collective: tuple[str, str, int, str] | None = None  # (op, dimension, seq, "entered" | "finished")
         self.device_done: Callable[[], bool] | None = None  # whether the device has completed it (see ``finished``)
+        self.waited_s = 0.0  # host seconds spent inside recorded collectives (entered to finished), summed
+        self._entered_at: float | None = None
 
     def enter(self, phase: str, step: int | None = None) -> None:
         if step is not None:
@@ -55,17 +62,22 @@ class Heartbeat:
         self.trained = True
         self.progress += 1
 
-    def entered(self, op: str, group=None) -> None:
+    def entered(self, op: str, group=None, dim: str | None = None) -> None:
+        """This rank enters collective ``op`` over ``group`` (``dim``: its name, when no group names it)."""
         self.device_done = None
         self.collectives += 1
-        self.collective = (op, self.dimension(group), self.collectives, "entered")
+        self.collective = (op, dim or self.dimension(group), self.collectives, "entered")
         self.progress += 1
+        self._entered_at = time.perf_counter()
 
     def finished(self, device_done: Callable[[], bool] | None = None) -> None:
         """The wait of the collective entered last returned. On NCCL that only orders the current stream after it:
         ``device_done`` (a CUDA event's ``query``) then says whether the device has completed it, and until it
         does the snapshot still says "entered"."""
         self.device_done = device_done
+        if self._entered_at is not None:  # overlapped collectives: only the last entered one's wait is counted
+            self.waited_s += time.perf_counter() - self._entered_at
+            self._entered_at = None
         if self.collective is not None:
             op, dim, seq, _ = self.collective
             self.collective = (op, dim, seq, "finished")
@@ -100,10 +112,17 @@ def active() -> Heartbeat | None:
     return _active
 
 
-def entered(op: str, group=None) -> None:
+def entered(op: str, group=None, dim: str | None = None) -> None:
     """This rank enters collective ``op`` over ``group`` (a launch, for an asynchronous one)."""
     if _active is not None:
-        _active.entered(op, group)
+        _active.entered(op, group, dim)
+
+
+def progressed() -> None:
+    """Work that is not a collective moved on (a chunk of a checkpoint written), from any thread: a long healthy
+    write is progress, a write that stopped is not."""
+    if _active is not None:
+        _active.progress += 1  # a lost increment between threads is harmless: any change counts
 
 
 def finished(output=None) -> None:

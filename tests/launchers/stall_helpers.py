@@ -83,3 +83,15 @@ class StopAtStep(Callback):
             self.armed = False
             stop_here(self.rank, "save", self.seconds)
 
+
+
+class SlowRank(Callback):
+    """Rank ``rank`` sleeps ``seconds`` before every forward from optimizer step ``step`` on: a straggler that keeps
+    answering and progressing, which the others wait for in their next collective."""
+
+    def __init__(self, rank: int = 1, seconds: float = 0.5, step: int = 0):
+        self.rank, self.seconds, self.step = rank, seconds, step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_rank == self.rank and trainer.global_step >= self.step:
+            time.sleep(self.seconds)

@@ -1,0 +1,56 @@
+"""A straggler in a real 2-process ``fit`` (configs/tiny-fsdp.yaml, gloo): rank 1 sleeps before every forward
+(``tests/launchers/stall_helpers.SlowRank``); rank 0 names it, with host, pid and mesh coordinates, once it has been
+slow for ``straggler_windows`` windows in a row, and logs ``train/step_time_spread``. Equal ranks raise nothing
+(slow). One short case in the main suite."""
+
+import csv
+import re
+
+import pytest
+
+from tests.training.test_preemption import PRINT_STEPS, finish, fit_command, launch
+
+SMALL = ("--data.init_args.seq_len=32", "--data.init_args.batch_size=2", "--model.init_args.config.n_layers=2")
+WATCHDOG = "--trainer.callbacks+=moe_lightning.training.callbacks.stall_watchdog.StallWatchdog"
+SLOW = "--trainer.callbacks+=tests.launchers.stall_helpers.SlowRank"
+
+
+def straggler_fit(tmp_path, steps: int, *extra: str) -> str:
+    """A fit with the straggler check every 2 steps, factor 1.5, 3 windows; returns its output."""
+    out = finish(launch(fit_command("tiny-fsdp.yaml", tmp_path, f"--trainer.max_steps={steps}", *SMALL, PRINT_STEPS,
+                                    WATCHDOG, "--trainer.callbacks.straggler_every=2",
+                                    "--trainer.callbacks.straggler_factor=1.5",
+                                    "--trainer.callbacks.straggler_windows=3", *extra), tmp_path))
+    assert "Traceback" not in out, out[-3000:]
+    return out
+
+
+def spreads(tmp_path) -> dict[int, float]:
+    """``train/step_time_spread`` by step, from the CSV logger's file."""
+    path = next(tmp_path.glob("tiny-fsdp/version_*/metrics.csv"))
+    with path.open() as file:
+        return {int(row["step"]): float(row["train/step_time_spread"]) for row in csv.DictReader(file)
+                if row.get("train/step_time_spread")}
+
+
+def test_a_rank_that_sleeps_before_every_forward_is_named_after_three_slow_windows(tmp_path):
+    """Windows end at steps 2, 4, 6 (the first step is not measured): rank 1, 0.6 s busier per step than rank 0
+    (whose wait for it lands in FSDP's first all-gather), is named once, at step 6, as expert 1."""
+    out = straggler_fit(tmp_path, 7, SLOW, "--trainer.callbacks.rank=1", "--trainer.callbacks.seconds=0.6")
+    warnings = [line for line in out.splitlines() if "straggler: rank" in line]
+    assert len(warnings) == 1, out[-3000:]
+    pids = re.findall(r"pid (\d+)", warnings[0])
+    assert re.search(r"straggler: rank 1 \(host \S+, pid \d+; .*expert 1.*\) was busy \d+\.\d\dx the other ranks' "
+                     r"median \(above 1\.5x\) for 3 windows of 2 steps in a row, up to step 6", warnings[0]), warnings
+    assert pids and int(pids[0]) > 0
+    logged = spreads(tmp_path)
+    assert sorted(logged) == [2, 4, 6], logged
+    assert all(spread > 1.2 for spread in logged.values()), logged  # 2 ranks: max / mean of the two
+
+
+@pytest.mark.slow
+def test_equal_ranks_raise_no_straggler_warning_and_log_a_spread_near_one(tmp_path):
+    out = straggler_fit(tmp_path, 13)
+    assert "straggler: rank" not in out, out[-3000:]
+    logged = spreads(tmp_path)
+    assert sorted(logged) == [2, 4, 6, 8, 10, 12], logged
