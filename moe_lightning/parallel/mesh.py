@@ -105,12 +105,6 @@ class MeshLayout:
         if isinstance(shard_size, int):
             _check_ep_divides_shard(shard_size, expert_parallel_size)
             _check_cp_divides_shard(shard_size, context_parallel_size)
-        if pipeline_parallel_size > 1 and (expert_parallel_size > 1 or context_parallel_size > 1):
-            name, size = ("expert_parallel_size", expert_parallel_size) if expert_parallel_size > 1 else \
-                ("context_parallel_size", context_parallel_size)
-            raise MeshError(f"strategy.{name}={size} with pipeline_parallel_size={pipeline_parallel_size}: "
-                            f"pipeline stages do not yet compose with {name.split('_')[0]} parallelism; set one of "
-                            "them to 1 (docs/pipeline.md).")
 
     @classmethod
     def resolve(cls, world_size: int, replicate_size: int, shard_size: int | str,
@@ -251,9 +245,9 @@ class ParallelMesh:
     ``"pp_ends"``             the first and last stage, same r, s     the token embedding's two copies (MTP, tied)
     ========================  ======================================  ==========================================
 
-    Under expert parallelism ``expert`` is the ``("replicate", "ep", "efsdp")`` mesh (experts split by ``ep``
-    first, the DTensor order of a checkpoint's global expert views); ``dense`` is ``("shard",)`` or
-    ``("replicate", "shard")``. The node groups of hierarchical expert dispatch (``node_groups``) and the gloo
+    Under expert parallelism ``expert`` is the ``("replicate", "ep", "efsdp")`` mesh of this rank's stage (experts
+    split by ``ep`` first, the DTensor order of a checkpoint's global expert views); ``dense`` is ``("shard",)`` or
+    ``("replicate", "shard")``, a stage's under pipeline parallelism. The node groups of hierarchical expert dispatch (``node_groups``) and the gloo
     side channels (``side_channel``) come from here too; ``name_of(group)`` names any group made here.
     ``data_parallel_rank`` / ``data_parallel_size`` are what the sampler reads: a context-parallel group, and a
     pipeline's stages, read one replica of the data.
@@ -264,19 +258,17 @@ class ParallelMesh:
     def __init__(self, layout: MeshLayout, device_type: str):
         self.layout, self.device_type = layout, device_type
         r, s, ep, cp, pp = layout.replicate, layout.shard, layout.ep, layout.cp, layout.pp
-        world_R_S = torch.arange(layout.world_size).view(r * pp, s)  # (under pp, EP and CP are refused)
+        world_R_P_S = torch.arange(layout.world_size).view(r, pp, s)
         self.pipeline, self._stage, self._ends = None, None, None
         if pp > 1:  # every stage's dense mesh is a sub-mesh of one ("replicate", "pp", "shard") mesh
-            self.pipeline = _mesh(device_type, torch.arange(layout.world_size).view(r, pp, s),
-                                  ("replicate", "pp", "shard"))
+            self.pipeline = _mesh(device_type, world_R_P_S, ("replicate", "pp", "shard"))
             self.dense = self.pipeline["shard"] if r == 1 else self.pipeline["replicate", "shard"]
             self._stage, self._ends = self._stage_group(layout, device_type), self._ends_group(layout, device_type)
         else:
-            self.dense = _mesh(device_type, world_R_S[0] if r == 1 else world_R_S,
+            self.dense = _mesh(device_type, world_R_P_S[0, 0] if r == 1 else world_R_P_S[:, 0],
                                ("shard",) if r == 1 else ("replicate", "shard"))
-        self.expert = None if ep == 1 else _mesh(
-            device_type, world_R_S.view(r, s // ep, ep).transpose(1, 2), ("replicate", "ep", "efsdp"))
-        self.context = None if cp == 1 else _mesh(device_type, world_R_S.view(r * s // cp, cp), ("cp_replica", "cp"))
+        self.expert = None if ep == 1 else self._expert_mesh(world_R_P_S, ep, device_type)
+        self.context = None if cp == 1 else _mesh(device_type, world_R_P_S.view(-1, cp), ("cp_replica", "cp"))
         self._side = {name: world_side_channel() for name in self.SIDE_CHANNELS} if layout.world_size > 1 else {}
 
     def group(self, name: str) -> dist.ProcessGroup | None:
@@ -296,6 +288,17 @@ class ParallelMesh:
             return self._ends
         raise KeyError(f"no mesh dimension {name!r}: the dimensions are replicate, shard, ep, efsdp, cp, pp, stage, "
                        "pp_ends")
+
+    @staticmethod
+    def _expert_mesh(world_R_P_S: torch.Tensor, ep: int, device_type: str) -> DeviceMesh:
+        """This stage's ``("replicate", "ep", "efsdp")`` mesh (``s = f * ep + e``: ``ep`` neighbouring shard
+        ranks, ``efsdp`` stride ``ep``). Under stages it is sliced from one ``("replicate", "pp", "ep", "efsdp")``
+        mesh, so each stage's expert groups hold that stage's ranks only and a checkpoint's expert views stay 3-D."""
+        r, pp, s = world_R_P_S.shape
+        ranks_R_P_E_F = world_R_P_S.view(r, pp, s // ep, ep).transpose(2, 3)
+        if pp == 1:
+            return _mesh(device_type, ranks_R_P_E_F[:, 0], ("replicate", "ep", "efsdp"))
+        return _mesh(device_type, ranks_R_P_E_F, ("replicate", "pp", "ep", "efsdp"))["replicate", "ep", "efsdp"]
 
     @staticmethod
     def _stage_group(layout: MeshLayout, device_type: str) -> dist.ProcessGroup:

@@ -33,6 +33,8 @@ def main() -> None:
               "names": {name: name_of(g) for name, g in groups.items() if g is not None},
               "data_parallel": [mesh.data_parallel_rank, mesh.data_parallel_size],
               "side": [ranks(mesh.side_channel(name)) for name in ParallelMesh.SIDE_CHANNELS]}
+    if mesh.expert is not None:  # the checkpoint's 3-D expert mesh and the expert stacks' FSDP mesh, as rank lists
+        report["expert"] = [mesh.expert.mesh_dim_names, mesh.expert.mesh.tolist(), mesh.expert_fsdp.mesh.tolist()]
     if args.per_node:
         ep_group = mesh.group("ep")
         table = [None] * world

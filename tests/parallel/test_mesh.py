@@ -6,35 +6,57 @@ import json
 import pytest
 import torch
 
-from moe_lightning.parallel.mesh import MeshLayout
+from moe_lightning.parallel.mesh import MeshLayout, ParallelMesh
 from tests.support.distributed import LAUNCHERS, run_ranks
 
 
-def expected_groups(g: int, world: int, replicate: int, ep: int, cp: int) -> dict:
-    shard = world // replicate
-    r, s = divmod(g, shard)
+def expected_groups(g: int, world: int, replicate: int, ep: int, cp: int, pp: int = 1) -> dict:
+    """``g = (r * pp + p) * shard + s``: every group but ``replicate`` lies inside one stage ``(r, p)``."""
+    shard = world // (replicate * pp)
+    r, p, s = g // (shard * pp), g // shard % pp, g % shard
+    stage = (r * pp + p) * shard
     return {
-        "replicate": [q * shard + s for q in range(replicate)] if replicate > 1 else None,
-        "shard": [r * shard + t for t in range(shard)],
-        "ep": [r * shard + s // ep * ep + p for p in range(ep)] if ep > 1 else None,
-        "efsdp": [r * shard + f * ep + s % ep for f in range(shard // ep)] if ep > 1 else None,
-        "cp": [r * shard + s // cp * cp + c for c in range(cp)] if cp > 1 else None,
+        "replicate": [(q * pp + p) * shard + s for q in range(replicate)] if replicate > 1 else None,
+        "shard": [stage + t for t in range(shard)],
+        "ep": [stage + s // ep * ep + e for e in range(ep)] if ep > 1 else None,
+        "efsdp": [stage + f * ep + s % ep for f in range(shard // ep)] if ep > 1 else None,
+        "cp": [stage + s // cp * cp + c for c in range(cp)] if cp > 1 else None,
     }
 
 
-@pytest.mark.parametrize("replicate, ep, cp", [pytest.param(2, 2, 1, marks=pytest.mark.slow), (1, 2, 2)])
-def test_every_named_group_is_the_ranks_the_layout_says(replicate, ep, cp):
-    world = 4
+def expected_expert_meshes(g: int, world: int, replicate: int, ep: int, pp: int) -> tuple[list, list]:
+    """Rank ``g``'s stage's expert mesh ``[replicate][ep][efsdp]`` (``s = f * ep + e``) and the mesh that FSDP-shards
+    its expert block: ``[efsdp]``, or ``[replicate][efsdp]`` with replicas."""
+    shard = world // (replicate * pp)
+    p, e = g // shard % pp, g % shard % ep
+    expert_R_E_F = [[[(q * pp + p) * shard + f * ep + e_ for f in range(shard // ep)] for e_ in range(ep)]
+                    for q in range(replicate)]
+    efsdp_R_F = [row[e] for row in expert_R_E_F]
+    return expert_R_E_F, efsdp_R_F[0] if replicate == 1 else efsdp_R_F
+
+
+@pytest.mark.parametrize("world, replicate, ep, cp, pp", [
+    pytest.param(4, 2, 2, 1, 1, marks=pytest.mark.slow), (4, 1, 2, 2, 1), (4, 1, 2, 2, 2),
+    pytest.param(8, 1, 2, 2, 2, marks=pytest.mark.slow), pytest.param(8, 2, 2, 1, 2, marks=pytest.mark.slow)])
+def test_every_named_group_is_the_ranks_the_layout_says(world, replicate, ep, cp, pp):
+    """Under stages (``pp`` 2) the expert and context groups are one stage's neighbouring shard ranks, and the
+    checkpoint's expert mesh is that stage's 3-D ``(replicate, ep, efsdp)`` one."""
     outputs = run_ranks(LAUNCHERS / "mesh_run.py", world, "--replicate", str(replicate), "--ep", str(ep),
-                        "--cp", str(cp))
+                        "--cp", str(cp), "--pp", str(pp))
+    shard = world // (replicate * pp)
     for g, out in enumerate(outputs):
         report = json.loads(out.strip().splitlines()[-1])
-        assert report["groups"] == expected_groups(g, world, replicate, ep, cp), g
+        groups = expected_groups(g, world, replicate, ep, cp, pp)
+        assert {n: report["groups"][n] for n in groups} == groups, g
         world_ranks = list(range(world))  # a group over the whole world is torch's default one: not ours to name
         assert report["names"] == {n: (None if ranks == world_ranks else n)
                                    for n, ranks in report["groups"].items() if ranks is not None}
-        assert report["data_parallel"] == [g // cp, world // cp]  # what the sampler reads
-        assert report["side"] == [list(range(world))] * 3  # gloo side channels over the world
+        replica = g // (shard * pp)  # what the sampler reads: a pipeline's stages and a CP group read one replica
+        assert report["data_parallel"] == [(replica * shard + g % shard) // cp, world // (cp * pp)]
+        assert report["side"] == [world_ranks] * len(ParallelMesh.SIDE_CHANNELS)  # gloo side channels over the world
+        if ep > 1:
+            assert report["expert"] == [["replicate", "ep", "efsdp"], *expected_expert_meshes(g, world, replicate,
+                                                                                               ep, pp)], g
 
 
 @pytest.mark.slow
