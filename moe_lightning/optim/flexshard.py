@@ -107,17 +107,20 @@ def plan_shard_groups(names: list[str], params: list[torch.Tensor], ns_steps: in
     return list(groups.values())
 
 
-def check_trainable_agree(trainable: list[str]) -> None:
-    """Every rank must train the same Muon parameters: the row exchanges are planned from them, so a parameter
-    frozen (or left out) on some ranks only would make ranks plan exchanges of different sizes. One collective,
-    when the plan is made (at the first step, before any parameter changes)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+def check_trainable_agree(trainable: list[str], group: dist.ProcessGroup | None = None) -> None:
+    """Every rank of ``group`` (default: every rank) must train the same Muon parameters: the row exchanges are
+    planned from them, so a parameter frozen (or left out) on some ranks only would make ranks plan exchanges of
+    different sizes. One collective over ``group``, when the plan is made (at the first step, before any parameter
+    changes). Under pipeline stages ``group`` is the stage's ranks: other stages train other matrices, and a stage
+    without a Muon matrix never plans, so a world-wide check would wait for it forever."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return
-    everyone: list[list[str] | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, sorted(trainable))
+    everyone: list[list[str] | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, sorted(trainable), group=group)
     if any(names != everyone[0] for names in everyone):
         some = sorted(set().union(*everyone) - set.intersection(*map(set, everyone)))
-        ranks = {name: [r for r, names in enumerate(everyone) if name not in names] for name in some}
+        rank = (lambda r: r) if group is None else (lambda r: dist.get_global_rank(group, r))
+        ranks = {name: [rank(r) for r, names in enumerate(everyone) if name not in names] for name in some}
         raise FlexShardLayoutError(
             f"Muon parameters frozen (requires_grad=False) or left out of the optimizer on some ranks only: {ranks} "
             "(parameter: the ranks that do not train it). Freeze the same parameters on every rank, before the "

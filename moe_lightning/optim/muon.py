@@ -108,6 +108,9 @@ class Muon(torch.optim.Optimizer):
         self._plan = None
         self._exchange_cache = None
         self._staging: HostStagedNS | None = None
+        # The ranks that train the same parameters as this one (None: every rank); set by a strategy whose ranks
+        # train different ones (MoEFSDPStrategy: a pipeline stage's ranks). FlexShard's check agrees over them.
+        self.trainers_group: torch.distributed.ProcessGroup | None = None
         # None: stage where the state and Newton–Schulz live on different devices; False: the serial blocking path
         # (benchmarks/muon_gpu_step.py compares); True: always (CPU tests of the schedule, with stand-in streams)
         self.stage_host_copies: bool | None = None
@@ -225,7 +228,7 @@ class Muon(torch.optim.Optimizer):
             names = [self._name(g, p) for g, p in muon]
             if any(classify(self._name(g, p), p) for g in self.param_groups if g["algorithm"] == "muon"
                    for p in g["params"]):  # row-sharded matrices (the same on every rank, trained or not)
-                check_trainable_agree(names)
+                check_trainable_agree(names, self.trainers_group)
             steps = {g["ns_steps"] for g, _ in muon}
             self._plan = (key, plan_shard_groups(names, [p for _, p in muon], max(steps)))
         return self._plan[1]

@@ -106,6 +106,8 @@ class MoELanguageModel(L.LightningModule):
         self.ranks_per_batch = 1  # ranks reading each batch (context parallelism, pipeline stages): tokens seen once
         self.sum_expert_counts = _sum_over_world  # over the ranks that hold the same MoE layers (a stage's, under PP)
         self._pending_expert_counts: torch.Tensor | None = None
+        self._step_aux_losses: list[torch.Tensor] = []  # each training forward's balancing losses (local MoE layers)
+        self._aux_hooks: list = []
         self._train_loss_sum: torch.Tensor | None = None  # this optimizer step's micro-batch losses, on device
         self.val_loss_mean = torchmetrics.aggregation.MeanMetric()
 
@@ -208,6 +210,22 @@ class MoELanguageModel(L.LightningModule):
                              "model.config.aux_loss_coef and z_loss_coef to 0.")
         for moe in self.model.moe_layers():
             moe.aux_loss_grad_scale = 1.0 / self.trainer.accumulate_grad_batches
+        self.on_train_end()  # a fit that raised left its hooks
+        # what runs each training forward: the model, or each pipeline stage once per micro-batch
+        self._aux_hooks = [part.register_forward_hook(self._record_aux_losses)
+                           for part in (self.pipeline.parts if self.pipeline is not None else [self.model])]
+
+    def on_train_end(self) -> None:
+        for hook in self._aux_hooks:
+            hook.remove()
+        self._aux_hooks, self._step_aux_losses = [], []
+
+    def _record_aux_losses(self, part: torch.nn.Module, args, output) -> None:
+        """Forward hook: the balancing losses this training forward left on ``part``'s MoE layers (summed over
+        them), read before a block recomputed in backward could write them again."""
+        aux = [m.aux_loss for m in part.moe_layers() if m.aux_loss is not None] if part.training else []
+        if aux:
+            self._step_aux_losses.append(torch.stack(aux).sum())
 
     def training_step(self, batch_BS1: torch.Tensor, batch_idx: int) -> torch.Tensor:
         self._main_loss = None
@@ -216,10 +234,6 @@ class MoELanguageModel(L.LightningModule):
         if counts_LE is not None:  # read now: recomputation in backward would overwrite them
             self._pending_expert_counts = counts_LE if self._pending_expert_counts is None \
                 else self._pending_expert_counts + counts_LE
-            self.log("train/expert_imbalance", (counts_LE.max(-1).values / counts_LE.float().mean(-1)).mean())
-            aux = [m.aux_loss for m in self.model.moe_layers() if m.aux_loss is not None]
-            if aux:
-                self.log("train/aux_loss", torch.stack(aux).sum())
         # a context-parallel group's ranks share their batch: world / size batches a step
         self.tokens_seen += batch_BS1[:, :-1].numel() * self.trainer.world_size // self.ranks_per_batch
         self._log_train_loss((loss if self._main_loss is None else self._main_loss).detach().float(), batch_idx)
@@ -251,14 +265,49 @@ class MoELanguageModel(L.LightningModule):
 
     def on_before_optimizer_step(self, optimizer) -> None:
         """Once per optimizer step, after every micro-batch's backward: move the balancing bias using the
-        counts of all ranks. (Not earlier: a block recomputed in backward must route as it did in forward.)"""
+        counts of all ranks (not earlier: a block recomputed in backward must route as it did in forward), and log
+        ``train/expert_imbalance`` and ``train/aux_loss`` of the step."""
         pending, self._pending_expert_counts = self._pending_expert_counts, None
-        if pending is None or self.config.bias_update_rate == 0:
+        aux_losses, self._step_aux_losses = self._step_aux_losses, []
+        whole = logs_written(self.trainer) and dist.is_available() and dist.is_initialized() \
+            and dist.get_world_size() > 1
+        counts_LE = None if pending is None else pending.float()
+        if counts_LE is not None and (self.config.bias_update_rate != 0 or whole):
+            self.sum_expert_counts(counts_LE)  # the ranks holding these layers: the step's counts of every token
+        if counts_LE is not None and self.config.bias_update_rate != 0:
+            for moe, counts_E in zip(self.model.moe_layers(), counts_LE):
+                moe.router.update_bias(counts_E, self.config.bias_update_rate)
+        self._log_balance(counts_LE, torch.stack(aux_losses).mean() if aux_losses else None, whole)
+
+    def _log_balance(self, counts_LE: torch.Tensor | None, aux: torch.Tensor | None, whole: bool) -> None:
+        """``train/expert_imbalance``: the busiest expert's load over the mean, per MoE layer, averaged over the
+        layers; ``train/aux_loss``: the balancing losses summed over the layers, averaged over the step's
+        micro-batches (each a mean over its sequences). On the steps whose logs are written (``whole``) both are
+        the whole model's over the global batch, the same on every rank: one all-reduce over every rank of each
+        rank's sums over its layers (a pipeline stage's ranks hold the same layers, their counts summed already;
+        a stage's balancing loss is the mean over its data-parallel ranks, counted by the first stage's ranks).
+        Otherwise this rank's layers and batch."""
+        config = self.config
+        if not any(config.is_moe_layer(i) for i in range(config.n_layers)):  # the same on every rank
             return
-        counts_LE = pending.float()
-        self.sum_expert_counts(counts_LE)
-        for moe, counts_E in zip(self.model.moe_layers(), counts_LE):
-            moe.router.update_bias(counts_E, self.config.bias_update_rate)
+        balances = config.aux_loss_coef > 0 or config.z_loss_coef > 0
+        ratio_L = counts_LE.max(-1).values / counts_LE.mean(-1) if counts_LE is not None else None
+        if not whole:
+            if ratio_L is not None:
+                self.log("train/expert_imbalance", ratio_L.mean())
+            if aux is not None:
+                self.log("train/aux_loss", aux)
+            return
+        zero = torch.zeros((), device=self.device)
+        first_stage = float(getattr(self.model, "pipeline_first", True))
+        sums = torch.stack([zero if ratio_L is None else ratio_L.sum().to(self.device),
+                            zero + (0 if ratio_L is None else ratio_L.numel()),
+                            zero if aux is None else aux.to(self.device), zero + first_stage])
+        dist.all_reduce(sums)  # every rank, so a stage without MoE layers takes part too
+        imbalance_sum, moe_layers, aux_sum, data_parallel_ranks = sums.unbind()
+        self.log("train/expert_imbalance", imbalance_sum / moe_layers)
+        if balances:
+            self.log("train/aux_loss", aux_sum / data_parallel_ranks)
 
     def on_validation_epoch_start(self) -> None:
         self.val_loss_mean.reset()  # state made in this loop's grad mode (a standalone run's are inference tensors)

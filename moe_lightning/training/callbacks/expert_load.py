@@ -5,6 +5,7 @@ from pathlib import Path
 
 import lightning as L
 import torch
+import torch.distributed as dist
 import torchmetrics
 from lightning.pytorch.loggers import TensorBoardLogger
 
@@ -41,6 +42,16 @@ class ExpertLoad(torchmetrics.Metric):
         return {"counts": self.counts.clone(), "max_over_mean": counts_LE.max(-1).values / mean_L,
                 "cv": counts_LE.std(-1, correction=0) / mean_L, "dead_fraction": (self.counts == 0).double().mean(-1),
                 "load_entropy": load_entropy_L}
+
+
+def model_moe_blocks(local: list[int]) -> list[int]:
+    """Block indices of the whole model's MoE layers: the union of every rank's (one ``all_gather_object``, at fit
+    start). Under pipeline stages each rank holds some blocks, under their indices in the whole model."""
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return list(local)
+    everyone: list[list[int] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, local)
+    return sorted({index for held in everyone for index in held})
 
 
 def load_figure(counts_LE: torch.Tensor, layer_ids: list[int], step: int):
@@ -95,7 +106,10 @@ class ExpertLoadMonitor(L.Callback):
     Scalars every ``log_every_n_steps``, per block ``i`` of ``model.layers`` and as means over layers:
     ``expert_load/layer{i}/max_over_mean``, ``.../cv``, ``.../dead_fraction`` and ``.../load_entropy`` (see
     ``ExpertLoad``). Every ``image_every_n_steps`` a heatmap figure (rows: MoE layers, columns: experts) goes to
-    TensorBoard when it logs there and to ``<log_dir>/expert_load/step_<step>.png``.
+    TensorBoard when it logs there and to ``<log_dir>/expert_load/step_<step>.png``. Under pipeline stages the
+    scalars and the one heatmap still cover every MoE layer of the model: each rank counts into its own layers'
+    rows of a whole-model ``[layers, experts]`` table, zero elsewhere, and the metric's sum over every rank fills
+    each row from the ranks of the stage that holds it.
 
     Args:
         log_every_n_steps: Optimizer steps per interval; counts are summed over the interval.
@@ -110,33 +124,44 @@ class ExpertLoadMonitor(L.Callback):
                              f"or a multiple of log_every_n_steps={log_every_n_steps}.")
         self.image_every_n_steps = image_every_n_steps
         self.metric: ExpertLoad | None = None
-        self._moe_layers: list[tuple[int, MoELayer]] = []
+        self._moe_layers: list[tuple[int, MoELayer]] = []  # (block index in the whole model, layer) of this rank
+        self._model_blocks: list[int] = []  # block indices of the whole model's MoE layers
+        self._rows: torch.Tensor | None = None  # each local MoE layer's row among them
         self.last_image_path: Path | None = None
         self.last_metrics: dict[str, float] = {}
         self.last_tokens_seen: float | None = None  # the module's tokens_seen when last_metrics were computed
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._moe_layers = [(i, m) for i, block in enumerate(find_blocks(pl_module))
+        # a ModuleList's keys are the block indices, and so are a pipeline stage's (parallel.pipeline.StageBlocks)
+        self._moe_layers = [(int(key), m) for key, block in find_blocks(pl_module).named_children()
                             for m in block.modules() if isinstance(m, MoELayer)]
-        if not self._moe_layers:
+        self._model_blocks = model_moe_blocks([index for index, _ in self._moe_layers])
+        if not self._model_blocks:
             raise ValueError("ExpertLoadMonitor: the model has no MoELayer in model.layers; remove the callback "
                              "or set n_dense_layers below n_layers.")
-        self.metric = ExpertLoad(len(self._moe_layers), self._moe_layers[0][1].num_experts).to(pl_module.device)
+        self._rows = torch.tensor([self._model_blocks.index(i) for i, _ in self._moe_layers], dtype=torch.long,
+                                  device=pl_module.device)
+        num_experts = pl_module.config.num_experts if not self._moe_layers else self._moe_layers[0][1].num_experts
+        self.metric = ExpertLoad(len(self._model_blocks), num_experts).to(pl_module.device)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        self.metric.update(torch.stack([moe.tokens_per_expert for _, moe in self._moe_layers]))
+        model_counts_LE = torch.zeros_like(self.metric.counts)  # a stage of dense blocks only adds nothing
+        if self._moe_layers:
+            counts_LE = torch.stack([moe.tokens_per_expert for _, moe in self._moe_layers])
+            model_counts_LE.index_copy_(0, self._rows, counts_LE.to(model_counts_LE))
+        self.metric.update(model_counts_LE)
         if not self.interval.due(trainer):
             return
         result = self.metric.compute()
         self.metric.reset()
-        metrics = load_metrics(result, [index for index, _ in self._moe_layers])
+        metrics = load_metrics(result, self._model_blocks)
         log_to_loggers(trainer, metrics)
         self.last_metrics = metrics
         self.last_tokens_seen = float(getattr(pl_module, "tokens_seen", trainer.global_step))
         if self.image_every_n_steps and trainer.global_step % self.image_every_n_steps == 0:
             log_dir = trainer.log_dir  # every rank asks: under a distributed strategy it is a broadcast
             if trainer.is_global_zero:
-                self._write_figure(trainer, log_dir, load_figure(result["counts"], [i for i, _ in self._moe_layers],
+                self._write_figure(trainer, log_dir, load_figure(result["counts"], self._model_blocks,
                                                                  trainer.global_step))
 
     def _write_figure(self, trainer: L.Trainer, log_dir: str | None, fig) -> None:

@@ -3,7 +3,8 @@ whose largest pre-softmax logit in that step exceeded a threshold, so the logits
 
 The model records the maxima itself (the ``MaxLogitRecorder`` seam of its attention modules, switched on by this
 callback); this callback combines them across ranks and rescales weight rows in place, on each rank's own shard.
-No optimizer is involved: it works after any optimizer's step.
+No optimizer is involved: it works after any optimizer's step. Under pipeline stages each rank holds some layers:
+the maxima are combined per layer of the whole model (``model_rows``), and each stage clips its own.
 """
 
 import math
@@ -21,6 +22,26 @@ from moe_lightning.model.attention import MaxLogitRecorder, qk_clip_unsupported
 def attention_modules(module: nn.Module) -> list[MaxLogitRecorder]:
     """Every attention module with the max-logit seam, in module order (the blocks', then any extra block's)."""
     return [m for m in module.modules() if isinstance(m, MaxLogitRecorder)]
+
+
+def _name_order(name: str) -> list[tuple[int, int, str]]:
+    """A sort key of a qualified module name that compares block indices as numbers (``layers.2`` < ``layers.10``)."""
+    return [(0, int(part), "") if part.isdigit() else (1, 0, part) for part in name.split(".")]
+
+
+def model_rows(names: list[str]) -> tuple[list[int], int]:
+    """Where this rank's attention modules (qualified names, in module order) sit among the whole model's, and how
+    many the model has: the union over ranks (one ``all_gather_object``, at fit start), ordered by name with block
+    indices compared as numbers. Under pipeline stages each rank holds some of the layers, named as in the whole
+    model; otherwise every rank holds all of them, in module order."""
+    everyone = [names]
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, names)
+    model = names if all(held == names for held in everyone) else \
+        sorted({name for held in everyone for name in held}, key=_name_order)
+    row = {name: i for i, name in enumerate(model)}
+    return [row[name] for name in names], len(model)
 
 
 def clip_factors(max_logits_LH: torch.Tensor, threshold: float) -> torch.Tensor:
@@ -113,6 +134,9 @@ class QKClip(L.Callback):
                              "K2 uses 0.5).")
         self.threshold, self.alpha = float(threshold), float(alpha)
         self._attentions: list[MaxLogitRecorder] = []
+        self._rows: list[int] = []  # each local attention module's row among the whole model's
+        self._rows_index: torch.Tensor | None = None  # the same on the module's device (indexing without a copy)
+        self._model_layers = 0  # attention modules of the whole model (this rank's under pipeline stages)
         self.last_max_logits: torch.Tensor | None = None  # [layers, heads] of the last step, all ranks combined
         self.last_gamma: torch.Tensor | None = None
 
@@ -129,6 +153,9 @@ class QKClip(L.Callback):
         if not self._attentions:
             raise ValueError("QKClip: the model has no attention module recording max logits (GroupedQueryAttention "
                              "or MultiHeadLatentAttention); remove the callback.")
+        names = {id(module): name for name, module in pl_module.named_modules()}
+        self._rows, self._model_layers = model_rows([names[id(a)] for a in self._attentions])
+        self._rows_index = torch.tensor(self._rows, device=pl_module.device)
         for attention in self._attentions:
             attention.record_max_logits, attention.max_logits = True, None
 
@@ -140,20 +167,22 @@ class QKClip(L.Callback):
         if not optimizer_step_ends(trainer):  # not the last micro-batch of a step
             return
         max_logits_LH = self.collect_max_logits(pl_module.device)
-        gamma_LH = clip_qk_(self._attentions, max_logits_LH, self.threshold, self.alpha)
+        clip_qk_(self._attentions, max_logits_LH.index_select(0, self._rows_index), self.threshold, self.alpha)
+        gamma_LH = clip_factors(max_logits_LH, self.threshold)  # every layer's, for the logs
         self.last_max_logits, self.last_gamma = max_logits_LH, gamma_LH
         pl_module.log("attention/max_logit", max_logits_LH.max())
         pl_module.log("attention/clipped_heads", (gamma_LH < 1).sum().float())
 
     def collect_max_logits(self, device: torch.device) -> torch.Tensor:
-        """``[layers, heads]`` maxima of the step, reset for the next one, combined over ranks (one all-reduce)."""
-        rows = []
-        for attention in self._attentions:
+        """``[layers, heads]`` maxima of the step for every attention layer of the model, reset for the next step,
+        combined over ranks (one all-reduce): a layer's row is ``-inf`` on the ranks of the stages without it."""
+        heads = self._attentions[0].n_heads  # every layer's (the model's config)
+        max_logits_LH = torch.full((self._model_layers, heads), -math.inf, device=device)
+        for attention, row in zip(self._attentions, self._rows):
             recorded = attention.max_logits
             attention.max_logits = None
-            rows.append(torch.full((attention.n_heads,), -math.inf, device=device) if recorded is None
-                        else recorded.to(device))
-        max_logits_LH = torch.stack(rows)
+            if recorded is not None:
+                max_logits_LH[row] = recorded.to(device)
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(max_logits_LH, op=dist.ReduceOp.MAX)
         return max_logits_LH
