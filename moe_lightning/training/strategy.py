@@ -31,8 +31,6 @@ from moe_lightning.run.refusals import same_on_every_rank
 from moe_lightning.run.watchdog import DEFAULT_STALL_TIMEOUT_S, check_stall_timeout
 from moe_lightning.optim.muon import Muon
 from moe_lightning.training.callbacks.activation_offload import ActivationOffload
-from moe_lightning.training.callbacks.expert_load import ExpertLoadMonitor
-from moe_lightning.training.callbacks.qk_clip import QKClip
 from moe_lightning.training.callbacks.stall_watchdog import StallWatchdog
 from moe_lightning.training.checkpoint_io import CheckpointHooks, FileCheckpointIO
 from moe_lightning.training.lightning_internals import evaluate_under_no_grad
@@ -169,8 +167,9 @@ class MoEFSDPStrategy(CheckpointHooks, ModelParallelStrategy):
         offload = [cb for cb in trainer.callbacks if isinstance(cb, ActivationOffload)]  # its wish: wrap the blocks
         self._parallelize(offload[0].wrap if offload and trainer.state.fn == TrainerFn.FITTING else None)
         super().setup(trainer)
-        if self.pipeline is not None:  # a Muon built by other means than a YAML class_path: before any step
-            _check_pipeline_optimizers(self.optimizers)
+        for optimizer in self.optimizers:  # FlexShard's plan agrees over the ranks training the same matrices
+            if isinstance(optimizer, Muon):
+                optimizer.trainers_group = self.parallel.group("stage")  # a pipeline stage's (None: every rank)
         evaluate_under_no_grad(trainer)
         # Lightning clips with one norm over all gradients, which cannot combine DTensors of two meshes; ours can.
         self.precision_plugin.clip_grad_by_norm = self.clip_grad_by_norm
@@ -291,34 +290,3 @@ def _check_pipeline_trainer(trainer, layout: PipelineLayout) -> None:
     batch_size = getattr(trainer.datamodule, "batch_size", None)
     if isinstance(batch_size, int):
         check_batch(batch_size, layout.microbatches)
-    factory = getattr(getattr(trainer, "lightning_module", None), "optimizer_factory", None)
-    if _builds_muon(factory):
-        raise PipelineError(_MUON_WITH_STAGES)
-    for callback in trainer.callbacks:  # they reduce over every rank, where each stage holds other layers
-        if isinstance(callback, (QKClip, ExpertLoadMonitor)):
-            raise PipelineError(f"trainer.callbacks holds {type(callback).__name__} with pipeline_parallel_size="
-                                f"{layout.size}: it reduces its per-layer statistics over every rank, across "
-                                "stages holding different layers; remove it or set pipeline_parallel_size=1.")
-
-
-# Muon plans its row exchanges from the matrices every rank trains (one all-gather over the world); stages differ
-_MUON_WITH_STAGES = ("model.optimizer is Muon with pipeline_parallel_size > 1: it checks that every rank trains the "
-                     "same matrices, which stages do not; use AdamW (the default) or set pipeline_parallel_size=1.")
-
-
-def _builds_muon(factory) -> bool:
-    """Whether the module's optimizer factory is Muon, or jsonargparse's wrapper of it from a YAML ``class_path``
-    (a ``partial`` from 4.49, a closure over the class before)."""
-    held = [factory, getattr(factory, "func", None), *getattr(factory, "args", ())]
-    for cell in getattr(factory, "__closure__", None) or ():
-        try:
-            held.append(cell.cell_contents)
-        except ValueError:  # a cell not yet bound
-            pass
-    return any(candidate is Muon for candidate in held)
-
-
-def _check_pipeline_optimizers(optimizers: list[torch.optim.Optimizer]) -> None:
-    """The built optimizers (a Muon from a factory other than a YAML ``class_path``, which is refused earlier)."""
-    if any(isinstance(optimizer, Muon) for optimizer in optimizers):
-        raise PipelineError(_MUON_WITH_STAGES)

@@ -300,41 +300,20 @@ def test_strategy_settings_stages_cannot_honour_are_refused(kwargs, words):
     assert "\n" not in str(refused.value)
 
 
-@pytest.mark.parametrize("callback", ["QKClip", "ExpertLoadMonitor"])
-def test_callbacks_reducing_over_every_rank_are_refused_with_stages(callback):
-    """Each stage holds other layers, so a per-layer reduction over the world merges different layers."""
-    from types import SimpleNamespace
-    from moe_lightning.training import callbacks
-    from moe_lightning.training.strategy import _check_pipeline_trainer
-    trainer = SimpleNamespace(accumulate_grad_batches=1, datamodule=None, callbacks=[getattr(callbacks, callback)()])
-    with pytest.raises(PipelineError, match=rf"trainer.callbacks holds {callback} with pipeline_parallel_size=2") \
-            as refused:
-        _check_pipeline_trainer(trainer, resolve_pipeline(MoEConfig(**SHAPE), 2))
-    assert "\n" not in str(refused.value)
-
-
-def test_muon_is_refused_with_stages_and_adamw_is_not():
-    """Muon checks that every rank trains the same matrices (a world all-gather), which stages never do: refused
-    from the YAML factory before any process group, and once built (any other factory)."""
-    from moe_lightning.optim import Muon
-    from moe_lightning.training.strategy import _check_pipeline_optimizers
+def test_muon_qk_clip_and_the_expert_load_monitor_are_accepted_with_stages():
+    """They reduce over a stage's ranks, or per layer of the whole model (tests/training/test_pipeline_callbacks.py
+    fits them at 2 stages against 1): Muon from the YAML factory and both callbacks pass the stage checks."""
     from types import SimpleNamespace
     from jsonargparse import ArgumentParser
+    from moe_lightning.training import callbacks
     from moe_lightning.training.strategy import _check_pipeline_trainer
-    params = list(torch.nn.Linear(4, 4).parameters())
-    _check_pipeline_optimizers([torch.optim.AdamW(params)])
-    with pytest.raises(PipelineError, match=r"model.optimizer is Muon with pipeline_parallel_size > 1") as refused:
-        _check_pipeline_optimizers([Muon(params)])
-    assert "\n" not in str(refused.value)
-    parser = ArgumentParser()  # the factory a YAML class_path gives, refused before any process group
+    parser = ArgumentParser()  # the factory a YAML class_path gives
     parser.add_class_arguments(MoELanguageModel, "model")
     instantiate = getattr(parser, "instantiate", None) or parser.instantiate_classes  # the name before 4.49
     module = instantiate(parser.parse_args(["--model.optimizer", "moe_lightning.optim.Muon"])).model
-    trainer = SimpleNamespace(accumulate_grad_batches=1, datamodule=None, callbacks=[], lightning_module=module)
-    with pytest.raises(PipelineError, match=r"model.optimizer is Muon"):
-        _check_pipeline_trainer(trainer, resolve_pipeline(MoEConfig(**SHAPE), 2))
-    _check_pipeline_trainer(SimpleNamespace(**{**vars(trainer), "lightning_module": MoELanguageModel()}),
-                            resolve_pipeline(MoEConfig(**SHAPE), 2))
+    trainer = SimpleNamespace(accumulate_grad_batches=1, datamodule=None, lightning_module=module,
+                              callbacks=[callbacks.QKClip(), callbacks.ExpertLoadMonitor()])
+    _check_pipeline_trainer(trainer, resolve_pipeline(MoEConfig(**SHAPE), 2))
 
 
 @pytest.mark.parametrize("batch, microbatches, schedule", [(1, 1, "GPipe"), (3, 3, "1F1B"), (4, 2, "1F1B")])
