@@ -15,6 +15,7 @@ from moe_lightning import MoEConfig, MoELanguageModel, TextDataModule
 from moe_lightning.optim import WarmupCosineLR
 from moe_lightning.training.strategy import MoEFSDPStrategy
 from tests.launchers.ep_fit_probe import EPFitProbe
+from tests.launchers.stage_metrics_probe import StageMetricsProbe
 
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "tiny-fsdp.yaml"
 
@@ -29,11 +30,27 @@ def main() -> None:
     parser.add_argument("--save-at", type=int, nargs="*", default=[])
     parser.add_argument("--ckpt", default=None)
     parser.add_argument("--clip", type=float, default=None, help="trainer.gradient_clip_val")
+    parser.add_argument("--optimizer", choices=["adamw", "muon"], default="adamw")
+    parser.add_argument("--adamw-patterns", nargs="*", default=None, help="Muon's: names sent to AdamW")
+    parser.add_argument("--qk-clip", type=float, default=None, help="QKClip's threshold")
+    parser.add_argument("--expert-load", action="store_true", help="ExpertLoadMonitor every step, heatmap each 2")
+    parser.add_argument("--aux-loss-coef", type=float, default=0.0)
+    parser.add_argument("--log-every", type=int, default=50, help="trainer.log_every_n_steps")
+    parser.add_argument("--record", default=None, help="StageMetricsProbe's output (one file per rank)")
     args = parser.parse_args()
+    from moe_lightning.optim import Muon
+    from moe_lightning.training.callbacks import ExpertLoadMonitor, QKClip
+    extra = ([QKClip(args.qk_clip)] if args.qk_clip else []) + (
+        [ExpertLoadMonitor(log_every_n_steps=1, image_every_n_steps=2)] if args.expert_load else []) + (
+        [StageMetricsProbe(args.record)] if args.record else [])
+    optimizer = (lambda groups: Muon(groups, lr=0.003, adamw_lr=0.003, adamw_betas=(0.9, 0.95), ns_dtype="float32",
+                                     adamw_patterns=args.adamw_patterns)) if args.optimizer == "muon" else \
+        (lambda groups: torch.optim.AdamW(groups, lr=0.003, betas=(0.9, 0.95)))
     shape = yaml.safe_load(CONFIG.read_text())["model"]["init_args"]["config"]
+    shape["aux_loss_coef"] = args.aux_loss_coef
     L.seed_everything(0)
     model = MoELanguageModel(MoEConfig(**shape),
-                             optimizer=lambda groups: torch.optim.AdamW(groups, lr=0.003, betas=(0.9, 0.95)),
+                             optimizer=optimizer,
                              lr_scheduler=lambda opt: WarmupCosineLR(opt, warmup_steps=30))
     data = TextDataModule(source="stdlib", seq_len=128, batch_size=args.batch, max_tokens=40000)
     strategy = MoEFSDPStrategy(pipeline_parallel_size=args.pp, pipeline_microbatches=args.microbatches,
@@ -41,8 +58,9 @@ def main() -> None:
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=args.steps, logger=False,
                         enable_progress_bar=False, enable_checkpointing=False, limit_val_batches=1,
                         val_check_interval=3, check_val_every_n_epoch=None, num_sanity_val_steps=0,
-                        gradient_clip_val=args.clip,
-                        callbacks=[EPFitProbe(args.out, save_at_steps=args.save_at)])
+                        gradient_clip_val=args.clip, log_every_n_steps=args.log_every,
+                        default_root_dir=Path(args.out).parent,
+                        callbacks=[*extra, EPFitProbe(args.out, save_at_steps=args.save_at)])
     trainer.fit(model, data, ckpt_path=args.ckpt)
     if trainer.is_global_zero and "val/loss" in trainer.callback_metrics:
         print("val/loss", float(trainer.callback_metrics["val/loss"]))
