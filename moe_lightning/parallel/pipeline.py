@@ -238,7 +238,12 @@ class StageTransformer(MoETransformer):
     states ``[b, S, D]``; ``batch_BS1`` the micro-batch's ``S + 1`` tokens (every stage reads them: the document
     mask on every stage, the targets and MTP's shifted embeddings on the last). Returns the hidden states, or on
     the last stage the summed cross-entropy of each depth ``[1 + D]`` (the head's dtype): the main loss's, then
-    each MTP depth's while training."""
+    each MTP depth's while training.
+
+    Under a context-parallel ``sequence_shard`` (the model's seam, as in ``MoETransformer.forward``) a stage
+    computes this rank's positions only: the first stage embeds this rank's tokens, hidden states between stages
+    are ``[b, S / size, D]``, and the last stage's sums, of this rank's targets, are completed over the ranks that
+    share the sequences (``sum_over_sequence``), so every rank returns the whole micro-batch's sums."""
 
     pipeline_stage: int
     pipeline_first: bool
@@ -250,23 +255,46 @@ class StageTransformer(MoETransformer):
         tokens_BS = batch_BS1[:, :-1]
         S = tokens_BS.shape[1]
         eod = self.config.eod_token_id if self.config.document_masking else None
-        mask = DocumentMask(document_ids(tokens_BS, eod), q_len=S) if eod is not None else None
-        cos_sin = self.rotary.cos_sin(0, S, device=tokens_BS.device)
-        h_BSD = self.tok_embeddings(tokens_BS) if self.pipeline_first else x
+        positions_S = self.sequence_shard.positions(S, tokens_BS.device)  # None: the whole sequence
+        if eod is not None:
+            mask = DocumentMask(document_ids(tokens_BS, eod), q_len=S, q_positions_S=positions_S)
+        else:  # causal; a shard's queries against every key at their global positions
+            mask = None if positions_S is None else DocumentMask(tokens_BS.new_zeros(tokens_BS.shape),
+                                                                 q_positions_S=positions_S)
+        if positions_S is None:
+            cos_sin, shard = self.rotary.cos_sin(0, S, device=tokens_BS.device), None
+        else:
+            cos_sin, shard = self.rotary.cos_sin_at(positions_S), self.sequence_shard
+        h_BsD = self.tok_embeddings(self.sequence_shard.local(tokens_BS)) if self.pipeline_first else x
         for layer in self.layers:
-            h_BSD = layer(h_BSD, mask=mask, cache=None, cos_sin=cos_sin, sequence_shard=None)
+            h_BsD = layer(h_BsD, mask=mask, cache=None, cos_sin=cos_sin, sequence_shard=shard)
         if not self.pipeline_last:
             self._count_experts()
-            return h_BSD
-        h_BSD = self.norm(h_BSD)
+            return h_BsD
+        h_BsD = self.norm(h_BsD)
         if self.training and len(self.mtp):
-            hidden = self._multi_token_hidden(tokens_BS, self.tok_embeddings(tokens_BS), h_BSD, None, mask)
+            emb_BSD, shifted_emb = self._mtp_embeddings(tokens_BS, positions_S)
+            hidden = self._multi_token_hidden(tokens_BS, emb_BSD, h_BsD, shifted_emb, mask)
         else:
-            hidden = [h_BSD]
+            hidden = [h_BsD]
         self._count_experts()
-        targets = [mtp.targets(batch_BS1, depth, eod).flatten() for depth in range(len(hidden))]
+        targets = [self.local_targets(mtp.targets(batch_BS1, depth, eod), S).flatten()  # this rank's positions
+                   for depth in range(len(hidden))]
         sums = self.output.cross_entropy_sums([h.flatten(0, 1) for h in hidden], targets, self.loss_chunk_size)
-        return torch.stack(sums)
+        return self.sequence_shard.sum_over_sequence(torch.stack(sums)[None])[0]
+
+    def _mtp_embeddings(self, tokens_BS: torch.Tensor, positions_S: torch.Tensor | None
+                        ) -> tuple[torch.Tensor | None, list[torch.Tensor] | None]:
+        """What ``_multi_token_hidden`` reads: the whole sequence's embeddings ``[B, S, D]``; under a shard
+        instead, for each depth k, the embeddings of the tokens k ahead of this rank's positions below ``S - k``
+        (one call of the embedding, split), as ``MoETransformer.forward`` computes them."""
+        if positions_S is None:
+            return self.tok_embeddings(tokens_BS), None
+        S = tokens_BS.shape[1]
+        shifted_S = [self.sequence_shard.truncated(S, S - k).positions(S - k, tokens_BS.device) + k
+                     for k in range(1, len(self.mtp) + 1)]
+        emb_BXD = self.tok_embeddings(tokens_BS[:, torch.cat(shifted_S)])
+        return None, list(emb_BXD.split([len(p) for p in shifted_S], dim=1))
 
     def _count_experts(self) -> None:
         """Add this micro-batch's tokens per expert of every local MoE layer to the step's (read right after
@@ -288,27 +316,67 @@ def keep_stage(model: MoETransformer, stage: int, layout: PipelineLayout,
     """Prune ``model`` in place to ``stage``: its blocks (names kept), the embedding on the first stage (and on
     the last when ``reads_embedding_last``), the final norm, head and MTP modules on the last. Run it before
     anything wraps the blocks (compile, FSDP, offload) so they see only this stage's."""
+    return keep_stages(model, [stage], layout, loss_chunk_size)
+
+
+def keep_stages(model: MoETransformer, stages: list[int], layout: PipelineLayout,
+                loss_chunk_size: int | None = None) -> StageTransformer:
+    """Prune ``model`` in place to the union of ``stages`` (a rank's, ``layout.stages_of``): their blocks, names
+    kept, and the embedding, norm, head and MTP of whichever of them needs each (``keep_stage``'s rules). This one
+    module is what Lightning, the optimizer and checkpoints see; torch's ``PipelineStage`` runs ``stage_parts``."""
     if type(model) is not MoETransformer:
         raise TypeError("keep_stage prunes a plain MoETransformer before it is parallelized; got "
                         f"{type(model).__name__}.")
-    first, last = stage == 0, stage == layout.num_stages - 1
-    model.layers = StageBlocks({i: model.layers[i] for i in layout.blocks_of(stage)})
+    _prune(model, sorted(stages), layout)
+    model.loss_chunk_size, model.step_expert_counts = loss_chunk_size, None
+    return model
+
+
+def _prune(model: MoETransformer, stages: list[int], layout: PipelineLayout) -> None:
+    """Keep in ``model`` only what ``stages`` run, and make it a ``StageTransformer`` of the first of them."""
+    first, last = 0 in stages, layout.num_stages - 1 in stages
+    blocks = model.layers._modules  # keyed by the whole model's block index, in a ModuleList and a StageBlocks alike
+    model.layers = StageBlocks({i: blocks[str(i)] for s in stages for i in layout.blocks_of(s)})
     if not (first or last and reads_embedding_last(model.config)):
         model.tok_embeddings = None
     if not last:
         model.norm = model.output = None
         model.mtp = nn.ModuleList()
     model.__class__ = StageTransformer
-    model.pipeline_stage, model.pipeline_first, model.pipeline_last = stage, first, last
-    model.loss_chunk_size, model.step_expert_counts = loss_chunk_size, None
-    return model
+    model.pipeline_stage, model.pipeline_first, model.pipeline_last = stages[0], first, last
+
+
+def stage_parts(model: StageTransformer, layout: PipelineLayout) -> list[StageTransformer]:
+    """The modules torch's ``PipelineStage`` runs for the rank's stages, in ``layout.stages_of`` order: ``model``
+    itself when it holds one stage; else one view per stage that shares ``model``'s submodules (blocks, embedding,
+    norm, head, MTP) but holds only its stage's, so that a view's ``parameters()`` are exactly its stage's (the
+    zero-bubble schedules' weight pass walks them). Views are not registered in ``model``: names, the optimizer's
+    parameters and checkpoint keys stay the model's. Build them after every step that replaces a child of the
+    model (context parallelism's ``sequence_shard``) and before FSDP, which makes each view a root."""
+    stages = layout.stages_of(layout.rank_of(model.pipeline_stage))
+    if len(stages) == 1:
+        return [model]
+    views = []
+    for stage in stages:
+        view = StageTransformer.__new__(StageTransformer)
+        nn.Module.__init__(view)  # its own parameter, module and hook tables
+        view.__dict__.update({k: v for k, v in model.__dict__.items() if k not in view.__dict__})
+        view._modules.update(model._modules)
+        view._parameters.update(model._parameters)
+        view._buffers.update(model._buffers)
+        view._non_persistent_buffers_set.update(model._non_persistent_buffers_set)
+        _prune(view, [stage], layout)
+        view.step_expert_counts = None
+        views.append(view)
+    return views
 
 
 class PipelineLoss:
     """The schedule's ``loss_fn``: a micro-batch's per-depth sums ``[1 + D]`` weighted so that the M micro-batches
     add up to one process's loss over the global batch, ``main + λ/D · Σ_k CE_k`` with each ``CE_k`` a mean over
     all of depth k's targets that are not ignored. ``set_batch`` before each ``step``; ``sums`` then holds every
-    micro-batch's detached sums, for logging."""
+    micro-batch's detached sums, for logging. Under context parallelism every rank of a group holds the whole
+    batch, so the counts are the whole sequences', as are the sums the last stage returns (``StageTransformer``)."""
 
     def __init__(self, config: MoEConfig):
         self.config = config
@@ -333,6 +401,25 @@ class PipelineLoss:
         return torch.stack(self.sums).sum(0) / self.counts_K
 
 
+def _forward_only(schedule: pipelining.schedules._PipelineScheduleRuntime) -> None:
+    """Drop a schedule of several stages per rank to its forward work, in its order, for evaluation: torch (2.11 to
+    2.13) runs the backward actions in ``eval`` too, and a V's hand-off of gradients between a rank's two stages
+    then fails. Forward only, the order stays deadlock-free: each forward's input comes from a forward earlier in
+    the order; the stages' gathers (UNSHARD/RESHARD) stay. (``pipeline_order_with_comms`` and ``_Action`` are
+    private; read in torch 2.11's and 2.13's ``schedules.py``.)"""
+    kind = pipelining.schedules._ComputationType
+    backward = {kind.FULL_BACKWARD, kind.BACKWARD_INPUT, kind.BACKWARD_WEIGHT, kind.SEND_B, kind.RECV_B,
+                kind.REDUCE_GRAD}
+
+    def forward_part(action) -> list:
+        if action.sub_actions is not None:  # OVERLAP_F_B: a forward and a backward in one
+            return [a for a in action.sub_actions if a.computation_type == kind.FORWARD]
+        return [] if action.computation_type in backward else [action]
+
+    schedule.pipeline_order_with_comms = {rank: [a for action in actions for a in forward_part(action)]
+                                          for rank, actions in schedule.pipeline_order_with_comms.items()}
+
+
 def sum_shared_embedding_grads(model: MoETransformer, group: dist.ProcessGroup | None) -> None:
     """Sum the token embedding's gradient between the first and the last stage (``group``: those two ranks), so
     the copy on the last stage and the first stage's take the same optimizer step. A no-op without ``group``."""
@@ -343,7 +430,7 @@ def sum_shared_embedding_grads(model: MoETransformer, group: dist.ProcessGroup |
 
 
 class PipelineRunner:
-    """Runs torch's schedule over one batch on this rank's stages (``parts``, each a ``keep_stage`` model):
+    """Runs torch's schedule over one batch on this rank's stages (``parts``: ``stage_parts``, one per stage):
     training, forward and backward over the ``layout.microbatches`` micro-batches; evaluation, forward only.
     ``run`` returns each depth's loss over the batch ``[1 + D]`` (``[1]`` in evaluation), the same on every rank of
     the pipeline (broadcast from the last stage's); after a training step the embedding copies' gradients are
@@ -389,7 +476,8 @@ class PipelineRunner:
         if key not in self._schedules:
             M, last = self.microbatches(B, training), self.layout.num_stages - 1
             b, dtype = B // M, self.activation_dtype
-            hidden = torch.empty(b, S, self.config.dim, dtype=dtype, device="meta", requires_grad=True)
+            S_local = S // self.parts[0].sequence_shard.size  # a context-parallel rank's share of each sequence
+            hidden = torch.empty(b, S_local, self.config.dim, dtype=dtype, device="meta", requires_grad=True)
             sums = torch.empty(1 + (self.config.mtp_layers if training else 0), device="meta", requires_grad=True,
                                dtype=torch.promote_types(dtype, torch.float32))
             tokens = torch.empty(b, S + 1, dtype=torch.long, device="meta")
@@ -400,6 +488,8 @@ class PipelineRunner:
             loss_fn = PipelineLoss(self.config)
             cls = schedule_class(self.schedule_name(M, training))
             schedule = cls(stages[0] if len(stages) == 1 else stages, M, loss_fn=loss_fn, scale_grads=False)
+            if not training and len(stages) > 1:
+                _forward_only(schedule)
             self._schedules[key] = schedule, loss_fn
         return self._schedules[key]
 
@@ -408,7 +498,7 @@ class PipelineRunner:
         schedule, loss_fn = self._schedule(B, S1 - 1, training)
         loss_fn.set_batch(batch_BS1, training)
         for part in self.parts:
-            part.step_expert_counts = None
+            part.training, part.step_expert_counts = training, None  # a view's flag: Lightning sets the model's
             for moe in part.moe_layers():  # each micro-batch's balancing losses are means over its sequences
                 moe.aux_loss_grad_scale = 1 / self.microbatches(B, training)
         if training:

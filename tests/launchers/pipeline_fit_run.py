@@ -1,10 +1,11 @@
-"""One ``fit`` of configs/tiny-fsdp.yaml's model and data under ``MoEFSDPStrategy`` (2 gloo processes, expert
-parallelism off) at a pipeline size, for tests/parallel/test_pipeline.py: the same global batch at any size
-(``--batch`` per data-parallel replica: 8 sequences a step), optionally resumed from a checkpoint. The
-probe (tests/launchers/ep_fit_probe.py) records each step's world-mean loss, the bytes each rank holds, and saves
-checkpoints at ``--save-at``. Run under ``torch.distributed.run``."""
+"""One ``fit`` of configs/tiny-fsdp.yaml's model and data under ``MoEFSDPStrategy`` (``--devices`` gloo processes,
+2 by default; ``--ep`` and ``--cp`` within a stage) at a pipeline size, for tests/parallel/test_pipeline.py: the
+same global batch at any size (``--batch`` per data-parallel replica: 8 sequences a step), optionally resumed
+from a checkpoint. The probe (tests/launchers/ep_fit_probe.py) records each step's world-mean loss, the bytes each
+rank holds, and saves checkpoints at ``--save-at``. Run under ``torch.distributed.run``."""
 
 import argparse
+import json
 from pathlib import Path
 
 import lightning as L
@@ -16,6 +17,7 @@ from moe_lightning.optim import WarmupCosineLR
 from moe_lightning.training.strategy import MoEFSDPStrategy
 from tests.launchers.ep_fit_probe import EPFitProbe
 from tests.launchers.stage_metrics_probe import StageMetricsProbe
+from tests.launchers.expert_bias_probe import ExpertBiasProbe
 
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "tiny-fsdp.yaml"
 
@@ -30,6 +32,13 @@ def main() -> None:
     parser.add_argument("--save-at", type=int, nargs="*", default=[])
     parser.add_argument("--ckpt", default=None)
     parser.add_argument("--clip", type=float, default=None, help="trainer.gradient_clip_val")
+    parser.add_argument("--devices", type=int, default=2, help="gloo processes (trainer.devices)")
+    parser.add_argument("--ep", type=int, default=1, help="strategy.expert_parallel_size")
+    parser.add_argument("--cp", type=int, default=1, help="strategy.context_parallel_size")
+    parser.add_argument("--biases", default=None, help="ExpertBiasProbe's output: every layer's bias each step")
+    parser.add_argument("--schedule", default="1F1B", help="strategy.pipeline_schedule")
+    parser.add_argument("--stages-per-rank", type=int, default=None, help="strategy.pipeline_stages_per_rank")
+    parser.add_argument("--n-layers", type=int, default=None, help="the model's n_layers (default: the config's)")
     parser.add_argument("--optimizer", choices=["adamw", "muon"], default="adamw")
     parser.add_argument("--adamw-patterns", nargs="*", default=None, help="Muon's: names sent to AdamW")
     parser.add_argument("--qk-clip", type=float, default=None, help="QKClip's threshold")
@@ -48,20 +57,30 @@ def main() -> None:
         (lambda groups: torch.optim.AdamW(groups, lr=0.003, betas=(0.9, 0.95)))
     shape = yaml.safe_load(CONFIG.read_text())["model"]["init_args"]["config"]
     shape["aux_loss_coef"] = args.aux_loss_coef
+    shape["n_layers"] = args.n_layers or shape["n_layers"]
     L.seed_everything(0)
     model = MoELanguageModel(MoEConfig(**shape),
                              optimizer=optimizer,
                              lr_scheduler=lambda opt: WarmupCosineLR(opt, warmup_steps=30))
     data = TextDataModule(source="stdlib", seq_len=128, batch_size=args.batch, max_tokens=40000)
     strategy = MoEFSDPStrategy(pipeline_parallel_size=args.pp, pipeline_microbatches=args.microbatches,
+                               expert_parallel_size=args.ep, context_parallel_size=args.cp,
+                               pipeline_schedule=args.schedule, pipeline_stages_per_rank=args.stages_per_rank,
                                stall_timeout=0)
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=args.steps, logger=False,
+    norms = []  # each step's gradient norm before clipping (over every stage: the same on every rank)
+    clip = strategy.clip_grad_by_norm
+    strategy.clip_grad_by_norm = lambda optimizer, max_norm: norms.append(float(n := clip(optimizer, max_norm))) or n
+    trainer = L.Trainer(accelerator="cpu", devices=args.devices, strategy=strategy, max_steps=args.steps,
+                        logger=False,
                         enable_progress_bar=False, enable_checkpointing=False, limit_val_batches=1,
                         val_check_interval=3, check_val_every_n_epoch=None, num_sanity_val_steps=0,
                         gradient_clip_val=args.clip, log_every_n_steps=args.log_every,
                         default_root_dir=Path(args.out).parent,
-                        callbacks=[*extra, EPFitProbe(args.out, save_at_steps=args.save_at)])
+                        callbacks=[*extra, EPFitProbe(args.out, save_at_steps=args.save_at),
+                                   *([ExpertBiasProbe(args.biases)] if args.biases else [])])
     trainer.fit(model, data, ckpt_path=args.ckpt)
+    if trainer.is_global_zero:
+        Path(args.out).with_name("norms.json").write_text(json.dumps(norms))
     if trainer.is_global_zero and "val/loss" in trainer.callback_metrics:
         print("val/loss", float(trainer.callback_metrics["val/loss"]))
 
