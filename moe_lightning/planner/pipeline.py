@@ -27,12 +27,12 @@ micro-batch at the same total (the same tokens cross the same links).
 """
 
 import argparse
-import math
 from collections import defaultdict
 
 import torch
 
 from moe_lightning.model import MoEConfig, MoETransformer
+from moe_lightning.parallel.mesh import resolve_layout
 from moe_lightning.parallel.pipeline import SCHEDULES, block_costs, reads_embedding_last, resolve_pipeline
 
 
@@ -153,11 +153,13 @@ def pipeline_rows(config: MoEConfig, cluster, work, result: dict, size: int, sch
                   microbatches: int | None) -> dict:
     """The rows above for ``plan``'s ``result`` (the same cluster and workload without stages)."""
     layout = resolve_pipeline(config, size, schedule, microbatches, seq_len=work.seq_len)
-    M, world = layout.microbatches, cluster.world_size
-    if world % (cluster.replicate_size * size) or (size * work.micro_batch) % M:
-        raise ValueError(f"--pipeline-parallel-size={size} with --pipeline-microbatches={M}: P must divide the "
-                         f"world of {world} / replicate_size, and M divide P x micro_batch = {size * work.micro_batch}.")
-    shard = world // (cluster.replicate_size * size)
+    M = layout.microbatches
+    stage_mesh = resolve_layout(cluster.world_size, cluster.replicate_size, "auto", cluster.expert_parallel_size,
+                                cluster.context_parallel_size, config, work.seq_len, size)  # the strategy's refusals
+    if (size * work.micro_batch) % M:
+        raise ValueError(f"--pipeline-parallel-size={size} with --pipeline-microbatches={M}: M must divide P x "
+                         f"micro_batch = {size * work.micro_batch}.")
+    shard, ep = stage_mesh.shard, stage_mesh.ep  # a stage's shard ranks; EP and CP within them
     b, s, d = size * work.micro_batch // M, work.seq_len, config.dim
     costs, first_extra, last_extra = block_costs(config, work.seq_len)
     stage_cost = []
@@ -172,7 +174,6 @@ def pipeline_rows(config: MoEConfig, cluster, work, result: dict, size: int, sch
     timeline = simulate(schedule_actions(schedule, size, M, layout.stages_per_rank), forward_s, hop_bytes / ib_bytes_per_s)
     params = stage_parameters(config, list(layout.blocks_per_stage))
     routed = stage_parameters(config, list(layout.blocks_per_stage), routed=True)
-    ep = math.gcd(cluster.expert_parallel_size, shard)  # expert parallelism within a stage's shard ranks
     total_params = result["parameters"]["total"]
     memory = result["memory"]["with_offload" if work.activation_offload else "without_offload"]["gpu_bytes"]
     scale = b / work.micro_batch

@@ -94,25 +94,29 @@ def test_coordinates_invert_the_rank_arithmetic():
         assert c["shard"] == c["expert_shard"] * 4 + c["expert"] and c["context"] == c["shard"] % 2
 
 
-LAYOUTS = [  # nodes, GPUs per node, replicate, ep, cp, experts, expert_hidden, seq_len; the refusal or None
-    (2, 4, 1, 4, 2, 8, 32, 64, None),
-    (2, 4, 2, 2, 1, 8, 32, 64, None),
-    (1, 6, 1, 4, 1, 8, 32, 64, "strategy.expert_parallel_size=4 must divide strategy.shard_size=6"),
-    (1, 4, 3, 1, 1, 8, 32, 64, "strategy.replicate_size=3 does not divide the world size 4"),
-    (1, 4, 1, 1, 4, 8, 32, 60, "not a multiple of 8"),
-    (1, 4, 1, 4, 1, 6, 32, 64, "must divide the model's num_experts=6"),
-    (2, 4, 1, 1, 1, 4, 12, 64, "neither whole experts nor their rows [12, 64] divide evenly"),
+LAYOUTS = [  # nodes, GPUs per node, replicate, ep, cp, pp, experts, expert_hidden, seq_len; the refusal or None
+    (2, 4, 1, 4, 2, 1, 8, 32, 64, None),
+    (2, 4, 2, 2, 1, 1, 8, 32, 64, None),
+    (1, 4, 1, 2, 2, 2, 8, 32, 64, None),  # EP and CP within each of 2 stages
+    (1, 6, 1, 4, 1, 1, 8, 32, 64, "strategy.expert_parallel_size=4 must divide strategy.shard_size=6"),
+    (1, 4, 1, 4, 1, 2, 8, 32, 64, "strategy.expert_parallel_size=4 must divide strategy.shard_size=2"),  # a stage's
+    (1, 4, 3, 1, 1, 1, 8, 32, 64, "strategy.replicate_size=3 does not divide the world size 4"),
+    (1, 4, 1, 1, 4, 1, 8, 32, 60, "not a multiple of 8"),
+    (1, 4, 1, 4, 1, 1, 6, 32, 64, "must divide the model's num_experts=6"),
+    (2, 4, 1, 1, 1, 1, 4, 12, 64, "neither whole experts nor their rows [12, 64] divide evenly"),
 ]
 
 
-@pytest.mark.parametrize("nodes, per_node, replicate, ep, cp, experts, hidden, seq_len, refusal", LAYOUTS)
-def test_plan_and_fit_accept_and_refuse_the_same_layouts(nodes, per_node, replicate, ep, cp, experts, hidden,
+@pytest.mark.parametrize("nodes, per_node, replicate, ep, cp, pp, experts, hidden, seq_len, refusal", LAYOUTS)
+def test_plan_and_fit_accept_and_refuse_the_same_layouts(nodes, per_node, replicate, ep, cp, pp, experts, hidden,
                                                          seq_len, refusal):
-    """One validation for both: ``plan``'s verdict on a layout is ``fit``'s (the strategy's ``setup_environment``,
-    stopped where it would create the process groups), refusals in the same words."""
+    """One validation for both: ``plan``'s verdict on a layout (with ``pp`` stages: its pipeline rows) is ``fit``'s
+    (the strategy's ``setup_environment``, stopped where it would create the process groups), refusals in the same
+    words."""
     from types import SimpleNamespace
 
     from moe_lightning.model import MoEConfig
+    from moe_lightning.planner.pipeline import pipeline_rows
     from moe_lightning.planner.plan import Cluster, Workload, plan
     from moe_lightning.training.module import MoELanguageModel
     from moe_lightning.training.strategy import MoEFSDPStrategy
@@ -133,16 +137,24 @@ def test_plan_and_fit_accept_and_refuse_the_same_layouts(nodes, per_node, replic
         return None
 
     def fit():
-        strategy = MoEFSDPStrategy(replicate_size=replicate, expert_parallel_size=ep, context_parallel_size=cp)
+        strategy = MoEFSDPStrategy(replicate_size=replicate, expert_parallel_size=ep, context_parallel_size=cp,
+                                   pipeline_parallel_size=pp)
         strategy.num_nodes, strategy.parallel_devices = nodes, [torch.device("cpu")] * per_node
         module = MoELanguageModel(config)
-        module._trainer = SimpleNamespace(datamodule=SimpleNamespace(seq_len=seq_len))
+        module._trainer = SimpleNamespace(datamodule=SimpleNamespace(seq_len=seq_len), accumulate_grad_batches=1,
+                                          callbacks=[])
         strategy._lightning_module = module
         strategy._setup_distributed = lambda: (_ for _ in ()).throw(Reached())
         strategy.setup_environment()
 
     cluster = Cluster(nodes=nodes, gpus_per_node=per_node, replicate_size=replicate, expert_parallel_size=ep,
                       context_parallel_size=cp)
-    planned, fitted = verdict(lambda: plan(config, cluster, Workload(seq_len=seq_len))), verdict(fit)
+    def planned_run():
+        work = Workload(seq_len=seq_len)
+        result = plan(config, cluster, work)
+        if pp > 1:
+            pipeline_rows(config, cluster, work, result, pp, "1F1B", None)
+
+    planned, fitted = verdict(planned_run), verdict(fit)
     assert planned == fitted
     assert (fitted is None) if refusal is None else (refusal in fitted)
