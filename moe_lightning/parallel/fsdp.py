@@ -38,8 +38,13 @@ class FSDPPolicy:
 
 
 def apply_fsdp(model: MoETransformer, dense_mesh: DeviceMesh, expert_mesh: DeviceMesh | None,
-               policy: FSDPPolicy) -> list[Stage]:
+               policy: FSDPPolicy, roots: list[nn.Module] | None = None) -> list[Stage]:
     """Shard ``model`` into FSDP units; returns them in forward order, grouped into stages.
+
+    ``roots``: the modules that run forward instead of ``model`` (default: ``model``), each made an FSDP root over
+    the units it holds, its leftover parameters its own (TorchTitan likewise shards each pipeline part as a root):
+    a pipeline rank's stage views (``pipeline.stage_parts``), whose units are ``model``'s. A root's lazy init,
+    stream waits and end-of-backward callback then run whenever its forward runs; ``model``'s never does.
 
     ``expert_mesh`` (the expert-FSDP sub-mesh under expert parallelism, else None) gets each MoE block's experts
     as a unit of its own. The head is a unit of its own, never grouped with the final norm: the chunked loss runs
@@ -59,8 +64,9 @@ def apply_fsdp(model: MoETransformer, dense_mesh: DeviceMesh, expert_mesh: Devic
     for unit in fsdp_units(model, expert_parallel=expert_mesh is not None):  # inner units first, the root last
         reshard = policy.reshard_after_forward and not unit.keep_gathered
         if unit.stage is None:  # the root casts the forward inputs
-            fully_shard(model, mesh=dense_mesh, reshard_after_forward=reshard,
-                        **{**common, "mp_policy": MixedPrecisionPolicy(**dtypes)})
+            for root in roots or [model]:
+                fully_shard(root, mesh=dense_mesh, reshard_after_forward=reshard,
+                            **{**common, "mp_policy": MixedPrecisionPolicy(**dtypes)})
             continue
         sharded = fully_shard(unit.module, mesh=expert_mesh if unit.experts else dense_mesh,
                               reshard_after_forward=reshard, **common)
@@ -158,14 +164,24 @@ def materialize(model: MoETransformer, param_device: torch.device, buffer_device
             module._parameters[name] = param
 
 
+def outermost_units(model: nn.Module) -> list[FSDPModule]:
+    """``model`` if it is an FSDP module, else the FSDP modules inside it that no other one holds (a model of
+    several pipeline stages is no root: its blocks, embedding and head are); their setters reach every unit."""
+    if isinstance(model, FSDPModule):
+        return [model]
+    return [unit for child in model.children() for unit in outermost_units(child)]
+
+
 @contextmanager
-def accumulating(root: FSDPModule, unsharded: bool) -> Iterator[None]:
+def accumulating(model: nn.Module, unsharded: bool) -> Iterator[None]:
     """Non-final micro-batches of gradient accumulation: each still reduce-scatters (sharded gradients accumulate;
     nothing unsharded outlives its unit's backward) and only the HSDP all-reduce waits for the last one. With
     ``unsharded``, no reduction at all (every unit keeps its full gradient until the last micro-batch)."""
-    block = root.set_requires_gradient_sync if unsharded else root.set_requires_all_reduce
-    block(False)
+    units = outermost_units(model)
+    for unit in units:
+        (unit.set_requires_gradient_sync if unsharded else unit.set_requires_all_reduce)(False)
     try:
         yield
     finally:
-        block(True)
+        for unit in units:
+            (unit.set_requires_gradient_sync if unsharded else unit.set_requires_all_reduce)(True)

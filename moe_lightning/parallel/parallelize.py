@@ -2,8 +2,8 @@
 
 The order, and why:
 
-    0. pipeline stage      the blocks of the other stages go, names kept (``pipeline.keep_stage``): every later step
-                           sees only this stage's blocks, embedding and head
+    0. pipeline stages     the blocks of the other ranks' stages go, names kept (``pipeline.keep_stages``): every later
+                           step sees only this rank's blocks, embedding and head
     1. expert parallelism  each rank keeps its ``E / ep`` experts; the all-to-all dispatcher goes on every MoE layer;
                            context parallelism: the model's ``sequence_shard`` becomes this rank's head-tail share
     2. compile             each block's class becomes one with a compiled ``forward`` (``compile.py``)
@@ -11,7 +11,8 @@ The order, and why:
                            to the class's, so it comes after 2 (before, it would keep calling the eager forward)
     4. FSDP units          ``fully_shard`` on each unit (``fsdp.apply_fsdp``): FSDP2's hooks run in ``__call__``,
                            around whatever ``forward`` 2 and 3 left, so neither changes what a unit gathers; each
-                           routed-expert unit divides its summed gradients by the whole data-parallel size once
+                           routed-expert unit divides its summed gradients by the whole data-parallel size once.
+                           Several stages on a rank: each stage's view (``pipeline.stage_parts``) is a root
     5. prefetch            which units each unit all-gathers ahead; all-gathers in the compute stream's pool
     6. materialize         a meta-device build only: allocate the local shards and initialise them, or copy the
                            released weights in (after 4, so each rank touches only its own slices)
@@ -35,7 +36,7 @@ from moe_lightning.parallel.compile import compile_blocks
 from moe_lightning.parallel.context_parallel import ContextParallelShard
 from moe_lightning.parallel.expert_parallel import apply_expert_parallel, check_overlap_chunks, divide_expert_gradients
 from moe_lightning.parallel.mesh import MeshError, MeshLayout, ParallelMesh
-from moe_lightning.parallel.pipeline import PipelineLayout, keep_stage
+from moe_lightning.parallel.pipeline import PipelineLayout, keep_stages, stage_parts
 
 
 @dataclass(frozen=True)
@@ -97,17 +98,16 @@ def parallelize_moe(model: MoETransformer, sharding: Sharding, *, compile: bool 
     """Apply the steps above to ``model``, in place; returns what to log. ``wrap_blocks(model)`` wraps the blocks'
     forwards; ``fill_pretrained(state)`` copies released weights into ``state`` (the model's state dict, expert
     stacks as global views) when the model was built on the meta device. A model already sharded is left as it is."""
-    if isinstance(model, FSDPModule):
+    if any(isinstance(m, FSDPModule) for m in model.modules()):  # (a model of several stages is no root itself)
         return []
     messages, on_meta = [], any(p.device.type == "meta" for p in model.parameters())
     mesh, layout, E = sharding.mesh, sharding.mesh.layout, model.config.num_experts
     if sharding.pipeline is not None:
-        stage = mesh.pipeline_rank
-        keep_stage(model, stage, sharding.pipeline, sharding.loss_chunk_size)
-        blocks = sharding.pipeline.blocks_of(stage)
+        keep_stages(model, sharding.pipeline.stages_of(mesh.pipeline_rank), sharding.pipeline,
+                    sharding.loss_chunk_size)
         messages.append(f"pipeline: {sharding.pipeline.num_stages} stages of {list(sharding.pipeline.blocks_per_stage)} "
                         f"blocks, {sharding.pipeline.schedule} over {sharding.pipeline.microbatches} micro-batches; "
-                        f"rank 0 holds blocks {blocks.start}-{blocks.stop - 1}.")
+                        f"rank 0 holds blocks {[int(name) for name in model.layers._modules]}.")
     if layout.ep > 1:  # FSDP divides the expert gradients (below): exact at any ep, no x ep / ep rounding
         messages.append(apply_expert_parallel(model.moe_layers(), mesh.group("ep"),
                                               overlap_chunks=sharding.ep_overlap_chunks, scale_in_exchange=False,
@@ -121,17 +121,25 @@ def parallelize_moe(model: MoETransformer, sharding: Sharding, *, compile: bool 
         wrap_blocks(model)
     placement, message = layout.expert_placement(E)
     messages.append(message)
+    several = sharding.pipeline is not None and sharding.pipeline.stages_per_rank > 1  # torch's runtime gathers a
+    # stage once a step (its UNSHARD/RESHARD actions), and a zero-bubble weight pass needs the gathered parameters
     policy = fsdp.FSDPPolicy(param_dtype=sharding.param_dtype, reduce_dtype=sharding.reduce_dtype,
-                             reshard_after_forward=sharding.reshard_after_forward, cpu_offload=sharding.cpu_offload,
+                             reshard_after_forward=sharding.reshard_after_forward and not several,
+                             cpu_offload=sharding.cpu_offload,
                              expert_placement=placement)
     expert_fsdp_mesh = mesh.expert_fsdp
-    stages = fsdp.apply_fsdp(model, mesh.dense, expert_fsdp_mesh, policy)
+    roots = [model]  # what runs forward: the model, or the views of a rank's several pipeline stages
+    if sharding.pipeline is not None:
+        roots = model.pipeline_parts = stage_parts(model, sharding.pipeline)
+    stages = fsdp.apply_fsdp(model, mesh.dense, expert_fsdp_mesh, policy, roots)
     if expert_fsdp_mesh is not None:
         for experts in (m for m in model.modules() if isinstance(m, GroupedExperts) and isinstance(m, FSDPModule)):
             divide_expert_gradients(experts, expert_fsdp_mesh, layout.ep)
-    fsdp.set_prefetch(model, stages, sharding.prefetch_depth)
-    if sharding.unshard_async_op:
-        fsdp.set_unshard_async_op(model)
+    for root in roots:  # a view's units prefetch each other only: torch's schedule orders the stages
+        held = {id(m) for m in root.modules()}
+        fsdp.set_prefetch(root, [stage for stage in stages if id(stage[0]) in held], sharding.prefetch_depth)
+        if sharding.unshard_async_op:
+            fsdp.set_unshard_async_op(root)
     if on_meta:  # (otherwise fully_shard has moved the buffers to the mesh's device)
         fsdp.materialize(model, sharding.param_device, sharding.buffer_device, sharding.seed)
         if fill_pretrained is not None:

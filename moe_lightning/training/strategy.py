@@ -19,13 +19,13 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from moe_lightning.checkpoint.sharded import ShardedCheckpointer
 from moe_lightning.dtypes import DTYPES
-from moe_lightning.model import MoETransformer
+from moe_lightning.model import MoEConfig, MoETransformer
 from moe_lightning.parallel import fsdp
 from moe_lightning.parallel.clip import clip_grads_
 from moe_lightning.parallel.mesh import MeshLayout, ParallelMesh, resolve_layout
 from moe_lightning.parallel.parallelize import Sharding, check_strategy_arguments, parallelize_moe, the_transformer
 from moe_lightning.parallel.pipeline import PipelineError, PipelineLayout, PipelineRunner, SCHEDULES, check_batch, \
-    resolve_pipeline
+    reads_embedding_last, resolve_pipeline
 from moe_lightning.run import flight_recorder
 from moe_lightning.run.refusals import same_on_every_rank
 from moe_lightning.run.watchdog import DEFAULT_STALL_TIMEOUT_S, check_stall_timeout
@@ -70,9 +70,15 @@ class MoEFSDPStrategy(CheckpointHooks, ModelParallelStrategy):
         pipeline_parallel_size: Pipeline stages (``docs/pipeline.md``): ``replicate x pp x shard`` ranks, a stage's
             shard ranks neighbours; each stage holds its blocks (the first the embedding, the last the norm, head,
             loss and MTP), and torch's schedule runs the step's micro-batches through them.
-        pipeline_schedule: torch's schedule with one stage per rank: ``"1F1B"`` or ``"GPipe"``.
+        pipeline_schedule: torch's schedule (``docs/pipeline.md``): one stage per rank, ``"1F1B"`` (default) or
+            ``"GPipe"``; several, ``"Interleaved1F1B"``, ``"LoopedBFS"`` or ``"InterleavedZeroBubble"`` (stages
+            round-robin over the ranks), ``"ZBVZeroBubble"`` or ``"DualPipeV"`` (2 stages a rank, in a V; refused
+            with MTP or a tied head, whose embedding both ends of the V would run).
         pipeline_microbatches: Micro-batches the per-rank batch splits into (at least the stages; default: as
             many as stages). They replace ``accumulate_grad_batches``, which must stay 1.
+        pipeline_stages_per_rank: Stages each pipeline rank holds (``pipeline_parallel_size x`` this many in all,
+            at most ``n_layers``); default 1, or 2 for the schedules of several. The rank's model is the union of its
+            stages (names kept); torch runs a view of each.
         stall_timeout: Seconds a rank may make no progress before a surviving rank names it and every live rank
             exits with status 69 (``run/watchdog.py``, ``docs/distributed.md``); 0 turns the watchdog off.
     """
@@ -85,7 +91,7 @@ class MoEFSDPStrategy(CheckpointHooks, ModelParallelStrategy):
                  meta_init: bool = False, save_distributed_checkpoint: bool = True, async_checkpoint: bool = False,
                  process_group_backend: Optional[str] = None, timeout: Optional[timedelta] = default_pg_timeout,
                  pipeline_parallel_size: int = 1, pipeline_schedule: str = "1F1B",
-                 pipeline_microbatches: Optional[int] = None,
+                 pipeline_microbatches: Optional[int] = None, pipeline_stages_per_rank: Optional[int] = None,
                  stall_timeout: float = DEFAULT_STALL_TIMEOUT_S):
         super().__init__(save_distributed_checkpoint=save_distributed_checkpoint,
                          process_group_backend=process_group_backend, timeout=timeout)
@@ -95,7 +101,7 @@ class MoEFSDPStrategy(CheckpointHooks, ModelParallelStrategy):
         MeshLayout.check_arguments(replicate_size, shard_size, expert_parallel_size, context_parallel_size,
                                    pipeline_parallel_size)
         self.pipeline_parallel_size, self.pipeline_schedule = pipeline_parallel_size, pipeline_schedule
-        self.pipeline_microbatches = pipeline_microbatches
+        self.pipeline_microbatches, self.pipeline_stages_per_rank = pipeline_microbatches, pipeline_stages_per_rank
         self.pipeline: PipelineLayout | None = None  # the stages, resolved in setup_environment (pp > 1)
         self.stall_timeout = check_stall_timeout(stall_timeout)
         self.replicate_size, self.shard_size, self.expert_parallel_size = replicate_size, shard_size, expert_parallel_size
@@ -132,9 +138,10 @@ class MoEFSDPStrategy(CheckpointHooks, ModelParallelStrategy):
             if layout.pp > 1:  # every pipeline refusal before any process group exists (here, not in __init__:
                 # jsonargparse would bury the one line in its own multi-line error)
                 _check_pipeline_arguments(self.pipeline_schedule, self.meta_init, self.cpu_offload,
-                                          self._save_distributed_checkpoint)
+                                          self._save_distributed_checkpoint, module.config)
                 self.pipeline = resolve_pipeline(module.config, layout.pp, self.pipeline_schedule,
-                                                 self.pipeline_microbatches, seq_len=seq_len)
+                                                 self.pipeline_microbatches, self.pipeline_stages_per_rank,
+                                                 seq_len=seq_len)
                 _check_pipeline_trainer(module.trainer if module._trainer is not None else None, self.pipeline)
         except ValueError as refusal:
             raise same_on_every_rank(refusal)
@@ -192,8 +199,8 @@ class MoEFSDPStrategy(CheckpointHooks, ModelParallelStrategy):
             rank_zero_info(f"{type(self).__name__}: {message}")
         self._fsdp_root = model
         if self.pipeline is not None and getattr(module, "pipeline", None) is None:
-            module.pipeline = PipelineRunner([model], self.pipeline, self.parallel.group("pp"), self.root_device,
-                                             sharding.param_dtype or torch.get_default_dtype(),
+            module.pipeline = PipelineRunner(model.pipeline_parts, self.pipeline, self.parallel.group("pp"),
+                                             self.root_device, sharding.param_dtype or torch.get_default_dtype(),
                                              self.parallel.group("pp_ends"))
 
     @property
@@ -261,12 +268,14 @@ class MoEFSDPStrategy(CheckpointHooks, ModelParallelStrategy):
 
 
 def _check_pipeline_arguments(schedule: str, meta_init: bool, cpu_offload: bool = False,
-                              save_distributed_checkpoint: bool = True) -> None:
+                              save_distributed_checkpoint: bool = True, config: MoEConfig | None = None) -> None:
     """What this strategy composes with pipeline stages yet (one line each)."""
-    if schedule in SCHEDULES and SCHEDULES[schedule][1] != "single":
-        raise PipelineError(f"strategy.pipeline_schedule={schedule!r} runs several stages per rank, which a "
-                            "LightningModule's one model does not hold yet: use '1F1B' or 'GPipe' (the others run "
-                            "through torch directly: tests/launchers/pipeline_run.py).")
+    if schedule in SCHEDULES and SCHEDULES[schedule][1] == "v" and config is not None \
+            and reads_embedding_last(config):  # a V's rank 0 runs the first and the last stage: one embedding
+        raise PipelineError(f"strategy.pipeline_schedule={schedule!r} puts the first and the last stage on one rank, "
+                            f"and with model.config.mtp_layers={config.mtp_layers} and tie_embeddings="
+                            f"{config.tie_embeddings} both would run its one token embedding (two FSDP roots cannot "
+                            "share it): use 'Interleaved1F1B' or 'InterleavedZeroBubble'.")
     if meta_init:
         raise PipelineError("strategy.meta_init=True with pipeline_parallel_size > 1: a stage is cut from the whole "
                             "model built on every rank; set meta_init=False.")

@@ -1,0 +1,163 @@
+"""Several pipeline stages per rank inside Lightning: the rank's model is the union of its stages (names kept) and
+torch runs a view of each (``pipeline.stage_parts``). In one process, the views chained in stage order give one
+model's loss and gradients (float64, O(1) weights); on 2 gloo processes, ``fit`` under the interleaved, zero-bubble
+and DualPipeV schedules equals ``fit`` without stages per step, and a checkpoint written under Interleaved1F1B
+resumes without stages (tests/launchers/pipeline_fit_run.py)."""
+
+import json
+
+import pytest
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+
+from moe_lightning.model import MoEConfig
+from moe_lightning.parallel.pipeline import PipelineError, PipelineLoss, keep_stage, keep_stages, resolve_pipeline, \
+    stage_parts
+from moe_lightning.training.module import MoELanguageModel
+from tests.support.distributed import LAUNCHERS, run_nodes
+
+# O(1) activations (init 0.2); 4 blocks (4 stages of one), the first dense; balancing losses on
+SHAPE = dict(vocab_size=64, dim=32, n_layers=4, n_heads=4, n_kv_heads=2, max_seq_len=16, ffn_hidden=64,
+             n_dense_layers=1, num_experts=4, top_k=2, expert_hidden=32, n_shared_experts=1, init_std=0.2,
+             aux_loss_coef=0.01, z_loss_coef=0.001)
+
+
+def _build(config: MoEConfig) -> MoELanguageModel:
+    torch.manual_seed(0)
+    module = MoELanguageModel(config)
+    module.configure_model()
+    module.model.double()
+    return module
+
+
+@pytest.mark.parametrize("schedule, extra", [("Interleaved1F1B", dict(mtp_layers=1)), ("ZBVZeroBubble", dict())])
+def test_stage_views_hold_their_stages_parameters_and_chained_give_one_models_loss_and_gradients(schedule, extra):
+    """Each rank's model keeps its stages' blocks; each view's parameters are exactly its stage's (those of a
+    one-stage ``keep_stage`` model, by name) and are the rank model's own tensors; the views are not registered
+    in the rank model, whose keys are its views' together. Run in stage order over 2 micro-batches, the views'
+    summed loss and the rank models' gradients (the embedding copy's added to the first's) equal one model's over
+    the batch: 1e-6 relative for the loss (the head's cross-entropy sums are fp32 by design), 2e-6 for the router's
+    weight (an fp32 sum, as in test_pipeline.py), 1e-9 for every other gradient (float64)."""
+    config = MoEConfig(**{**SHAPE, **extra})
+    batch_BS1 = torch.randint(0, config.vocab_size, (8, 17), generator=torch.Generator().manual_seed(1))
+    reference = _build(config).train()
+    loss = reference._loss(batch_BS1)
+    loss.backward()
+    expected = {n: p.grad for n, p in reference.model.named_parameters()}
+
+    layout = resolve_pipeline(config, 2, schedule, microbatches=2)
+    assert layout.num_stages == 4 and layout.blocks_per_stage == (1, 1, 1, 1)
+    ranks = [keep_stages(_build(config).model, layout.stages_of(r), layout).train() for r in range(2)]
+    views = {}
+    for rank, model in enumerate(ranks):
+        assert [int(i) for i in model.layers._modules] == sorted(b for s in layout.stages_of(rank)
+                                                                  for b in layout.blocks_of(s))
+        parts = stage_parts(model, layout)
+        held = {id(p) for p in model.parameters()}
+        for stage, part in zip(layout.stages_of(rank), parts):
+            alone = keep_stage(_build(config).model, stage, layout)
+            assert [n for n, _ in part.named_parameters()] == [n for n, _ in alone.named_parameters()]
+            assert all(id(p) in held for p in part.parameters())
+            assert all(part is not m for m in model.modules())
+            views[stage] = part
+        assert set(model.state_dict()) == {k for p in parts for k in p.state_dict()}
+    for model in ranks:
+        for moe in model.moe_layers():
+            moe.aux_loss_grad_scale = 1 / 2
+
+    loss_fn = PipelineLoss(config)
+    loss_fn.set_batch(batch_BS1)
+    total = 0
+    for mb_BS1 in batch_BS1.chunk(2):
+        x = mb_BS1
+        for stage in range(layout.num_stages):
+            x = views[stage](x, mb_BS1)
+        mb_loss = loss_fn(x, mb_BS1)
+        mb_loss.backward()
+        total = total + mb_loss.detach()
+    assert total.item() == pytest.approx(loss.item(), rel=1e-6)
+    grads: dict[str, torch.Tensor] = {}
+    for model in ranks:
+        for name, p in model.named_parameters():
+            grads[name] = grads[name] + p.grad if name in grads else p.grad.clone()
+    assert set(grads) == set(expected)
+    errors = {name: ((grad - expected[name]).abs().max() / expected[name].abs().max()).item()
+              for name, grad in grads.items()}
+    for name, error in errors.items():  # the router's weight gradient: an fp32 sum over the tokens (model/moe.py)
+        assert error < (2e-6 if name.endswith("router.gate.weight") else 1e-9), (name, error)
+
+
+@pytest.mark.parametrize("extra", [dict(mtp_layers=1), dict(tie_embeddings=True)])
+def test_a_v_schedule_is_refused_where_both_ends_would_run_the_one_embedding(extra):
+    """A V puts the first and last stage on one rank: MTP or a tied head would run the rank's one embedding in two
+    FSDP roots."""
+    from moe_lightning.training.strategy import _check_pipeline_arguments
+    config = MoEConfig(**{**SHAPE, **extra})
+    with pytest.raises(PipelineError, match=r"pipeline_schedule='ZBVZeroBubble' puts the first and the last stage "
+                                            r"on one rank.*use 'Interleaved1F1B'") as refused:
+        _check_pipeline_arguments("ZBVZeroBubble", False, config=config)
+    assert "\n" not in str(refused.value)
+    _check_pipeline_arguments("InterleavedZeroBubble", False, config=config)  # stage 0 and the last: two ranks
+
+
+def _fit(tmp_path, name: str, *args: str) -> dict:
+    """tests/launchers/pipeline_fit_run.py on 2 gloo processes: per-step losses, gradient norms before clipping,
+    the held-out loss, and the folder of any checkpoint it saved."""
+    out = tmp_path / name / "run.json"
+    out.parent.mkdir()
+    log = run_nodes([str(LAUNCHERS / "pipeline_fit_run.py"), "--out", str(out), "--clip", "0.5", *args], 1, 2,
+                    cwd=out.parent, timeout=900)[0]
+    val = [line for line in log.splitlines() if line.startswith("val/loss")]
+    return {"losses": [r["loss"] for r in json.loads(out.read_text())["rows"]],
+            "norms": json.loads(out.with_name("norms.json").read_text()),
+            "val": float(val[-1].split()[-1]) if val else None, "dir": out.parent}
+
+
+@pytest.fixture(scope="module")
+def without_stages(tmp_path_factory):
+    """5 steps of 8 sequences (4 per rank) without stages, saved after step 3; held-out loss after step 3."""
+    return _fit(tmp_path_factory.mktemp("virtual"), "pp1", "--pp", "1", "--batch", "4", "--steps", "5",
+                "--save-at", "3")
+
+
+SCHEDULES = [pytest.param("Interleaved1F1B", 2, marks=pytest.mark.slow),
+             pytest.param("InterleavedZeroBubble", 2, marks=pytest.mark.slow),
+             pytest.param("ZBVZeroBubble", 2),
+             pytest.param("DualPipeV", 4, marks=pytest.mark.slow)]  # DualPipeV: at least 2P micro-batches
+
+
+@pytest.mark.parametrize("schedule, microbatches", SCHEDULES)
+def test_fit_with_two_stages_per_rank_equals_fit_without_stages_per_step(tmp_path, without_stages, schedule,
+                                                                         microbatches):
+    """configs/tiny-fsdp.yaml's model (4 blocks: 4 stages of one) and data, 2 ranks x 2 stages, the same 8
+    sequences a step as without stages, gradients clipped at 0.5 (every step's norm is above it, so the norm over
+    all four stages decides each update). Losses to 1e-6 relative (fp32, the same sums in another order; measured:
+    equal to the last digit), gradient norms to 1e-5 (measured 7e-7 to 1.2e-6: the squares summed per stage, not
+    per shard), the held-out loss (forward only through the stages) to 1e-6."""
+    staged = _fit(tmp_path, schedule, "--pp", "2", "--schedule", schedule, "--stages-per-rank", "2",
+                  "--microbatches", str(microbatches), "--batch", "8")
+    assert len(staged["losses"]) == 3 and min(staged["norms"]) > 0.5
+    assert staged["losses"] == pytest.approx(without_stages["losses"][:3], rel=1e-6)
+    assert staged["norms"] == pytest.approx(without_stages["norms"][:3], rel=1e-5)
+    assert staged["val"] == pytest.approx(without_stages["val"], rel=1e-6)
+
+
+def _checkpoint_keys(folder) -> set[str]:
+    """The model's and the optimizer state's keys (parameter groups are keyed by name under stages, by index
+    without: ``MoEFSDPStrategy.optimizer_state``)."""
+    keys = FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+    return {k for k in keys if k.startswith(("state_dict.", "optimizer_0.state."))}
+
+
+@pytest.mark.slow
+def test_an_interleaved_checkpoint_has_the_keys_of_one_stage_and_resumes_without_stages(tmp_path, without_stages):
+    """3 steps under Interleaved1F1B saved at step 3: the checkpoint's keys (the model's and the optimizer
+    state's: 54 and 153) are those written without stages, and resumed without stages for 2 more steps its losses equal the uninterrupted
+    run's steps 4 and 5 (1e-6 relative, fp32)."""
+    staged = _fit(tmp_path, "interleaved", "--pp", "2", "--schedule", "Interleaved1F1B", "--stages-per-rank", "2",
+                  "--microbatches", "2", "--batch", "8", "--save-at", "3")
+    saved = staged["dir"] / "step=3.ckpt"
+    keys = _checkpoint_keys(saved)
+    assert len(keys) == 54 + 153 and keys == _checkpoint_keys(without_stages["dir"] / "step=3.ckpt")
+    resumed = _fit(tmp_path, "resumed", "--pp", "1", "--batch", "4", "--steps", "5", "--ckpt", str(saved))
+    assert resumed["losses"] == pytest.approx(without_stages["losses"][3:], rel=1e-6)
