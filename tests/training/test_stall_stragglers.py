@@ -54,3 +54,14 @@ def test_equal_ranks_raise_no_straggler_warning_and_log_a_spread_near_one(tmp_pa
     assert "straggler: rank" not in out, out[-3000:]
     logged = spreads(tmp_path)
     assert sorted(logged) == [2, 4, 6, 8, 10, 12], logged
+
+
+@pytest.mark.slow
+def test_on_four_ranks_the_slow_one_is_named_with_its_mesh_coordinates(tmp_path):
+    """4 gloo processes, EP 2 inside a shard group of 4: rank 2 (expert rank 0 of expert-shard 1) sleeps; the
+    others' median is the bound, and only rank 2 is named."""
+    out = straggler_fit(tmp_path, 7, "--trainer.devices=4", SLOW, "--trainer.callbacks.rank=2",
+                        "--trainer.callbacks.seconds=0.6")
+    warnings = [line for line in out.splitlines() if "straggler: rank" in line]
+    assert len(warnings) == 1 and "straggler: rank 2 (host" in warnings[0], out[-3000:]
+    assert "; replicate 0, shard 2, " in warnings[0] and ", expert 0, expert_shard 1)" in warnings[0]
