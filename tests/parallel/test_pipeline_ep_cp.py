@@ -56,8 +56,9 @@ def _val_loss(log: str) -> float:
 
 def _check_same_steps(staged: tuple, flat: tuple) -> None:
     """Per step: the world-mean loss to 1e-6 relative (fp32: the same terms summed in another order, micro-batches
-    apart), every layer's balancing bias equal (each moves by +-0.01 on the sign of its summed counts: a count
-    off by one token would show), and every rank holding a layer agrees on it; the held-out loss alike."""
+    apart), every layer's balancing bias equal (a step moves each expert's by +-0.01 on its summed count against
+    the mean: counts summed over the wrong ranks, one stage's replicas only or a rank twice, would flip some), and
+    every rank holding a layer agrees on it; the held-out loss alike."""
     (record, biases, log), (flat_record, flat_biases, flat_log) = staged, flat
     got, want = [r["loss"] for r in record["rows"]], [r["loss"] for r in flat_record["rows"]]
     assert len(got) == len(want) == 3
@@ -69,20 +70,13 @@ def _check_same_steps(staged: tuple, flat: tuple) -> None:
 
 
 @pytest.mark.slow
-def test_fit_at_two_stages_with_expert_parallelism_equals_one_stage(tmp_path):
-    """2 stages x EP 2 on 4 processes (each stage's 2 ranks exchange its MoE layers' tokens; expert counts summed
-    over the stage) against EP 2 without stages on 2: 2 data replicas of 4 sequences a step in both, as 2
-    micro-batches of 2 under stages."""
-    staged = _fit(tmp_path, "pp2-ep2", 4, "--pp", "2", "--ep", "2", "--microbatches", "2", "--batch", "4")
-    flat = _fit(tmp_path, "pp1-ep2", 2, "--pp", "1", "--ep", "2", "--batch", "4")
-    _check_same_steps(staged, flat)
-
-
-@pytest.mark.slow
-def test_fit_at_two_stages_with_context_parallelism_equals_one_stage(tmp_path):
-    """2 stages x CP 2 on 4 processes (each stage's 2 ranks share every sequence; hidden states between stages
-    are each rank's half) against CP 2 without stages on 2: one data replica of 4 sequences a step in both, as 2
-    micro-batches of 2 under stages."""
-    staged = _fit(tmp_path, "pp2-cp2", 4, "--pp", "2", "--cp", "2", "--microbatches", "2", "--batch", "4")
-    flat = _fit(tmp_path, "pp1-cp2", 2, "--pp", "1", "--cp", "2", "--batch", "4")
+@pytest.mark.parametrize("within", [("--ep", "2"), ("--cp", "2"), ("--ep", "2", "--cp", "2")],
+                         ids=["ep2", "cp2", "ep2-cp2"])
+def test_fit_at_two_stages_with_expert_or_context_parallelism_equals_one_stage(tmp_path, within):
+    """2 stages on 4 processes, each stage's 2 ranks its EP group (exchanging its MoE layers' tokens; expert counts
+    summed over the stage), its CP group (sharing every sequence; hidden states between stages are each rank's
+    half), or both, against the same without stages on 2 processes: 4 sequences per data replica a step (2
+    replicas under EP alone, 1 under CP), as 2 micro-batches of 2 under stages."""
+    staged = _fit(tmp_path, "pp2", 4, "--pp", "2", *within, "--microbatches", "2", "--batch", "4")
+    flat = _fit(tmp_path, "pp1", 2, "--pp", "1", *within, "--batch", "4")
     _check_same_steps(staged, flat)
