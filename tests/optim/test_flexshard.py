@@ -107,3 +107,25 @@ def test_through_the_strategy_with_expert_parallelism_and_resume(tmp_path):
     assert len(single["losses"]) == 4 and single["losses"][-1] < single["losses"][0] - 0.5
     assert ep["losses"] == pytest.approx(single["losses"], rel=1e-4)
     assert resumed["start"] == 2 and resumed["losses"] == pytest.approx(ep["losses"][2:], abs=1e-6)
+
+
+@pytest.mark.slow  # 4 processes; the 2-stage fit with a Muon-free stage (tests/training/test_pipeline_callbacks.py) is main
+def test_pipeline_stages_plan_over_their_own_ranks_and_equal_torch_muon(tmp_path):
+    """Two stages of 2 FSDP ranks each (``muon_stage_check.py``), ``Muon.trainers_group`` each stage's ranks: a
+    stage's row-sharded matrices step bitwise as ``torch.optim.Muon`` on whole matrices (bf16 Newton-Schulz, the
+    same ops, the rows exchanged in bf16), whether the other stage trains Muon matrices or none (before, the check
+    all-gathered over every rank: names differing across stages raised, a Muon-free stage never joined). A matrix
+    left out on one rank of a stage is refused naming its global rank; the other stage steps on."""
+    results = {}
+    for out in run_ranks(LAUNCHERS / "muon_stage_check.py", 4, "muon_free,both,frozen", timeout=600):
+        for line in out.splitlines():
+            if line.startswith("{"):
+                r = json.loads(line)
+                results.setdefault(r["mode"], {})[r["rank"]] = r
+    assert [results["muon_free"][r]["muon_matrices"] for r in range(4)] == [14, 14, 0, 0]
+    assert [results["both"][r]["muon_matrices"] for r in range(4)] == [14, 14, 7, 7]
+    for mode in ("muon_free", "both"):
+        assert all(results[mode][r]["max_diff"] == 0.0 for r in range(4)), results[mode]
+    assert all(results["frozen"][r]["max_diff"] == 0.0 for r in (0, 1))
+    for r in (2, 3):
+        assert "{'layers.2.attention.wq.weight': [3]}" in results["frozen"][r]["error"]
