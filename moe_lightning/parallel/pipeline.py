@@ -45,6 +45,12 @@ SCHEDULES = {
 }
 
 
+# split backward into an input pass and a weight pass; torch 2.11's weight pass (``stage_backward_weight``) fails on
+# the model's custom autograd functions (``_input_metadata`` of their nodes, in ``autograd._make_grads``); 2.13's runs.
+# (Before that, 2.11 also fails to open a V's links on gloo: it sends between the two stages a rank holds.)
+SPLIT_BACKWARD = {"InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"}
+
+
 def schedule_class(name: str) -> type:
     """The torch schedule class of ``name``; refuses a name unknown here or one the installed torch lacks."""
     if name not in SCHEDULES:
@@ -172,6 +178,11 @@ def resolve_pipeline(config: MoEConfig, size: int, schedule: str = "1F1B", micro
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
             raise PipelineError(f"strategy.{name}={value!r}: must be a positive integer.")
     schedule_class(schedule)
+    if schedule in SPLIT_BACKWARD and tuple(int(n) for n in torch.__version__.split(".")[:2]) < (2, 13):
+        raise PipelineError(f"strategy.pipeline_schedule={schedule!r} splits backward into input and weight passes, "
+                            f"which torch {torch.__version__} cannot run over this model's custom autograd functions "
+                            "(RMSNorm, the router's fp32 matmul; torch 2.13 can, 2.12 is untested): use "
+                            "'Interleaved1F1B' or '1F1B', or torch >= 2.13.")
     style = SCHEDULES[schedule][1]
     microbatches = size if microbatches is None else microbatches
     stages_per_rank = stages_per_rank or (1 if style == "single" else 2)
