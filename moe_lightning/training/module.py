@@ -106,7 +106,7 @@ class MoELanguageModel(L.LightningModule):
         self.ranks_per_batch = 1  # ranks reading each batch (context parallelism, pipeline stages): tokens seen once
         self.sum_expert_counts = _sum_over_world  # over the ranks that hold the same MoE layers (a stage's, under PP)
         self._pending_expert_counts: torch.Tensor | None = None
-        self._step_aux_losses: list[torch.Tensor] = []  # each training forward's balancing losses (local MoE layers)
+        self._step_aux_losses: dict[int, list[torch.Tensor]] = {}  # per hooked module: its forwards' sums this step
         self._aux_hooks: list = []
         self._train_loss_sum: torch.Tensor | None = None  # this optimizer step's micro-batch losses, on device
         self.val_loss_mean = torchmetrics.aggregation.MeanMetric()
@@ -218,14 +218,15 @@ class MoELanguageModel(L.LightningModule):
     def on_train_end(self) -> None:
         for hook in self._aux_hooks:
             hook.remove()
-        self._aux_hooks, self._step_aux_losses = [], []
+        self._aux_hooks, self._step_aux_losses = [], {}
 
     def _record_aux_losses(self, part: torch.nn.Module, args, output) -> None:
         """Forward hook: the balancing losses this training forward left on ``part``'s MoE layers (summed over
-        them), read before a block recomputed in backward could write them again."""
+        them), read before a block recomputed in backward could write them again. Kept per part: a rank holding
+        several pipeline stages runs each once per micro-batch, and their layers add up."""
         aux = [m.aux_loss for m in part.moe_layers() if m.aux_loss is not None] if part.training else []
         if aux:
-            self._step_aux_losses.append(torch.stack(aux).sum())
+            self._step_aux_losses.setdefault(id(part), []).append(torch.stack(aux).sum())
 
     def training_step(self, batch_BS1: torch.Tensor, batch_idx: int) -> torch.Tensor:
         self._main_loss = None
@@ -268,7 +269,7 @@ class MoELanguageModel(L.LightningModule):
         counts of all ranks (not earlier: a block recomputed in backward must route as it did in forward), and log
         ``train/expert_imbalance`` and ``train/aux_loss`` of the step."""
         pending, self._pending_expert_counts = self._pending_expert_counts, None
-        aux_losses, self._step_aux_losses = self._step_aux_losses, []
+        aux_losses, self._step_aux_losses = self._step_aux_losses, {}
         whole = logs_written(self.trainer) and dist.is_available() and dist.is_initialized() \
             and dist.get_world_size() > 1
         counts_LE = None if pending is None else pending.float()
@@ -277,7 +278,8 @@ class MoELanguageModel(L.LightningModule):
         if counts_LE is not None and self.config.bias_update_rate != 0:
             for moe, counts_E in zip(self.model.moe_layers(), counts_LE):
                 moe.router.update_bias(counts_E, self.config.bias_update_rate)
-        self._log_balance(counts_LE, torch.stack(aux_losses).mean() if aux_losses else None, whole)
+        aux = sum(torch.stack(forwards).mean() for forwards in aux_losses.values()) if aux_losses else None
+        self._log_balance(counts_LE, aux, whole)  # each part's mean over the micro-batches, summed over the parts
 
     def _log_balance(self, counts_LE: torch.Tensor | None, aux: torch.Tensor | None, whole: bool) -> None:
         """``train/expert_imbalance``: the busiest expert's load over the mean, per MoE layer, averaged over the
