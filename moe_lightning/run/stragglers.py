@@ -6,12 +6,13 @@ inside the collectives its heartbeat records (``Heartbeat.waited_s``). The slow 
 
 Every ``every`` steps the ranks exchange ``[busy_s, wall_s, waited_s]`` once (one small gather over a gloo side
 channel); ``StragglerJudge`` then says the spread (max / median busy time over ranks) and names a rank whose busy
-time exceeds ``factor`` times the median of the others for ``windows`` windows in a row. Nothing here does I/O or
-reads a clock: ``WindowClock`` is handed the times, so both are tested without processes.
+time exceeds ``factor`` times the median of its peers for ``windows`` windows in a row. Peers are the other ranks
+that run the same program: under pipeline parallelism, those of the same stage (stages differ in work by design,
+and a stage waits for the next in sends and receives no heartbeat records). Nothing here does I/O or reads a clock: ``WindowClock`` is handed the times, so both are tested without processes.
 """
 
 import statistics
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
 DEFAULT_STRAGGLER_EVERY = 50
@@ -71,14 +72,18 @@ class StragglerJudge:
     windows: int = DEFAULT_STRAGGLER_WINDOWS
     runs: dict[int, int] = field(default_factory=dict)
 
-    def observe(self, busy_s: Sequence[float]) -> Window:
+    def observe(self, busy_s: Sequence[float], peers: Sequence[Hashable] | None = None) -> Window:
+        """``busy_s``: each rank's busy seconds in the window; ``peers``: each rank's peer group (default: one), a
+        rank is compared with the median of the other ranks of its group (a group of one is never slow)."""
+        peers = peers if peers is not None else [0] * len(busy_s)
         median = statistics.median(busy_s)
         spread = max(busy_s) / median if median > 0 else 1.0
         slow = {}
         for rank, busy in enumerate(busy_s):
-            others = statistics.median([b for r, b in enumerate(busy_s) if r != rank]) if len(busy_s) > 1 else busy
-            if others > 0 and busy > self.factor * others:
-                slow[rank] = busy / others
+            others = [b for r, b in enumerate(busy_s) if r != rank and peers[r] == peers[rank]]
+            bound = statistics.median(others) if others else 0.0
+            if bound > 0 and busy > self.factor * bound:
+                slow[rank] = busy / bound
         self.runs = {rank: self.runs.get(rank, 0) + 1 for rank in slow}
         named = {rank: ratio for rank, ratio in slow.items() if self.runs[rank] == self.windows}
         return Window(spread, slow, named)

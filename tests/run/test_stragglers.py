@@ -75,3 +75,13 @@ def test_the_warning_names_rank_host_pid_coordinates_factor_and_windows():
     assert line == ("straggler: rank 3 (host gpu017, pid 4242; replicate 0, shard 3, expert 1) was busy 1.87x the "
                     "other ranks' median (above 1.5x) for 3 windows of 50 steps in a row, up to step 450; the others "
                     "wait for it in every collective")
+
+
+def test_ranks_are_compared_within_their_peer_group_only():
+    """Pipeline stages differ in work by design: the last stage (ranks 2, 3: the head and the loss) twice as busy
+    as the first is not a straggler; rank 3 twice as busy as rank 2, its stage's other rank, is."""
+    judge = StragglerJudge(factor=1.5, windows=1)
+    stages = [0, 0, 1, 1]
+    assert judge.observe([1.0, 1.0, 2.0, 2.0], peers=stages).slow == {}
+    assert judge.observe([1.0, 1.0, 2.0, 4.0], peers=stages).named == {3: pytest.approx(2.0)}
+    assert judge.observe([1.0, 3.0], peers=[0, 1]).slow == {}  # alone in its group: never compared

@@ -166,7 +166,8 @@ class StallWatchdog(Callback):
         dist.all_gather(windows_R_3, local, group=self._straggler_group)
         heartbeats.finished()
         self._clock.restart(time.perf_counter(), self.heartbeat.waited_s)
-        window = self._stragglers.observe([float(w[0]) for w in windows_R_3])
+        stages = [coordinates_of(trainer.strategy, rank).get("pipeline", 0) for rank in range(trainer.world_size)]
+        window = self._stragglers.observe([float(w[0]) for w in windows_R_3], peers=stages)
         if not trainer.is_global_zero:
             return
         for logger in trainer.loggers:
