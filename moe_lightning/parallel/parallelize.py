@@ -62,14 +62,15 @@ class Sharding:
 def check_strategy_arguments(replicate_size: int, shard_size: int | str, expert_parallel_size: int, param_dtype: str,
                              reduce_dtype: str, prefetch_depth: int, save_distributed_checkpoint: bool,
                              async_checkpoint: bool, context_parallel_size: int = 1, ep_overlap_chunks: int = 1,
-                             dispatch_dtype: str | None = None) -> None:
+                             dispatch_dtype: str | None = None, pipeline_parallel_size: int = 1) -> None:
     """What ``MoEFSDPStrategy``'s arguments can be checked for before any launch; messages name ``strategy.<field>``."""
     for name, value in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)):
         if value != "auto" and value not in DTYPES:
             raise MeshError(f"strategy.{name}={value!r}: use one of 'auto', {', '.join(map(repr, DTYPES))}.")
     if not isinstance(prefetch_depth, int) or prefetch_depth < 0:
         raise MeshError(f"strategy.prefetch_depth={prefetch_depth!r}: must be an integer >= 0.")
-    MeshLayout.check_arguments(replicate_size, shard_size, expert_parallel_size, context_parallel_size)
+    MeshLayout.check_arguments(replicate_size, shard_size, expert_parallel_size, context_parallel_size,
+                               pipeline_parallel_size)
     check_overlap_chunks(ep_overlap_chunks)
     if dispatch_dtype not in (None, "float8_e4m3fn"):
         raise MeshError(f"strategy.dispatch_dtype={dispatch_dtype!r}: use null (the training dtype) or "

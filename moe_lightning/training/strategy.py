@@ -97,9 +97,7 @@ class MoEFSDPStrategy(CheckpointHooks, ModelParallelStrategy):
                          process_group_backend=process_group_backend, timeout=timeout)
         check_strategy_arguments(replicate_size, shard_size, expert_parallel_size, param_dtype, reduce_dtype,
                                  prefetch_depth, save_distributed_checkpoint, async_checkpoint, context_parallel_size,
-                                 ep_overlap_chunks, dispatch_dtype)  # before any launch
-        MeshLayout.check_arguments(replicate_size, shard_size, expert_parallel_size, context_parallel_size,
-                                   pipeline_parallel_size)
+                                 ep_overlap_chunks, dispatch_dtype, pipeline_parallel_size)  # before any launch
         self.pipeline_parallel_size, self.pipeline_schedule = pipeline_parallel_size, pipeline_schedule
         self.pipeline_microbatches, self.pipeline_stages_per_rank = pipeline_microbatches, pipeline_stages_per_rank
         self.pipeline: PipelineLayout | None = None  # the stages, resolved in setup_environment (pp > 1)
