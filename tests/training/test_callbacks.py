@@ -207,6 +207,43 @@ def test_training_curves_land_in_the_run_folder(tmp_path):
     assert labels and all(re.fullmatch(r"-?\d+", label) for label in labels), labels
 
 
+class _StagedTrainer(SimpleNamespace):
+    """What TrainingCurves reads of a trainer, as on rank 0 of a 2-stage run logging every ``log_every`` steps:
+    on those steps ``callback_metrics`` hold the whole model's values, between them stage 0's own."""
+
+    def __init__(self, world_size: int, log_every: int):
+        super().__init__(world_size=world_size, global_step=0, fast_dev_run=False, callbacks=[], callback_metrics={},
+                         optimizers=[SimpleNamespace(param_groups=[{"lr": 1e-3}])],
+                         fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace(_should_accumulate=lambda: False)),
+                         _logger_connector=SimpleNamespace(should_update_logs=False))
+        self.log_every = log_every
+
+    def step(self, step: int) -> None:
+        """``step`` just ended: the values its training step logged."""
+        self.global_step = step
+        written = step % self.log_every == 0
+        self._logger_connector.should_update_logs = written
+        value = 2.0 + step if written else -1.0  # -1: stage 0's layers' value
+        self.callback_metrics = {"train/loss": torch.tensor(value), "train/expert_imbalance": torch.tensor(value)}
+
+
+@pytest.mark.parametrize("world_size, recorded_steps", [(2, [5, 10]), (1, list(range(1, 11)))])
+def test_training_curves_record_train_metrics_only_when_they_are_the_whole_models(world_size, recorded_steps):
+    """With several processes the train loss and imbalance are recorded on the log grid only (off it a rank holds
+    its own batch's loss and, under pipeline stages, its stage's imbalance: before, 4 of 5 points with the defaults);
+    with one process every recorded step is the whole model's. The LR is recorded on every recorded step."""
+    curves = TrainingCurves(record_every_n_steps=1)
+    trainer = _StagedTrainer(world_size, log_every=5)
+    module = SimpleNamespace(tokens_seen=0)
+    for step in range(1, 11):
+        trainer.step(step)
+        module.tokens_seen = 100 * step
+        curves.on_train_batch_end(trainer, module, None, None, step - 1)
+    want = [(100.0 * s, 2.0 + s if s % 5 == 0 else -1.0) for s in recorded_steps]
+    assert curves.history["expert imbalance"] == want and curves.history["train loss"] == want
+    assert [t for t, _ in curves.history["learning rate"]] == [100.0 * s for s in range(1, 11)]
+
+
 def test_token_tick_labels_are_plain_units():
     assert [token_count(x) for x in (0, 1, 950, 20_000, 1_500_000, 999_999, 2.1e9, 3e12)] == \
         ["0", "1", "950", "20k", "1.5M", "1M", "2.1B", "3T"]

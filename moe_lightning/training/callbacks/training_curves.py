@@ -9,6 +9,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from moe_lightning.run.durable import write_with
 from moe_lightning.training.callbacks._logging import StepInterval, check_interval
 from moe_lightning.training.callbacks.expert_load import ExpertLoadMonitor
+from moe_lightning.training.lightning_internals import logs_written
 
 
 class TrainingCurves(L.Callback):
@@ -18,6 +19,11 @@ class TrainingCurves(L.Callback):
     time only); expert imbalance (busiest expert over mean, per step); and, when an ``ExpertLoadMonitor`` runs,
     the share of dead experts and the entropy of its windows' load shares. Drawn every ``plot_every_n_steps``
     (0: only when fit ends) and at the end of fit; also sent to TensorBoard when it logs there.
+
+    With several processes the train loss and the expert imbalance are recorded only on the recorded steps whose
+    logs are written (``trainer.log_every_n_steps``): only there are they the whole model's over the global batch
+    (between them a rank holds its own batch's loss, and the imbalance stays the last logged value). Choose
+    ``record_every_n_steps`` dividing ``log_every_n_steps`` (or a multiple of it) to get a point on every log step.
 
     Args:
         record_every_n_steps: Optimizer steps between recorded points (reading them syncs with the GPU).
@@ -48,9 +54,10 @@ class TrainingCurves(L.Callback):
             return
         tokens = float(getattr(pl_module, "tokens_seen", trainer.global_step))
         metrics = trainer.callback_metrics
-        for name, key in (("train loss", "train/loss"), ("expert imbalance", "train/expert_imbalance")):
-            if key in metrics:
-                self._add(name, tokens, float(metrics[key]))
+        if trainer.world_size == 1 or logs_written(trainer):  # else a rank's own batch (and stage), or stale
+            for name, key in (("train loss", "train/loss"), ("expert imbalance", "train/expert_imbalance")):
+                if key in metrics:
+                    self._add(name, tokens, float(metrics[key]))
         self._add("learning rate", tokens, trainer.optimizers[0].param_groups[0]["lr"])
         now = time.perf_counter()
         if self._clock is not None and now > self._clock[0] and tokens > self._clock[1]:
