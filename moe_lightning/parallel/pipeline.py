@@ -416,8 +416,10 @@ def _forward_only(schedule: pipelining.schedules._PipelineScheduleRuntime) -> No
     """Drop a schedule of several stages per rank to its forward work, in its order, for evaluation: torch (2.11 to
     2.13) runs the backward actions in ``eval`` too, and a V's hand-off of gradients between a rank's two stages
     then fails. Forward only, the order stays deadlock-free: each forward's input comes from a forward earlier in
-    the order; the stages' gathers (UNSHARD/RESHARD) stay. (``pipeline_order_with_comms`` and ``_Action`` are
-    private; read in torch 2.11's and 2.13's ``schedules.py``.)"""
+    the order. The stages' gathers stay, except each UNSHARD...RESHARD pair left without a forward of its stage:
+    torch keeps at most 3 stages gathered, so with 4 or more per rank it re-gathers a stage for its backward, and
+    the runtime refuses to reshard a stage it gathered but never computed on. (``pipeline_order_with_comms`` and
+    ``_Action`` are private; read in torch 2.11's and 2.13's ``schedules.py``.)"""
     kind = pipelining.schedules._ComputationType
     backward = {kind.FULL_BACKWARD, kind.BACKWARD_INPUT, kind.BACKWARD_WEIGHT, kind.SEND_B, kind.RECV_B,
                 kind.REDUCE_GRAD}
@@ -427,8 +429,22 @@ def _forward_only(schedule: pipelining.schedules._PipelineScheduleRuntime) -> No
             return [a for a in action.sub_actions if a.computation_type == kind.FORWARD]
         return [] if action.computation_type in backward else [action]
 
-    schedule.pipeline_order_with_comms = {rank: [a for action in actions for a in forward_part(action)]
-                                          for rank, actions in schedule.pipeline_order_with_comms.items()}
+    def without_idle_gathers(actions: list) -> list:
+        idle, open_gathers = set(), {}  # stage -> [index of its UNSHARD, whether a FORWARD followed]
+        for i, action in enumerate(actions):
+            if action.computation_type == kind.UNSHARD:
+                open_gathers[action.stage_index] = [i, False]
+            elif action.computation_type == kind.FORWARD and action.stage_index in open_gathers:
+                open_gathers[action.stage_index][1] = True
+            elif action.computation_type == kind.RESHARD and action.stage_index in open_gathers:
+                start, used = open_gathers.pop(action.stage_index)
+                if not used:
+                    idle |= {start, i}
+        return [action for i, action in enumerate(actions) if i not in idle]
+
+    schedule.pipeline_order_with_comms = {
+        rank: without_idle_gathers([a for action in actions for a in forward_part(action)])
+        for rank, actions in schedule.pipeline_order_with_comms.items()}
 
 
 def sum_shared_embedding_grads(model: MoETransformer, group: dist.ProcessGroup | None) -> None:

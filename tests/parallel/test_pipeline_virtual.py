@@ -158,6 +158,50 @@ def test_fit_with_two_stages_per_rank_equals_fit_without_stages_per_step(tmp_pat
     assert staged["val"] == pytest.approx(without_stages["val"], rel=1e-6)
 
 
+@pytest.mark.slow
+def test_fit_with_four_stages_per_rank_equals_fit_without_stages_through_a_validation(tmp_path):
+    """8 blocks as 8 stages of one, 2 ranks x 4 stages under Interleaved1F1B: torch keeps at most 3 stages gathered
+    and re-gathers the 4th's for its backward, which evaluation must drop with the backward (it crashed at the
+    first validation). Losses, norms and the held-out loss as in the two-stage case."""
+    common = ("--n-layers", "8", "--steps", "3")
+    without = _fit(tmp_path, "pp1", "--pp", "1", "--batch", "4", *common)
+    staged = _fit(tmp_path, "v4", "--pp", "2", "--schedule", "Interleaved1F1B", "--stages-per-rank", "4",
+                  "--microbatches", "2", "--batch", "8", *common)
+    assert len(staged["losses"]) == 3 and min(staged["norms"]) > 0.5
+    assert staged["losses"] == pytest.approx(without["losses"], rel=1e-6)
+    assert staged["norms"] == pytest.approx(without["norms"], rel=1e-5)
+    assert staged["val"] is not None and staged["val"] == pytest.approx(without["val"], rel=1e-6)
+
+
+@pytest.mark.parametrize("schedule, stages_per_rank", [("Interleaved1F1B", 4), ("InterleavedZeroBubble", 5),
+                                                       ("ZBVZeroBubble", 2), ("DualPipeV", 2)])
+def test_evaluation_order_gathers_a_stage_only_around_its_forwards(schedule, stages_per_rank):
+    """Torch's own order (P=2, M=4) cut to evaluation keeps every forward in order, and each UNSHARD...RESHARD
+    pair of a stage encloses a forward of it (torch's runtime refuses to reshard a stage it never computed on)."""
+    from torch.distributed.pipelining import schedules
+    from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
+    from types import SimpleNamespace
+
+    from moe_lightning.parallel.pipeline import _forward_only, schedule_class
+    kind = schedules._ComputationType
+    order = get_schedule_ops(schedule_class(schedule), 2, 4, stages_per_rank, with_comms=True)
+    cut = SimpleNamespace(pipeline_order_with_comms={r: [a for a in acts if a is not None]
+                                                     for r, acts in enumerate(order)})
+    _forward_only(cut)
+    for rank, actions in cut.pipeline_order_with_comms.items():
+        forwards = [str(a) for acts in order[rank] if acts is not None
+                    for a in (acts.sub_actions or [acts]) if a.computation_type == kind.FORWARD]
+        assert [str(a) for a in actions if a.computation_type == kind.FORWARD] == forwards
+        gathered = {}
+        for action in actions:
+            if action.computation_type == kind.UNSHARD:
+                gathered[action.stage_index] = False
+            elif action.computation_type == kind.FORWARD:
+                gathered[action.stage_index] = True
+            elif action.computation_type == kind.RESHARD:
+                assert gathered.pop(action.stage_index), f"rank {rank}: {action} without a forward"
+
+
 def _checkpoint_keys(folder) -> set[str]:
     """The model's and the optimizer state's keys (parameter groups are keyed by name under stages, by index
     without: ``MoEFSDPStrategy.optimizer_state``)."""
