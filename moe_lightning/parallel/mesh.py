@@ -292,13 +292,14 @@ class ParallelMesh:
     @staticmethod
     def _expert_mesh(world_R_P_S: torch.Tensor, ep: int, device_type: str) -> DeviceMesh:
         """This stage's ``("replicate", "ep", "efsdp")`` mesh (``s = f * ep + e``: ``ep`` neighbouring shard
-        ranks, ``efsdp`` stride ``ep``). Under stages it is sliced from one ``("replicate", "pp", "ep", "efsdp")``
-        mesh, so each stage's expert groups hold that stage's ranks only and a checkpoint's expert views stay 3-D."""
+        ranks, ``efsdp`` stride ``ep``). Under stages every rank builds one root 3-D mesh per stage, in stage order,
+        and keeps its own: each stage's expert groups hold that stage's ranks only, a checkpoint's expert views stay
+        3-D, and ``expert["replicate", "efsdp"]`` slices as at ``pp == 1`` (torch 2.11 refuses the slice of a 4-D
+        ``(replicate, pp, ep, efsdp)`` mesh: ``ep`` has a smaller rank stride than ``efsdp``)."""
         r, pp, s = world_R_P_S.shape
         ranks_R_P_E_F = world_R_P_S.view(r, pp, s // ep, ep).transpose(2, 3)
-        if pp == 1:
-            return _mesh(device_type, ranks_R_P_E_F[:, 0], ("replicate", "ep", "efsdp"))
-        return _mesh(device_type, ranks_R_P_E_F, ("replicate", "pp", "ep", "efsdp"))["replicate", "ep", "efsdp"]
+        stage_meshes = [_mesh(device_type, ranks_R_P_E_F[:, p], ("replicate", "ep", "efsdp")) for p in range(pp)]
+        return next(mesh for mesh in stage_meshes if mesh.get_coordinate() is not None)
 
     @staticmethod
     def _stage_group(layout: MeshLayout, device_type: str) -> dist.ProcessGroup:
