@@ -270,14 +270,16 @@ class MoELanguageModel(L.LightningModule):
         ``train/expert_imbalance`` and ``train/aux_loss`` of the step."""
         pending, self._pending_expert_counts = self._pending_expert_counts, None
         aux_losses, self._step_aux_losses = self._step_aux_losses, {}
-        whole = logs_written(self.trainer) and dist.is_available() and dist.is_initialized() \
-            and dist.get_world_size() > 1
+        several_ranks = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        whole = several_ranks and logs_written(self.trainer)
         counts_LE = None if pending is None else pending.float()
         if counts_LE is not None and (self.config.bias_update_rate != 0 or whole):
             self.sum_expert_counts(counts_LE)  # the ranks holding these layers: the step's counts of every token
         if counts_LE is not None and self.config.bias_update_rate != 0:
             for moe, counts_E in zip(self.model.moe_layers(), counts_LE):
                 moe.router.update_bias(counts_E, self.config.bias_update_rate)
+        if several_ranks and not whole:  # a rank's own numbers (under stages: its stage's layers) are never logged
+            return
         aux = sum(torch.stack(forwards).mean() for forwards in aux_losses.values()) if aux_losses else None
         self._log_balance(counts_LE, aux, whole)  # each part's mean over the micro-batches, summed over the parts
 
@@ -288,13 +290,16 @@ class MoELanguageModel(L.LightningModule):
         the whole model's over the global batch, the same on every rank: one all-reduce over every rank of each
         rank's sums over its layers (a pipeline stage's ranks hold the same layers, their counts summed already;
         a stage's balancing loss is the mean over its data-parallel ranks, counted by the first stage's ranks).
-        Otherwise this rank's layers and batch."""
+        With one process every step is logged (its layers and batch are the whole model's and global batch);
+        with several, only the steps whose logs are written: off that grid a rank holds only its own batch and,
+        under pipeline stages, its stage's layers (a different quantity), and ``callback_metrics`` (read by
+        callbacks such as ``TrainingCurves`` or ``ModelCheckpoint(monitor=...)``) keeps the last whole value."""
         config = self.config
         if not any(config.is_moe_layer(i) for i in range(config.n_layers)):  # the same on every rank
             return
         balances = config.aux_loss_coef > 0 or config.z_loss_coef > 0
         ratio_L = counts_LE.max(-1).values / counts_LE.mean(-1) if counts_LE is not None else None
-        if not whole:
+        if not whole:  # one process
             if ratio_L is not None:
                 self.log("train/expert_imbalance", ratio_L.mean())
             if aux is not None:

@@ -128,3 +128,26 @@ def test_the_logged_balance_is_the_whole_steps_over_its_micro_batches():
         assert logged["train/expert_imbalance"] == pytest.approx(imbalance.item(), rel=1e-6)
         assert logged["train/aux_loss"] == pytest.approx(aux.item(), rel=1e-6)
         assert logged["train/aux_loss"] != pytest.approx(probe.aux[2 * step + 1].item(), rel=1e-4)  # not the last's
+
+
+@pytest.mark.slow
+def test_off_the_log_grid_every_rank_holds_the_last_whole_model_balance(tmp_path):
+    """P=2, logs written every 2nd step (``--log-every 2``), 4 steps: what ``callback_metrics`` holds of
+    ``train/aux_loss`` and ``train/expert_imbalance`` (read by TrainingCurves or a ``ModelCheckpoint`` monitor) is
+    the whole model's on every step: absent before the first logged step, then the last logged value, the same on
+    both stages' ranks. Before, off the grid each rank held its own stage's layers' values (stage 0's aux about a
+    third of the model's here, so the ranks differed)."""
+    folder = tmp_path / "pp2"
+    folder.mkdir()
+    run_nodes([str(LAUNCHERS / "pipeline_fit_run.py"), "--out", str(folder / "run.json"), "--record",
+               str(folder / "probe"), *STAGED, "--aux-loss-coef", "0.01", "--log-every", "2", "--steps", "4"],
+              1, 2, cwd=folder, timeout=900)
+    ranks = [json.loads((folder / f"probe.rank{rank}.json").read_text()) for rank in (0, 1)]
+    keys = ("train/aux_loss", "train/expert_imbalance")
+    held = [[{k: row["logged"].get(k) for k in keys} for row in rows] for rows in ranks]
+    assert [row["step"] for row in ranks[0]] == [1, 2, 3, 4]
+    assert held[0] == held[1]  # exactly: one all-reduced value on every rank
+    assert held[0][0] == dict.fromkeys(keys)  # step 1 is off the grid: nothing whole yet
+    assert all(value is not None for value in held[0][1].values())
+    assert held[0][2] == held[0][1]  # step 3: still step 2's
+    assert held[0][3] != held[0][1]  # step 4 is logged again: a new value
