@@ -7,8 +7,9 @@ pipeline rank (its stages' blocks, from ``parallel.pipeline.stage_layout``, the 
 - Parameters, gradients and optimizer state: ``16`` bytes (AdamW, fp32) per parameter the rank's stages hold, over
   the stage's shard ranks ``world / (replicate · P)``; the first stage adds the embedding, the last the final norm,
   the head, the MTP modules (and the embedding's copy when MTP or a tied head reads it).
-- Boundary activations: ``in flight x blocks x b·s·d·2`` (bf16 block inputs), ``in flight`` the most micro-batches
-  whose forward ran and whose backward has not, read from torch's own order of the schedule's actions
+- Boundary activations: ``in flight x blocks x b·(s/cp)·d·2`` (bf16 block inputs, a CP rank's share of the
+  sequence), ``in flight`` the most micro-batches whose forward ran and whose backward has not, read from torch's
+  own order of the schedule's actions
   (``torch.distributed.pipelining._schedule_visualizer.get_schedule_ops``: the schedule classes themselves,
   built on mock stages; private in torch 2.11-2.13).
 - The block working set and (last stage) the loss working set: the plan's rows at ``b`` sequences instead of
@@ -21,8 +22,8 @@ pipeline rank (its stages' blocks, from ``parallel.pipeline.stage_layout``, the 
 
 Time: the schedule's actions timed in that same order (forward ``f_s``, full backward ``2·f_s``, a zero-bubble
 schedule's input and weight halves ``f_s`` each; ``f_s`` the stage's share of the plan's compute, from its FLOPs),
-each send between ranks ``b·s·d·2 / IB bandwidth`` (stages across nodes). The bubble is the idle fraction of that
-timeline; the step is its length plus the rank's exposed FSDP time; the expert exchange of the plan is priced per
+each send between ranks ``b·(s/cp)·d·2 / IB bandwidth`` (stages across nodes). The bubble is the idle fraction of
+that timeline; the step is its length plus the rank's exposed FSDP time; the expert exchange of the plan is priced per
 micro-batch at the same total (the same tokens cross the same links).
 """
 
@@ -170,7 +171,7 @@ def pipeline_rows(config: MoEConfig, cluster, work, result: dict, size: int, sch
     compute = result["step_time"]["parts"]["compute"]  # one GPU's step without stages: the same FLOPs per GPU
     forward_s = [size * compute * c / sum(stage_cost) / (3 * M) for c in stage_cost]
     ib_bytes_per_s = result["bandwidths"][0] * 1e9
-    hop_bytes = b * s * d * 2
+    hop_bytes = b * (s // stage_mesh.cp) * d * 2  # a stage sends its own [b, S / cp, D] (bf16)
     timeline = simulate(schedule_actions(schedule, size, M, layout.stages_per_rank), forward_s, hop_bytes / ib_bytes_per_s)
     params = stage_parameters(config, list(layout.blocks_per_stage))
     routed = stage_parameters(config, list(layout.blocks_per_stage), routed=True)
