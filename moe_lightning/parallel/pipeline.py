@@ -168,6 +168,16 @@ class PipelineLayout:
                    + (t > 0 and self.rank_of(t - 1) != pp_rank) for t in self.stages_of(pp_rank))
 
 
+def check_torch_runs(schedule: str, torch_version: str) -> None:
+    """Refuse a split-backward schedule on torch < 2.13 (``torch_version``: ``torch.__version__``), whose weight pass
+    fails on this model's custom autograd functions (measured on 2.11). Training only: ``plan`` prices the order."""
+    if schedule in SPLIT_BACKWARD and tuple(int(n) for n in torch_version.split(".")[:2]) < (2, 13):
+        raise PipelineError(f"strategy.pipeline_schedule={schedule!r} splits backward into input and weight passes, "
+                            f"which torch {torch_version} cannot run over this model's custom autograd functions "
+                            "(RMSNorm, the router's fp32 matmul; torch 2.13 can, 2.12 is untested): use "
+                            "'Interleaved1F1B' or '1F1B', or torch >= 2.13.")
+
+
 def resolve_pipeline(config: MoEConfig, size: int, schedule: str = "1F1B", microbatches: int | None = None,
                      stages_per_rank: int | None = None, seq_len: int | None = None) -> PipelineLayout:
     """Check the pipeline arguments against the model and the installed torch before any process group exists;
@@ -178,11 +188,6 @@ def resolve_pipeline(config: MoEConfig, size: int, schedule: str = "1F1B", micro
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
             raise PipelineError(f"strategy.{name}={value!r}: must be a positive integer.")
     schedule_class(schedule)
-    if schedule in SPLIT_BACKWARD and tuple(int(n) for n in torch.__version__.split(".")[:2]) < (2, 13):
-        raise PipelineError(f"strategy.pipeline_schedule={schedule!r} splits backward into input and weight passes, "
-                            f"which torch {torch.__version__} cannot run over this model's custom autograd functions "
-                            "(RMSNorm, the router's fp32 matmul; torch 2.13 can, 2.12 is untested): use "
-                            "'Interleaved1F1B' or '1F1B', or torch >= 2.13.")
     style = SCHEDULES[schedule][1]
     microbatches = size if microbatches is None else microbatches
     stages_per_rank = stages_per_rank or (1 if style == "single" else 2)

@@ -25,7 +25,7 @@ from moe_lightning.parallel.clip import clip_grads_
 from moe_lightning.parallel.mesh import MeshLayout, ParallelMesh, resolve_layout
 from moe_lightning.parallel.parallelize import Sharding, check_strategy_arguments, parallelize_moe, the_transformer
 from moe_lightning.parallel.pipeline import PipelineError, PipelineLayout, PipelineRunner, SCHEDULES, check_batch, \
-    reads_embedding_last, resolve_pipeline
+    check_torch_runs, reads_embedding_last, resolve_pipeline
 from moe_lightning.run import flight_recorder
 from moe_lightning.run.refusals import same_on_every_rank
 from moe_lightning.run.watchdog import DEFAULT_STALL_TIMEOUT_S, check_stall_timeout
@@ -283,6 +283,7 @@ def _check_pipeline_arguments(schedule: str, meta_init: bool, cpu_offload: bool 
     if not save_distributed_checkpoint:  # rank 0 alone writes a single file, and it holds stage 0 only
         raise PipelineError("strategy.save_distributed_checkpoint=False with pipeline_parallel_size > 1: a "
                             "single-file checkpoint would hold the first stage only; set it to True.")
+    check_torch_runs(schedule, torch.__version__)
 
 
 def _check_pipeline_trainer(trainer, layout: PipelineLayout) -> None:

@@ -6,6 +6,7 @@ resumes without stages (tests/launchers/pipeline_fit_run.py)."""
 
 import dataclasses
 import json
+import re
 
 import pytest
 import torch
@@ -89,22 +90,37 @@ def test_stage_views_hold_their_stages_parameters_and_chained_give_one_models_lo
         assert error < (2e-6 if name.endswith("router.gate.weight") else 1e-9), (name, error)
 
 
-def test_split_backward_schedules_are_refused_on_torch_before_2_13(monkeypatch):
+@pytest.mark.parametrize("version, refused", [("2.11.0+cu130", True), ("2.12.1", True), ("2.13.0+cpu", False),
+                                              ("2.13.0a0+gitabc", False), ("2.14.1", False)])
+def test_split_backward_schedules_are_refused_on_torch_before_2_13(version, refused):
     """Torch 2.11's weight pass fails on the model's custom autograd functions (measured: ``_input_metadata`` of
-    their nodes in ``autograd._make_grads``, under ZBVZeroBubble through the strategy); 2.13's runs exactly."""
-    monkeypatch.setattr(torch, "__version__", "2.11.0+cu130")
+    their nodes in ``autograd._make_grads``, under ZBVZeroBubble through the strategy); 2.13's runs exactly, 2.12
+    is untested. The strategy refuses (before any group); ``resolve_pipeline``, which ``plan`` uses, does not."""
+    from moe_lightning.parallel.pipeline import check_torch_runs
     for schedule in ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"):
-        with pytest.raises(PipelineError, match=rf"pipeline_schedule='{schedule}' splits backward.*torch 2.11.0"
-                                                r".*use 'Interleaved1F1B'") as refused:
-            resolve_pipeline(MoEConfig(**SHAPE), 2, schedule, microbatches=4)
-        assert "\n" not in str(refused.value)
-    resolve_pipeline(MoEConfig(**SHAPE), 2, "Interleaved1F1B")  # measured exact on torch 2.11 too
+        if refused:
+            with pytest.raises(PipelineError, match=rf"pipeline_schedule='{schedule}' splits backward.*torch "
+                                                    rf"{re.escape(version)}.*use 'Interleaved1F1B'") as refusal:
+                check_torch_runs(schedule, version)
+            assert "\n" not in str(refusal.value)
+        else:
+            check_torch_runs(schedule, version)
+        resolve_pipeline(MoEConfig(**SHAPE), 2, schedule, microbatches=4)
+    check_torch_runs("Interleaved1F1B", version)  # measured exact on torch 2.11 too
+
+
+def test_the_strategy_refuses_a_split_backward_schedule_on_old_torch(monkeypatch):
+    from moe_lightning.training.strategy import _check_pipeline_arguments
+    monkeypatch.setattr(torch, "__version__", "2.12.1")
+    with pytest.raises(PipelineError, match=r"pipeline_schedule='ZBVZeroBubble' splits backward"):
+        _check_pipeline_arguments("ZBVZeroBubble", False, config=MoEConfig(**SHAPE))
 
 
 @pytest.mark.parametrize("extra", [dict(mtp_layers=1), dict(tie_embeddings=True)])
-def test_a_v_schedule_is_refused_where_both_ends_would_run_the_one_embedding(extra):
+def test_a_v_schedule_is_refused_where_both_ends_would_run_the_one_embedding(extra, monkeypatch):
     """A V puts the first and last stage on one rank: MTP or a tied head would run the rank's one embedding in two
     FSDP roots."""
+    monkeypatch.setattr(torch, "__version__", "2.13.0")  # the split-backward schedules' own refusal aside
     from moe_lightning.training.strategy import _check_pipeline_arguments
     config = MoEConfig(**{**SHAPE, **extra})
     with pytest.raises(PipelineError, match=r"pipeline_schedule='ZBVZeroBubble' puts the first and the last stage "
