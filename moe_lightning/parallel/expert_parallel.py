@@ -24,6 +24,7 @@ world collective every rank enters), so every rank takes the same decisions and 
 
 import os
 import socket
+import time
 import warnings
 from collections import Counter
 from collections.abc import Callable, Hashable, Iterator
@@ -170,7 +171,9 @@ class _Exchange:
         self._buffers = (buffer, out)  # the send buffer lives until the exchange completes
 
     def land(self) -> list[torch.Tensor]:
-        self._work.wait()
+        started = time.perf_counter()
+        self._work.wait()  # only this blocks: the compute run since the launch is not waiting
+        heartbeat.waited(time.perf_counter() - started)
         heartbeat.finished(self._buffers[1])  # on CUDA: an event tells the watchdog when the device completes it
         out = _unpack(self._buffers[1], self._layout, self._where)
         self._work = self._buffers = None  # the send buffer is released here, the received rows live on in `out`

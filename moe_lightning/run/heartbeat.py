@@ -11,8 +11,11 @@ Package code marks its collectives through the module functions ``entered`` / ``
 heartbeat is active, as in a single process), so they need no handle on the watchdog; a long write that is not a
 collective (a checkpoint's files) calls ``progressed`` as it goes, so it is not taken for a stall.
 
-``waited_s`` adds up the host seconds between each ``entered`` and its ``finished``: the time this rank spent
-waiting inside recorded collectives, which the straggler check (``run/stragglers.py``) subtracts from its step time.
+``waited_s`` adds up the host seconds this rank spent *blocked* in collectives, which the straggler check
+(``run/stragglers.py``) subtracts from its step time. Only the blocking call is timed, by its caller, through
+``waited(seconds)`` (or ``collective``, which times its block): ``entered`` and ``finished`` do not time, since an
+asynchronous collective's launch and land have compute in between (the shared experts, autograd) and other
+collectives may enter and finish while it is in flight.
 """
 
 import time
@@ -48,8 +51,7 @@ class Heartbeat:
         self.collectives = 0  # sequence number of the last collective entered
         self.collective: tuple[str, str, int, str] | None = None  # (op, dimension, seq, "entered" | "finished")
         self.device_done: Callable[[], bool] | None = None  # whether the device has completed it (see ``finished``)
-        self.waited_s = 0.0  # host seconds spent inside recorded collectives (entered to finished), summed
-        self._entered_at: float | None = None
+        self.waited_s = 0.0  # host seconds spent blocked in collectives, summed (see ``waited``)
 
     def enter(self, phase: str, step: int | None = None) -> None:
         if step is not None:
@@ -68,20 +70,21 @@ class Heartbeat:
         self.collectives += 1
         self.collective = (op, dim or self.dimension(group), self.collectives, "entered")
         self.progress += 1
-        self._entered_at = time.perf_counter()
 
     def finished(self, device_done: Callable[[], bool] | None = None) -> None:
         """The wait of the collective entered last returned. On NCCL that only orders the current stream after it:
         ``device_done`` (a CUDA event's ``query``) then says whether the device has completed it, and until it
         does the snapshot still says "entered"."""
         self.device_done = device_done
-        if self._entered_at is not None:  # overlapped collectives: only the last entered one's wait is counted
-            self.waited_s += time.perf_counter() - self._entered_at
-            self._entered_at = None
         if self.collective is not None:
             op, dim, seq, _ = self.collective
             self.collective = (op, dim, seq, "finished")
             self.progress += 1
+
+    def waited(self, seconds: float) -> None:
+        """This rank was blocked ``seconds`` in a collective's wait (timed by the caller around the blocking call
+        only, so overlapped compute and nested collectives are neither counted nor lost)."""
+        self.waited_s += seconds
 
     def dimension(self, group) -> str:
         try:
@@ -140,9 +143,18 @@ def finished(output=None) -> None:
     _active.finished(device_done)
 
 
+def waited(seconds: float) -> None:
+    """This rank was blocked ``seconds`` in a collective's wait (see ``Heartbeat.waited``)."""
+    heartbeat = _active
+    if heartbeat is not None:
+        heartbeat.waited(seconds)
+
+
 @contextmanager
-def collective(op: str, group=None) -> Iterator[None]:
-    """Marks a blocking collective: entered before the block, finished after it."""
-    entered(op, group)
+def collective(op: str, group=None, dim: str | None = None) -> Iterator[None]:
+    """Marks a blocking collective: entered before the block, finished after it; the block's time is waited."""
+    entered(op, group, dim)
+    started = time.perf_counter()
     yield
+    waited(time.perf_counter() - started)
     finished()

@@ -1,8 +1,8 @@
 """Which rank is slower than the rest, judged once per window of steps from each rank's *busy* time.
 
 Ranks that train in lockstep take the same host wall-clock time per step: a fast rank waits inside a collective for
-the slow one. So the measure is each rank's busy time over a window: its wall time minus the time it spent waiting
-inside the collectives its heartbeat records (``Heartbeat.waited_s``). The slow rank waits least and is busiest.
+the slow one. So the measure is each rank's busy time over a window: its wall time minus the time it spent blocked
+in the waits of the collectives its heartbeat records (``Heartbeat.waited_s``). The slow rank waits least and is busiest.
 
 Every ``every`` steps the ranks exchange ``[busy_s, wall_s, waited_s]`` once (one small gather over a gloo side
 channel); ``StragglerJudge`` then says the spread (max / median busy time over ranks) and names a rank whose busy

@@ -1,12 +1,16 @@
 """The straggler check's parts without processes: the judge (factor, windows in a row, reset), the window clock
 over the heartbeat's waited time, the settings' refusals and the warning's text."""
 
-import pytest
+import time
 
+import pytest
+import torch
+
+from moe_lightning.parallel.expert_parallel import _Exchange
 from moe_lightning.run import heartbeat
 from moe_lightning.run.heartbeat import Heartbeat
 from moe_lightning.run.stragglers import StragglerJudge, WindowClock, check_straggler_settings, straggler_message
-from moe_lightning.training.callbacks.stall_watchdog import StallWatchdog
+from moe_lightning.training.callbacks.stall_watchdog import StallWatchdog, mark_blocking_pre_forward
 
 
 def test_a_rank_slower_than_the_factor_is_named_after_the_stated_windows_in_a_row_and_once():
@@ -45,7 +49,7 @@ def test_the_window_clock_subtracts_the_time_waited_in_recorded_collectives():
         clock = WindowClock()
         clock.restart(now=100.0, waited_s=beat.waited_s)
         heartbeat.entered("all_gather", dim="fsdp")
-        beat._entered_at -= 0.25  # as if it waited 0.25 s for the others
+        heartbeat.waited(0.25)  # as if it was blocked 0.25 s waiting for the others
         heartbeat.finished()
         heartbeat.progressed()
     finally:
@@ -85,3 +89,52 @@ def test_ranks_are_compared_within_their_peer_group_only():
     assert judge.observe([1.0, 1.0, 2.0, 2.0], peers=stages).slow == {}
     assert judge.observe([1.0, 1.0, 2.0, 4.0], peers=stages).named == {3: pytest.approx(2.0)}
     assert judge.observe([1.0, 3.0], peers=[0, 1]).slow == {}  # alone in its group: never compared
+
+
+class _SlowWork:
+    """An all-to-all's work handle whose ``wait`` blocks ``seconds`` (the others are late)."""
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+
+    def wait(self):
+        time.sleep(self.seconds)
+
+
+def _in_flight(wait_s: float) -> _Exchange:
+    """An exchange as ``launch`` leaves it: entered on the heartbeat, its work pending."""
+    exchange = _Exchange(group=None, send_splits=[], recv_splits=[], grad_scale=1.0)
+    heartbeat.entered("all_to_all", dim="expert")
+    exchange._work, exchange._buffers = _SlowWork(wait_s), (None, torch.ones(2, 3))
+    exchange._layout = exchange._where = None
+    return exchange
+
+
+def test_only_the_blocking_wait_of_an_exchange_is_waited_not_the_compute_it_overlaps():
+    beat = Heartbeat()
+    heartbeat.activate(beat)
+    try:
+        exchange = _in_flight(wait_s=0.1)
+        time.sleep(0.2)  # the shared experts (forward) or autograd (backward) run between launch and land
+        exchange.land()
+    finally:
+        heartbeat.activate(None)
+    assert 0.1 <= beat.waited_s < 0.18  # not 0.3: the 0.2 s of compute is busy time (loose above: a loaded machine)
+
+
+def test_a_unit_marked_inside_an_exchange_in_flight_loses_neither_wait():
+    fsdp_wait_s = 0.05
+    unit = torch.nn.Linear(2, 2)
+    unit.register_forward_pre_hook(lambda *_: time.sleep(fsdp_wait_s))  # stands for FSDP's all-gather wait
+    mark_blocking_pre_forward(unit, "all_gather", "fsdp")
+    beat = Heartbeat()
+    heartbeat.activate(beat)
+    try:
+        exchange = _in_flight(wait_s=0.3)  # chunk c+1's exchange in flight while chunk c's experts run
+        unit(torch.ones(1, 2))
+        time.sleep(0.1)  # compute
+        exchange.land()
+    finally:
+        heartbeat.activate(None)
+    assert 0.35 <= beat.waited_s < 0.43  # both waits, not the 0.1 s of compute
+    assert beat.collectives == 2  # both are still in the stall record

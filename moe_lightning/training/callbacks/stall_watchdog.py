@@ -7,7 +7,7 @@ checkpoint, a first step's compile and the data loader's start-up are not judged
 final save is watched), on every rank of a job of two or more processes.
 
 It also names a straggler (``run/stragglers.py``): every ``straggler_every`` steps the ranks exchange their busy
-time (wall time minus the time waited inside recorded collectives) once over a gloo side channel; rank 0 logs
+time (wall time minus the time blocked in recorded collectives' waits) once over a gloo side channel; rank 0 logs
 ``train/step_time_spread`` (max / median) and warns when one rank stays ``straggler_factor`` times busier than the
 others for ``straggler_windows`` windows in a row. Recorded collectives: the package's own (expert all-to-alls)
 and each FSDP unit's pre-forward, where it waits for its parameters' all-gather.
@@ -54,15 +54,26 @@ def group_names(strategy) -> Callable | None:
 
 def mark_fsdp_unshards(model: torch.nn.Module) -> list:
     """Record each FSDP unit's pre-forward as a collective on the heartbeat (``all_gather(fsdp)``): FSDP waits there
-    for the unit's parameters' all-gather, where a fast rank waits for a slow one. Two hooks around FSDP's own
-    (``prepend`` puts the first before it); returns their handles."""
-    handles = []
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            handles.append(module.register_forward_pre_hook(
-                lambda *_: heartbeats.entered("all_gather", dim="fsdp"), prepend=True))
-            handles.append(module.register_forward_pre_hook(lambda *_: heartbeats.finished()))
-    return handles
+    for the unit's parameters' all-gather, where a fast rank waits for a slow one. Returns the hooks' handles."""
+    return [handle for module in model.modules() if isinstance(module, FSDPModule)
+            for handle in mark_blocking_pre_forward(module, "all_gather", "fsdp")]
+
+
+def mark_blocking_pre_forward(module: torch.nn.Module, op: str, dim: str) -> tuple:
+    """Two hooks around the pre-forward hooks ``module`` already has (``prepend`` puts the first before them): the
+    collective is entered, and its time is waited, from one to the other. Each call keeps its own start (a stack
+    per module), so an exchange in flight or a nested unit neither shares nor overwrites it."""
+    started: list[float] = []
+
+    def before(*_):
+        heartbeats.entered(op, dim=dim)
+        started.append(time.perf_counter())
+
+    def after(*_):
+        heartbeats.waited(time.perf_counter() - started.pop())
+        heartbeats.finished()
+
+    return module.register_forward_pre_hook(before, prepend=True), module.register_forward_pre_hook(after)
 
 
 class StallWatchdog(Callback):
@@ -157,14 +168,13 @@ class StallWatchdog(Callback):
         if step % self.straggler_every:
             return
         local = torch.tensor(self._clock.lap(time.perf_counter(), self.heartbeat.waited_s), dtype=torch.float64)
-        heartbeats.entered("all_gather", dim="stragglers")
-        if self._identities is None:
-            self._identities = [None] * trainer.world_size
-            dist.all_gather_object(self._identities, (socket.gethostname(), os.getpid()),
-                                   group=self._straggler_group)
-        windows_R_3 = [torch.empty_like(local) for _ in range(trainer.world_size)]
-        dist.all_gather(windows_R_3, local, group=self._straggler_group)
-        heartbeats.finished()
+        with heartbeats.collective("all_gather", dim="stragglers"):  # its wait is outside both windows
+            if self._identities is None:
+                self._identities = [None] * trainer.world_size
+                dist.all_gather_object(self._identities, (socket.gethostname(), os.getpid()),
+                                       group=self._straggler_group)
+            windows_R_3 = [torch.empty_like(local) for _ in range(trainer.world_size)]
+            dist.all_gather(windows_R_3, local, group=self._straggler_group)
         self._clock.restart(time.perf_counter(), self.heartbeat.waited_s)
         stages = [coordinates_of(trainer.strategy, rank).get("pipeline", 0) for rank in range(trainer.world_size)]
         window = self._stragglers.observe([float(w[0]) for w in windows_R_3], peers=stages)
