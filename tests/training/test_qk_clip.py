@@ -8,6 +8,7 @@ import json
 import math
 from functools import partial
 from pathlib import Path
+from types import SimpleNamespace
 
 import lightning as L
 import pytest
@@ -403,6 +404,45 @@ def test_a_model_without_recording_attention_is_refused(tmp_path):
 
     with pytest.raises(ValueError, match="QKClip: the model has no attention module"):
         trainer_for(tmp_path, [QKClip()]).fit(NoAttention(), torch.utils.data.DataLoader(torch.randn(4, 4)))
+
+
+class _StageWithoutAttention(torch.nn.Module):
+    """What QKClip reads of a LightningModule, as on the rank of a pipeline stage holding only an attention-free
+    block: the model's config (MLA, 3 heads), no attention module, and what it logs."""
+
+    def __init__(self):
+        super().__init__()
+        self.config, self.device, self.logged = MoEConfig(**MLA), torch.device("cpu"), {}
+        self.mlp = torch.nn.Linear(4, 4)
+
+    def log(self, name, value):
+        self.logged[name] = value
+
+
+@pytest.mark.parametrize("model_layers", [2, 0])
+def test_a_rank_without_attention_gathers_first_and_raises_only_for_the_whole_model(monkeypatch, model_layers):
+    """A rank holding no attention module joins the fit-start gather (``model_rows``) before anything raises, and
+    steps with a table of the whole model's layers and the config's heads (its rows ``-inf`` here; the other
+    stages' all-reduce fills them). Only a model with no attention on any rank is refused, on every rank alike.
+    Before, this rank raised before the gather (the others would hang in it) and took the heads from its own first
+    attention module."""
+    gathered = []
+    monkeypatch.setattr("moe_lightning.training.callbacks.qk_clip.model_rows",
+                        lambda names: (gathered.append(names), ([], model_layers))[1])
+    qk_clip, module = QKClip(threshold=1.0), _StageWithoutAttention()
+    if not model_layers:
+        with pytest.raises(ValueError, match="QKClip: the model has no attention module"):
+            qk_clip.on_fit_start(None, module)
+        assert gathered == [[]]
+        return
+    qk_clip.on_fit_start(None, module)
+    assert gathered == [[]]
+    trainer = SimpleNamespace(  # only its loop's accumulation test is read
+        fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace(_should_accumulate=lambda: False)))
+    qk_clip.on_train_batch_end(trainer, module, None, None, 0)
+    assert qk_clip.last_max_logits.shape == (2, MLA["n_heads"]) and qk_clip.last_max_logits.isneginf().all()
+    assert torch.equal(qk_clip.last_gamma, torch.ones(2, MLA["n_heads"]))
+    assert module.logged["attention/clipped_heads"].item() == 0
 
 
 def test_a_clipping_step_reads_nothing_back_to_the_host():

@@ -91,6 +91,8 @@ def clip_qk_(attentions: list[MaxLogitRecorder], max_logits_LH: torch.Tensor, th
     The factors move to the parameters' device once (under ``cpu_offload`` one copy to the host, not one per
     parameter)."""
     gamma_LH = clip_factors(max_logits_LH, threshold)
+    if not attentions:  # a pipeline stage without attention
+        return gamma_LH
     param_device = next(attentions[0].parameters()).device
     for attention, gamma_H in zip(attentions, gamma_LH.to(param_device)):
         for param, factor_R in attention.qk_clip_scales(gamma_H, alpha):
@@ -137,6 +139,7 @@ class QKClip(L.Callback):
         self._rows: list[int] = []  # each local attention module's row among the whole model's
         self._rows_index: torch.Tensor | None = None  # the same on the module's device (indexing without a copy)
         self._model_layers = 0  # attention modules of the whole model (this rank's under pipeline stages)
+        self._heads = 0  # query heads of every layer
         self.last_max_logits: torch.Tensor | None = None  # [layers, heads] of the last step, all ranks combined
         self.last_gamma: torch.Tensor | None = None
 
@@ -150,12 +153,15 @@ class QKClip(L.Callback):
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._attentions = attention_modules(pl_module)
-        if not self._attentions:
+        names = {id(module): name for name, module in pl_module.named_modules()}
+        # every rank gathers before any raises: a pipeline stage may hold no attention while the others do
+        self._rows, self._model_layers = model_rows([names[id(a)] for a in self._attentions])
+        if not self._model_layers:
             raise ValueError("QKClip: the model has no attention module recording max logits (GroupedQueryAttention "
                              "or MultiHeadLatentAttention); remove the callback.")
-        names = {id(module): name for name, module in pl_module.named_modules()}
-        self._rows, self._model_layers = model_rows([names[id(a)] for a in self._attentions])
-        self._rows_index = torch.tensor(self._rows, device=pl_module.device)
+        config = getattr(pl_module, "config", None)  # the model's, also on a rank holding no attention
+        self._heads = config.n_heads if config is not None else self._attentions[0].n_heads
+        self._rows_index = torch.tensor(self._rows, dtype=torch.long, device=pl_module.device)
         for attention in self._attentions:
             attention.record_max_logits, attention.max_logits = True, None
 
@@ -176,8 +182,7 @@ class QKClip(L.Callback):
     def collect_max_logits(self, device: torch.device) -> torch.Tensor:
         """``[layers, heads]`` maxima of the step for every attention layer of the model, reset for the next step,
         combined over ranks (one all-reduce): a layer's row is ``-inf`` on the ranks of the stages without it."""
-        heads = self._attentions[0].n_heads  # every layer's (the model's config)
-        max_logits_LH = torch.full((self._model_layers, heads), -math.inf, device=device)
+        max_logits_LH = torch.full((self._model_layers, self._heads), -math.inf, device=device)
         for attention, row in zip(self._attentions, self._rows):
             recorded = attention.max_logits
             attention.max_logits = None
