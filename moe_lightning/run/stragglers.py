@@ -2,13 +2,15 @@
 
 Ranks that train in lockstep take the same host wall-clock time per step: a fast rank waits inside a collective for
 the slow one. So the measure is each rank's busy time over a window: its wall time minus the time it spent blocked
-in the waits of the collectives its heartbeat records (``Heartbeat.waited_s``). The slow rank waits least and is busiest.
+in the waits of the collectives its heartbeat records (``Heartbeat.waited_s``). The slow rank waits least and is
+busiest.
 
 Every ``every`` steps the ranks exchange ``[busy_s, wall_s, waited_s]`` once (one small gather over a gloo side
-channel); ``StragglerJudge`` then says the spread (max / median busy time over ranks) and names a rank whose busy
-time exceeds ``factor`` times the median of its peers for ``windows`` windows in a row. Peers are the other ranks
-that run the same program: under pipeline parallelism, those of the same stage (stages differ in work by design,
-and a stage waits for the next in sends and receives no heartbeat records). Nothing here does I/O or reads a clock: ``WindowClock`` is handed the times, so both are tested without processes.
+channel); ``StragglerJudge`` then says the spread (max / median busy time within each peer group, the largest of
+them) and names a rank whose busy time exceeds ``factor`` times the median of its peers for ``windows`` windows in a
+row. Peers are the other ranks that run the same program: under pipeline parallelism, those of the same stage
+(stages differ in work by design, and a stage waits for the next in sends and receives no heartbeat records).
+Nothing here does I/O or reads a clock: ``WindowClock`` is handed the times, so both are tested without processes.
 """
 
 import statistics
@@ -55,7 +57,8 @@ class WindowClock:
 
 @dataclass
 class Window:
-    """What one window says: the spread (max / median busy time; 1 when all are equal), the ranks slow in it with
+    """What one window says: the spread (the largest over peer groups of max / median busy time; 1 when every
+    group's ranks are equally busy, so stages that differ in work by design do not raise it), the ranks slow in it with
     their factor over the others' median, and those named now (slow for ``windows`` windows in a row)."""
 
     spread: float
@@ -76,8 +79,10 @@ class StragglerJudge:
         """``busy_s``: each rank's busy seconds in the window; ``peers``: each rank's peer group (default: one), a
         rank is compared with the median of the other ranks of its group (a group of one is never slow)."""
         peers = peers if peers is not None else [0] * len(busy_s)
-        median = statistics.median(busy_s)
-        spread = max(busy_s) / median if median > 0 else 1.0
+        groups: dict[Hashable, list[float]] = {}
+        for rank, busy in enumerate(busy_s):
+            groups.setdefault(peers[rank], []).append(busy)
+        spread = max(_spread(group) for group in groups.values())
         slow = {}
         for rank, busy in enumerate(busy_s):
             others = [b for r, b in enumerate(busy_s) if r != rank and peers[r] == peers[rank]]
@@ -87,6 +92,11 @@ class StragglerJudge:
         self.runs = {rank: self.runs.get(rank, 0) + 1 for rank in slow}
         named = {rank: ratio for rank, ratio in slow.items() if self.runs[rank] == self.windows}
         return Window(spread, slow, named)
+
+
+def _spread(busy_s: list[float]) -> float:
+    median = statistics.median(busy_s)
+    return max(busy_s) / median if median > 0 else 1.0
 
 
 def straggler_message(rank: int, host: str, pid: int, coordinates: dict[str, int], ratio: float, factor: float,

@@ -86,9 +86,11 @@ def test_ranks_are_compared_within_their_peer_group_only():
     as the first is not a straggler; rank 3 twice as busy as rank 2, its stage's other rank, is."""
     judge = StragglerJudge(factor=1.5, windows=1)
     stages = [0, 0, 1, 1]
-    assert judge.observe([1.0, 1.0, 2.0, 2.0], peers=stages).slow == {}
+    by_design = judge.observe([1.0, 1.0, 2.0, 2.0], peers=stages)
+    assert by_design.slow == {} and by_design.spread == 1.0  # not 2 / 1.5: the spread is within each stage
     assert judge.observe([1.0, 1.0, 2.0, 4.0], peers=stages).named == {3: pytest.approx(2.0)}
     assert judge.observe([1.0, 3.0], peers=[0, 1]).slow == {}  # alone in its group: never compared
+    assert judge.observe([1.0, 1.0, 2.0, 4.0], peers=stages).spread == pytest.approx(4.0 / 3.0)  # the largest
 
 
 class _SlowWork:
