@@ -1,6 +1,6 @@
 """A straggler in a real 2-process ``fit`` (configs/tiny-fsdp.yaml, gloo): rank 1 sleeps before every forward
 (``tests/launchers/stall_helpers.SlowRank``); rank 0 names it, with host, pid and mesh coordinates, once it has been
-slow for ``straggler_windows`` windows in a row, and logs ``train/step_time_spread``. Equal ranks raise nothing
+slow for ``straggler_windows`` windows in a row, and logs ``train/busy_time_spread``. Equal ranks raise nothing
 (slow). One short case in the main suite."""
 
 import csv
@@ -26,11 +26,11 @@ def straggler_fit(tmp_path, steps: int, *extra: str) -> str:
 
 
 def spreads(tmp_path) -> dict[int, float]:
-    """``train/step_time_spread`` by step, from the CSV logger's file."""
+    """``train/busy_time_spread`` by step, from the CSV logger's file."""
     path = next(tmp_path.glob("tiny-fsdp/version_*/metrics.csv"))
     with path.open() as file:
-        return {int(row["step"]): float(row["train/step_time_spread"]) for row in csv.DictReader(file)
-                if row.get("train/step_time_spread")}
+        return {int(row["step"]): float(row["train/busy_time_spread"]) for row in csv.DictReader(file)
+                if row.get("train/busy_time_spread")}
 
 
 def test_a_rank_that_sleeps_before_every_forward_is_named_after_three_slow_windows(tmp_path):

@@ -8,8 +8,8 @@ final save is watched), on every rank of a job of two or more processes.
 
 It also names a straggler (``run/stragglers.py``): every ``straggler_every`` steps the ranks exchange their busy
 time (wall time minus the time blocked in recorded collectives' waits) once over a gloo side channel; rank 0 logs
-``train/step_time_spread`` (max / median) and warns when one rank stays ``straggler_factor`` times busier than the
-others for ``straggler_windows`` windows in a row. Recorded collectives: the package's own (expert all-to-alls)
+``train/busy_time_spread`` (max / median within each pipeline stage) and warns when one rank stays
+``straggler_factor`` times busier than the others for ``straggler_windows`` windows in a row. Recorded collectives: the package's own (expert all-to-alls)
 and each FSDP unit's pre-forward, where it waits for its parameters' all-gather.
 """
 
@@ -35,8 +35,9 @@ from moe_lightning.run.stragglers import (DEFAULT_STRAGGLER_EVERY, DEFAULT_STRAG
 from moe_lightning.run.watchdog import DEFAULT_STALL_TIMEOUT_S, RankWatchdog, check_stall_timeout
 from moe_lightning.training.callbacks.preemption import exit_status
 
-SPREAD_METRIC = "train/step_time_spread"
-"""Max / median over ranks of the busy time in the last straggler window (1.0: every rank equally busy)."""
+SPREAD_METRIC = "train/busy_time_spread"
+"""Max / median of the busy time in the last straggler window, the largest over pipeline stages (1.0: every rank
+equally busy). Busy time, not step time: in lockstep every rank's step takes the same wall time."""
 
 _generation = 0  # fits started in this process: each watches under its own store keys
 
