@@ -9,8 +9,9 @@ final save is watched), on every rank of a job of two or more processes.
 It also names a straggler (``run/stragglers.py``): every ``straggler_every`` steps the ranks exchange their busy
 time (wall time minus the time blocked in recorded collectives' waits) once over a gloo side channel; rank 0 logs
 ``train/busy_time_spread`` (max / median within each pipeline stage) and warns when one rank stays
-``straggler_factor`` times busier than the others for ``straggler_windows`` windows in a row. Recorded collectives: the package's own (expert all-to-alls)
-and each FSDP unit's pre-forward, where it waits for its parameters' all-gather.
+``straggler_factor`` times busier than the others for ``straggler_windows`` windows in a row. Recorded
+collectives: the package's own (expert all-to-alls) and each FSDP unit's pre-forward, where it waits for its
+parameters' all-gather.
 """
 
 import os
