@@ -36,7 +36,7 @@ from moe_lightning.parallel.compile import compile_blocks
 from moe_lightning.parallel.context_parallel import ContextParallelShard
 from moe_lightning.parallel.expert_parallel import apply_expert_parallel, check_overlap_chunks, divide_expert_gradients
 from moe_lightning.parallel.mesh import MeshError, MeshLayout, ParallelMesh
-from moe_lightning.parallel.pipeline import PipelineLayout, keep_stages, stage_parts
+from moe_lightning.parallel.pipeline import SPLIT_BACKWARD, PipelineLayout, keep_stages, stage_parts
 
 
 @dataclass(frozen=True)
@@ -122,10 +122,15 @@ def parallelize_moe(model: MoETransformer, sharding: Sharding, *, compile: bool 
         wrap_blocks(model)
     placement, message = layout.expert_placement(E)
     messages.append(message)
-    several = sharding.pipeline is not None and sharding.pipeline.stages_per_rank > 1  # torch's runtime gathers a
-    # stage once a step (its UNSHARD/RESHARD actions), and a zero-bubble weight pass needs the gathered parameters
+    # A split backward's weight pass walks the stage's parameters after its input pass: they must still be gathered
+    # then (per-unit resharding after forward left it the sharded ones, and those units' gradients were lost).
+    # Torch's runtime gathers a whole stage (UNSHARD) and keeps at most 3 of a rank's stages gathered at once.
+    split = sharding.pipeline is not None and sharding.pipeline.schedule in SPLIT_BACKWARD
+    if split and sharding.reshard_after_forward:
+        messages.append(f"reshard_after_forward=True overridden to False: {sharding.pipeline.schedule}'s weight "
+                        "pass needs each stage's parameters gathered from its forward to its backward.")
     policy = fsdp.FSDPPolicy(param_dtype=sharding.param_dtype, reduce_dtype=sharding.reduce_dtype,
-                             reshard_after_forward=sharding.reshard_after_forward and not several,
+                             reshard_after_forward=sharding.reshard_after_forward and not split,
                              cpu_offload=sharding.cpu_offload,
                              expert_placement=placement)
     expert_fsdp_mesh = mesh.expert_fsdp

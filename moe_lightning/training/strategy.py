@@ -55,7 +55,8 @@ class MoEFSDPStrategy(CheckpointHooks, ModelParallelStrategy):
         dispatch_dtype: ``"float8_e4m3fn"``: FP8 dispatch hops (the combine and gradients keep the training dtype).
         param_dtype: Dtype of unsharded parameters in forward/backward (``auto``: bf16 on GPU, fp32 on CPU).
         reduce_dtype: Dtype of gradient reduction (``auto``: fp32).
-        reshard_after_forward: Free gathered block parameters after forward (the head and root keep theirs).
+        reshard_after_forward: Free gathered block parameters after forward (the head and root keep theirs);
+            forced off, with a log line, under the pipeline schedules that split backward (their weight pass).
         prefetch_depth: How many FSDP units ahead to all-gather, forward and backward (0: FSDP's default).
         unshard_async_op: All-gather in the compute stream's memory pool instead of a side stream.
         cpu_offload: Keep sharded parameters, gradients and optimizer state in host memory.
