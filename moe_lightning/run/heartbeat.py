@@ -124,8 +124,9 @@ def entered(op: str, group=None, dim: str | None = None) -> None:
 def progressed() -> None:
     """Work that is not a collective moved on (a chunk of a checkpoint written), from any thread: a long healthy
     write is progress, a write that stopped is not."""
-    if _active is not None:
-        _active.progress += 1  # a lost increment between threads is harmless: any change counts
+    heartbeat = _active  # read once: the training thread may deactivate it between the check and the increment
+    if heartbeat is not None:
+        heartbeat.progress += 1  # a lost increment between threads is harmless: any change counts
 
 
 def finished(output=None) -> None:

@@ -7,6 +7,7 @@ SIGSTOP inside a save, on 2 processes, is ``tests/run/test_stalls.py``'s slow ca
 import json
 import threading
 import time
+import types
 
 import torch
 import torch.distributed as dist
@@ -124,3 +125,23 @@ def test_a_single_file_checkpoint_reports_its_writes_too(tmp_path):
         heartbeat.activate(None)
     assert beat.progress > 20
     assert torch.equal(torch.load(tmp_path / "one.ckpt")["layer3"], STATE["layer3"])
+
+
+class _DeactivatedAfterFirstRead(dict):
+    """``heartbeat``'s module globals as a writer thread sees them when the training thread runs
+    ``activate(None)`` (``StallWatchdog.on_exception``) right after the writer's first read of ``_active``."""
+
+    def __init__(self, module_globals: dict, beat: Heartbeat):
+        super().__init__(module_globals)
+        self.reads = iter([beat])
+
+    def __getitem__(self, name):
+        return next(self.reads, None) if name == "_active" else super().__getitem__(name)
+
+
+def test_a_write_racing_the_heartbeats_deactivation_does_not_raise():
+    beat = Heartbeat()
+    progressed = types.FunctionType(heartbeat.progressed.__code__,
+                                    _DeactivatedAfterFirstRead(vars(heartbeat), beat))
+    progressed()  # reading `_active` twice (check, then increment) raised AttributeError on None
+    assert beat.progress == 1
