@@ -83,7 +83,9 @@ class StallWatchdog(Callback):
 
     Args:
         timeout_s: Seconds without progress (a phase change or a recorded collective) before a rank is stalled;
-            0 turns it off. It must exceed the longest stretch a healthy rank spends without either.
+            0 turns it off (the straggler check still runs). It must exceed the longest stretch a healthy rank
+            spends without either. The strategy inserts this callback only when its ``stall_timeout`` is not 0: a
+            strategy with ``stall_timeout=0`` has no straggler check either unless this callback is configured.
         name_of: Maps a process group to its mesh dimension's name (default: the strategy's ``parallel.name_of``).
         straggler_every: Steps per straggler window (one gather of three floats per rank each); 0 turns the
             straggler check off.
