@@ -154,7 +154,7 @@ def test_gpu_all_exits_zero_only_when_every_part_succeeded(tmp_path):
     assert done.returncode == 0 and done.stdout.splitlines()[-1] == "gpu_all: all parts ok"
 
 
-@pytest.mark.slow
+@pytest.mark.extended
 def test_gpu_all_time_boxes_a_hanging_part_keeps_its_early_figure_and_skips_what_the_budget_cannot_hold(tmp_path):
     done = run_gpu_all(tmp_path, "17", gpu_paths="hang")
     assert "gpu_all: paths: TIMEOUT after 17 s" in done.stdout
@@ -229,7 +229,7 @@ def test_gpu_strategy_reports_a_child_that_runs_out_of_time(gpu_strategy):
     assert result["status"] == "timeout" and result["unshard_async_op"] is False and result["prefetch_depth"] == 1
 
 
-@pytest.mark.slow
+@pytest.mark.extended
 def test_gpu_strategy_budget_follows_the_time_box_and_sigterm_kills_the_child_group(tmp_path):
     """gpu_all.sh's ``timeout`` signals gpu_strategy.py only; its variant runs in a session of its own, so the
     script must kill that group itself, or a timed-out variant keeps training on the GPU."""
@@ -478,7 +478,7 @@ def test_gpu_muon_dry_run_prints_the_ns_figure_then_both_optimizer_steps(gpu_muo
     assert "reference run 41.7 s vs 2.2 s (with copies)" in lines[1] and "s with the pinned host round trip" in lines[1]
 
 
-@pytest.mark.slow
+@pytest.mark.extended
 def test_gpu_compile_dry_run_traces_the_blocks_and_compares_with_eager(capsys):
     results = load_benchmark("gpu_compile").main(["--dry-run"])
     assert set(results) == {"eager", "compiled"}

@@ -119,7 +119,7 @@ class StubCuda:
         return 70 * GIB, 80 * GIB
 
 
-@pytest.mark.slow  # 18 s: the main suite sat at 9:43 of its 10 minutes
+@pytest.mark.extended
 def test_recipe_dry_run_times_three_steps_after_warm_up_with_nothing_else_in_their_windows(gpu_recipe, capsys):
     """The timed steps come right after the warm-up and their figure is printed before the snapshot and profiled
     steps (whose trace export is slow); after those, one memory line and the figure again with the syncs."""

@@ -46,7 +46,7 @@ print(json.dumps({"growth": max(peak[0], anonymous()) - before}))
 """
 
 
-@pytest.mark.slow  # writes and converts a 216 MiB folder (~30 s on 2 loaded cores)
+@pytest.mark.extended  # writes and converts a 216 MiB folder (~30 s on 2 loaded cores)
 def test_convert_to_pt_holds_about_one_tensor_not_the_model(tmp_path):
     """A bf16 Mixtral-shaped folder of 216 MiB whose largest tensor is 8 MiB: converting it to .pt grows the
     process's anonymous memory by less than a quarter of the model (measured +28.8 MiB; the whole-model path it

@@ -25,7 +25,7 @@ def cpu_single_process_configs() -> list[str]:
     return names
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n.startswith("small") else n
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.extended) if n.startswith("small") else n
                                   for n in cpu_single_process_configs()])  # the small ones on the slow leg
 def test_fast_dev_run_works_for_every_cpu_config(name, tmp_path):
     # Newton-Schulz runs in bf16, and bf16 batched GEMMs are slow on CPU (5 steps of small-muon's: ~34 s of a

@@ -69,7 +69,7 @@ def flagship_runs(tmp_path_factory):
     return full, killed, resumed
 
 
-@pytest.mark.slow  # three 2-process fits (about 70 s): .ci/run's slow stage
+@pytest.mark.extended
 def test_1t_mini_trains_on_two_processes_with_every_optimization(flagship_runs):
     full, killed, _ = flagship_runs
     assert [row["step"] for row in full] == [1, 2, 3, 4, 5, 6]
@@ -102,7 +102,7 @@ def test_1t_mini_killed_mid_run_resumes_exactly(flagship_runs):
         assert after["loss"] == pytest.approx(before["loss"], abs=1e-6)  # same arithmetic, same data order
 
 
-@pytest.mark.slow
+@pytest.mark.extended
 def test_1t_mini_with_multi_token_prediction_trains_and_resumes_exactly(tmp_path):
     """The flagship path with one MTP module (its block MoE, expert-parallel, its own FSDP units, Muon roles):
     2 processes, every optimization on, SIGKILL after the step-4 checkpoint, resumed steps equal the full run."""

@@ -79,7 +79,7 @@ def test_a_gradient_missing_on_one_rank_counts_as_zero_and_one_missing_everywher
         assert r["unchanged"]  # refused before any parameter moved
 
 
-@pytest.mark.slow  # multi-process; .ci/run runs it after the main suite
+@pytest.mark.extended
 def test_four_processes_fsdp_hsdp_ep(tmp_path):
     results = run("fsdp,hsdp,ep", 4, tmp_path)
     check_flexshard(results["fsdp"], 4, 4)

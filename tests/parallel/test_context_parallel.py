@@ -109,7 +109,7 @@ def test_cp2_forward_and_backward_equal_one_process(tmp_path):
     assert results["mla-causal"]["expected_bytes"] == 2 * 64 * (12 + 4) * 4 // 2
 
 
-@pytest.mark.slow
+@pytest.mark.extended
 def test_cp4_forward_and_backward_equal_one_process(tmp_path):
     run_ranks(LAUNCHERS / "context_parallel_run.py", 4, "--out", str(tmp_path / "cp4.json"))
     results = json.loads((tmp_path / "cp4.json").read_text())

@@ -28,7 +28,7 @@ def result_of(output: str) -> dict:
     return json.loads(next(line for line in output.splitlines() if line.startswith("{")))
 
 
-@pytest.mark.slow
+@pytest.mark.extended
 def test_two_nodes_of_three_with_ep_2_finish_and_equal_one_process():
     """The layout that hung: 2 torchrun agents x 3 ranks, ep 2. The group {2, 3} straddles the nodes and goes
     hierarchical (2 nodes x 1), the others stay flat: every rank learnt it from the same table and created the same
@@ -40,7 +40,7 @@ def test_two_nodes_of_three_with_ep_2_finish_and_equal_one_process():
     assert max(result["relative_max_differences"].values()) < 1e-5, result
 
 
-@pytest.mark.slow  # 4 processes; the main suite keeps 2 nodes x 3 at EP 2
+@pytest.mark.extended  # 4 processes
 def test_cyclic_placement_is_hierarchical_by_the_launchers_node_and_chunks_equal_one_process():
     """Nodes a, b, b, a (ranks 0 and 3 on one node: no rank arithmetic finds that), ep 4, top-3, 3 pipelined chunks:
     2 nodes x 2 ranks, experts renumbered per inter-node group; equal to one process."""
@@ -60,7 +60,7 @@ def test_flat_chunks_with_expert_fsdp_across_groups_equal_one_process():
     assert max(result["relative_max_differences"].values()) < 1e-5, result
 
 
-@pytest.mark.slow  # multi-process, bf16
+@pytest.mark.extended  # multi-process, bf16
 def test_gradients_at_ep_3_in_bf16_equal_ep_1_when_fsdp_divides():
     """bf16, ep 3: with ``scale_in_exchange=False`` and ``divide_expert_gradients`` the input and router gradients
     are bitwise those of the whole layer in one process (nothing rescales them), while scaling by 1/3 and back in the
@@ -75,7 +75,7 @@ def test_gradients_at_ep_3_in_bf16_equal_ep_1_when_fsdp_divides():
     assert rounded["x_grad_changed_fraction"] > 0.1, rounded  # measured 0.57
 
 
-@pytest.mark.slow  # 6 processes, bf16
+@pytest.mark.extended  # 6 processes, bf16
 def test_gradients_at_ep_3_in_bf16_with_expert_fsdp_over_two_ranks():
     """As above on 6 ranks: each expert block's gradient reduce-scattered over 2 ranks, summed then divided by 6."""
     exact = result_of(run_ranks(SCRIPT, 6, "--ep", "3", "--dtype", "bf16", "--scale", "fsdp", "--tokens", "96")[0])
@@ -202,7 +202,7 @@ def test_fp8_dispatch_on_one_rank_is_the_layer_with_quantized_expert_inputs(one_
     assert (y - plain(x)).abs().max() > 0  # the dispatch did quantize
 
 
-@pytest.mark.slow  # 4 processes; FP8 bytes between nodes stay in the main suite
+@pytest.mark.extended  # 4 processes; FP8 bytes between nodes stay in the main suite
 def test_fp8_dispatch_hierarchical_2x2_equals_the_quantized_layer():
     """The cyclic 2 x 2 layout, top-3, 3 chunks, FP8 dispatch: both hops quantize (the second exactly re-creates
     the first's bytes: power-of-two scales), so every rank equals one process whose experts see quantized rows,

@@ -54,7 +54,7 @@ def test_hierarchical_dispatch_crosses_nodes_once_per_node_and_equals_flat():
     assert minimum <= result["hierarchical"]["inter_bytes_per_token"] <= 1.05 * minimum, result
 
 
-@pytest.mark.slow  # multi-process, three routings twice
+@pytest.mark.extended  # multi-process, three routings twice
 @pytest.mark.parametrize("options", [["--recompute"], ["--dtype", "bf16"]], ids=["fp32-recompute", "bf16"])
 def test_every_routing_with_recompute_and_bf16(options):
     results = run_two_nodes("--tokens", "128", *options)
@@ -68,7 +68,7 @@ def test_every_routing_with_recompute_and_bf16(options):
             assert result["relative_max_differences"]["hierarchical_vs_flat"] <= 8e-3, result
 
 
-@pytest.mark.slow  # 4 processes; FP8 rounding and dispatch on one rank stay in the main suite
+@pytest.mark.extended  # 4 processes; FP8 rounding and dispatch on one rank stay in the main suite
 def test_fp8_dispatch_halves_the_dispatch_bytes_between_nodes():
     """bf16 layer, 2 x 2, node-limited top-2, FP8 dispatch: the forward dispatch hops' inter-node bytes (hidden row,
     routing weights and node-local expert ids; counted on the wire) are (D + 4 D/128 + 8K) / (2 D + 8K) of the
@@ -84,7 +84,7 @@ def test_fp8_dispatch_halves_the_dispatch_bytes_between_nodes():
     assert 0 < diffs["y"] < 2 ** -3 and max(diffs.values()) < 2 ** -3, diffs
 
 
-@pytest.mark.slow  # 2 processes, 8 cases of 6 profiled forwards each (~30-50 s on a loaded machine)
+@pytest.mark.extended  # 2 processes, 8 cases of 6 profiled forwards each (~30-50 s on a loaded machine)
 def test_transient_memory_falls_with_chunks_and_matches_the_hand_count():
     """``ep_dispatch.py --memory`` on 2 ranks (flat), fp32, dim 256, expert hidden 64, top-2, 2,048 tokens per rank;
     even routing and skewed (nearly every copy to rank 0: imbalance 1.99 of 2). Peak bytes allocated during one dispatcher
@@ -215,7 +215,7 @@ def test_shared_experts_run_while_the_token_exchange_is_in_flight_forward_and_ba
     torch.testing.assert_close(reference(x_ref), y, rtol=0, atol=0)
 
 
-@pytest.mark.slow  # a 2-process Lightning fit
+@pytest.mark.extended  # a 2-process Lightning fit
 def test_host_reads_with_hierarchical_dispatch_are_one_split_size_read_per_moe_forward():
     """tests/training/test_host_syncs.py's harness at ep = 2 over 2 nodes of 1 rank (the intra-node hop is the rank itself):
     per step, one read per MoE layer per forward (forward and ActivationOffload's recompute) and no other read

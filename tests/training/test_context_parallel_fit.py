@@ -85,7 +85,7 @@ def test_a_cp2_checkpoint_resumes_at_cp1_and_at_cp4_with_ep2_exactly(mla):
         assert_same_steps(resumed, mla["cp2"], first_batch=4, first_step=2)
 
 
-@pytest.mark.slow
+@pytest.mark.extended
 def test_cp4_with_ep2_gqa_pipelined_expert_exchange_and_two_cp_groups_equal_cp1(tmp_path):
     """GQA without document masking, 5 multi-token prediction depths, 4 sequences a step: CP 4 x EP 2 with
     ep_overlap_chunks=2 against one process;

@@ -65,7 +65,7 @@ def ep2(tmp_path_factory) -> dict:
     return {"log": log, "run": run, "checkpoint": tmp / "ep2" / "step=2.ckpt"}
 
 
-@pytest.mark.slow  # a 4-process fit
+@pytest.mark.extended  # a 4-process fit
 def test_ep_2_on_4_ranks_shards_experts_across_groups_equals_one_process(ep2, one):
     """Two EP groups ({0, 1}, {2, 3}); each expert block FSDP-sharded over the 2 ranks holding it (one per group).
     Also: the bytes each rank holds of sharded parameters, gradients and AdamW state equal ``plan``'s rows for the
@@ -93,7 +93,7 @@ def test_replicate_2_by_ep_2_equals_one_process(tmp_path, one):
     assert_same_losses(losses(run), losses(one))
 
 
-@pytest.mark.slow  # a 4-process fit
+@pytest.mark.extended  # a 4-process fit
 def test_two_hierarchical_groups_across_nodes_equal_one_process(tmp_path, one):
     """4 torchrun agents ("nodes") of 1 rank, EP 2: the groups {0, 1} and {2, 3} each span 2 nodes, so both
     dispatch hierarchically, with the expert blocks FSDP-sharded across the groups (1t.yaml's shape in miniature:
@@ -106,7 +106,7 @@ def test_two_hierarchical_groups_across_nodes_equal_one_process(tmp_path, one):
     assert_same_losses(losses(run), losses(flat))
 
 
-@pytest.mark.slow  # an 8-process fit
+@pytest.mark.extended  # an 8-process fit
 def test_two_hierarchical_groups_of_two_nodes_by_two_equal_one_process(tmp_path):
     """4 torchrun agents of 2 ranks, EP 4: the groups {0..3} and {4..7} each span 2 nodes x 2 ranks (both hops
     real: inter-node between the nodes, intra-node inside each), expert blocks FSDP-sharded across the groups."""
@@ -128,7 +128,7 @@ def test_a_checkpoint_at_ep_1_resumes_at_ep_2_exactly(tmp_path, one):
     assert_same_losses(losses(resumed), losses(source)[2:])
 
 
-@pytest.mark.slow  # a 4-process fit (and the EP 2 run it resumes)
+@pytest.mark.extended  # a 4-process fit (and the EP 2 run it resumes)
 def test_a_checkpoint_at_ep_2_resumes_at_ep_4_exactly(tmp_path, ep2, one):
     log, resumed = fit(tmp_path, "ep2to4", 1, 4, 4, f"--ckpt_path={ep2['checkpoint']}")
     assert "within one node of 4 ranks" in log

@@ -266,7 +266,7 @@ def test_ctrl_c_on_two_processes_saves_and_stops_both_ranks_at_one_step_as_sigte
     assert out.count("SIGINT received") == 2 and "KeyboardInterrupt" not in out
 
 
-@pytest.mark.slow
+@pytest.mark.extended
 def test_sigterm_to_the_main_process_alone_stops_both_ranks_at_one_step_with_a_single_file(tmp_path):
     """The child rank never sees the signal: the flag all-reduce tells it. Single-file checkpoint (rank 0)."""
     proc = launch(fit_command("tiny-fsdp.yaml", tmp_path, "--trainer.max_steps=40", "--trainer.callbacks=[]",
@@ -282,7 +282,7 @@ def test_sigterm_to_the_main_process_alone_stops_both_ranks_at_one_step_with_a_s
     assert out.count("SIGTERM received") == 1  # rank 1 stopped on the agreed flag, not on a signal of its own
 
 
-@pytest.mark.slow
+@pytest.mark.extended
 def test_a_second_sigterm_during_the_save_exits_at_once_keeping_the_previous_checkpoint(tmp_path):
     folder = tmp_path / "ck"
     proc = launch(fit_command("tiny.yaml", tmp_path, "--trainer.max_steps=40", "--data.init_args.batch_size=4",

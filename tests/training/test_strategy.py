@@ -328,7 +328,7 @@ def test_trainer_fails_on_mesh_before_building_the_model():
         os.environ.update(saved_env)
 
 
-@pytest.mark.slow
+@pytest.mark.extended
 def test_gpu_benchmark_dry_run_runs_every_variant_on_cpu():
     """benchmarks/gpu_strategy.py stays runnable without a GPU: --dry-run trains the default variant on CPU in one
     process, as one GPU runs it (the other variants change nothing at world size 1: FSDP gathers nothing there)."""
