@@ -39,15 +39,17 @@ def test_stages_under_context_parallelism_equal_one_process(cases):
         assert result["error"] < 1e-9 and result["router_error"] < 2e-6, (name, result)
 
 
-def _fit(tmp_path, name: str, devices: int, *args: str) -> tuple[dict, list[dict], str]:
+def _fit(tmp_path, name: str, devices: int, *args: str) -> tuple[dict, list[dict], str, list[float]]:
     """tests/launchers/pipeline_fit_run.py (configs/tiny-fsdp.yaml's model, seq 128, 3 steps) on ``devices`` gloo
-    processes: the probe's record, each step's balancing biases, and rank 0's log."""
+    processes: the probe's record, each step's balancing biases, rank 0's log, and each step's gradient norm
+    (clipped at 1e6, far above it: the norm is recorded and every update is left as it is)."""
     out = tmp_path / name / "run.json"
     out.parent.mkdir()
     biases = out.with_name("biases.json")
     logs = run_nodes([str(LAUNCHERS / "pipeline_fit_run.py"), "--out", str(out), "--biases", str(biases),
-                      "--devices", str(devices), *args], 1, devices, cwd=out.parent, timeout=1200)
-    return json.loads(out.read_text()), json.loads(biases.read_text()), logs[0]
+                      "--clip", "1e6", "--devices", str(devices), *args], 1, devices, cwd=out.parent, timeout=1200)
+    norms = json.loads(out.with_name("norms.json").read_text())
+    return json.loads(out.read_text()), json.loads(biases.read_text()), logs[0], norms
 
 
 def _val_loss(log: str) -> float:
@@ -56,13 +58,17 @@ def _val_loss(log: str) -> float:
 
 def _check_same_steps(staged: tuple, flat: tuple) -> None:
     """Per step: the world-mean loss to 1e-6 relative (fp32: the same terms summed in another order, micro-batches
-    apart), every layer's balancing bias equal (a step moves each expert's by +-0.01 on its summed count against
+    apart), the gradient norm over every stage to 1e-5 (fp32 squares summed per stage, not per shard; it is what
+    catches expert gradients divided by the wrong group size, which AdamW's updates, and so the losses, barely
+    show), every layer's balancing bias equal (a step moves each expert's by +-0.01 on its summed count against
     the mean: counts summed over the wrong ranks, one stage's replicas only or a rank twice, would flip some), and
     every rank holding a layer agrees on it; the held-out loss alike."""
-    (record, biases, log), (flat_record, flat_biases, flat_log) = staged, flat
+    (record, biases, log, norms), (flat_record, flat_biases, flat_log, flat_norms) = staged, flat
     got, want = [r["loss"] for r in record["rows"]], [r["loss"] for r in flat_record["rows"]]
     assert len(got) == len(want) == 3
     assert got == pytest.approx(want, rel=1e-6)
+    assert len(norms) == len(flat_norms) == 3 and min(norms) > 0
+    assert norms == pytest.approx(flat_norms, rel=1e-5)
     assert all(row["agree"] for row in biases + flat_biases)
     assert [row["biases"] for row in biases] == [row["biases"] for row in flat_biases]
     assert any(any(v != 0 for v in values) for values in biases[-1]["biases"].values())  # the biases did move
