@@ -237,6 +237,10 @@ def format_rows(rows: dict | None) -> list[str]:
     lines.append(f"{'FSDP collectives per step (s)':<44}" + "".join(f"{r['fsdp_seconds']:>10.2f}" for r in rows["ranks"]))
     lines.append(f"bubble            {rows['bubble']:.3f} of the step (1F1B's textbook (P-1)/(M+P-1) = "
                  f"{rows['textbook_bubble_1f1b']:.3f}); one send {rows['p2p_seconds'] * 1e3:.1f} ms over IB")
-    lines.append(f"step              {rows['step_seconds']:.1f} s with the stages, {rows['step_seconds_without']:.1f} s "
-                 f"without (same world and global batch)")
+    if rows.get("without_refused"):
+        lines.append(f"step              {rows['step_seconds']:.1f} s with the stages; without: not applicable "
+                     f"({rows['without_refused']} The plan above is the stage's shard layout.)")
+    else:
+        lines.append(f"step              {rows['step_seconds']:.1f} s with the stages, {rows['step_seconds_without']:.1f} "
+                     f"s without (same world and global batch)")
     return lines

@@ -68,7 +68,7 @@ causal over the whole sequence, an upper bound.
 import argparse
 import json
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 import torch
@@ -427,6 +427,26 @@ PLANNED = ("nodes", "gpus_per_node", "replicate_size", "shard_size", "expert_par
            "dispatch_dtype", "ep_imbalance")
 
 
+def plan_with_stages(config: MoEConfig, cluster: Cluster, work: Workload, size: int, schedule: str,
+                     microbatches: int | None) -> dict:
+    """``plan`` with its pipeline rows at ``size`` stages, refusing what ``fit`` refuses at that size: the stage
+    layout is validated first. A stage's shard (``world / (replicate · size)``) can hold experts that a whole
+    replica's cannot; then the layout without stages does not resolve, the base rows are priced at the stage's own
+    shard layout (``replicate · size`` replicas of it: the same tokens, experts and shard per GPU) and the step
+    without stages is not applicable, with the refusal as the reason."""
+    resolve_layout(cluster.world_size, cluster.replicate_size, "auto", cluster.expert_parallel_size,
+                   cluster.context_parallel_size, config, work.seq_len, size)
+    try:
+        result, without_refused = plan(config, cluster, work), None
+    except ValueError as refusal:
+        stage_shaped = replace(cluster, replicate_size=cluster.replicate_size * size, shard_size=None)
+        result, without_refused = plan(config, stage_shaped, work), one_line(str(refusal))
+    result["pipeline"] = pipeline.pipeline_rows(config, cluster, work, result, size, schedule, microbatches)
+    if without_refused:
+        result["pipeline"] |= {"step_seconds_without": None, "without_refused": without_refused}
+    return result
+
+
 def planned_inputs(args: argparse.Namespace, config: MoEConfig) -> dict[str, tuple[Any, str]]:
     """Each planned input with where it came from: ``flag``, ``config`` or ``default``."""
     from_config = read_run_config(args.config)
@@ -522,13 +542,14 @@ def main(argv: list[str]) -> None:
                           **{f.name: values[f.name] for f in fields(Cluster) if f.name in values})
         work = Workload(mfu=args.mfu, reserve_gib=args.reserve, doc_len=args.doc_len,
                         **{f.name: values[f.name] for f in fields(Workload) if f.name in values})
-        result = plan(config, cluster, work)
+        if args.pipeline_parallel_size:  # the same cluster and global batch in pipeline stages (planner/pipeline.py)
+            result = plan_with_stages(config, cluster, work, args.pipeline_parallel_size, args.pipeline_schedule,
+                                      args.pipeline_microbatches)
+        else:
+            result = plan(config, cluster, work)
         if inputs["shard_size"][0] is None:  # "auto": report the size the mesh resolved, not None
             inputs["shard_size"] = (result["cluster"]["shard_size"], inputs["shard_size"][1])
         result["inputs"] = assumed | inputs
-        if args.pipeline_parallel_size:  # the same cluster and global batch in pipeline stages (planner/pipeline.py)
-            result["pipeline"] = pipeline.pipeline_rows(config, cluster, work, result, args.pipeline_parallel_size,
-                                                        args.pipeline_schedule, args.pipeline_microbatches)
     except (ValueError, OSError) as e:
         if traceback_requested():
             raise

@@ -101,6 +101,7 @@ LAYOUTS = [  # nodes, GPUs per node, replicate, ep, cp, pp, experts, expert_hidd
     (1, 4, 1, 2, 2, 2, 8, 32, 64, None),  # EP and CP within each of 2 stages
     (1, 6, 1, 4, 1, 1, 8, 32, 64, "strategy.expert_parallel_size=4 must divide strategy.shard_size=6"),
     (1, 4, 1, 4, 1, 2, 8, 32, 64, "strategy.expert_parallel_size=4 must divide strategy.shard_size=2"),  # a stage's
+    (1, 8, 1, 1, 1, 2, 4, 12, 64, None),  # 4 experts over a stage's 4 ranks; over all 8 they would not divide
     (1, 4, 3, 1, 1, 1, 8, 32, 64, "strategy.replicate_size=3 does not divide the world size 4"),
     (1, 4, 1, 1, 4, 1, 8, 32, 60, "not a multiple of 8"),
     (1, 4, 1, 4, 1, 1, 6, 32, 64, "must divide the model's num_experts=6"),
@@ -117,8 +118,7 @@ def test_plan_and_fit_accept_and_refuse_the_same_layouts(nodes, per_node, replic
     from types import SimpleNamespace
 
     from moe_lightning.model import MoEConfig
-    from moe_lightning.planner.pipeline import pipeline_rows
-    from moe_lightning.planner.plan import Cluster, Workload, plan
+    from moe_lightning.planner.plan import Cluster, Workload, plan, plan_with_stages
     from moe_lightning.training.module import MoELanguageModel
     from moe_lightning.training.strategy import MoEFSDPStrategy
 
@@ -152,9 +152,10 @@ def test_plan_and_fit_accept_and_refuse_the_same_layouts(nodes, per_node, replic
                       context_parallel_size=cp)
     def planned_run():
         work = Workload(seq_len=seq_len)
-        result = plan(config, cluster, work)
         if pp > 1:
-            pipeline_rows(config, cluster, work, result, pp, "1F1B", None)
+            plan_with_stages(config, cluster, work, pp, "1F1B", None)
+        else:
+            plan(config, cluster, work)
 
     planned, fitted = verdict(planned_run), verdict(fit)
     assert planned == fitted
