@@ -6,6 +6,7 @@ stalled one)."""
 
 import os
 import signal
+import socket
 import subprocess
 import time
 from pathlib import Path
@@ -91,6 +92,10 @@ class SlowRank(Callback):
 
     def __init__(self, rank: int = 1, seconds: float = 0.5, step: int = 0):
         self.rank, self.seconds, self.step = rank, seconds, step
+
+    def on_train_start(self, trainer, pl_module):
+        if trainer.global_rank == self.rank:  # who it really is, for the test to compare with the warning
+            print(f"slow rank {self.rank} is host {socket.gethostname()} pid {os.getpid()}", flush=True)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if trainer.global_rank == self.rank and trainer.global_step >= self.step:
