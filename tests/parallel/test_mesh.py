@@ -60,7 +60,7 @@ def test_every_named_group_is_the_ranks_the_layout_says(world, replicate, ep, cp
                                                                                                ep, pp)], g
 
 
-@pytest.mark.slow
+@pytest.mark.extended
 def test_hierarchical_node_groups_come_from_the_mesh_module():
     """ep 4 over 2 "nodes" of 2 ranks: inter-node groups are the ranks with the same index in their node, intra-node
     groups one node's ranks; both named as the expert exchange's dimensions."""

@@ -61,6 +61,7 @@ def test_a_bad_stall_timeout_is_refused_at_construction():
         MoEFSDPStrategy(stall_timeout=-5)
 
 
+@pytest.mark.slow  # a 2-process fit waiting out its stall timeout
 def test_a_rank_stopped_inside_the_expert_all_to_all_is_named_and_the_other_exits_with_the_stall_status(
         tmp_path, monkeypatch, capsys):
     """Rank 1 SIGSTOPs itself right after launching its first expert all-to-all of step 3. Before: rank 0 waited
@@ -130,7 +131,7 @@ def test_a_rank_stopped_inside_a_checkpoint_save_leaves_the_previous_checkpoint_
     assert not list(folder.glob("*.partial"))
 
 
-@pytest.mark.slow
+@pytest.mark.extended
 def test_a_stopped_data_loader_worker_names_its_live_rank_in_the_data_phase(tmp_path):
     status, out, took, _ = stalled_fit(tmp_path, 15, "data_worker", "--data.init_args.num_workers=1")
     assert status == EXIT_STALLED and took < 15 + GRACE_S, out[-3000:]
@@ -138,7 +139,7 @@ def test_a_stopped_data_loader_worker_names_its_live_rank_in_the_data_phase(tmp_
     assert "phase data" in line and "training thread made no progress" in line
 
 
-@pytest.mark.slow
+@pytest.mark.extended
 def test_a_stopped_main_process_serving_the_store_is_named_by_the_child_which_ends_the_job(tmp_path):
     """Rank 0 serves the rendezvous store and is the job's main process: rank 1 (Lightning's child) names it from
     the last records it read, kills it (nothing else would end the job) and exits."""
@@ -148,7 +149,7 @@ def test_a_stopped_main_process_serving_the_store_is_named_by_the_child_which_en
     assert f"pid {pid};" in line and "serves the rendezvous store" in line
 
 
-@pytest.mark.slow
+@pytest.mark.extended
 def test_sigterm_with_the_watchdog_on_saves_and_exits_143_as_without(tmp_path):
     proc = launch(fit_command("tiny-fsdp.yaml", tmp_path, "--trainer.max_steps=40", *SMALL, PRINT_STEPS,
                               f"{TIMEOUT}15"), tmp_path)
@@ -167,7 +168,7 @@ def test_a_rank_stopped_inside_an_fsdp_reduce_scatter_is_named_in_its_backward(t
     assert f"pid {pid};" in line and "step 3, phase backward" in line
 
 
-@pytest.mark.slow
+@pytest.mark.extended
 def test_on_four_ranks_the_stopped_one_is_named_with_its_mesh_coordinates(tmp_path):
     """4 gloo processes, EP 2 inside a shard group of 4: rank 2 is expert rank 0 of expert-shard 1."""
     status, out, took, pid = stalled_fit(tmp_path, 20, "all_to_all", "--trainer.devices=4", rank=2)

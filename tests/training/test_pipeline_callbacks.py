@@ -130,7 +130,7 @@ def test_the_logged_balance_is_the_whole_steps_over_its_micro_batches():
         assert logged["train/aux_loss"] != pytest.approx(probe.aux[2 * step + 1].item(), rel=1e-4)  # not the last's
 
 
-@pytest.mark.slow
+@pytest.mark.extended
 def test_off_the_log_grid_every_rank_holds_the_last_whole_model_balance(tmp_path):
     """P=2, logs written every 2nd step (``--log-every 2``), 4 steps: what ``callback_metrics`` holds of
     ``train/aux_loss`` and ``train/expert_imbalance`` (read by TrainingCurves or a ``ModelCheckpoint`` monitor) is

@@ -369,7 +369,7 @@ def test_attention_it_cannot_bound_is_refused_before_the_model_is_built(tmp_path
     assert not started and model.model is None
 
 
-@pytest.mark.slow  # ~40 s of tracing on 2 cores
+@pytest.mark.extended  # ~40 s of tracing on 2 cores
 def test_compiled_blocks_record_what_eager_records():
     """Per-block ``torch.compile`` with ``fullgraph=True`` (``aot_eager``: Dynamo and AOTAutograd, no Inductor
     code generation) captures the recording as part of the graph, and two forwards fold into a running maximum."""

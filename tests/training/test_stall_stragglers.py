@@ -33,6 +33,7 @@ def spreads(tmp_path) -> dict[int, float]:
                 if row.get("train/busy_time_spread")}
 
 
+@pytest.mark.slow  # a 2-process fit over three windows
 def test_a_rank_that_sleeps_before_every_forward_is_named_after_three_slow_windows(tmp_path):
     """Windows end at steps 2, 4, 6 (the first step is not measured): rank 1, 0.6 s busier per step than rank 0
     (whose wait for it lands in FSDP's first all-gather), is named once, at step 6, as expert 1."""
@@ -48,7 +49,7 @@ def test_a_rank_that_sleeps_before_every_forward_is_named_after_three_slow_windo
     assert all(spread > 1.2 for spread in logged.values()), logged  # 2 ranks: max / mean of the two
 
 
-@pytest.mark.slow
+@pytest.mark.extended
 def test_equal_ranks_raise_no_straggler_warning_and_log_a_spread_near_one(tmp_path):
     out = straggler_fit(tmp_path, 13)
     assert "straggler: rank" not in out, out[-3000:]
@@ -56,7 +57,7 @@ def test_equal_ranks_raise_no_straggler_warning_and_log_a_spread_near_one(tmp_pa
     assert sorted(logged) == [2, 4, 6, 8, 10, 12], logged
 
 
-@pytest.mark.slow
+@pytest.mark.extended
 def test_on_four_ranks_the_slow_one_is_named_with_its_mesh_coordinates(tmp_path):
     """4 gloo processes, EP 2 inside a shard group of 4: rank 2 (expert rank 0 of expert-shard 1) sleeps; the
     others' median is the bound, and only rank 2 is named."""
