@@ -130,17 +130,24 @@ def test_a_v_schedule_is_refused_where_both_ends_would_run_the_one_embedding(ext
     _check_pipeline_arguments("InterleavedZeroBubble", False, config=config)  # stage 0 and the last: two ranks
 
 
+BALANCE = ("train/aux_loss", "train/expert_imbalance")  # the whole model's on logged steps (every step here)
+
+
 def _fit(tmp_path, name: str, *args: str) -> dict:
-    """tests/launchers/pipeline_fit_run.py on 2 gloo processes: per-step losses, gradient norms before clipping,
-    the held-out loss, and the folder of any checkpoint it saved."""
+    """tests/launchers/pipeline_fit_run.py on 2 gloo processes, balancing loss on and logged every step: per-step
+    losses, gradient norms before clipping, the held-out loss, each rank's logged ``BALANCE`` per step, and the
+    folder of any checkpoint it saved."""
     out = tmp_path / name / "run.json"
     out.parent.mkdir()
-    log = run_nodes([str(LAUNCHERS / "pipeline_fit_run.py"), "--out", str(out), "--clip", "0.5", *args], 1, 2,
+    log = run_nodes([str(LAUNCHERS / "pipeline_fit_run.py"), "--out", str(out), "--clip", "0.5", "--aux-loss-coef",
+                     "0.01", "--log-every", "1", "--record", str(out.with_name("probe")), *args], 1, 2,
                     cwd=out.parent, timeout=900)[0]
     val = [line for line in log.splitlines() if line.startswith("val/loss")]
+    balance = [[[row["logged"][key] for key in BALANCE] for row in
+                json.loads(out.with_name(f"probe.rank{rank}.json").read_text())] for rank in range(2)]
     return {"losses": [r["loss"] for r in json.loads(out.read_text())["rows"]],
             "norms": json.loads(out.with_name("norms.json").read_text()),
-            "val": float(val[-1].split()[-1]) if val else None, "dir": out.parent}
+            "val": float(val[-1].split()[-1]) if val else None, "balance": balance, "dir": out.parent}
 
 
 @pytest.fixture(scope="module")
@@ -163,7 +170,8 @@ def test_fit_with_two_stages_per_rank_equals_fit_without_stages_per_step(tmp_pat
                                                                          microbatches):
     """configs/tiny-fsdp.yaml's model (4 blocks: 4 stages of one) and data, 2 ranks x 2 stages, the same 8
     sequences a step as without stages, gradients clipped at 0.5 (every step's norm is above it, so the norm over
-    all four stages decides each update). Losses to 1e-6 relative (fp32, the same sums in another order; measured:
+    all four stages decides each update); every rank logs the whole model's aux loss and expert imbalance, equal to
+    without stages (1e-6: fp32 means of the same values). Losses to 1e-6 relative (fp32, the same sums in another order; measured:
     equal to the last digit), gradient norms to 1e-5 (measured 7e-7 to 1.2e-6: the squares summed per stage, not
     per shard), the held-out loss (forward only through the stages) to 1e-6."""
     staged = _fit(tmp_path, schedule, "--pp", "2", "--schedule", schedule, "--stages-per-rank", "2",
@@ -171,7 +179,10 @@ def test_fit_with_two_stages_per_rank_equals_fit_without_stages_per_step(tmp_pat
     assert len(staged["losses"]) == 3 and min(staged["norms"]) > 0.5
     assert staged["losses"] == pytest.approx(without_stages["losses"][:3], rel=1e-6)
     assert staged["norms"] == pytest.approx(without_stages["norms"][:3], rel=1e-5)
-    assert staged["val"] == pytest.approx(without_stages["val"], rel=1e-6)
+    assert staged["val"] is not None and staged["val"] == pytest.approx(without_stages["val"], rel=1e-6)
+    for rank in range(2):  # each stage's layers' aux losses and counts summed over both ranks' stages
+        for step, expected in enumerate(without_stages["balance"][0][:3]):
+            assert staged["balance"][rank][step] == pytest.approx(expected, rel=1e-6), (rank, step)
 
 
 @pytest.mark.slow
