@@ -164,24 +164,15 @@ def materialize(model: MoETransformer, param_device: torch.device, buffer_device
             module._parameters[name] = param
 
 
-def outermost_units(model: nn.Module) -> list[FSDPModule]:
-    """``model`` if it is an FSDP module, else the FSDP modules inside it that no other one holds (a model of
-    several pipeline stages is no root: its blocks, embedding and head are); their setters reach every unit."""
-    if isinstance(model, FSDPModule):
-        return [model]
-    return [unit for child in model.children() for unit in outermost_units(child)]
-
-
 @contextmanager
-def accumulating(model: nn.Module, unsharded: bool) -> Iterator[None]:
+def accumulating(root: FSDPModule, unsharded: bool) -> Iterator[None]:
     """Non-final micro-batches of gradient accumulation: each still reduce-scatters (sharded gradients accumulate;
     nothing unsharded outlives its unit's backward) and only the HSDP all-reduce waits for the last one. With
-    ``unsharded``, no reduction at all (every unit keeps its full gradient until the last micro-batch)."""
-    units = outermost_units(model)
-    for unit in units:
-        (unit.set_requires_gradient_sync if unsharded else unit.set_requires_all_reduce)(False)
+    ``unsharded``, no reduction at all (every unit keeps its full gradient until the last micro-batch). Not under
+    pipeline stages (``accumulate_grad_batches`` is 1 there, and a rank of several stages has no single root)."""
+    block = root.set_requires_gradient_sync if unsharded else root.set_requires_all_reduce
+    block(False)
     try:
         yield
     finally:
-        for unit in units:
-            (unit.set_requires_gradient_sync if unsharded else unit.set_requires_all_reduce)(True)
+        block(True)

@@ -546,15 +546,10 @@ class PipelineRunner:
         return losses_K
 
     def _finish_training_step(self) -> None:
-        """Sum the embedding copies' gradients (between ranks, or on this rank for a V schedule's two stages)
-        and hand every local MoE layer the step's counts."""
-        with_embedding = [p for p in self.parts if p.tok_embeddings is not None]
-        if len(with_embedding) == 2:
-            first, last = (p.tok_embeddings.weight for p in with_embedding)
-            first.grad += last.grad
-            last.grad.copy_(first.grad)
-        for part in with_embedding:
-            sum_shared_embedding_grads(part, self.embedding_group)
+        """Sum the embedding copies' gradients between ranks and hand every local MoE layer the step's counts."""
+        for part in self.parts:  # at most one stage of a rank holds the embedding (a V with MTP or a tied head,
+            if part.tok_embeddings is not None:  # both of whose ends would read it, is refused)
+                sum_shared_embedding_grads(part, self.embedding_group)
         for part in self.parts:
             if part.step_expert_counts is not None:
                 for moe, counts_E in zip(part.moe_layers(), part.step_expert_counts):
