@@ -21,7 +21,7 @@ def fit_on_two_processes(tmp_path, *words: str) -> tuple[int, list[str]]:
     return done.returncode, lines
 
 
-@pytest.mark.slow  # 2 processes; the in-process refusals stay in the main suite
+@pytest.mark.extended  # 2 processes; the in-process refusals stay in the main suite
 def test_a_context_parallel_size_that_does_not_fit_is_one_line_on_two_processes(tmp_path):
     status, lines = fit_on_two_processes(tmp_path, "--trainer.strategy.init_args.context_parallel_size=3")
     assert status == 2 and lines == [

@@ -93,7 +93,7 @@ def test_1t_mini_on_two_processes_equals_one_process(tmp_path):
     assert [row["loss"] for row in two] == pytest.approx([row["loss"] for row in one], rel=2e-6, abs=0)
 
 
-@pytest.mark.slow
+@pytest.mark.extended
 def test_1t_mini_killed_mid_run_resumes_exactly(flagship_runs):
     full, killed, resumed = flagship_runs
     assert [row["step"] for row in killed] == [1, 2, 3, 4, 5]  # step 5 ran; SIGKILL at the start of the next

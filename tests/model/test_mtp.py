@@ -292,7 +292,7 @@ def test_plan_counts_mtp_parameters_flops_and_memory():
     assert mtp_activation_bytes(plain, T) == 0
 
 
-@pytest.mark.slow
+@pytest.mark.extended
 def test_fsdp_with_expert_parallel_mtp_equals_one_process(tmp_path):
     """MoEFSDPStrategy (MTP block and its experts their own FSDP units, ep 2) on 2 gloo ranks against one process:
     3 steps of 2 accumulated micro-batches, chunked loss, clipping (observed equal to ~2e-7)."""

@@ -109,7 +109,7 @@ def test_through_the_strategy_with_expert_parallelism_and_resume(tmp_path):
     assert resumed["start"] == 2 and resumed["losses"] == pytest.approx(ep["losses"][2:], abs=1e-6)
 
 
-@pytest.mark.slow  # 4 processes; the 2-stage fit with a Muon-free stage (tests/training/test_pipeline_callbacks.py) is main
+@pytest.mark.extended  # 4 processes; the 2-stage fit with a Muon-free stage (tests/training/test_pipeline_callbacks.py) is main
 def test_pipeline_stages_plan_over_their_own_ranks_and_equal_torch_muon(tmp_path):
     """Two stages of 2 FSDP ranks each (``muon_stage_check.py``), ``Muon.trainers_group`` each stage's ranks: a
     stage's row-sharded matrices step bitwise as ``torch.optim.Muon`` on whole matrices (bf16 Newton-Schulz, the

@@ -51,7 +51,7 @@ def test_cyclic_placement_is_hierarchical_by_the_launchers_node_and_chunks_equal
     assert max(result["relative_max_differences"].values()) < 1e-5, result
 
 
-@pytest.mark.slow  # 4 processes; chunking is checked on one rank in the main suite
+@pytest.mark.extended  # 4 processes; chunking is checked on one rank in the main suite
 def test_flat_chunks_with_expert_fsdp_across_groups_equal_one_process():
     """ep 2 on 4 ranks (one node): two groups, each expert block FSDP-sharded over 2 ranks; 4 chunks of 12 tokens."""
     result = result_of(run_ranks(SCRIPT, 4, "--ep", "2", "--chunks", "4", timeout=240)[0])

@@ -36,9 +36,9 @@ def expected_expert_meshes(g: int, world: int, replicate: int, ep: int, pp: int)
 
 
 @pytest.mark.parametrize("world, replicate, ep, cp, pp", [
-    pytest.param(4, 2, 2, 1, 1, marks=pytest.mark.slow), pytest.param(4, 1, 2, 2, 1, marks=pytest.mark.slow),
-    (4, 1, 2, 2, 2),  # the main suite's case: EP and CP groups inside 2 stages (without stages: slow, above)
-    pytest.param(8, 1, 2, 2, 2, marks=pytest.mark.slow), pytest.param(8, 2, 2, 1, 2, marks=pytest.mark.slow)])
+    pytest.param(4, 2, 2, 1, 1, marks=pytest.mark.slow), pytest.param(4, 1, 2, 2, 1, marks=pytest.mark.extended),
+    (4, 1, 2, 2, 2),  # the main suite's case: EP and CP groups inside 2 stages (without stages: above)
+    pytest.param(8, 1, 2, 2, 2, marks=pytest.mark.extended), pytest.param(8, 2, 2, 1, 2, marks=pytest.mark.extended)])
 def test_every_named_group_is_the_ranks_the_layout_says(world, replicate, ep, cp, pp):
     """Under stages (``pp`` 2) the expert and context groups are one stage's neighbouring shard ranks, and the
     checkpoint's expert mesh is that stage's 3-D ``(replicate, ep, efsdp)`` one."""

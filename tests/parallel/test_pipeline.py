@@ -213,10 +213,12 @@ def test_1f1b_on_two_ranks_with_mtp_equals_one_process():
     _check_against_one_process(result)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("schedule, stages", [("GPipe", [[0], [1]]), ("Interleaved1F1B", [[0, 2], [1, 3]]),
-                                              ("InterleavedZeroBubble", [[0, 2], [1, 3]]),
-                                              ("ZBVZeroBubble", [[0, 3], [1, 2]]), ("DualPipeV", [[0, 3], [1, 2]])])
+@pytest.mark.parametrize("schedule, stages", [  # the Lightning fits (test_pipeline_virtual.py) cover the extended ones
+    pytest.param("GPipe", [[0], [1]], marks=pytest.mark.slow),
+    pytest.param("Interleaved1F1B", [[0, 2], [1, 3]], marks=pytest.mark.extended),
+    pytest.param("InterleavedZeroBubble", [[0, 2], [1, 3]], marks=pytest.mark.extended),
+    pytest.param("ZBVZeroBubble", [[0, 3], [1, 2]], marks=pytest.mark.slow),
+    pytest.param("DualPipeV", [[0, 3], [1, 2]], marks=pytest.mark.extended)])
 def test_every_offered_schedule_on_two_ranks_equals_one_process(schedule, stages):
     """4 micro-batches; the V schedules hold the first and the last stage on rank 0 (two embedding copies on one
     rank, MTP on)."""
@@ -329,8 +331,7 @@ def test_a_short_held_out_batch_runs_with_fewer_micro_batches(batch, microbatche
     assert runner.schedule_name(2, training=True) == "1F1B"
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("batch", [pytest.param(1, marks=pytest.mark.extended), pytest.param(3, marks=pytest.mark.slow)])
 def test_a_short_held_out_batch_on_two_ranks_equals_one_process(batch):
     """The held-out loss of a batch shorter than the stages (1: GPipe, one micro-batch) or not divided by the
     micro-batches (3: three) equals one process's; fp32 loss sums, so 1e-6."""

@@ -20,7 +20,7 @@ def test_expert_and_context_parallelism_compose_with_stages():
 
 
 @pytest.mark.parametrize("cases", [["mtp2-docs"], pytest.param(["causal", "mla-mtp1-docs-3stages"],
-                                                                  marks=pytest.mark.slow)])
+                                                                  marks=pytest.mark.extended)])
 def test_stages_under_context_parallelism_equal_one_process(cases):
     """2 ranks share every sequence; each runs the stages one after another over the micro-batches (hidden states
     between stages ``[b, S / 2, D]``), gradients averaged over the two as FSDP does. Against the whole model on one
@@ -75,9 +75,9 @@ def _check_same_steps(staged: tuple, flat: tuple) -> None:
     assert _val_loss(log) == pytest.approx(_val_loss(flat_log), rel=1e-6)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("within", [("--ep", "2"), ("--cp", "2"), ("--ep", "2", "--cp", "2")],
-                         ids=["ep2", "cp2", "ep2-cp2"])
+@pytest.mark.parametrize("within", [pytest.param(("--ep", "2"), marks=pytest.mark.slow, id="ep2"),
+                                    pytest.param(("--cp", "2"), marks=pytest.mark.slow, id="cp2"),
+                                    pytest.param(("--ep", "2", "--cp", "2"), marks=pytest.mark.extended, id="ep2-cp2")])
 def test_fit_at_two_stages_with_expert_or_context_parallelism_equals_one_stage(tmp_path, within):
     """2 stages on 4 processes, each stage's 2 ranks its EP group (exchanging its MoE layers' tokens; expert counts
     summed over the stage), its CP group (sharing every sequence; hidden states between stages are each rank's

@@ -61,7 +61,7 @@ def test_a_bad_stall_timeout_is_refused_at_construction():
         MoEFSDPStrategy(stall_timeout=-5)
 
 
-@pytest.mark.slow  # a 2-process fit waiting out its stall timeout
+@pytest.mark.extended  # a 2-process fit waiting out its stall timeout
 def test_a_rank_stopped_inside_the_expert_all_to_all_is_named_and_the_other_exits_with_the_stall_status(
         tmp_path, monkeypatch, capsys):
     """Rank 1 SIGSTOPs itself right after launching its first expert all-to-all of step 3. Before: rank 0 waited

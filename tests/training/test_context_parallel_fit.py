@@ -75,7 +75,7 @@ def test_cp2_mla_documents_mtp_muon_qk_clip_offload_and_accumulation_equal_cp1(m
     assert cp2["tokens_seen"] == cp1["tokens_seen"] == 4 * 2 * 2 * 32
 
 
-@pytest.mark.slow
+@pytest.mark.extended
 def test_a_cp2_checkpoint_resumes_at_cp1_and_at_cp4_with_ep2_exactly(mla):
     """Same global batch (2 sequences, one data replica at every size): the next sequences, the same losses."""
     ckpt = str(mla["dir"] / "ckpt" / "step=2.ckpt")

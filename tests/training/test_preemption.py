@@ -250,7 +250,7 @@ def test_timeout_sigterm_on_two_processes_saves_sharded_and_the_relaunch_resumes
     assert resumed == pytest.approx(expected, abs=1e-6)
 
 
-@pytest.mark.slow  # multi-process or long: .ci/run's slow stage (keeps the main suite under 10 minutes)
+@pytest.mark.extended
 def test_ctrl_c_on_two_processes_saves_and_stops_both_ranks_at_one_step_as_sigterm_does(tmp_path):
     """Ctrl-C in a terminal signals the whole process group: both ranks. Before: each rank raised
     KeyboardInterrupt wherever it was, no checkpoint, exit 1 (FinalCheckpoint handled Ctrl-C in one process only)."""

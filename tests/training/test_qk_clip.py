@@ -305,7 +305,7 @@ def test_activation_offload_and_accumulation_give_the_same_clipped_weights(tmp_p
         assert torch.equal(weight, offloaded_weights[name]), name
 
 
-@pytest.mark.slow
+@pytest.mark.extended
 def test_one_process_equals_two_under_moe_fsdp_strategy(tmp_path):
     """Muon at a high learning rate, 4 steps of 2 micro-batches, MLA with odd row counts (uneven shards),
     document masking; the two-process run adds expert parallelism and ActivationOffload."""

@@ -526,7 +526,7 @@ def test_saving_metadata_that_is_not_plain_data_fails_before_writing(tmp_path):
     assert list(tmp_path.iterdir()) == []  # no directory, no marker
 
 
-@pytest.mark.slow
+@pytest.mark.extended
 def test_fp8_dispatch_through_the_strategy_stays_near_the_training_dtype_and_sends_fewer_bytes(tmp_path):
     """``MoEFSDPStrategy(dispatch_dtype="float8_e4m3fn")`` reaches the dispatcher: 2 ranks at EP 2, 6 AdamW steps
     against the same run in fp32. e4m3 keeps 3 mantissa bits (a scale per 128 columns), so the dispatched rows
