@@ -470,7 +470,8 @@ class PipelineRunner:
 
     The stages are built at the first batch of each shape, with example tensors instead of torch's shape
     inference: hidden states ``[B / M, S, dim]`` in ``activation_dtype`` (what flows between blocks: the
-    parameters' dtype), the last stage's sums in fp32 (or float64 for a float64 model)."""
+    parameters' dtype), the last stage's sums in fp32 (the head's loss is fp32 whatever the model's dtype: ``Output.cross_entropy_sums``;
+    torch 2.11 checks the declared dtype)."""
 
     def __init__(self, parts: list[StageTransformer], layout: PipelineLayout, group: dist.ProcessGroup | None,
                  device: torch.device, activation_dtype: torch.dtype,
@@ -511,7 +512,7 @@ class PipelineRunner:
             S_local = S // self.parts[0].sequence_shard.size  # a context-parallel rank's share of each sequence
             hidden = torch.empty(b, S_local, self.config.dim, dtype=dtype, device="meta", requires_grad=True)
             sums = torch.empty(1 + (self.config.mtp_layers if training else 0), device="meta", requires_grad=True,
-                               dtype=torch.promote_types(dtype, torch.float32))
+                               dtype=torch.float32)
             tokens = torch.empty(b, S + 1, dtype=torch.long, device="meta")
             stages = [PipelineStage(part, part.pipeline_stage, self.layout.num_stages, self.device,
                                     input_args=(tokens if part.pipeline_first else hidden,),

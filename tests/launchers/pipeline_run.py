@@ -58,7 +58,7 @@ def main() -> None:
     b, S, D, M = args.batch // layout.microbatches, config.max_seq_len, config.dim, layout.microbatches
     # example inputs and outputs (no shape inference); requires_grad marks those whose gradients travel back
     hidden = torch.empty(b, S, D, dtype=torch.float64, device="meta", requires_grad=True)
-    sums = torch.empty(1 + config.mtp_layers, dtype=torch.float64, device="meta", requires_grad=True)
+    sums = torch.empty(1 + config.mtp_layers, dtype=torch.float32, device="meta", requires_grad=True)  # the head's
     tokens = torch.empty(b, S + 1, dtype=torch.long, device="meta")
     parts, stages = [], []
     for stage in layout.stages_of(rank):
