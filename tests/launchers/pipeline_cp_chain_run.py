@@ -15,11 +15,8 @@ import torch.distributed as dist
 from moe_lightning.model import MoEConfig
 from moe_lightning.parallel.context_parallel import ContextParallelShard
 from moe_lightning.parallel.pipeline import PipelineLoss, keep_stage, resolve_pipeline
-from moe_lightning.training.module import MoELanguageModel
+from tests.support.pipeline_model import SHAPE, build
 
-SHAPE = dict(vocab_size=64, dim=32, n_layers=4, n_heads=4, n_kv_heads=2, max_seq_len=16, ffn_hidden=64,
-             n_dense_layers=1, num_experts=4, top_k=2, expert_hidden=32, n_shared_experts=1, init_std=0.2,
-             aux_loss_coef=0.01, z_loss_coef=0.001)
 MLA = dict(attention="mla", kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8)
 CASES = {  # name: (stages, micro-batches, config)
     "causal": (2, 2, {}),
@@ -27,13 +24,6 @@ CASES = {  # name: (stages, micro-batches, config)
     "mla-mtp1-docs-3stages": (3, 4, dict(mtp_layers=1, document_masking=True, eod_token_id=3, **MLA)),
 }
 
-
-def build(config: MoEConfig) -> MoELanguageModel:
-    torch.manual_seed(0)
-    module = MoELanguageModel(config)
-    module.configure_model()
-    module.model.double()
-    return module.train()
 
 
 def run_case(stages: int, micro: int, extra: dict) -> dict:

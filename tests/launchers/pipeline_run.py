@@ -19,19 +19,9 @@ from torch.distributed.pipelining import PipelineStage
 from moe_lightning.model import MoEConfig
 from moe_lightning.parallel.pipeline import (PipelineLoss, keep_stage, reads_embedding_last, resolve_pipeline,
                                              schedule_class, sum_shared_embedding_grads)
-from moe_lightning.training.module import MoELanguageModel
-
-SHAPE = dict(vocab_size=64, dim=32, n_layers=4, n_heads=4, n_kv_heads=2, max_seq_len=16, ffn_hidden=64,
-             n_dense_layers=1, num_experts=4, top_k=2, expert_hidden=32, n_shared_experts=1, init_std=0.2,
-             aux_loss_coef=0.01, z_loss_coef=0.001)
+from tests.support.pipeline_model import SHAPE, build
 
 
-def build(config: MoEConfig) -> MoELanguageModel:
-    torch.manual_seed(0)
-    module = MoELanguageModel(config)
-    module.configure_model()
-    module.model.double()
-    return module.train()
 
 
 def main() -> None:

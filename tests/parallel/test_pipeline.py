@@ -17,11 +17,8 @@ from moe_lightning.parallel.pipeline import (PipelineError, PipelineLoss, balanc
 from moe_lightning.planner.pipeline import schedule_actions, simulate, stage_parameters
 from moe_lightning.training.module import MoELanguageModel
 from tests.support.distributed import LAUNCHERS, REPO_ROOT, run_nodes, run_ranks
+from tests.support.pipeline_model import SHAPE, build
 
-# O(1) activations (init 0.2); 4 blocks, the first dense; balancing losses on so their gradient scaling is checked
-SHAPE = dict(vocab_size=64, dim=32, n_layers=4, n_heads=4, n_kv_heads=2, max_seq_len=16, ffn_hidden=64,
-             n_dense_layers=1, num_experts=4, top_k=2, expert_hidden=32, n_shared_experts=1, init_std=0.2,
-             aux_loss_coef=0.01, z_loss_coef=0.001)
 
 
 def _brute_force_peak(costs, stages, first, last):
@@ -107,27 +104,20 @@ def test_planned_zero_bubble_schedules_idle_less_than_1f1b():
         assert max(idle) < one, (name, idle)
 
 
-def _build(config: MoEConfig, seed: int = 0) -> MoELanguageModel:
-    torch.manual_seed(seed)
-    module = MoELanguageModel(config)
-    module.configure_model()
-    module.model.double()
-    return module
-
 
 @pytest.mark.parametrize("config", [dict(mtp_layers=2, document_masking=True, eod_token_id=3), dict(tie_embeddings=True)])
 def test_stages_keep_the_names_and_values_of_one_model(config):
     config = MoEConfig(**{**SHAPE, **config})
-    full = _build(config).model.state_dict()
+    full = build(config).model.state_dict()
     layout = resolve_pipeline(config, 3)
     keys = set()
     for stage in range(3):
-        part = keep_stage(copy.deepcopy(_build(config).model), stage, layout).state_dict()
+        part = keep_stage(copy.deepcopy(build(config).model), stage, layout).state_dict()
         assert set(part) <= set(full)
         assert all(torch.equal(part[k], full[k]) for k in part)
         keys |= set(part)
     assert keys == set(full)
-    first_blocks = {k.split(".")[1] for k in keep_stage(_build(config).model, 0, layout).state_dict()
+    first_blocks = {k.split(".")[1] for k in keep_stage(build(config).model, 0, layout).state_dict()
                     if k.startswith("layers.")}
     assert first_blocks == {str(i) for i in layout.blocks_of(0)}
 
@@ -150,7 +140,7 @@ def test_chained_stages_give_one_models_loss_and_gradients(stages, micro, extra,
     config = MoEConfig(**{**SHAPE, **extra})
     g = torch.Generator().manual_seed(1)
     batch_BS1 = torch.randint(0, config.vocab_size, (8, 17), generator=g)
-    reference = _build(config)
+    reference = build(config)
     reference.loss_chunk_size = chunk
     reference.train()
     loss = reference._loss(batch_BS1)
@@ -158,7 +148,7 @@ def test_chained_stages_give_one_models_loss_and_gradients(stages, micro, extra,
     expected = {n: p.grad for n, p in reference.model.named_parameters()}
 
     layout = resolve_pipeline(config, stages, microbatches=micro)
-    parts = [keep_stage(_build(config).model, s, layout, loss_chunk_size=chunk).train() for s in range(stages)]
+    parts = [keep_stage(build(config).model, s, layout, loss_chunk_size=chunk).train() for s in range(stages)]
     for part in parts:
         for moe in part.moe_layers():
             moe.aux_loss_grad_scale = 1 / micro
@@ -281,7 +271,7 @@ def test_fsdp_units_of_a_stage_keep_the_models_block_names_and_skip_what_it_lack
     config = MoEConfig(**SHAPE)
     layout = resolve_pipeline(config, 3)
     for stage in (1, 2):
-        part = keep_stage(_build(config).model, stage, layout)
+        part = keep_stage(build(config).model, stage, layout)
         units = {u.name: u for u in fsdp_units(part, expert_parallel=False)}
         blocks = [f"layers.{i}" for i in layout.blocks_of(stage)]
         assert [n for n in units if n.startswith("layers.")] == blocks
@@ -324,7 +314,7 @@ def test_a_short_held_out_batch_runs_with_fewer_micro_batches(batch, microbatche
     as GPipe (forward only, the same losses; torch's 1F1B refuses fewer micro-batches than stages). That two
     ranks then equal one process: the slow test below; before, a batch of 1 raised mid-fit."""
     layout = resolve_pipeline(MoEConfig(**SHAPE), 2, "1F1B", 2)
-    part = keep_stage(_build(MoEConfig(**SHAPE)).model, 0, layout)
+    part = keep_stage(build(MoEConfig(**SHAPE)).model, 0, layout)
     runner = pipeline.PipelineRunner([part], layout, None, torch.device("cpu"), torch.float32)
     M = runner.microbatches(batch, training=False)
     assert (M, runner.schedule_name(M, training=False)) == (microbatches, schedule)

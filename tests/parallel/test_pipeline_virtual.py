@@ -15,21 +15,10 @@ from torch.distributed.checkpoint import FileSystemReader
 from moe_lightning.model import MoEConfig
 from moe_lightning.parallel.pipeline import PipelineError, PipelineLoss, keep_stage, keep_stages, resolve_pipeline, \
     stage_parts
-from moe_lightning.training.module import MoELanguageModel
 from tests.support.distributed import LAUNCHERS, run_nodes
-
-# O(1) activations (init 0.2); 4 blocks (4 stages of one), the first dense; balancing losses on
-SHAPE = dict(vocab_size=64, dim=32, n_layers=4, n_heads=4, n_kv_heads=2, max_seq_len=16, ffn_hidden=64,
-             n_dense_layers=1, num_experts=4, top_k=2, expert_hidden=32, n_shared_experts=1, init_std=0.2,
-             aux_loss_coef=0.01, z_loss_coef=0.001)
+from tests.support.pipeline_model import SHAPE, build
 
 
-def _build(config: MoEConfig) -> MoELanguageModel:
-    torch.manual_seed(0)
-    module = MoELanguageModel(config)
-    module.configure_model()
-    module.model.double()
-    return module
 
 
 @pytest.mark.parametrize("schedule, extra", [("Interleaved1F1B", dict(mtp_layers=1)), ("ZBVZeroBubble", dict())])
@@ -42,7 +31,7 @@ def test_stage_views_hold_their_stages_parameters_and_chained_give_one_models_lo
     weight (an fp32 sum, as in test_pipeline.py), 1e-9 for every other gradient (float64)."""
     config = MoEConfig(**{**SHAPE, **extra})
     batch_BS1 = torch.randint(0, config.vocab_size, (8, 17), generator=torch.Generator().manual_seed(1))
-    reference = _build(config).train()
+    reference = build(config).train()
     loss = reference._loss(batch_BS1)
     loss.backward()
     expected = {n: p.grad for n, p in reference.model.named_parameters()}
@@ -50,7 +39,7 @@ def test_stage_views_hold_their_stages_parameters_and_chained_give_one_models_lo
     # the V's placement without resolve_pipeline's torch-version refusal (no schedule runs here)
     layout = dataclasses.replace(resolve_pipeline(config, 2, "Interleaved1F1B", microbatches=2), schedule=schedule)
     assert layout.num_stages == 4 and layout.blocks_per_stage == (1, 1, 1, 1)
-    ranks = [keep_stages(_build(config).model, layout.stages_of(r), layout).train() for r in range(2)]
+    ranks = [keep_stages(build(config).model, layout.stages_of(r), layout).train() for r in range(2)]
     views = {}
     for rank, model in enumerate(ranks):
         assert [int(i) for i in model.layers._modules] == sorted(b for s in layout.stages_of(rank)
@@ -58,7 +47,7 @@ def test_stage_views_hold_their_stages_parameters_and_chained_give_one_models_lo
         parts = stage_parts(model, layout)
         held = {id(p) for p in model.parameters()}
         for stage, part in zip(layout.stages_of(rank), parts):
-            alone = keep_stage(_build(config).model, stage, layout)
+            alone = keep_stage(build(config).model, stage, layout)
             assert [n for n, _ in part.named_parameters()] == [n for n, _ in alone.named_parameters()]
             assert all(id(p) in held for p in part.parameters())
             assert all(part is not m for m in model.modules())
