@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
 from torch.distributed.device_mesh import DeviceMesh
@@ -32,26 +33,64 @@ def load_state(checkpointer: ShardedCheckpointer, path: Path, checkpoint: dict[s
     ``discovery.checkpoint_metadata``; a single file's states, memory-mapped there, are taken out of it).
     ``flatten_optimizer``: this run saves optimizer states keyed by parameter name (pipeline stages hold different
     parameter groups, so a group's index means nothing across ranks); a checkpoint saved so loads at any stage
-    count, one saved by group index only without stages."""
+    count, one saved by group index (without stages) is read with its own groups and regrouped by parameter name
+    (``_regroup_by_name``)."""
     if not path.is_dir():
         reshard.load_full_checkpoint(checkpoint, path, module, model, optimizers, expert_mesh)
         return
+    entries = SafeReader(path).read_metadata().state_dict_metadata
+    saved_by_name = any(k.startswith("optimizer_0.param_groups.") and not k.split(".")[2].isdigit() for k in entries)
+    flat = StateDictOptions(flatten_optimizer_state_dict=saved_by_name)
     state = {"state_dict": get_model_state_dict(model)}
-    saved_by_name = optimizers and _optimizer_saved_by_name(path)
-    if flatten_optimizer and optimizers and not saved_by_name:
-        raise ValueError(f"{path} was written without pipeline stages: its optimizer states are per parameter-group "
-                         "index, which stages do not share; resume it at pipeline_parallel_size=1.")
-    flat = StateDictOptions(flatten_optimizer_state_dict=bool(saved_by_name))
     state.update({f"optimizer_{i}": get_optimizer_state_dict(model, optimizer, options=flat)
                   for i, optimizer in enumerate(optimizers)})
+    ours = {}  # this run's groups (by FQN), where the checkpoint's are by index and this run's by name
+    if flatten_optimizer and not saved_by_name:
+        ours = {key: state[key]["param_groups"] for key in state if key.startswith("optimizer_")}
+        for key, groups in _saved_param_groups(entries, list(ours), path).items():
+            state[key]["param_groups"] = groups  # filled as saved, with the FQNs each group lists
     checkpointer.load(path, state, expert_parameter_names(module), expert_mesh)
     set_model_state_dict(model, state["state_dict"], options=StateDictOptions(strict=strict))
     for i, optimizer in enumerate(optimizers):
-        set_optimizer_state_dict(model, optimizer, state[f"optimizer_{i}"], options=flat)
+        key = f"optimizer_{i}"
+        loaded = _regroup_by_name(state[key], ours[key], path, key) if ours else state[key]
+        set_optimizer_state_dict(model, optimizer, loaded, options=flat)
 
 
-def _optimizer_saved_by_name(path: Path) -> bool:
-    """Whether a sharded checkpoint's optimizer states are keyed by parameter name
-    (``optimizer_0.param_groups.<name>.lr``, as under pipeline stages) rather than by group index."""
-    keys = SafeReader(path).read_metadata().state_dict_metadata
-    return any(k.startswith("optimizer_0.param_groups.") and not k.split(".")[2].isdigit() for k in keys)
+def _saved_param_groups(entries: dict[str, Any], keys: list[str], path: Path) -> dict[str, list[dict[str, Any]]]:
+    """Each optimizer's ``param_groups`` as a checkpoint saved by group index holds them
+    (``<key>.param_groups.<index>.<name>`` in its metadata ``entries``), as placeholders the load fills."""
+    saved: dict[str, dict[int, dict[str, Any]]] = {key: {} for key in keys}
+    for entry, meta in entries.items():
+        key, _, rest = entry.partition(".param_groups.")
+        if key in saved:
+            index, _, name = rest.partition(".")
+            if "." in name:
+                raise ValueError(f"{path}: {entry} nests inside a parameter group, which this load cannot regroup by "
+                                 "parameter name; resume it at pipeline_parallel_size=1.")
+            is_tensor = isinstance(meta, TensorStorageMetadata)  # a tensor hyper-parameter (lr=torch.tensor(...))
+            placeholder = torch.empty(meta.size, dtype=meta.properties.dtype) if is_tensor else None
+            saved[key].setdefault(int(index), {})[name] = placeholder
+    return {key: [groups[i] for i in sorted(groups)] for key, groups in saved.items()}
+
+
+def _regroup_by_name(loaded: dict[str, Any], ours: list[dict[str, Any]], path: Path, key: str) -> dict[str, Any]:
+    """An optimizer state saved by group index as this run's groups: each takes the hyper-parameters of the saved
+    group that lists its parameters (by FQN); its parameters' states are read by FQN already. This run keeps its
+    own ``param_names``."""
+    group_of = {fqn: index for index, group in enumerate(loaded["param_groups"]) for fqn in group["params"]}
+    groups = []
+    for index, group in enumerate(ours):
+        sources = {group_of.get(fqn) for fqn in group["params"]}
+        if len(sources) != 1 or None in sources:
+            listed = sorted(source for source in sources if source is not None)
+            unlisted = " and some by none" if None in sources else ""
+            raise ValueError(
+                f"{path}: {key}.param_groups was saved by group index; this run's group {index} "
+                f"({group.get('role', 'unnamed')}) takes the hyper-parameters of the saved group listing its "
+                f"parameters, but they are listed by {len(listed)} groups {listed}{unlisted}: resume it at "
+                "pipeline_parallel_size=1 with the optimizer it was saved with.")
+        saved = loaded["param_groups"][sources.pop()]
+        groups.append({**{k: v for k, v in saved.items() if k not in ("params", "param_names")},
+                       "params": group["params"]})
+    return {"state": loaded["state"], "param_groups": groups}

@@ -252,16 +252,13 @@ def test_fit_at_two_stages_equals_one_stage_per_step_and_holds_the_planned_param
 @pytest.mark.slow
 def test_a_two_stage_checkpoint_resumes_at_one_stage_with_the_same_losses(tmp_path):
     """3 steps at 2 stages saved at step 3, resumed without stages for 2 more: steps 4 and 5 equal an uninterrupted
-    run without stages (its optimizer states are read by parameter name; measured bitwise equal). A checkpoint
-    written without stages is refused at 2 stages in one line (its optimizer states are per group index)."""
+    run without stages (its optimizer states are read by parameter name; measured bitwise equal). The other direction
+    is tests/parallel/test_pipeline_resume.py's."""
     flat, _ = _fit(tmp_path, "pp1", "--pp", "1", "--batch", "4", "--steps", "5", "--save-at", "3", "--clip", "0.5")
     _fit(tmp_path, "pp2", "--pp", "2", "--microbatches", "2", "--batch", "8", "--save-at", "3", "--clip", "0.5")
     resumed, _ = _fit(tmp_path, "resumed", "--pp", "1", "--batch", "4", "--steps", "5", "--clip", "0.5",
                       "--ckpt", str(tmp_path / "pp2" / "step=3.ckpt"))
     assert [r["loss"] for r in resumed["rows"]] == pytest.approx([r["loss"] for r in flat["rows"][3:]], rel=1e-6)
-    with pytest.raises(RuntimeError, match="written without pipeline stages.*resume it at pipeline_parallel_size=1"):
-        _fit(tmp_path, "refused", "--pp", "2", "--microbatches", "2", "--batch", "8", "--steps", "5",
-             "--ckpt", str(tmp_path / "pp1" / "step=3.ckpt"))
 
 
 def test_fsdp_units_of_a_stage_keep_the_models_block_names_and_skip_what_it_lacks():
