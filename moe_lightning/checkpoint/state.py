@@ -34,7 +34,7 @@ def load_state(checkpointer: ShardedCheckpointer, path: Path, checkpoint: dict[s
     ``flatten_optimizer``: this run saves optimizer states keyed by parameter name (pipeline stages hold different
     parameter groups, so a group's index means nothing across ranks); a checkpoint saved so loads at any stage
     count, one saved by group index (without stages) is read with its own groups and regrouped by parameter name
-    (``_regroup_by_name``)."""
+    (``_regroup_by_name``), and so are its LR schedulers' per-group entries in ``checkpoint``."""
     if not path.is_dir():
         reshard.load_full_checkpoint(checkpoint, path, module, model, optimizers, expert_mesh)
         return
@@ -53,7 +53,10 @@ def load_state(checkpointer: ShardedCheckpointer, path: Path, checkpoint: dict[s
     set_model_state_dict(model, state["state_dict"], options=StateDictOptions(strict=strict))
     for i, optimizer in enumerate(optimizers):
         key = f"optimizer_{i}"
-        loaded = _regroup_by_name(state[key], ours[key], path, key) if ours else state[key]
+        loaded = state[key]
+        if ours:
+            loaded, sources = _regroup_by_name(loaded, ours[key], path, key)
+            _regroup_schedulers(checkpoint, sources, len(optimizers), path)
         set_optimizer_state_dict(model, optimizer, loaded, options=flat)
 
 
@@ -74,12 +77,13 @@ def _saved_param_groups(entries: dict[str, Any], keys: list[str], path: Path) ->
     return {key: [groups[i] for i in sorted(groups)] for key, groups in saved.items()}
 
 
-def _regroup_by_name(loaded: dict[str, Any], ours: list[dict[str, Any]], path: Path, key: str) -> dict[str, Any]:
+def _regroup_by_name(loaded: dict[str, Any], ours: list[dict[str, Any]], path: Path,
+                     key: str) -> tuple[dict[str, Any], list[int]]:
     """An optimizer state saved by group index as this run's groups: each takes the hyper-parameters of the saved
     group that lists its parameters (by FQN); its parameters' states are read by FQN already. This run keeps its
-    own ``param_names``."""
+    own ``param_names``. Also returns the saved group each of this run's groups came from."""
     group_of = {fqn: index for index, group in enumerate(loaded["param_groups"]) for fqn in group["params"]}
-    groups = []
+    groups, sources_of_ours = [], []
     for index, group in enumerate(ours):
         sources = {group_of.get(fqn) for fqn in group["params"]}
         if len(sources) != 1 or None in sources:
@@ -90,7 +94,21 @@ def _regroup_by_name(loaded: dict[str, Any], ours: list[dict[str, Any]], path: P
                 f"({group.get('role', 'unnamed')}) takes the hyper-parameters of the saved group listing its "
                 f"parameters, but they are listed by {len(listed)} groups {listed}{unlisted}: resume it at "
                 "pipeline_parallel_size=1 with the optimizer it was saved with.")
-        saved = loaded["param_groups"][sources.pop()]
+        sources_of_ours.append(sources.pop())
+        saved = loaded["param_groups"][sources_of_ours[-1]]
         groups.append({**{k: v for k, v in saved.items() if k not in ("params", "param_names")},
                        "params": group["params"]})
-    return {"state": loaded["state"], "param_groups": groups}
+    return {"state": loaded["state"], "param_groups": groups}, sources_of_ours
+
+
+def _regroup_schedulers(checkpoint: dict[str, Any], sources: list[int], num_optimizers: int, path: Path) -> None:
+    """Lightning's saved LR schedulers, in place, as this run's groups: torch's per-group entries (``base_lrs``,
+    ``_last_lr``, a ``LambdaLR``'s ``lr_lambdas``) taken from each group's saved group (``sources``)."""
+    schedulers = checkpoint.get("lr_schedulers") or []
+    if schedulers and num_optimizers > 1:
+        raise ValueError(f"{path}: lr_schedulers were saved beside {num_optimizers} optimizers by group index, and "
+                         "which scheduler drives which optimizer is not saved; resume it at pipeline_parallel_size=1.")
+    for scheduler in schedulers:
+        for name in ("base_lrs", "_last_lr", "lr_lambdas", "min_lrs", "max_lrs"):
+            if name in scheduler:
+                scheduler[name] = [scheduler[name][source] for source in sources]

@@ -6,53 +6,67 @@ import pytest
 import torch
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
+from moe_lightning.checkpoint.discovery import checkpoint_metadata
 from moe_lightning.checkpoint.sharded import ShardedCheckpointer
 from moe_lightning.checkpoint.state import load_state, save_state
 from moe_lightning.model import MoEConfig
+from moe_lightning.optim import WarmupCosineLR
 from moe_lightning.optim.grouping import param_groups
 from moe_lightning.parallel.pipeline import keep_stage, resolve_pipeline
 from tests.support.pipeline_model import SHAPE, build
 
 
 def _save_whole_model(path, groups_of=param_groups):
-    """The whole model and its AdamW after two steps of O(1) random gradients, saved as a run without stages saves
-    them (by group index); each group a learning rate of its own, so a group matched by index would show (the last
-    group's a tensor: DCP saves it as a tensor item, not as bytes)."""
+    """The whole model and its AdamW after two steps of O(1) random gradients (and its schedule), saved as a run
+    without stages saves them (by group index); each group a learning rate of its own, so a group matched by index
+    would show (the last group's a tensor: DCP saves it as a tensor item, not as bytes)."""
     model = build(MoEConfig(**SHAPE)).model
     optimizer = torch.optim.AdamW(groups_of(model, 0.1), lr=1.0, betas=(0.9, 0.95), foreach=False)
     for index, group in enumerate(optimizer.param_groups):
         group["lr"] = 1e-3 * (index + 1)
     optimizer.param_groups[-1]["lr"] = torch.tensor(optimizer.param_groups[-1]["lr"], dtype=torch.float64)
+    scheduler = WarmupCosineLR(optimizer, warmup_steps=30)
     g = torch.Generator().manual_seed(0)
     for _ in range(2):
         for p in model.parameters():
             p.grad = torch.randn(p.shape, generator=g, dtype=p.dtype)
         optimizer.step()
+        scheduler.step()
     checkpoint = {"state_dict": get_model_state_dict(model), "optimizer_states": [
-        get_optimizer_state_dict(model, optimizer)], "global_step": 2}
+        get_optimizer_state_dict(model, optimizer)], "lr_schedulers": [scheduler.state_dict()], "global_step": 2}
     save_state(ShardedCheckpointer(), checkpoint, path, model, None, background=False)
     return model, optimizer
 
 
 def _load_stage(path, stage: int):
-    """Stage ``stage`` of 2 (other weights, another optimizer) loaded from ``path`` as a run with stages loads."""
+    """Stage ``stage`` of 2 (other weights, another optimizer and schedule) loaded from ``path`` as a run with
+    stages loads (and Lightning restores the schedule from the plain data after it)."""
     config = MoEConfig(**SHAPE)
     part = keep_stage(build(config, seed=1).model, stage, resolve_pipeline(config, 2))
     optimizer = torch.optim.AdamW(param_groups(part, 0.1), lr=0.5, betas=(0.9, 0.95), foreach=False)
-    load_state(ShardedCheckpointer(), path, {}, part, part, [optimizer], None, strict=True, flatten_optimizer=True)
-    return part, optimizer
+    scheduler = WarmupCosineLR(optimizer, warmup_steps=5)
+    checkpoint = checkpoint_metadata(path)
+    load_state(ShardedCheckpointer(), path, checkpoint, part, part, [optimizer], None, strict=True,
+               flatten_optimizer=True)
+    scheduler.load_state_dict(checkpoint["lr_schedulers"][0])
+    return part, optimizer, scheduler
 
 
 @pytest.mark.parametrize("stage", [0, 1])
 def test_a_stage_reads_its_parameters_optimizer_states_and_their_saved_groups_lr_by_name(tmp_path, stage):
     """Each stage holds 5 of the 6 groups (no head on the first, no embedding on the last), so their indices differ
     from the saved ones: every state tensor and step equals the saved one bit for bit, every group's learning rate
-    is its role's saved group's, and the stage keeps its own ``param_names``."""
+    is its role's saved group's, the stage keeps its own ``param_names``, and the schedule's per-group entries (a
+    list of 6 saved, which torch's ``LambdaLR`` cannot load into 5 groups) are its groups' saved ones."""
     whole, saved = _save_whole_model(tmp_path / "ckpt")
-    part, optimizer = _load_stage(tmp_path / "ckpt", stage)
+    part, optimizer, scheduler = _load_stage(tmp_path / "ckpt", stage)
     assert len(optimizer.param_groups) == 5 < len(saved.param_groups)
     saved_params = dict(whole.named_parameters())
     saved_lr = {group["role"]: group["lr"] for group in saved.param_groups}
+    saved_base_lr = {group["role"]: group["initial_lr"] for group in saved.param_groups}
+    assert scheduler.warmup_steps == 30 and scheduler.last_epoch == 2
+    assert scheduler.base_lrs == [saved_base_lr[group["role"]] for group in optimizer.param_groups]
+    assert scheduler.get_last_lr() == [saved_lr[group["role"]] for group in optimizer.param_groups]
     own_names = [group["param_names"] for group in param_groups(part, 0.1)]
     assert [group["param_names"] for group in optimizer.param_groups] == own_names
     for group in optimizer.param_groups:
