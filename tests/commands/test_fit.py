@@ -63,6 +63,7 @@ def test_vocab_smaller_than_tokenizer_is_refused_before_training(tmp_path):
               f"--trainer.default_root_dir={tmp_path}", "--trainer.fast_dev_run=true"])
 
 
+@pytest.mark.slow  # a training run; the short fits stay in the main suite
 def test_short_training_run_lowers_validation_loss(tmp_path):
     """60 steps on the standard library take the byte-level loss from ~ln(vocab) to well below it."""
     L.seed_everything(0)

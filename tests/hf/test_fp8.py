@@ -399,6 +399,7 @@ def sharded_fp8(release, tmp_path_factory):
     return tmp, [json.loads((tmp / f"result.json.{rank}").read_text()) for rank in range(2)]
 
 
+@pytest.mark.slow  # a 2-process sharded load
 def test_sharded_load_reads_only_each_ranks_blocks(release, sharded_fp8):
     _, _, path = release
     tmp, results = sharded_fp8
@@ -411,6 +412,7 @@ def test_sharded_load_reads_only_each_ranks_blocks(release, sharded_fp8):
         assert sum(result["reads"].values()) < 0.7 * total  # no rank reads the whole model
 
 
+@pytest.mark.slow  # shares the 2-process sharded load above
 def test_sharded_checkpoint_exports_to_the_release_bitwise(release, sharded_fp8):
     """`fit`'s sharded checkpoint of the loaded model -> `export --hf --fp8-blocks --dtype bf16` gives back the
     release, FP8 values and scales bitwise."""

@@ -90,6 +90,7 @@ def test_compile_flag_compiles_the_blocks_the_module_builds():
     assert all(type(block) is Block for block in eager.model.layers)
 
 
+@pytest.mark.slow  # a 2-process compiled fit
 def test_compiled_blocks_under_the_fsdp_strategy_with_offload_match_eager(tmp_path):
     """Two gloo processes, MoEFSDPStrategy(ep=2) + ActivationOffload, compiled vs eager (each rank runs both).
     The dense block compiles whole under FSDP's hooks; the MoE blocks around the eager all-to-all dispatch."""

@@ -39,6 +39,7 @@ def check(result: dict, tolerance: float) -> None:
     assert result["hierarchical"]["inter_bytes_per_rank"] < result["flat"]["inter_bytes_per_rank"]
 
 
+@pytest.mark.slow  # 2 processes as 2 nodes, profiled
 def test_hierarchical_dispatch_crosses_nodes_once_per_node_and_equals_flat():
     """The one lean multi-process check: node-limited top-2 routing, fp32, one step of one MoE layer."""
     (result,) = run_two_nodes("--routing", "node-limited", "--tokens", "128")

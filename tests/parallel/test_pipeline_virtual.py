@@ -150,7 +150,7 @@ OLD_TORCH = pytest.mark.skipif(tuple(int(n) for n in torch.__version__.split("."
                                reason="split-backward schedules need torch >= 2.13 (refused before)")
 SCHEDULES = [pytest.param("Interleaved1F1B", 2, marks=pytest.mark.slow),
              pytest.param("InterleavedZeroBubble", 2, marks=[pytest.mark.extended, OLD_TORCH]),
-             pytest.param("ZBVZeroBubble", 2, marks=OLD_TORCH),
+             pytest.param("ZBVZeroBubble", 2, marks=[pytest.mark.slow, OLD_TORCH]),
              pytest.param("DualPipeV", 4, marks=[pytest.mark.extended, OLD_TORCH])]  # DualPipeV: at least 2P
 
 

@@ -146,6 +146,7 @@ main()
 """
 
 
+@pytest.mark.slow  # a fit signalled mid-lock
 def test_sigusr1_while_the_folder_lock_is_recorded_says_why_the_run_stopped_and_leaves_nothing(tmp_path):
     """Issue 33, item 5. SLURM's requeue signal (SIGUSR1) while ``fit`` writes its folder lock's holder record,
     before any handler of the run exists. Before: killed by the signal's default action, no word, and a
