@@ -67,6 +67,7 @@ class CtrlCAt(Callback):
 def test_ctrl_c_finishes_the_optimizer_step_saves_and_exits_130(tmp_path, capfd):
     """Ctrl-C goes through Preemption, as SIGTERM does (a plain Trainer: the module adds it)."""
     module, data = _module_and_data()
+    before = signal.getsignal(signal.SIGINT)  # Python's default_int_handler, or SIG_IGN under a background shell
     # With 2 micro-batches per step, Ctrl-C after micro-batch 4 (the first of step 3) lands mid-step.
     trainer = L.Trainer(max_steps=50, accumulate_grad_batches=2, accelerator="cpu", logger=False,
                         enable_progress_bar=False, limit_val_batches=0, default_root_dir=tmp_path,
@@ -78,7 +79,7 @@ def test_ctrl_c_finishes_the_optimizer_step_saves_and_exits_130(tmp_path, capfd)
     assert trainer.global_step == 3  # the step was finished, no further one started
     assert torch.load(saved, weights_only=False)["global_step"] == 3
     assert capfd.readouterr().err.strip().endswith(f"interrupted at step 3, checkpoint at {saved}")
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert signal.getsignal(signal.SIGINT) is before  # restored
 
 
 def test_a_stop_from_a_callback_is_saved_and_checkpointing_off_is_said(tmp_path):
