@@ -2,17 +2,20 @@
 saved per parameter-group index (Lightning's format), a stage's groups are others, and the load regroups them by
 parameter name (``checkpoint/state.py``). The reverse direction is tests/parallel/test_pipeline.py's."""
 
+from pathlib import Path
+
 import pytest
 import torch
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
 from moe_lightning.checkpoint.discovery import checkpoint_metadata
 from moe_lightning.checkpoint.sharded import ShardedCheckpointer
-from moe_lightning.checkpoint.state import load_state, save_state
+from moe_lightning.checkpoint.state import _regroup_schedulers, load_state, save_state
 from moe_lightning.model import MoEConfig
 from moe_lightning.optim import WarmupCosineLR
 from moe_lightning.optim.grouping import param_groups
 from moe_lightning.parallel.pipeline import keep_stage, resolve_pipeline
+from tests.parallel.test_pipeline import _fit
 from tests.support.pipeline_model import SHAPE, build
 
 
@@ -95,3 +98,20 @@ def test_a_stage_group_spanning_two_saved_groups_is_refused_in_one_line(tmp_path
         _load_stage(tmp_path / "ckpt", 0)
     assert "\n" not in str(refused.value)
 
+
+def test_schedulers_saved_beside_several_optimizers_are_refused_in_one_line():
+    """Lightning saves the schedulers as one list: which optimizer's groups each one's entries follow is not saved."""
+    with pytest.raises(ValueError, match=r"lr_schedulers were saved beside 2 optimizers.*pipeline_parallel_size=1"):
+        _regroup_schedulers({"lr_schedulers": [{"base_lrs": [0.1, 0.2]}]}, [1], 2, Path("ckpt"))
+
+
+@pytest.mark.slow
+def test_a_checkpoint_without_stages_resumes_at_two_stages_with_the_same_losses(tmp_path):
+    """3 steps without stages (FSDP over 2 ranks of 4 sequences) saved at step 3, resumed at 2 stages x 2
+    micro-batches of 4 for 2 more: steps 4 and 5 equal the uninterrupted run's, to 1e-6 relative as the fits at 2
+    stages and 1 agree (fp32, the same terms summed in another order), with clipping at 0.5 deciding every step."""
+    flat, _ = _fit(tmp_path, "pp1", "--pp", "1", "--batch", "4", "--steps", "5", "--save-at", "3", "--clip", "0.5")
+    resumed, _ = _fit(tmp_path, "resumed", "--pp", "2", "--microbatches", "2", "--batch", "8", "--steps", "5",
+                      "--clip", "0.5", "--ckpt", str(tmp_path / "pp1" / "step=3.ckpt"))
+    assert len(resumed["rows"]) == 2
+    assert [r["loss"] for r in resumed["rows"]] == pytest.approx([r["loss"] for r in flat["rows"][3:]], rel=1e-6)
