@@ -99,6 +99,17 @@ def test_a_stage_group_spanning_two_saved_groups_is_refused_in_one_line(tmp_path
     assert "\n" not in str(refused.value)
 
 
+def test_a_saved_group_entry_nested_deeper_is_refused_in_one_line(tmp_path):
+    """A group value DCP splits into several items (a dict holding a tensor) has no one name to regroup by."""
+    def with_nested_entry(model, weight_decay):
+        return [{**g, "extra": {"scale": torch.tensor(2.0)}} for g in param_groups(model, weight_decay)]
+    _save_whole_model(tmp_path / "ckpt", with_nested_entry)
+    with pytest.raises(ValueError, match=r"optimizer_0\.param_groups\.0\.extra\.scale nests inside a parameter group"
+                                         r".*resume it at pipeline_parallel_size=1") as refused:
+        _load_stage(tmp_path / "ckpt", 0)
+    assert "\n" not in str(refused.value)
+
+
 def test_schedulers_saved_beside_several_optimizers_are_refused_in_one_line():
     """Lightning saves the schedulers as one list: which optimizer's groups each one's entries follow is not saved."""
     with pytest.raises(ValueError, match=r"lr_schedulers were saved beside 2 optimizers.*pipeline_parallel_size=1"):
