@@ -322,7 +322,7 @@ def test_validation_logs_each_source_and_the_overall_loss(sources):
 
 # ---- real processes: kill -9, resume at the same and at another world size -----------------------------------
 
-@pytest.mark.slow
+@pytest.mark.extended
 def test_killed_two_process_mixture_run_resumes_exactly_on_two_and_on_one_process(sources, tmp_path):
     """Two ranks of MoEFSDPStrategy, two loader workers each, on a mixture of a shard folder and a token file;
     SIGKILL after step 3, resume from the step-2 checkpoint. On two processes the losses repeat the

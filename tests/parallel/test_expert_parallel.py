@@ -165,7 +165,7 @@ def fit(tmp, name: str, nodes: int, per_node: int, *args: str) -> list[float]:
         return logs[0], [float(row["train/loss"]) for row in csv.DictReader(f) if row.get("train/loss")]
 
 
-@pytest.mark.slow  # three 4-process Lightning fits
+@pytest.mark.extended  # three 4-process Lightning fits
 def test_fit_on_two_nodes_equals_one_node_with_mtp_and_activation_offload(tmp_path):
     """Hierarchical (2 nodes x 2) and flat (1 node x 4) dispatch train the same steps: MTP block, recompute."""
     extra = ["--model.init_args.config.mtp_layers=1",

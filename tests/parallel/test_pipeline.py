@@ -249,7 +249,7 @@ def test_fit_at_two_stages_equals_one_stage_per_step_and_holds_the_planned_param
     assert [rank["parameters"] for rank in staged["held"]] == [4 * n for n in planned]
 
 
-@pytest.mark.slow
+@pytest.mark.extended
 def test_a_two_stage_checkpoint_resumes_at_one_stage_with_the_same_losses(tmp_path):
     """3 steps at 2 stages saved at step 3, resumed without stages for 2 more: steps 4 and 5 equal an uninterrupted
     run without stages (its optimizer states are read by parameter name; measured bitwise equal). The other direction

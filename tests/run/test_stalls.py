@@ -113,7 +113,7 @@ def test_a_rank_stopped_for_less_than_the_timeout_raises_nothing(tmp_path):
     assert "stall" not in out.replace("stall_helpers", "").replace("StallWatchdog", "").lower()
 
 
-@pytest.mark.slow
+@pytest.mark.extended
 def test_a_rank_stopped_inside_a_checkpoint_save_leaves_the_previous_checkpoint_the_resumable_one(tmp_path):
     """Rank 1 stops in its save of step 4 (sharded, into ``.partial``); rank 0 exits; ``last`` still resolves to
     the complete step-2 checkpoint and the unfinished save is never committed."""
@@ -160,7 +160,7 @@ def test_sigterm_with_the_watchdog_on_saves_and_exits_143_as_without(tmp_path):
     assert "preempted at step" in out and "stall" not in out.lower().replace("stallwatchdog", "")
 
 
-@pytest.mark.slow
+@pytest.mark.extended
 def test_a_rank_stopped_inside_an_fsdp_reduce_scatter_is_named_in_its_backward(tmp_path):
     status, out, took, pid = stalled_fit(tmp_path, 15, "reduce_scatter")
     assert status == EXIT_STALLED and took < 15 + GRACE_S, out[-3000:]

@@ -117,7 +117,7 @@ def test_two_hierarchical_groups_of_two_nodes_by_two_equal_one_process(tmp_path)
     assert_same_losses(losses(run), losses(flat))
 
 
-@pytest.mark.slow  # two 2-process fits
+@pytest.mark.extended  # two 2-process fits
 def test_a_checkpoint_at_ep_1_resumes_at_ep_2_exactly(tmp_path, one):
     """2 ranks: FSDP only (EP 1), checkpoint after step 2; resumed at EP 2 (each rank keeps half the experts, read
     from the sharded checkpoint): steps 3 and 4 equal the uninterrupted run's and one process's."""

@@ -27,7 +27,7 @@ def _tiny(tmp_path: Path, name: str, max_steps: int, *extra: str):
                 *extra])
 
 
-@pytest.mark.slow  # multi-process or long: .ci/run's slow stage (keeps the main suite under 10 minutes)
+@pytest.mark.extended
 def test_a_20_step_run_keeps_its_weights_and_resumes_from_them(tmp_path, lightning_log):
     short = _tiny(tmp_path, "short", 20)
     saved = sorted(p for p in Path(short.trainer.log_dir, "checkpoints").iterdir() if p.suffix == ".ckpt")

@@ -50,7 +50,7 @@ def _check_equal(staged: tuple, flat: tuple) -> None:
         assert _logged(staged_ranks, key) == [pytest.approx(want, rel=1e-6)] * 2, key
 
 
-@pytest.mark.slow  # 2 fits on 2 processes; the one-process balance test stays in the main suite
+@pytest.mark.extended  # 2 fits on 2 processes; the one-process balance test stays in the main suite
 def test_muon_with_a_stage_holding_no_muon_matrix_at_two_stages_equals_one_stage(tmp_path):
     """The last stage's blocks go to AdamW (``adamw_patterns``), so it holds no Muon matrix: the first stage plans
     its FlexShard exchanges agreeing over its own ranks only (``Muon.trainers_group``, the strategy's ``stage``
