@@ -247,10 +247,10 @@ class ParallelMesh:
 
     Under expert parallelism ``expert`` is the ``("replicate", "ep", "efsdp")`` mesh of this rank's stage (experts
     split by ``ep`` first, the DTensor order of a checkpoint's global expert views); ``dense`` is ``("shard",)`` or
-    ``("replicate", "shard")``, a stage's under pipeline parallelism. The node groups of hierarchical expert dispatch (``node_groups``) and the gloo
-    side channels (``side_channel``) come from here too; ``name_of(group)`` names any group made here.
-    ``data_parallel_rank`` / ``data_parallel_size`` are what the sampler reads: a context-parallel group, and a
-    pipeline's stages, read one replica of the data.
+    ``("replicate", "shard")``, a stage's under pipeline parallelism. The node groups of hierarchical expert
+    dispatch (``node_groups``) and the gloo side channels (``side_channel``) come from here too; ``name_of(group)``
+    names any group made here. ``data_parallel_rank`` / ``data_parallel_size`` are what the sampler reads: a
+    context-parallel group, and a pipeline's stages, read one replica of the data.
     """
 
     SIDE_CHANNELS = ("preemption", "checkpoint", "checkpoint_writer", "stragglers")

@@ -470,8 +470,8 @@ class PipelineRunner:
 
     The stages are built at the first batch of each shape, with example tensors instead of torch's shape
     inference: hidden states ``[B / M, S, dim]`` in ``activation_dtype`` (what flows between blocks: the
-    parameters' dtype), the last stage's sums in fp32 (the head's loss is fp32 whatever the model's dtype: ``Output.cross_entropy_sums``;
-    torch 2.11 checks the declared dtype)."""
+    parameters' dtype), the last stage's sums in fp32 (the head's loss is fp32 whatever the model's dtype:
+    ``OutputHead.cross_entropy_sums``; torch 2.11 checks the declared dtype)."""
 
     def __init__(self, parts: list[StageTransformer], layout: PipelineLayout, group: dist.ProcessGroup | None,
                  device: torch.device, activation_dtype: torch.dtype,
@@ -551,7 +551,6 @@ class PipelineRunner:
         for part in self.parts:  # at most one stage of a rank holds the embedding (a V with MTP or a tied head,
             if part.tok_embeddings is not None:  # both of whose ends would read it, is refused)
                 sum_shared_embedding_grads(part, self.embedding_group)
-        for part in self.parts:
             if part.step_expert_counts is not None:
                 for moe, counts_E in zip(part.moe_layers(), part.step_expert_counts):
                     moe.tokens_per_expert = counts_E

@@ -241,6 +241,6 @@ def format_rows(rows: dict | None) -> list[str]:
         lines.append(f"step              {rows['step_seconds']:.1f} s with the stages; without: not applicable "
                      f"({rows['without_refused']} The plan above is the stage's shard layout.)")
     else:
-        lines.append(f"step              {rows['step_seconds']:.1f} s with the stages, {rows['step_seconds_without']:.1f} "
-                     f"s without (same world and global batch)")
+        lines.append(f"step              {rows['step_seconds']:.1f} s with the stages, "
+                     f"{rows['step_seconds_without']:.1f} s without (same world and global batch)")
     return lines

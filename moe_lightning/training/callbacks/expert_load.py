@@ -5,12 +5,11 @@ from pathlib import Path
 
 import lightning as L
 import torch
-import torch.distributed as dist
 import torchmetrics
 from lightning.pytorch.loggers import TensorBoardLogger
 
 from moe_lightning.model import MoELayer
-from moe_lightning.training.callbacks._logging import StepInterval, check_interval, log_to_loggers
+from moe_lightning.training.callbacks._logging import StepInterval, check_interval, every_rank, log_to_loggers
 from moe_lightning.training.callbacks.activation_offload import find_blocks
 
 class ExpertLoad(torchmetrics.Metric):
@@ -47,11 +46,7 @@ class ExpertLoad(torchmetrics.Metric):
 def model_moe_blocks(local: list[int]) -> list[int]:
     """Block indices of the whole model's MoE layers: the union of every rank's (one ``all_gather_object``, at fit
     start). Under pipeline stages each rank holds some blocks, under their indices in the whole model."""
-    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
-        return list(local)
-    everyone: list[list[int] | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, local)
-    return sorted({index for held in everyone for index in held})
+    return sorted({index for held in every_rank(local) for index in held})
 
 
 def load_figure(counts_LE: torch.Tensor, layer_ids: list[int], step: int):

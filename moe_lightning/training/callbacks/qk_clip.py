@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
+from moe_lightning.training.callbacks._logging import every_rank
 from moe_lightning.training.lightning_internals import optimizer_step_ends
 from moe_lightning.model.attention import MaxLogitRecorder, qk_clip_unsupported
 
@@ -34,10 +35,7 @@ def model_rows(names: list[str]) -> tuple[list[int], int]:
     many the model has: the union over ranks (one ``all_gather_object``, at fit start), ordered by name with block
     indices compared as numbers. Under pipeline stages each rank holds some of the layers, named as in the whole
     model; otherwise every rank holds all of them, in module order."""
-    everyone = [names]
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        everyone = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, names)
+    everyone = every_rank(names)
     model = names if all(held == names for held in everyone) else \
         sorted({name for held in everyone for name in held}, key=_name_order)
     row = {name: i for i, name in enumerate(model)}
