@@ -124,19 +124,20 @@ BALANCE = ("train/aux_loss", "train/expert_imbalance")  # the whole model's on l
 
 def _fit(tmp_path, name: str, *args: str) -> dict:
     """tests/launchers/pipeline_fit_run.py on 2 gloo processes, balancing loss on and logged every step: per-step
-    losses, gradient norms before clipping, the held-out loss, each rank's logged ``BALANCE`` per step, and the
-    folder of any checkpoint it saved."""
+    losses, gradient norms before clipping, the held-out loss, each rank's logged ``BALANCE`` per step, every MoE
+    layer's balancing bias after each step, and the folder of any checkpoint it saved."""
     out = tmp_path / name / "run.json"
     out.parent.mkdir()
     log = run_nodes([str(LAUNCHERS / "pipeline_fit_run.py"), "--out", str(out), "--clip", "0.5", "--aux-loss-coef",
-                     "0.01", "--log-every", "1", "--record", str(out.with_name("probe")), *args], 1, 2,
-                    cwd=out.parent, timeout=900)[0]
+                     "0.01", "--log-every", "1", "--record", str(out.with_name("probe")),
+                     "--biases", str(out.with_name("biases.json")), *args], 1, 2, cwd=out.parent, timeout=900)[0]
     val = [line for line in log.splitlines() if line.startswith("val/loss")]
     balance = [[[row["logged"][key] for key in BALANCE] for row in
                 json.loads(out.with_name(f"probe.rank{rank}.json").read_text())] for rank in range(2)]
     return {"losses": [r["loss"] for r in json.loads(out.read_text())["rows"]],
             "norms": json.loads(out.with_name("norms.json").read_text()),
-            "val": float(val[-1].split()[-1]) if val else None, "balance": balance, "dir": out.parent}
+            "val": float(val[-1].split()[-1]) if val else None, "balance": balance,
+            "biases": json.loads(out.with_name("biases.json").read_text()), "dir": out.parent}
 
 
 @pytest.fixture(scope="module")
@@ -149,6 +150,7 @@ def without_stages(tmp_path_factory):
 OLD_TORCH = pytest.mark.skipif(tuple(int(n) for n in torch.__version__.split(".")[:2]) < (2, 13),
                                reason="split-backward schedules need torch >= 2.13 (refused before)")
 SCHEDULES = [pytest.param("Interleaved1F1B", 2, marks=pytest.mark.slow),
+             pytest.param("LoopedBFS", 2, marks=pytest.mark.extended),
              pytest.param("InterleavedZeroBubble", 2, marks=[pytest.mark.extended, OLD_TORCH]),
              pytest.param("ZBVZeroBubble", 2, marks=[pytest.mark.slow, OLD_TORCH]),
              pytest.param("DualPipeV", 4, marks=[pytest.mark.extended, OLD_TORCH])]  # DualPipeV: at least 2P
@@ -162,7 +164,10 @@ def test_fit_with_two_stages_per_rank_equals_fit_without_stages_per_step(tmp_pat
     all four stages decides each update); every rank logs the whole model's aux loss and expert imbalance, equal to
     without stages (1e-6: fp32 means of the same values). Losses to 1e-6 relative (fp32, the same sums in another order; measured:
     equal to the last digit), gradient norms to 1e-5 (measured 7e-7 to 1.2e-6: the squares summed per stage, not
-    per shard), the held-out loss (forward only through the stages) to 1e-6."""
+    per shard), the held-out loss (forward only through the stages) to 1e-6. Every layer's balancing bias after
+    every step equals the run's without stages exactly (each step moves an expert's bias by +-0.01 on its count
+    summed over the ranks holding the layer: a count summed over the wrong ranks, or a layer updated on a rank that
+    does not own it, flips some), and every rank holding a layer holds the same bias."""
     staged = _fit(tmp_path, schedule, "--pp", "2", "--schedule", schedule, "--stages-per-rank", "2",
                   "--microbatches", str(microbatches), "--batch", "8")
     assert len(staged["losses"]) == 3 and min(staged["norms"]) > 0.5
@@ -172,6 +177,9 @@ def test_fit_with_two_stages_per_rank_equals_fit_without_stages_per_step(tmp_pat
     for rank in range(2):  # each stage's layers' aux losses and counts summed over both ranks' stages
         for step, expected in enumerate(without_stages["balance"][0][:3]):
             assert staged["balance"][rank][step] == pytest.approx(expected, rel=1e-6), (rank, step)
+    assert all(row["agree"] for row in staged["biases"])
+    assert [row["biases"] for row in staged["biases"]] == [row["biases"] for row in without_stages["biases"][:3]]
+    assert any(any(v != 0 for v in values) for values in staged["biases"][-1]["biases"].values())
 
 
 @pytest.mark.slow
