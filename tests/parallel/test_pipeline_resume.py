@@ -2,6 +2,7 @@
 saved per parameter-group index (Lightning's format), a stage's groups are others, and the load regroups them by
 parameter name (``checkpoint/state.py``). The reverse direction is tests/parallel/test_pipeline.py's."""
 
+import json
 from pathlib import Path
 
 import pytest
@@ -12,19 +13,28 @@ from moe_lightning.checkpoint.discovery import checkpoint_metadata
 from moe_lightning.checkpoint.sharded import ShardedCheckpointer
 from moe_lightning.checkpoint.state import _regroup_schedulers, load_state, save_state
 from moe_lightning.model import MoEConfig
-from moe_lightning.optim import WarmupCosineLR
+from moe_lightning.optim import Muon, WarmupCosineLR
 from moe_lightning.optim.grouping import param_groups
 from moe_lightning.parallel.pipeline import keep_stage, resolve_pipeline
-from tests.parallel.test_pipeline import _fit
+from tests.support.distributed import LAUNCHERS, run_nodes
 from tests.support.pipeline_model import SHAPE, build
 
 
-def _save_whole_model(path, groups_of=param_groups):
-    """The whole model and its AdamW after two steps of O(1) random gradients (and its schedule), saved as a run
+def _adamw(groups: list[dict]) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(groups, lr=0.5, betas=(0.9, 0.95), foreach=False)
+
+
+def _muon(groups: list[dict]) -> torch.optim.Optimizer:
+    """Muon with the last two blocks sent to AdamW: at 2 stages the last stage holds no Muon matrix."""
+    return Muon(groups, lr=0.5, adamw_lr=0.5, ns_dtype="float32", adamw_patterns=["layers.2.*", "layers.3.*"])
+
+
+def _save_whole_model(path, groups_of=param_groups, optimizer_of=_adamw):
+    """The whole model and its optimizer after two steps of O(1) random gradients (and its schedule), saved as a run
     without stages saves them (by group index); each group a learning rate of its own, so a group matched by index
     would show (the last group's a tensor: DCP saves it as a tensor item, not as bytes)."""
     model = build(MoEConfig(**SHAPE)).model
-    optimizer = torch.optim.AdamW(groups_of(model, 0.1), lr=1.0, betas=(0.9, 0.95), foreach=False)
+    optimizer = optimizer_of(groups_of(model, 0.1))
     for index, group in enumerate(optimizer.param_groups):
         group["lr"] = 1e-3 * (index + 1)
     optimizer.param_groups[-1]["lr"] = torch.tensor(optimizer.param_groups[-1]["lr"], dtype=torch.float64)
@@ -41,12 +51,12 @@ def _save_whole_model(path, groups_of=param_groups):
     return model, optimizer
 
 
-def _load_stage(path, stage: int):
+def _load_stage(path, stage: int, optimizer_of=_adamw):
     """Stage ``stage`` of 2 (other weights, another optimizer and schedule) loaded from ``path`` as a run with
     stages loads (and Lightning restores the schedule from the plain data after it)."""
     config = MoEConfig(**SHAPE)
     part = keep_stage(build(config, seed=1).model, stage, resolve_pipeline(config, 2))
-    optimizer = torch.optim.AdamW(param_groups(part, 0.1), lr=0.5, betas=(0.9, 0.95), foreach=False)
+    optimizer = optimizer_of(param_groups(part, 0.1))
     scheduler = WarmupCosineLR(optimizer, warmup_steps=5)
     checkpoint = checkpoint_metadata(path)
     load_state(ShardedCheckpointer(), path, checkpoint, part, part, [optimizer], None, strict=True,
@@ -83,6 +93,34 @@ def test_a_stage_reads_its_parameters_optimizer_states_and_their_saved_groups_lr
             assert float(got["step"]) == 2
 
 
+@pytest.mark.parametrize("stage", [0, 1])
+def test_muon_momentum_buffers_and_adamw_moments_come_back_under_a_stages_groups(tmp_path, stage):
+    """Muon's groups are split by algorithm as well as by role (8 saved: the hidden matrices and the expert stacks
+    each in a Muon and an AdamW group, the last two blocks' being AdamW's), so a role no longer names one saved group:
+    each stage group takes the saved group listing its parameters (algorithm, learning rate and all), every Muon
+    matrix its momentum buffer and every AdamW parameter its moments and step, bit for bit. Each stage holds 5
+    groups; stage 1's (blocks 2 and 3 and the head) are all AdamW's."""
+    whole, saved = _save_whole_model(tmp_path / "ckpt", optimizer_of=_muon)
+    part, optimizer, scheduler = _load_stage(tmp_path / "ckpt", stage, optimizer_of=_muon)
+    assert len(saved.param_groups) == 8 and len(optimizer.param_groups) == 5
+    assert any(g["algorithm"] == "muon" for g in optimizer.param_groups) == (stage == 0)
+    saved_params = dict(whole.named_parameters())
+    saved_group = {name: group for group in saved.param_groups for name in group["param_names"]}
+    held = {"muon": {"momentum_buffer"}, "adamw": {"step", "exp_avg", "exp_avg_sq"}}
+    for group in optimizer.param_groups:
+        source = saved_group[group["param_names"][0]]
+        assert {k: v for k, v in group.items() if k not in ("params", "param_names")} == \
+            {k: v for k, v in source.items() if k not in ("params", "param_names")}
+        for name, p in zip(group["param_names"], group["params"]):
+            assert saved_group[name] is source
+            torch.testing.assert_close(p, saved_params[name], rtol=0, atol=0)
+            want, got = saved.state[saved_params[name]], optimizer.state[p]
+            assert set(got) == set(want) == held[group["algorithm"]]
+            for key in got:
+                torch.testing.assert_close(got[key], want[key], rtol=0, atol=0)
+    assert scheduler.get_last_lr() == [saved_group[g["param_names"][0]]["lr"] for g in optimizer.param_groups]
+
+
 def test_a_stage_group_spanning_two_saved_groups_is_refused_in_one_line(tmp_path):
     """Saved groups that split one role (alternate hidden matrices, each half its own learning rate) give a stage's
     group two sets of hyper-parameters: refused, naming the field and the fix, not resolved by picking one."""
@@ -116,13 +154,100 @@ def test_schedulers_saved_beside_several_optimizers_are_refused_in_one_line():
         _regroup_schedulers({"lr_schedulers": [{"base_lrs": [0.1, 0.2]}]}, [1], 2, Path("ckpt"))
 
 
+def _run(folder: Path, layout: tuple[int, tuple[str, ...]], *args: str) -> list[tuple[int, float]]:
+    """tests/launchers/pipeline_fit_run.py at ``layout`` (processes, its flags), clipping at 0.5 deciding every
+    step: each step's number and world-mean loss."""
+    devices, flags = layout
+    folder.mkdir()
+    run_nodes([str(LAUNCHERS / "pipeline_fit_run.py"), "--out", str(folder / "run.json"), "--devices", str(devices),
+               "--clip", "0.5", *flags, *args], 1, devices, cwd=folder, timeout=1500)
+    return [(row["step"], row["loss"]) for row in json.loads((folder / "run.json").read_text())["rows"]]
+
+
+# The same global batch of 8 sequences a step at every stage count: without stages FSDP over 2 ranks of 4
+# sequences; 2 stages on 2 processes, 2 micro-batches of 4; 4 stages on 4 processes, 4 micro-batches of 2.
+WITHOUT_STAGES = (2, ("--pp", "1", "--batch", "4"))
+TWO_STAGES = (2, ("--pp", "2", "--microbatches", "2", "--batch", "8"))
+FOUR_STAGES = (4, ("--pp", "4", "--microbatches", "4", "--batch", "8"))
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> tuple[Path, list[tuple[int, float]]]:
+    """5 steps without stages saved at step 3: a checkpoint without stages, and the steps every resume must give."""
+    folder = tmp_path_factory.mktemp("resume") / "pp1"
+    return folder / "step=3.ckpt", _run(folder, WITHOUT_STAGES, "--steps", "5", "--save-at", "3")
+
+
+def _check_resumed(resumed: list[tuple[int, float]], uninterrupted: list[tuple[int, float]]) -> None:
+    """Steps 4 and 5, their losses the uninterrupted run's to 1e-6 relative: fp32, the same terms summed in another
+    order (per stage, per micro-batch); the data order and the optimizer state of another run would be far off (a
+    step's loss moves by ~1e-2). That the next sequences are read is in the losses: another batch moves them alike."""
+    assert [step for step, _ in resumed] == [4, 5]
+    assert [loss for _, loss in resumed] == pytest.approx([loss for _, loss in uninterrupted[3:]], rel=1e-6)
+
+
 @pytest.mark.slow
-def test_a_checkpoint_without_stages_resumes_at_two_stages_with_the_same_losses(tmp_path):
-    """3 steps without stages (FSDP over 2 ranks of 4 sequences) saved at step 3, resumed at 2 stages x 2
-    micro-batches of 4 for 2 more: steps 4 and 5 equal the uninterrupted run's, to 1e-6 relative as the fits at 2
-    stages and 1 agree (fp32, the same terms summed in another order), with clipping at 0.5 deciding every step."""
-    flat, _ = _fit(tmp_path, "pp1", "--pp", "1", "--batch", "4", "--steps", "5", "--save-at", "3", "--clip", "0.5")
-    resumed, _ = _fit(tmp_path, "resumed", "--pp", "2", "--microbatches", "2", "--batch", "8", "--steps", "5",
-                      "--clip", "0.5", "--ckpt", str(tmp_path / "pp1" / "step=3.ckpt"))
-    assert len(resumed["rows"]) == 2
-    assert [r["loss"] for r in resumed["rows"]] == pytest.approx([r["loss"] for r in flat["rows"][3:]], rel=1e-6)
+def test_a_checkpoint_without_stages_resumes_at_two_stages_with_the_same_losses(tmp_path, uninterrupted):
+    """3 steps without stages saved at step 3, resumed at 2 stages for 2 more: its optimizer groups, saved by index,
+    are regrouped by parameter name (and the LR schedule's per-group entries with them)."""
+    checkpoint, losses = uninterrupted
+    _check_resumed(_run(tmp_path / "pp2", TWO_STAGES, "--steps", "5", "--ckpt", str(checkpoint)), losses)
+
+
+@pytest.mark.extended
+def test_a_checkpoint_without_stages_resumes_at_four_stages_with_the_same_losses(tmp_path, uninterrupted):
+    """Each of the 4 stages (the embedding with block 0, blocks 1 and 2 alone, block 3 with the head) takes the saved
+    groups listing its parameters."""
+    checkpoint, losses = uninterrupted
+    _check_resumed(_run(tmp_path / "pp4", FOUR_STAGES, "--steps", "5", "--ckpt", str(checkpoint)), losses)
+
+
+@pytest.mark.extended
+def test_a_two_stage_checkpoint_written_in_the_background_resumes_at_four_two_and_one_stages(tmp_path,
+                                                                                              uninterrupted):
+    """``async_checkpoint=True`` at 2 stages: the save of step 3 is staged and written by a thread while steps 4 and
+    5 train (so a write that read the live tensors would hold step 4's), and committed at the next batch. The run
+    itself goes on as the one without stages; its checkpoint (optimizer states keyed by parameter name) resumes at 4
+    stages, at 2 and without stages with the same losses."""
+    checkpoint, losses = uninterrupted
+    written = _run(tmp_path / "pp2", TWO_STAGES, "--steps", "5", "--save-at", "3", "--async-checkpoint")
+    assert [step for step, _ in written] == [1, 2, 3, 4, 5]
+    assert [loss for _, loss in written] == pytest.approx([loss for _, loss in losses], rel=1e-6)
+    saved = tmp_path / "pp2" / "step=3.ckpt"
+    for name, layout in (("pp4", FOUR_STAGES), ("pp2-again", TWO_STAGES), ("pp1", WITHOUT_STAGES)):
+        _check_resumed(_run(tmp_path / name, layout, "--steps", "5", "--ckpt", str(saved)), losses)
+
+
+@pytest.mark.extended
+def test_a_four_stage_checkpoint_resumes_at_two_stages_and_without_with_the_same_losses(tmp_path, uninterrupted):
+    """4 stages on 4 processes write one checkpoint (each its own blocks' weights and optimizer states, by name); 2
+    stages and a run without stages read it."""
+    checkpoint, losses = uninterrupted
+    _run(tmp_path / "pp4", FOUR_STAGES, "--steps", "3", "--save-at", "3")
+    saved = tmp_path / "pp4" / "step=3.ckpt"
+    for name, layout in (("pp2", TWO_STAGES), ("pp1", WITHOUT_STAGES)):
+        _check_resumed(_run(tmp_path / name, layout, "--steps", "5", "--ckpt", str(saved)), losses)
+
+
+@pytest.mark.extended
+def test_an_expert_parallel_checkpoint_without_stages_resumes_at_two_stages_with_ep_2(tmp_path):
+    """EP 2 over 2 processes (each rank 4 of the 8 experts of every MoE layer; the checkpoint holds the global expert
+    stacks) resumed at 2 stages x EP 2 on 4 processes: each stage's two ranks take their experts' weights and AdamW
+    moments of their own layers. 4 sequences per data replica a step (2 replicas), 2 micro-batches of 2 under
+    stages."""
+    losses = _run(tmp_path / "pp1", (2, ("--pp", "1", "--ep", "2", "--batch", "4")), "--steps", "5", "--save-at", "3")
+    resumed = _run(tmp_path / "pp2", (4, ("--pp", "2", "--ep", "2", "--microbatches", "2", "--batch", "4")),
+                   "--steps", "5", "--ckpt", str(tmp_path / "pp1" / "step=3.ckpt"))
+    _check_resumed(resumed, losses)
+
+
+@pytest.mark.extended
+def test_a_muon_checkpoint_without_stages_resumes_at_two_stages_one_of_them_holding_no_muon_matrix(tmp_path):
+    """Muon with the last two blocks sent to AdamW (``adamw_patterns``): the saved groups split the hidden matrices
+    and expert stacks in a Muon and an AdamW group each, and the last stage holds only AdamW groups. Each stage's
+    Muon matrices take their momentum buffers back, its AdamW ones their moments, under the saved group listing
+    them."""
+    muon = ("--optimizer", "muon", "--adamw-patterns", "layers.2.*", "layers.3.*")
+    losses = _run(tmp_path / "pp1", WITHOUT_STAGES, *muon, "--steps", "5", "--save-at", "3")
+    resumed = _run(tmp_path / "pp2", TWO_STAGES, *muon, "--steps", "5", "--ckpt", str(tmp_path / "pp1" / "step=3.ckpt"))
+    _check_resumed(resumed, losses)
