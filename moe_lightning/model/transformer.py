@@ -154,17 +154,20 @@ class MoETransformer(nn.Module):
 
     @torch.no_grad()
     def init_weights(self) -> None:
-        """(Re)initialise every parameter and buffer; called after materialising from the meta device."""
+        """(Re)initialise every parameter and buffer; called after materialising from the meta device. A part set
+        to None (the embedding, final norm or head of a model cut to some of its blocks) is skipped."""
         std = self.config.init_std
         out_std = std / math.sqrt(2 * self.config.n_layers)
-        nn.init.normal_(self.tok_embeddings.weight, std=1.0 if not self.config.tie_embeddings else std)
+        if self.tok_embeddings is not None:
+            nn.init.normal_(self.tok_embeddings.weight, std=1.0 if not self.config.tie_embeddings else std)
         for block in self.layers:
             block.attention_norm.init_weights()
             block.ffn_norm.init_weights()
             block.attention.init_weights(std, out_std)
             block.ffn.init_weights(std, out_std)
-        self.norm.init_weights()
-        if not self.config.tie_embeddings:
+        if self.norm is not None:
+            self.norm.init_weights()
+        if self.output is not None and not self.config.tie_embeddings:
             nn.init.normal_(self.output.weight, std=self.config.dim ** -0.5)
         for module in self.mtp:
             module.init_weights(std, out_std)

@@ -36,7 +36,8 @@ from moe_lightning.parallel.compile import compile_blocks
 from moe_lightning.parallel.context_parallel import ContextParallelShard
 from moe_lightning.parallel.expert_parallel import apply_expert_parallel, check_overlap_chunks, divide_expert_gradients
 from moe_lightning.parallel.mesh import MeshError, MeshLayout, ParallelMesh
-from moe_lightning.parallel.pipeline import SPLIT_BACKWARD, PipelineLayout, keep_stages, stage_parts
+from moe_lightning.parallel.pipeline import (SPLIT_BACKWARD, PipelineLayout, copy_first_stage_embedding, keep_stages,
+                                             stage_parts)
 
 
 @dataclass(frozen=True)
@@ -52,7 +53,7 @@ class Sharding:
     unshard_async_op: bool
     param_device: torch.device  # where the shards live (host memory under cpu_offload)
     buffer_device: torch.device  # the compute device
-    seed: int  # of a meta-device build: the run's seed plus the shard rank (replicas agree, shards differ)
+    seed: int  # of a meta-device build: the run's seed plus the rank in a replica (replicas agree, the rest differ)
     ep_overlap_chunks: int = 1  # chunks each MoE layer's tokens are pipelined through (expert parallelism)
     dispatch_dtype: torch.dtype | None = None  # of the dispatch hops' hidden rows (None: the training dtype)
     pipeline: PipelineLayout | None = None  # the stages (``mesh.layout.pp > 1``)
@@ -95,10 +96,10 @@ def the_transformer(module: torch.nn.Module, owner: str) -> MoETransformer:
 
 def parallelize_moe(model: MoETransformer, sharding: Sharding, *, compile: bool = False,
                     wrap_blocks: Callable[[MoETransformer], None] | None = None,
-                    fill_pretrained: Callable[[dict[str, torch.Tensor]], None] | None = None) -> list[str]:
+                    fill_pretrained: Callable[..., None] | None = None) -> list[str]:
     """Apply the steps above to ``model``, in place; returns what to log. ``wrap_blocks(model)`` wraps the blocks'
-    forwards; ``fill_pretrained(state)`` copies released weights into ``state`` (the model's state dict, expert
-    stacks as global views) when the model was built on the meta device. A model already sharded is left as it is."""
+    forwards; ``fill_pretrained(state, part)`` copies released weights into ``state`` (the model's state dict, expert
+    stacks as global views; ``part``: a pipeline stage's) when the model was built on the meta device. A model already sharded is left as it is."""
     if any(isinstance(m, FSDPModule) for m in model.modules()):  # (a model of several stages is no root itself)
         return []
     messages, on_meta = [], any(p.device.type == "meta" for p in model.parameters())
@@ -148,8 +149,10 @@ def parallelize_moe(model: MoETransformer, sharding: Sharding, *, compile: bool 
             fsdp.set_unshard_async_op(root)
     if on_meta:  # (otherwise fully_shard has moved the buffers to the mesh's device)
         fsdp.materialize(model, sharding.param_device, sharding.buffer_device, sharding.seed)
+        if sharding.pipeline is not None:  # each stage's rank drew its own values: the embedding copy is the first's
+            copy_first_stage_embedding(model, mesh.group("pp_ends"))
         if fill_pretrained is not None:
             with global_expert_views(model.state_dict(keep_vars=True), expert_parameter_names(model),
                                      mesh.expert) as state:
-                fill_pretrained(state)
+                fill_pretrained(state, part=sharding.pipeline is not None)
     return messages

@@ -452,6 +452,16 @@ def _forward_only(schedule: pipelining.schedules._PipelineScheduleRuntime) -> No
         for rank, actions in schedule.pipeline_order_with_comms.items()}
 
 
+def copy_first_stage_embedding(model: MoETransformer, group: dist.ProcessGroup | None) -> None:
+    """Make the last stage's copy of the token embedding the first stage's (``group``: those two ranks, the first
+    stage's its rank 0): after a meta-device build each was initialised from its own rank's seed. Each rank holds
+    the same shard of it (the same shard rank of a stage of the same size). A no-op where there is no copy."""
+    if group is None or model.tok_embeddings is None or not reads_embedding_last(model.config):
+        return
+    weight = model.tok_embeddings.weight
+    dist.broadcast(weight.to_local() if hasattr(weight, "to_local") else weight, group=group, group_src=0)
+
+
 def sum_shared_embedding_grads(model: MoETransformer, group: dist.ProcessGroup | None) -> None:
     """Sum the token embedding's gradient between the first and the last stage (``group``: those two ranks), so
     the copy on the last stage and the first stage's take the same optimizer step. A no-op without ``group``."""

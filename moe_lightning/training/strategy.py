@@ -136,7 +136,7 @@ class MoEFSDPStrategy(CheckpointHooks, ModelParallelStrategy):
                                     self.pipeline_parallel_size)
             if layout.pp > 1:  # every pipeline refusal before any process group exists (here, not in __init__:
                 # jsonargparse would bury the one line in its own multi-line error)
-                _check_pipeline_arguments(self.pipeline_schedule, self.meta_init, self.cpu_offload,
+                _check_pipeline_arguments(self.pipeline_schedule, self.cpu_offload,
                                           self._save_distributed_checkpoint, module.config)
                 self.pipeline = resolve_pipeline(module.config, layout.pp, self.pipeline_schedule,
                                                  self.pipeline_microbatches, self.pipeline_stages_per_rank,
@@ -189,7 +189,8 @@ class MoEFSDPStrategy(CheckpointHooks, ModelParallelStrategy):
         sharding = Sharding(self.parallel, self._dtype(self.param_dtype, torch.bfloat16),
                             self._dtype(self.reduce_dtype, torch.float32), self.reshard_after_forward, self.cpu_offload,
                             self.prefetch_depth, self.unshard_async_op, self.param_device, self.root_device,
-                            torch.initial_seed() + self.global_rank % self.layout.shard, self.ep_overlap_chunks,
+                            torch.initial_seed() + self.global_rank % (self.layout.pp * self.layout.shard),
+                            self.ep_overlap_chunks,
                             getattr(torch, self.dispatch_dtype) if self.dispatch_dtype else None, self.pipeline,
                             getattr(module, "loss_chunk_size", None))
         fill = module.fill_pretrained if getattr(module, "pretrained", None) is not None else None
@@ -266,7 +267,7 @@ class MoEFSDPStrategy(CheckpointHooks, ModelParallelStrategy):
         self.lightning_module._device = self.root_device  # what `.to` would set: where batches and metrics go
 
 
-def _check_pipeline_arguments(schedule: str, meta_init: bool, cpu_offload: bool = False,
+def _check_pipeline_arguments(schedule: str, cpu_offload: bool = False,
                               save_distributed_checkpoint: bool = True, config: MoEConfig | None = None) -> None:
     """What this strategy composes with pipeline stages yet (one line each)."""
     if schedule in SCHEDULES and SCHEDULES[schedule][1] == "v" and config is not None \
@@ -275,9 +276,6 @@ def _check_pipeline_arguments(schedule: str, meta_init: bool, cpu_offload: bool 
                             f"and with model.config.mtp_layers={config.mtp_layers} and tie_embeddings="
                             f"{config.tie_embeddings} both would run its one token embedding (two FSDP roots cannot "
                             "share it): use 'Interleaved1F1B' or 'InterleavedZeroBubble'.")
-    if meta_init:
-        raise PipelineError("strategy.meta_init=True with pipeline_parallel_size > 1: a stage is cut from the whole "
-                            "model built on every rank; set meta_init=False.")
     if cpu_offload:  # the embedding copies' gradient sum would all-reduce host tensors over the device's group
         raise PipelineError("strategy.cpu_offload=True with pipeline_parallel_size > 1: the stages' shared "
                             "embedding gradient is summed over the accelerator's group; set cpu_offload=False.")

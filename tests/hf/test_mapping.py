@@ -491,6 +491,29 @@ def test_export_sharded_checkpoint_to_hf_is_bitwise(sharded_load):
                        original["model.layers.1.mlp.gate.e_score_correction_bias"])
 
 
+@pytest.mark.slow  # two 2-process runs
+def test_a_release_loads_into_two_pipeline_stages_and_their_checkpoint_exports_it_bitwise(tmp_path):
+    """DeepSeek-V3 with its MTP layer at pipeline_parallel_size 2 (built on the meta device, as every release is):
+    each stage reads and holds its own tensors, equal to a one-process load, the last stage's copy of the embedding
+    (MTP reads it) included; together they hold every tensor; the stages' sharded checkpoint exports back to the
+    release bitwise. Before, the strategy's meta-device build crashed in ``init_weights`` on a stage without an
+    embedding, and the reader refused a state dict holding part of the model."""
+    mtp_checkpoint(tmp_path / "hf")
+    run_ranks(REPO_ROOT / "tests" / "launchers" / "hf_shard_run.py", 2, "--pretrained", str(tmp_path / "hf"),
+              "--ep", "1", "--pp", "2", "--out", str(tmp_path / "result.json"), "--ckpt", str(tmp_path / "staged.ckpt"))
+    results = [json.loads((tmp_path / f"result.json.{rank}").read_text()) for rank in range(2)]
+    assert all(result["mismatched"] == [] for result in results)
+    first, last = (set(result["names"]) for result in results)
+    assert "model.tok_embeddings.weight" in first & last and "model.output.weight" in last - first
+    assert len(first | last) == 32 + 4 + 17 and not any(".layers.1." in name for name in first)
+    later_blocks = [key for key in results[0]["reads"] if key.startswith(("model.layers.1.", "model.layers.2."))]
+    assert later_blocks == ["model.layers.2.embed_tokens.weight"]  # stage 0 reads block 0 (the MTP layer's embedding
+    # is the release's copy of the one the model keeps)
+    commands.run(["export", str(tmp_path / "staged.ckpt"), "--hf", "--out", str(tmp_path / "exported")])
+    original, exported = safetensors_of(tmp_path / "hf"), safetensors_of(tmp_path / "exported")
+    assert set(exported) == set(original) and all(torch.equal(exported[k], original[k]) for k in original)
+
+
 # ---- DeepSeek-V3 multi-token prediction layers ----------------------------------------------------------------
 
 def mtp_checkpoint(path: Path) -> MoETransformer:

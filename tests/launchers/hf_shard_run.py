@@ -1,7 +1,8 @@
 """Load a Hugging Face directory under MoEFSDPStrategy (launched as real ranks by tests/hf/test_mapping.py).
 
-Each rank writes JSON: whether every parameter (gathered to global tensors) equals a one-process
-``hf.from_pretrained``, the bytes it read per checkpoint key; then a sharded checkpoint of the loaded model is saved.
+Each rank writes JSON: whether every parameter it holds (gathered to global tensors) equals a one-process
+``hf.from_pretrained``, their names, the bytes it read per checkpoint key; then a sharded checkpoint of the loaded
+model is saved. ``--pp 2``: each rank holds a pipeline stage.
 """
 
 import argparse
@@ -53,7 +54,8 @@ class Compare(Callback):
                 full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
                 if not torch.equal(full.cpu(), self.reference[name[len("model."):]]):
                     mismatched.append(name)
-        self.out.write_text(json.dumps({"mismatched": mismatched, "compared": len(state), "reads": READS}))
+        self.out.write_text(json.dumps({"mismatched": mismatched, "compared": len(state), "names": sorted(state),
+                                        "reads": READS}))
         trainer.should_stop = True
 
 
@@ -61,6 +63,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--pretrained", required=True)
     parser.add_argument("--ep", type=int, default=2)
+    parser.add_argument("--pp", type=int, default=1, help="strategy.pipeline_parallel_size")
     parser.add_argument("--out", required=True)
     parser.add_argument("--ckpt", required=True, help="sharded checkpoint written after loading")
     args = parser.parse_args()
@@ -69,8 +72,9 @@ def main() -> None:
     reference = hf.from_pretrained(args.pretrained, torch.float32).state_dict()
     READS.clear()  # count only the strategy's reads
     rank = int(os.environ.get("RANK", "0"))
+    strategy = MoEFSDPStrategy(expert_parallel_size=args.ep, pipeline_parallel_size=args.pp)
     trainer = L.Trainer(accelerator="cpu", devices=int(os.environ.get("WORLD_SIZE", "1")),
-                        strategy=MoEFSDPStrategy(expert_parallel_size=args.ep), max_steps=1, limit_val_batches=0,
+                        strategy=strategy, max_steps=1, limit_val_batches=0,
                         num_sanity_val_steps=0, logger=False, enable_progress_bar=False, enable_model_summary=False,
                         enable_checkpointing=False, precision="32-true",
                         callbacks=[Compare(reference, Path(f"{args.out}.{rank}"))])

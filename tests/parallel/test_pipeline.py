@@ -5,6 +5,7 @@ one model's loss and gradients (float64, O(1) weights)."""
 import copy
 import itertools
 import json
+import math
 
 import pytest
 import torch
@@ -276,6 +277,28 @@ def test_fsdp_units_of_a_stage_keep_the_models_block_names_and_skip_what_it_lack
         assert "tok_embeddings" not in units and ("output" in units) == (stage == 2)
 
 
+def test_a_meta_device_build_initialises_each_stage_on_its_own_and_copies_the_first_stages_embedding():
+    """``meta_init=True`` at 2 stages with MTP (the last stage holds a copy of the embedding): each rank initialises
+    its own stage's blocks from a seed of its own (the rank's place in its replica, so stages differ: with the shard
+    rank alone both stages' first blocks drew the same values), the last stage's embedding copy is the first
+    stage's, bit for bit (sent at the build; each drew its own), the initialisers' scales hold (``init_std`` 0.2 for
+    the query projections, 1 for the embedding), and training runs with one loss on both ranks."""
+    results = sorted((json.loads([line for line in out.splitlines() if line.startswith("{")][-1])
+                      for out in run_ranks(LAUNCHERS / "pipeline_meta_init_run.py", 2, timeout=600)),
+                     key=lambda result: result["rank"])
+    first, last = (result["weights"] for result in results)
+    assert first["tok_embeddings.weight"] == last["tok_embeddings.weight"]
+    embedding = torch.tensor(first["tok_embeddings.weight"])
+    assert embedding.std().item() == pytest.approx(1.0, rel=0.1)
+    queries = {name: torch.tensor(w) for weights in (first, last) for name, w in weights.items() if "wq" in name}
+    assert {n.split(".attention")[0] for n in queries} == {"layers.0", "layers.1", "layers.2", "layers.3", "mtp.0.block"}
+    assert all(q.std().item() == pytest.approx(0.2, rel=0.15) for q in queries.values())
+    a, b = queries["layers.0.attention.wq.weight"], queries["layers.3.attention.wq.weight"]  # each stage's first
+    assert torch.corrcoef(torch.stack([a.flatten(), b.flatten()]))[0, 1].abs().item() < 0.2
+    assert results[0]["losses"] == results[1]["losses"] and len(results[0]["losses"]) == 2
+    assert all(math.isfinite(loss) for loss in results[0]["losses"])
+
+
 @pytest.mark.parametrize("kwargs, words", [
     (dict(cpu_offload=True), r"strategy.cpu_offload=True with pipeline_parallel_size > 1.*set cpu_offload=False"),
     (dict(save_distributed_checkpoint=False),
@@ -285,7 +308,7 @@ def test_strategy_settings_stages_cannot_honour_are_refused(kwargs, words):
     """A host-memory gradient summed over the accelerator's group; a single-file save holding stage 0 only."""
     from moe_lightning.training.strategy import _check_pipeline_arguments
     with pytest.raises(PipelineError, match=words) as refused:
-        _check_pipeline_arguments(**{"schedule": "1F1B", "meta_init": False, **kwargs})
+        _check_pipeline_arguments(**{"schedule": "1F1B", **kwargs})
     assert "\n" not in str(refused.value)
 
 

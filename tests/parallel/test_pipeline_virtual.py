@@ -102,7 +102,7 @@ def test_the_strategy_refuses_a_split_backward_schedule_on_old_torch(monkeypatch
     from moe_lightning.training.strategy import _check_pipeline_arguments
     monkeypatch.setattr(torch, "__version__", "2.12.1")
     with pytest.raises(PipelineError, match=r"pipeline_schedule='ZBVZeroBubble' splits backward"):
-        _check_pipeline_arguments("ZBVZeroBubble", False, config=MoEConfig(**SHAPE))
+        _check_pipeline_arguments("ZBVZeroBubble", config=MoEConfig(**SHAPE))
 
 
 @pytest.mark.parametrize("extra", [dict(mtp_layers=1), dict(tie_embeddings=True)])
@@ -114,9 +114,9 @@ def test_a_v_schedule_is_refused_where_both_ends_would_run_the_one_embedding(ext
     config = MoEConfig(**{**SHAPE, **extra})
     with pytest.raises(PipelineError, match=r"pipeline_schedule='ZBVZeroBubble' puts the first and the last stage "
                                             r"on one rank.*use 'Interleaved1F1B'") as refused:
-        _check_pipeline_arguments("ZBVZeroBubble", False, config=config)
+        _check_pipeline_arguments("ZBVZeroBubble", config=config)
     assert "\n" not in str(refused.value)
-    _check_pipeline_arguments("InterleavedZeroBubble", False, config=config)  # stage 0 and the last: two ranks
+    _check_pipeline_arguments("InterleavedZeroBubble", config=config)  # stage 0 and the last: two ranks
 
 
 BALANCE = ("train/aux_loss", "train/expert_imbalance")  # the whole model's on logged steps (every step here)
