@@ -16,6 +16,7 @@ from moe_lightning import MoEConfig, MoELanguageModel, TextDataModule
 from moe_lightning.optim import WarmupCosineLR
 from moe_lightning.training.strategy import MoEFSDPStrategy
 from tests.launchers.ep_fit_probe import EPFitProbe
+from tests.launchers.offload_probe import OffloadProbe
 from tests.launchers.stage_metrics_probe import StageMetricsProbe
 from tests.launchers.expert_bias_probe import ExpertBiasProbe
 
@@ -39,6 +40,9 @@ def main() -> None:
     parser.add_argument("--schedule", default="1F1B", help="strategy.pipeline_schedule")
     parser.add_argument("--stages-per-rank", type=int, default=None, help="strategy.pipeline_stages_per_rank")
     parser.add_argument("--n-layers", type=int, default=None, help="the model's n_layers (default: the config's)")
+    parser.add_argument("--model-json", default="{}", help='config fields over the yaml\'s: {"mtp_layers": 1}')
+    parser.add_argument("--offload", action="store_true",
+                        help="ActivationOffload(min_offload_bytes=0); OffloadProbe's offload.rank<r>.json by --out")
     parser.add_argument("--optimizer", choices=["adamw", "muon"], default="adamw")
     parser.add_argument("--adamw-patterns", nargs="*", default=None, help="Muon's: names sent to AdamW")
     parser.add_argument("--qk-clip", type=float, default=None, help="QKClip's threshold")
@@ -49,16 +53,19 @@ def main() -> None:
     parser.add_argument("--async-checkpoint", action="store_true", help="strategy.async_checkpoint")
     args = parser.parse_args()
     from moe_lightning.optim import Muon
-    from moe_lightning.training.callbacks import ExpertLoadMonitor, QKClip
+    from moe_lightning.training.callbacks import ActivationOffload, ExpertLoadMonitor, QKClip
     extra = ([QKClip(args.qk_clip)] if args.qk_clip else []) + (
         [ExpertLoadMonitor(log_every_n_steps=1, image_every_n_steps=2)] if args.expert_load else []) + (
-        [StageMetricsProbe(args.record)] if args.record else [])
+        [StageMetricsProbe(args.record)] if args.record else []) + (
+        [ActivationOffload(min_offload_bytes=0), OffloadProbe(Path(args.out).with_name("offload"))]
+        if args.offload else [])
     optimizer = (lambda groups: Muon(groups, lr=0.003, adamw_lr=0.003, adamw_betas=(0.9, 0.95), ns_dtype="float32",
                                      adamw_patterns=args.adamw_patterns)) if args.optimizer == "muon" else \
         (lambda groups: torch.optim.AdamW(groups, lr=0.003, betas=(0.9, 0.95)))
     shape = yaml.safe_load(CONFIG.read_text())["model"]["init_args"]["config"]
     shape["aux_loss_coef"] = args.aux_loss_coef
     shape["n_layers"] = args.n_layers or shape["n_layers"]
+    shape.update(json.loads(args.model_json))
     L.seed_everything(0)
     model = MoELanguageModel(MoEConfig(**shape),
                              optimizer=optimizer,

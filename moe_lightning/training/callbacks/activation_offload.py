@@ -67,7 +67,9 @@ class ActivationOffload(L.Callback):
         min_offload_bytes: Inputs smaller than this stay on device (the copy is not worth its launch).
         blocks: Indices into ``model.layers`` whose inputs are offloaded (negative indices count from the
             end); all blocks are checkpointed either way. ``None``: every block except the last, whose
-            input backward needs first, so offloading it would only add two copies.
+            input backward needs first, so offloading it would only add two copies. Under pipeline stages the
+            indices are still the whole model's (a stage offloads those it holds), and ``None`` keeps each stage's
+            own last block, the one its backward reaches first.
         mtp: Also checkpoint the multi-token prediction blocks (their inputs stay on the device). Off: they keep
             their whole working set for backward (``moe-lightning plan --no-offload-mtp`` prices it).
     """
@@ -101,7 +103,10 @@ class ActivationOffload(L.Callback):
 
     def wrap(self, model: nn.Module) -> None:
         """``apply`` to the blocks of ``model`` (a LightningModule or the transformer itself)."""
-        self.apply(find_blocks(model), find_mtp_blocks(model) if self.mtp else ())
+        layers = find_blocks(model)
+        owner = next(m for m in model.modules() if getattr(m, "layers", None) is layers)
+        self.apply(layers, find_mtp_blocks(model) if self.mtp else (),
+                   n_layers=getattr(getattr(owner, "config", None), "n_layers", None))
 
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.remove()
@@ -119,23 +124,26 @@ class ActivationOffload(L.Callback):
         self.bytes_offloaded = self.tensors_offloaded = self.tensors_copied_in = 0
 
     # ---- wrapping --------------------------------------------------------------------------------
-    def apply(self, layers: nn.ModuleList, mtp_blocks: Sequence[nn.Module] = ()) -> None:
+    def apply(self, layers: nn.ModuleList, mtp_blocks: Sequence[nn.Module] = (), n_layers: int | None = None) -> None:
         """Wrap each block's ``forward`` in place (the module objects, and any FSDP state, stay as they are);
-        ``mtp_blocks`` are checkpointed, their inputs kept."""
+        ``mtp_blocks`` are checkpointed, their inputs kept. ``n_layers``: the whole model's blocks, when ``layers``
+        holds a pipeline stage's only, keyed by their indices in the model (``blocks`` names those); default
+        ``len(layers)``."""
         if self._layers is not None:
             raise RuntimeError("ActivationOffload is already applied; call remove() first.")
-        n = len(layers)
-        chosen = list(range(n - 1)) if self.blocks is None else self.blocks
-        for i in chosen:
-            if not isinstance(i, int) or not -n <= i < n:
+        n, whole = len(layers), n_layers or len(layers)
+        for i in self.blocks or []:
+            if not isinstance(i, int) or not -whole <= i < whole:
                 raise ValueError(f"ActivationOffload(blocks={self.blocks!r}): index {i!r} is outside model.layers "
-                                 f"(length {n}); use indices in [-{n}, {n - 1}].")
+                                 f"(length {whole}); use indices in [-{whole}, {whole - 1}].")
+        position = {int(key): p for p, key in enumerate(layers._modules)}  # a block's model index -> its place here
         blocks = [*layers, *mtp_blocks]
         for index, block in enumerate(blocks):
             if "forward" in block.__dict__:
                 raise RuntimeError(f"{self._where(index, n)} already has an instance-level forward (another wrapper); "
                                    "ActivationOffload must own the block's forward.")
-        self._offload_indices = {i % n for i in chosen}
+        self._offload_indices = set(range(n - 1)) if self.blocks is None else \
+            {position[i % whole] for i in self.blocks if i % whole in position}
         self._layers, self._n_layers = blocks, n
         for index, block in enumerate(blocks):
             block.forward = self._wrap(index, block.forward)

@@ -1,0 +1,125 @@
+"""What else composes with pipeline stages inside ``fit``: FSDP over 2 ranks within a stage, 4 stages, MLA with
+document masking and MTP, and ``ActivationOffload``; each a fit of configs/tiny-fsdp.yaml's model (seq 128, 3 steps)
+on gloo processes against the same fit without stages over the same 8 sequences a step, compared per step by
+tests/parallel/test_pipeline_ep_cp.py's ``_check_same_steps`` (losses to 1e-6 relative, gradient norms to 1e-5,
+balancing biases equal, held-out loss to 1e-6: the tolerances are justified there)."""
+
+import json
+
+import pytest
+import torch
+import yaml
+
+from moe_lightning import TextDataModule
+from moe_lightning.model import MoEConfig
+from moe_lightning.parallel.pipeline import keep_stage, resolve_pipeline, stage_layout
+from moe_lightning.planner.pipeline import stage_parameters
+from moe_lightning.training.callbacks import ActivationOffload
+from tests.parallel.test_pipeline_ep_cp import _check_same_steps, _fit
+from tests.support.distributed import REPO_ROOT
+from tests.support.pipeline_model import SHAPE as PIPELINE_SHAPE, build
+
+SHAPE = yaml.safe_load((REPO_ROOT / "configs" / "tiny-fsdp.yaml").read_text())["model"]["init_args"]["config"]
+NEWLINE = 10  # the byte-level tokenizer's "\n": the documents of the MLA case (see there)
+
+
+def _planned_bytes(config: MoEConfig, stages: int) -> list[int]:
+    """fp32 bytes of each stage's parameters as ``plan``'s stage rows count them."""
+    return [4 * n for n in stage_parameters(config, stage_layout(config, stages))]
+
+
+@pytest.mark.extended
+def test_fit_at_two_stages_with_fsdp_over_two_ranks_within_each_equals_one_stage(tmp_path):
+    """4 processes, 2 stages of 2 ranks, each stage's parameters sharded by FSDP over its 2 ranks (ranks {0, 1} hold
+    stage 0, {2, 3} stage 1) and 2 data replicas of 4 sequences a step as 2 micro-batches of 2, against FSDP over 2
+    ranks without stages, 4 sequences each.
+
+    Resharding across micro-batches, as it runs (the strategy's ``reshard_after_forward=True``, 1F1B): each block
+    unit frees its gathered parameters after every micro-batch's forward and all-gathers them again for that
+    micro-batch's backward; torch's ``PipelineStage`` turns resharding after backward and gradient sync off for every
+    micro-batch's backward, so a unit stays gathered from a backward until the next forward frees it, its gradients
+    accumulate unsharded over the micro-batches, and ``perform_reduce_grad`` (the step's end) reshards and
+    reduce-scatters them once. The head and root units keep their parameters gathered (``keep_gathered``)."""
+    staged = _fit(tmp_path, "pp2", 4, "--pp", "2", "--microbatches", "2", "--batch", "4")
+    flat = _fit(tmp_path, "pp1", 2, "--pp", "1", "--batch", "4")
+    _check_same_steps(staged, flat)
+    held = [rank["parameters"] for rank in staged[0]["held"]]  # sharded: the stage's two ranks hold it once
+    assert [held[0] + held[1], held[2] + held[3]] == _planned_bytes(MoEConfig(**SHAPE), 2)
+    assert all(0 < h < max(_planned_bytes(MoEConfig(**SHAPE), 2)) for h in held)
+
+
+@pytest.mark.slow
+def test_fit_at_four_stages_equals_one_stage_and_holds_the_planned_parameters(tmp_path):
+    """4 processes, configs/tiny-fsdp.yaml's 4 blocks as 4 stages of one (shard size 1, one data replica), 1F1B over 4
+    micro-batches of 2 sequences, against FSDP over 2 ranks without stages, 4 sequences each. Each rank holds
+    exactly the parameters ``plan``'s stage rows count for its stage (fp32)."""
+    staged = _fit(tmp_path, "pp4", 4, "--pp", "4", "--microbatches", "4", "--batch", "8")
+    flat = _fit(tmp_path, "pp1", 2, "--pp", "1", "--batch", "4")
+    _check_same_steps(staged, flat)
+    assert [rank["parameters"] for rank in staged[0]["held"]] == _planned_bytes(MoEConfig(**SHAPE), 4)
+
+
+@pytest.mark.extended
+def test_fit_at_two_stages_with_mla_documents_and_mtp_equals_one_stage(tmp_path):
+    """MLA attention, document masking and one MTP depth (the last stage holds the embedding's copy, MTP and the
+    head: blocks [3, 1]), 2 processes at 2 stages x 2 micro-batches of 4 against FSDP over 2 ranks without stages.
+    Documents end at "\\n" (token 10): the corpus's own separator (256) occurs once in the 3 steps' 24 sequences, a
+    newline 30-odd times in every step's 8, so every sequence is cut into several masked documents (checked below on
+    the very batches the fits read: one data replica of 8 sequences a step at 2 stages)."""
+    model = dict(attention="mla", kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16,
+                 document_masking=True, eod_token_id=NEWLINE, mtp_layers=1)
+    data = TextDataModule(source="stdlib", seq_len=128, batch_size=8, max_tokens=40000)  # the launcher's
+    data.setup("fit")
+    ends = [int((batch_BS1[:, :-1] == NEWLINE).sum()) for _, batch_BS1 in zip(range(3), data.train_dataloader())]
+    assert min(ends) >= 16, ends  # at least 2 documents a sequence, every step
+    assert stage_layout(MoEConfig(**{**SHAPE, **model}), 2) == [3, 1]
+    staged = _fit(tmp_path, "pp2", 2, "--pp", "2", "--microbatches", "2", "--batch", "8",
+                  "--model-json", json.dumps(model))
+    flat = _fit(tmp_path, "pp1", 2, "--pp", "1", "--batch", "4", "--model-json", json.dumps(model))
+    _check_same_steps(staged, flat)
+
+
+@pytest.mark.parametrize("blocks, offloaded", [([0, 2], ["layers.2"]), ([-1], ["layers.3"]), ([0, 1], [])])
+def test_activation_offload_names_the_whole_models_blocks_on_a_stage(blocks, offloaded):
+    """``ActivationOffload(blocks=...)`` on the last of 2 stages (blocks 2 and 3, float64) offloads the inputs of the
+    blocks its indices name in the whole model, as without stages (it read them as places within the stage: ``[0]``
+    offloaded block 2, ``[2]`` was refused, ``[-1]`` meant the stage's last block whatever the model's is)."""
+    config = MoEConfig(**PIPELINE_SHAPE)
+    stage = keep_stage(build(config).model, 1, resolve_pipeline(config, 2))
+    assert list(stage.layers._modules) == ["2", "3"]
+    offload = ActivationOffload(min_offload_bytes=0, blocks=blocks)
+    offload.wrap(stage)
+    x_BSD = torch.randn(2, 16, config.dim, dtype=torch.float64, requires_grad=True)
+    stage(x_BSD, torch.randint(0, config.vocab_size, (2, 17))).sum().backward()
+    names = [f"layers.{key}" for key in stage.layers._modules]
+    assert [names[i] for kind, i in offload.order if kind == "offload"] == offloaded
+    assert offload.tensors_offloaded == offload.tensors_copied_in == len(offloaded)
+    with pytest.raises(ValueError, match=r"blocks=\[4\]\): index 4 is outside model.layers \(length 4\)"):
+        ActivationOffload(blocks=[4]).wrap(keep_stage(build(config).model, 1, resolve_pipeline(config, 2)))
+
+
+@pytest.mark.extended
+def test_fit_at_two_stages_with_activation_offload_equals_one_stage_and_offloads_every_stage(tmp_path):
+    """``ActivationOffload(min_offload_bytes=0)`` at 2 stages x 2 micro-batches of 4 (2 processes) against the same
+    callback without stages (FSDP over 2 ranks, 4 sequences each): the same steps, and every stage offloads.
+
+    The callback's rule: it checkpoints every block of ``model.layers`` and offloads each one's input except the
+    last's (``blocks=None``), whose input backward needs first. Under stages ``model.layers`` is the stage's own
+    blocks (``StageBlocks``; the callback wraps them after ``keep_stages`` pruned the model), so each stage keeps its
+    own last block's input, the one its backward reaches first, and offloads the others': with blocks [2, 2] one
+    input per micro-batch forward, 2 a step, each copied back once in backward (``tensors_copied_in``), each a
+    micro-batch's hidden states ``[4, 128, 128]`` fp32. Without stages, 3 of the 4 blocks' inputs ``[4, 128, 128]``
+    a step. The MTP-free model has no other checkpointed block."""
+    staged = _fit(tmp_path, "pp2", 2, "--pp", "2", "--microbatches", "2", "--batch", "8", "--offload")
+    flat = _fit(tmp_path, "pp1", 2, "--pp", "1", "--batch", "4", "--offload")
+    _check_same_steps(staged, flat)
+    hidden_bytes = 4 * 128 * SHAPE["dim"] * 4  # a micro-batch's (2 stages) or a rank's (none) [4, 128, D] fp32
+    assert stage_layout(MoEConfig(**SHAPE), 2) == [2, 2]  # ranks 0 and 1 hold blocks 0-1 and 2-3
+    for name, blocks_of_rank, forwards in (("pp2", [range(0, 2), range(2, 4)], 2), ("pp1", [range(4)] * 2, 1)):
+        for rank, blocks in enumerate(blocks_of_rank):
+            rows = json.loads((tmp_path / name / f"offload.rank{rank}.json").read_text())
+            want = forwards * (len(blocks) - 1)  # each forward offloads all its blocks' inputs but the last's
+            assert [(r["out"], r["in"], r["bytes"]) for r in rows] == [(want, want, want * hidden_bytes)] * 3, \
+                (name, rank, rows)
+            assert rows[-1]["offloaded"] == [f"layers.{i}" for i in blocks[:-1]], (name, rank, rows[-1])
+            assert rows[-1]["kept"] == [f"layers.{blocks[-1]}"], (name, rank, rows[-1])
