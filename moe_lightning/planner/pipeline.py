@@ -1,4 +1,5 @@
-"""``plan``'s pipeline rows (``--pipeline-parallel-size``, ``--pipeline-schedule``, ``--pipeline-microbatches``).
+"""``plan``'s pipeline rows (``--pipeline-parallel-size``, ``--pipeline-schedule``, ``--pipeline-microbatches``,
+``--pipeline-stages-per-rank``).
 
 At the same world size and global batch as the plan without stages: ``world / P`` data-parallel pipelines, each
 taking ``P x micro_batch`` sequences a step in ``M`` micro-batches of ``b = P · micro_batch / M``. Priced per
@@ -14,9 +15,14 @@ pipeline rank (its stages' blocks, from ``parallel.pipeline.stage_layout``, the 
   built on mock stages; private in torch 2.11-2.13).
 - The block working set and (last stage) the loss working set: the plan's rows at ``b`` sequences instead of
   ``micro_batch``.
-- FSDP within a stage: the plan's all-gather buffers; torch's ``PipelineStage`` skips the gradient reduction until
-  the last micro-batch, so the stage's gradients stay unsharded across the micro-batches (fp32; routed experts
-  ``1 / ep``, ``ep`` the expert-parallel size that fits in a stage's ``world / (replicate · P)`` ranks). FSDP
+- FSDP within a stage, from torch's lowered action order (``lowered_actions``, ``held_stages``): the plan's
+  all-gather buffers (a unit in flight and its prefetch); the gathered stages (bf16), the most of the rank's stages
+  whose every unit is gathered at once: torch's runtime all-gathers a whole stage ahead (UNSHARD, at most 3 of a
+  rank's stages) and frees it at RESHARD or its gradient reduction (REDUCE_GRAD), ``PipelineStage`` runs every
+  backward without resharding after it, and a forward reshards only under ``reshard_after_forward`` (the
+  strategy's default, forced off for a split backward); and the unsharded gradients (fp32), each stage's from its
+  first backward to its REDUCE_GRAD (``PipelineStage`` turns gradient sync off until then). Routed experts count
+  ``1 / ep``, ``ep`` the expert-parallel size that fits in a stage's ``world / (replicate · P)`` ranks. FSDP
   traffic: the plan's times the rank's share of the parameters, its all-gathers repeated each micro-batch
   (resharded after forward) and its reduce-scatter once; exposed where it exceeds the rank's compute.
 
@@ -34,7 +40,8 @@ import torch
 
 from moe_lightning.model import MoEConfig, MoETransformer
 from moe_lightning.parallel.mesh import resolve_layout
-from moe_lightning.parallel.pipeline import SCHEDULES, block_costs, reads_embedding_last, resolve_pipeline
+from moe_lightning.parallel.pipeline import (SCHEDULES, SPLIT_BACKWARD, block_costs, reads_embedding_last,
+                                             resolve_pipeline)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -42,6 +49,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "per-stage rows and the step with and without them)")
     parser.add_argument("--pipeline-schedule", default="1F1B", choices=list(SCHEDULES), help="torch's schedule")
     parser.add_argument("--pipeline-microbatches", type=int, default=None, help="micro-batches a step (default P)")
+    parser.add_argument("--pipeline-stages-per-rank", type=int, default=None, help="stages V on each rank (the "
+                        "interleaved and V schedules; default 2, 1 for 1F1B and GPipe)")
 
 
 def schedule_actions(schedule: str, size: int, microbatches: int, stages_per_rank: int) -> list[list]:
@@ -71,13 +80,75 @@ def schedule_actions(schedule: str, size: int, microbatches: int, stages_per_ran
     return [[step for a in rank if a is not None for step in _compute_steps(a)] for rank in ops]
 
 
-def _compute_steps(action) -> list[tuple[str, int, int]]:
+def lowered_actions(schedule: str, size: int, microbatches: int, stages_per_rank: int) -> list[list[tuple[str, int]]]:
+    """Each pipeline rank's actions as torch's runtime runs them, sends and receives left out: ``(kind, stage)``,
+    kind ``F``, ``B``, ``I``, ``W``, ``UNSHARD`` (all-gather every FSDP unit of the stage), ``RESHARD`` (free them)
+    or ``REDUCE_GRAD`` (the stage's gradient reduction, after its last backward). The several-stage schedules' list
+    is their ``pipeline_order_with_comms`` (``get_schedule_ops(..., with_comms=True)``: ``_add_unshard_reshard``
+    keeps at most 3 of a rank's stages gathered, ``_add_reduce_grad``; torch 2.11 and 2.13); the one-stage schedules
+    have no UNSHARD or RESHARD and reduce once at the end (``Schedule1F1B``: ``perform_reduce_grad`` after its loop)."""
+    if SCHEDULES[schedule][1] == "single":
+        return [[(kind, stage) for kind, stage, _ in rank] + [("REDUCE_GRAD", r)]
+                for r, rank in enumerate(schedule_actions(schedule, size, microbatches, 1))]
+    from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
+    from moe_lightning.parallel.pipeline import schedule_class
+    ops = get_schedule_ops(schedule_class(schedule), size, microbatches, stages_per_rank, with_comms=True)
+    return [[(kind, stage) for a in rank if a is not None for kind, stage, _ in _compute_steps(a, lowered=True)]
+            for rank in ops]
+
+
+def held_stages(actions: list[tuple[str, int]], reshard_after_forward: bool) -> list[dict[str, frozenset]]:
+    """After each of one rank's ``lowered_actions``, its stages by what they hold: ``gathered``, every FSDP unit
+    all-gathered; ``kept``, the units never resharded after forward (the head, the root's own parameters);
+    ``gradients``, unsharded gradients. Torch's ``PipelineStage`` runs every backward with
+    ``set_reshard_after_backward(False)`` and ``set_requires_gradient_sync(False)`` (``backward_maybe_with_nosync``)
+    and REDUCE_GRAD (``perform_reduce_grad``) reduces and reshards. So a stage is gathered from its UNSHARD, or from
+    a backward (``B``, ``I``, ``W``), until RESHARD or REDUCE_GRAD; a forward reshards it with
+    ``reshard_after_forward`` (gathering one unit at a time: the all-gather buffers row) but not its kept units, and
+    without it leaves every unit gathered. Gradients are unsharded from the first ``B`` or ``W`` to REDUCE_GRAD."""
+    gathered, kept, grads, held = set(), set(), set(), []
+    for kind, stage in actions:
+        if kind in ("RESHARD", "REDUCE_GRAD"):  # (a RESHARD frees the parameters, not their gradients)
+            gathered.discard(stage)
+            kept.discard(stage)
+            if kind == "REDUCE_GRAD":
+                grads.discard(stage)
+        else:
+            kept.add(stage)
+            if kind == "F" and reshard_after_forward:
+                gathered.discard(stage)
+            else:
+                gathered.add(stage)
+            if kind in ("B", "W"):
+                grads.add(stage)
+        held.append({"gathered": frozenset(gathered), "kept": frozenset(kept), "gradients": frozenset(grads)})
+    return held
+
+
+def peak_held(held: list[dict[str, frozenset]], whole: list[float], kept: list[float]) -> dict:
+    """The most parameter elements one rank holds gathered at once over ``held`` (``held_stages``), with the
+    number of its stages wholly gathered then and at most; and the most unsharded gradient elements at once.
+    ``whole[t]``: stage ``t``'s parameters as gathered (an expert stack's ``1 / ep``); ``kept[t]``: its kept
+    units'."""
+    params, stages, grads = 0.0, 0, 0.0
+    for now in held:
+        gathered = sum(whole[t] for t in now["gathered"]) + sum(kept[t] for t in now["kept"] - now["gathered"])
+        if gathered > params:
+            params, stages = gathered, len(now["gathered"])
+        grads = max(grads, sum(whole[t] for t in now["gradients"]))
+    return {"parameters": params, "stages": stages, "gradients": grads,
+            "most_stages": max((len(now["gathered"]) for now in held), default=0)}
+
+
+def _compute_steps(action, lowered: bool = False) -> list[tuple[str, int, int]]:
     """``(kind, stage, micro-batch)`` of the computations in one action (a DualPipeV overlap holds two)."""
     subs = getattr(action, "sub_actions", None)
     if subs:
-        return [s for sub in subs for s in _compute_steps(sub)]
+        return [s for sub in subs for s in _compute_steps(sub, lowered)]
     kind = str(action.computation_type).split(".")[-1]
     kind = {"FORWARD": "F", "FULL_BACKWARD": "B", "BACKWARD_INPUT": "I", "BACKWARD_WEIGHT": "W"}.get(kind, kind)
+    if lowered and kind in ("UNSHARD", "RESHARD", "REDUCE_GRAD"):
+        return [(kind, action.stage_index, None)]
     return [(kind, action.stage_index, action.microbatch_index)] if kind in "FBIW" and len(kind) == 1 else []
 
 
@@ -130,11 +201,16 @@ def simulate(actions: list[list], forward_s: list[float], hop_s: float) -> dict:
             "in_flight": [most[s] for s in range(last + 1)]}
 
 
-def stage_parameters(config: MoEConfig, blocks_per_stage: list[int], routed: bool = False) -> list[int]:
-    """Parameters each stage holds (counted on a meta-device model); ``routed``: only the routed experts'."""
+def stage_parameters(config: MoEConfig, blocks_per_stage: list[int], routed: bool = False,
+                     kept: bool = False) -> list[int]:
+    """Parameters each stage holds (counted on a meta-device model); ``routed``: only the routed experts';
+    ``kept``: only those of the FSDP units never resharded after forward (``parallel.units``: the head, and the
+    root's own, the final norm and a tied embedding/head weight)."""
     with torch.device("meta"):
         model = MoETransformer(config)
-    numel = {name: p.numel() for name, p in model.named_parameters() if not routed or ".ffn.experts." in name}
+    kept_names = ("norm.", "output.") + (("tok_embeddings.",) if config.tie_embeddings else ())
+    numel = {name: p.numel() for name, p in model.named_parameters()
+             if (not routed or ".ffn.experts." in name) and (not kept or name.startswith(kept_names))}
     block = [sum(n for k, n in numel.items() if k.startswith(f"layers.{i}.")) for i in range(config.n_layers)]
     embedding = numel.get("tok_embeddings.weight", 0)
     tail = sum(n for k, n in numel.items() if k.startswith(("norm.", "output.", "mtp.")))
@@ -151,9 +227,9 @@ def stage_parameters(config: MoEConfig, blocks_per_stage: list[int], routed: boo
 
 
 def pipeline_rows(config: MoEConfig, cluster, work, result: dict, size: int, schedule: str,
-                  microbatches: int | None) -> dict:
+                  microbatches: int | None, stages_per_rank: int | None = None) -> dict:
     """The rows above for ``plan``'s ``result`` (the same cluster and workload without stages)."""
-    layout = resolve_pipeline(config, size, schedule, microbatches, seq_len=work.seq_len)
+    layout = resolve_pipeline(config, size, schedule, microbatches, stages_per_rank, seq_len=work.seq_len)
     M = layout.microbatches
     stage_mesh = resolve_layout(cluster.world_size, cluster.replicate_size, "auto", cluster.expert_parallel_size,
                                 cluster.context_parallel_size, config, work.seq_len, size)  # the strategy's refusals
@@ -175,6 +251,10 @@ def pipeline_rows(config: MoEConfig, cluster, work, result: dict, size: int, sch
     timeline = simulate(schedule_actions(schedule, size, M, layout.stages_per_rank), forward_s, hop_bytes / ib_bytes_per_s)
     params = stage_parameters(config, list(layout.blocks_per_stage))
     routed = stage_parameters(config, list(layout.blocks_per_stage), routed=True)
+    gathered_whole = [n - e + e / ep for n, e in zip(params, routed)]  # as gathered: an expert stack's 1 / ep
+    gathered_kept = stage_parameters(config, list(layout.blocks_per_stage), kept=True)
+    reshard_after_forward = schedule not in SPLIT_BACKWARD  # the strategy's default; forced off where split
+    lowered = lowered_actions(schedule, size, M, layout.stages_per_rank)
     total_params = result["parameters"]["total"]
     memory = result["memory"]["with_offload" if work.activation_offload else "without_offload"]["gpu_bytes"]
     scale = b / work.micro_batch
@@ -184,10 +264,11 @@ def pipeline_rows(config: MoEConfig, cluster, work, result: dict, size: int, sch
         stages = layout.stages_of(r)
         held = sum(params[t] for t in stages)
         boundary = sum(timeline["in_flight"][t] * layout.blocks_per_stage[t] for t in stages) * hop_bytes
-        held_routed = sum(routed[t] for t in stages)
+        gathered = peak_held(held_stages(lowered[r], reshard_after_forward), gathered_whole, gathered_kept)
         rows = {"parameters, gradients, optimizer state (AdamW)": 16 * held / shard,
                 "all-gather buffers (bf16)": memory["all-gather buffers (bf16)"],
-                "unsharded gradients across micro-batches": 4 * (held - held_routed + held_routed / ep),
+                "gathered stages (bf16)": 2 * gathered["parameters"],
+                "unsharded gradients across micro-batches": 4 * gathered["gradients"],
                 "boundary activations (in flight)": boundary,
                 "block recompute working set": memory["block recompute working set"] * scale}
         if layout.num_stages - 1 in stages:
@@ -201,12 +282,14 @@ def pipeline_rows(config: MoEConfig, cluster, work, result: dict, size: int, sch
                       # all-gathered again each micro-batch (resharded after forward), reduce-scattered once
                       "fsdp_seconds": fsdp_s * held / total_params * (M + 1) / 2,
                       "in_flight": [timeline["in_flight"][t] for t in stages],
+                      "gathered_stages": gathered["stages"],
                       "idle_fraction": timeline["idle_fraction"][r]})
     exposed = result["step_time"]["parts"]
     others = sum(v for k, v in exposed.items() if k not in ("compute", "FSDP collectives (exposed)"))
     exposed_fsdp = max(max(0.0, r["fsdp_seconds"] - b_) for r, b_ in zip(ranks, timeline["busy"]))
     step = timeline["seconds"] + exposed_fsdp + others
     return {"size": size, "schedule": schedule, "microbatches": M, "micro_batch_sequences": b, "shard": shard,
+            "stages_per_rank": layout.stages_per_rank, "reshard_after_forward": reshard_after_forward,
             "blocks_per_stage": list(layout.blocks_per_stage), "ranks": ranks,
             "bubble": sum(r["idle_fraction"] for r in ranks) / size,
             "textbook_bubble_1f1b": (size - 1) / (M + size - 1),
@@ -231,6 +314,8 @@ def format_rows(rows: dict | None) -> list[str]:
     lines.append(f"{'peak':<44}" + "".join(f"{r['peak'] / GiB:>10.2f}" for r in rows["ranks"]))
     lines.append(f"{'fits ' + format(rows['gpu_memory_gib'], 'g') + ' GiB':<44}"
                  + "".join(f"{'yes' if r['peak'] <= rows['gpu_memory_gib'] * GiB else 'NO':>10}" for r in rows["ranks"]))
+    lines.append(f"{'stages gathered at the peak (of V)':<44}" + "".join(
+        f"{str(r['gathered_stages']) + ' of ' + str(rows['stages_per_rank']):>10}" for r in rows["ranks"]))
     lines.append(f"{'micro-batches in flight':<44}" + "".join(f"{str(r['in_flight']):>10}" for r in rows["ranks"]))
     lines.append(f"{'idle fraction (bubble)':<44}" + "".join(f"{r['idle_fraction']:>10.3f}" for r in rows["ranks"]))
     lines.append(f"{'P2P bytes per step (GB)':<44}" + "".join(f"{r['p2p_bytes'] / 1e9:>10.2f}" for r in rows["ranks"]))

@@ -428,7 +428,7 @@ PLANNED = ("nodes", "gpus_per_node", "replicate_size", "shard_size", "expert_par
 
 
 def plan_with_stages(config: MoEConfig, cluster: Cluster, work: Workload, size: int, schedule: str,
-                     microbatches: int | None) -> dict:
+                     microbatches: int | None, stages_per_rank: int | None = None) -> dict:
     """``plan`` with its pipeline rows at ``size`` stages, refusing what ``fit`` refuses at that size: the stage
     layout is validated first. A stage's shard (``world / (replicate · size)``) can hold experts that a whole
     replica's cannot; then the layout without stages does not resolve, the base rows are priced at the stage's own
@@ -441,7 +441,8 @@ def plan_with_stages(config: MoEConfig, cluster: Cluster, work: Workload, size: 
     except ValueError as refusal:
         stage_shaped = replace(cluster, replicate_size=cluster.replicate_size * size, shard_size=None)
         result, without_refused = plan(config, stage_shaped, work), one_line(str(refusal))
-    result["pipeline"] = pipeline.pipeline_rows(config, cluster, work, result, size, schedule, microbatches)
+    result["pipeline"] = pipeline.pipeline_rows(config, cluster, work, result, size, schedule, microbatches,
+                                                stages_per_rank)
     if without_refused:
         result["pipeline"] |= {"step_seconds_without": None, "without_refused": without_refused}
     return result
@@ -544,7 +545,7 @@ def main(argv: list[str]) -> None:
                         **{f.name: values[f.name] for f in fields(Workload) if f.name in values})
         if args.pipeline_parallel_size:  # the same cluster and global batch in pipeline stages (planner/pipeline.py)
             result = plan_with_stages(config, cluster, work, args.pipeline_parallel_size, args.pipeline_schedule,
-                                      args.pipeline_microbatches)
+                                      args.pipeline_microbatches, args.pipeline_stages_per_rank)
         else:
             result = plan(config, cluster, work)
         if inputs["shard_size"][0] is None:  # "auto": report the size the mesh resolved, not None
