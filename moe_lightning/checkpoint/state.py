@@ -34,7 +34,9 @@ def load_state(checkpointer: ShardedCheckpointer, path: Path, checkpoint: dict[s
     ``flatten_optimizer``: this run saves optimizer states keyed by parameter name (pipeline stages hold different
     parameter groups, so a group's index means nothing across ranks); a checkpoint saved so loads at any stage
     count, one saved by group index (without stages) is read with its own groups and regrouped by parameter name
-    (``_regroup_by_name``), and so are its LR schedulers' per-group entries in ``checkpoint``."""
+    (``_regroup_by_name``), and so are its LR schedulers' per-group entries in ``checkpoint``. A checkpoint saved by
+    name holds the schedulers of rank 0's stage: their per-group entries are rebuilt for this rank's groups
+    (``_schedulers_as_loaded``)."""
     if not path.is_dir():
         reshard.load_full_checkpoint(checkpoint, path, module, model, optimizers, expert_mesh)
         return
@@ -58,6 +60,8 @@ def load_state(checkpointer: ShardedCheckpointer, path: Path, checkpoint: dict[s
             loaded, sources = _regroup_by_name(loaded, ours[key], path, key)
             _regroup_schedulers(checkpoint, sources, len(optimizers), path)
         set_optimizer_state_dict(model, optimizer, loaded, options=flat)
+    if saved_by_name:
+        _schedulers_as_loaded(checkpoint, optimizers, path)
 
 
 def _saved_param_groups(entries: dict[str, Any], keys: list[str], path: Path) -> dict[str, list[dict[str, Any]]]:
@@ -112,3 +116,30 @@ def _regroup_schedulers(checkpoint: dict[str, Any], sources: list[int], num_opti
         for name in ("base_lrs", "_last_lr", "lr_lambdas", "min_lrs", "max_lrs"):
             if name in scheduler:
                 scheduler[name] = [scheduler[name][source] for source in sources]
+
+
+def _schedulers_as_loaded(checkpoint: dict[str, Any], optimizers: list[torch.optim.Optimizer], path: Path) -> None:
+    """Lightning's saved LR schedulers, in place, as this rank's loaded groups, for a checkpoint saved by parameter
+    name: rank 0 alone writes the plain data, so their per-group entries are its stage's groups, which another stage
+    or stage count does not have (torch's ``LambdaLR`` cannot load 5 saved ``lr_lambdas`` into 3 groups, and a stage
+    with as many would take another role's). ``base_lrs`` and ``_last_lr`` are each group's restored ``initial_lr``
+    and ``lr``, what torch's schedulers hold; another per-group entry is taken for every group where the saved groups
+    agree on it (a ``WarmupCosineLR``'s one schedule), and refused where they do not."""
+    schedulers = checkpoint.get("lr_schedulers") or []
+    if schedulers and len(optimizers) > 1:
+        raise ValueError(f"{path}: lr_schedulers were saved beside {len(optimizers)} optimizers by rank 0's stage, "
+                         "and which scheduler drives which optimizer is not saved; resume it with one optimizer.")
+    for index, scheduler in enumerate(schedulers):
+        groups = optimizers[0].param_groups
+        for name in ("lr_lambdas", "min_lrs", "max_lrs"):
+            if scheduler.get(name):
+                saved = scheduler[name]
+                if any(value != saved[0] for value in saved):
+                    raise ValueError(f"{path}: lr_schedulers[{index}].{name} differs between the saved parameter "
+                                     f"groups ({saved}), and a checkpoint of pipeline stages holds rank 0's stage's "
+                                     f"groups only: use a schedule whose {name} is the same for every group.")
+                scheduler[name] = [saved[0]] * len(groups)
+        if "base_lrs" in scheduler:
+            scheduler["base_lrs"] = [group.get("initial_lr", group["lr"]) for group in groups]
+        if "_last_lr" in scheduler:
+            scheduler["_last_lr"] = [group["lr"] for group in groups]

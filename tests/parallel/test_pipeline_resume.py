@@ -7,14 +7,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
 from moe_lightning.checkpoint.discovery import checkpoint_metadata
 from moe_lightning.checkpoint.sharded import ShardedCheckpointer
-from moe_lightning.checkpoint.state import _regroup_schedulers, load_state, save_state
+from moe_lightning.checkpoint.state import _regroup_schedulers, _schedulers_as_loaded, load_state, save_state
 from moe_lightning.model import MoEConfig
 from moe_lightning.optim import Muon, WarmupCosineLR
-from moe_lightning.optim.grouping import param_groups
+from moe_lightning.optim.grouping import ROLES, param_groups
 from moe_lightning.parallel.pipeline import keep_stage, resolve_pipeline
 from tests.support.distributed import LAUNCHERS, run_nodes
 from tests.support.pipeline_model import SHAPE, build
@@ -119,6 +119,85 @@ def test_muon_momentum_buffers_and_adamw_moments_come_back_under_a_stages_groups
             for key in got:
                 torch.testing.assert_close(got[key], want[key], rtol=0, atol=0)
     assert scheduler.get_last_lr() == [saved_group[g["param_names"][0]]["lr"] for g in optimizer.param_groups]
+
+
+ROLE_LR = {role: 1e-3 * (index + 1) for index, role in enumerate(ROLES)}  # a learning rate of its own per role
+
+
+def _save_as_stages(path):
+    """What 2 stages save: every parameter's weights and AdamW state after two steps, keyed by name (the union of the
+    stages' is the whole model's), beside the schedule of rank 0's stage (the plain data only rank 0 writes)."""
+    config = MoEConfig(**SHAPE)
+    whole = build(config).model
+    first = keep_stage(build(config).model, 0, resolve_pipeline(config, 2))
+    optimizers = [_adamw([{**g, "lr": ROLE_LR[g["role"]]} for g in param_groups(m, 0.1)]) for m in (whole, first)]
+    schedulers = [WarmupCosineLR(o, warmup_steps=30) for o in optimizers]
+    g = torch.Generator().manual_seed(0)
+    for _ in range(2):
+        for p in whole.parameters():
+            p.grad = torch.randn(p.shape, generator=g, dtype=p.dtype)
+        for optimizer, scheduler in zip(optimizers, schedulers):
+            optimizer.step()
+            scheduler.step()
+    by_name = StateDictOptions(flatten_optimizer_state_dict=True)
+    checkpoint = {"state_dict": get_model_state_dict(whole), "optimizer_states": [
+        get_optimizer_state_dict(whole, optimizers[0], options=by_name)], "lr_schedulers": [schedulers[1].state_dict()],
+        "global_step": 2}
+    save_state(ShardedCheckpointer(), checkpoint, path, whole, None, background=False)
+    return schedulers[0]
+
+
+@pytest.mark.parametrize("stages, stage", [(4, 0), (2, 1), (1, 0)])
+def test_the_schedule_saved_by_rank_0s_stage_resumes_under_any_stage_groups(tmp_path, stages, stage):
+    """The schedule holds rank 0's stage's 5 groups (hidden, expert, router, embedding, norm): the first of 4 stages
+    (the embedding and a dense block: 3 groups) could not load it (IndexError in torch's ``LambdaLR``), the second of
+    2 took the embedding's learning rate for its head, and a run without stages had 5 learning rates for 6 groups.
+    Each group's base and last learning rate is now its role's, and the schedule steps on from there."""
+    reference = _save_as_stages(tmp_path / "ckpt")
+    config = MoEConfig(**SHAPE)
+    part = build(config, seed=1).model
+    if stages > 1:
+        part = keep_stage(part, stage, resolve_pipeline(config, stages))
+    optimizer = _adamw([{**g, "lr": ROLE_LR[g["role"]]} for g in param_groups(part, 0.1)])
+    scheduler = WarmupCosineLR(optimizer, warmup_steps=5)
+    checkpoint = checkpoint_metadata(tmp_path / "ckpt")
+    load_state(ShardedCheckpointer(), tmp_path / "ckpt", checkpoint, part, part, [optimizer], None, strict=True,
+               flatten_optimizer=stages > 1)
+    scheduler.load_state_dict(checkpoint["lr_schedulers"][0])
+    roles = [group["role"] for group in optimizer.param_groups]
+    assert len(roles) == {4: 3, 2: 5, 1: 6}[stages] and scheduler.last_epoch == 2
+    last_lr = dict(zip([g["role"] for g in reference.optimizer.param_groups], reference.get_last_lr()))
+    assert scheduler.base_lrs == [ROLE_LR[role] for role in roles]
+    assert scheduler.get_last_lr() == [group["lr"] for group in optimizer.param_groups] == [last_lr[r] for r in roles]
+    optimizer.step()
+    scheduler.step()
+    reference.optimizer.step()
+    reference.step()
+    last_lr = dict(zip([g["role"] for g in reference.optimizer.param_groups], reference.get_last_lr()))
+    assert [group["lr"] for group in optimizer.param_groups] == [last_lr[role] for role in roles]
+
+
+class _Scale:
+    def __init__(self, factor: float):
+        self.factor = factor
+
+    def __call__(self, step: int) -> float:
+        return self.factor
+
+
+@pytest.mark.parametrize("saved, optimizers, words", [
+    ([torch.optim.lr_scheduler.LambdaLR(_adamw([{"params": [torch.nn.Parameter(torch.ones(2))]} for _ in range(2)]),
+                                        [_Scale(1.0), _Scale(2.0)]).state_dict()], 1,
+     r"lr_schedulers\[0\]\.lr_lambdas differs between the saved parameter groups.*same for every group"),
+    ([{"base_lrs": [0.1]}], 2, r"lr_schedulers were saved beside 2 optimizers by rank 0's stage.*one optimizer"),
+])
+def test_a_schedule_saved_by_stages_that_cannot_follow_the_groups_is_refused_in_one_line(saved, optimizers, words):
+    """Rank 0's stage's per-group entries say nothing of other groups: entries that differ between groups, or
+    schedulers beside several optimizers, have no one value for a group of another stage."""
+    groups = [{"params": [torch.nn.Parameter(torch.ones(2))], "lr": 0.1}]
+    with pytest.raises(ValueError, match=words) as refused:
+        _schedulers_as_loaded({"lr_schedulers": saved}, [_adamw(groups)] * optimizers, Path("ckpt"))
+    assert "\n" not in str(refused.value)
 
 
 def test_a_stage_group_spanning_two_saved_groups_is_refused_in_one_line(tmp_path):
