@@ -78,6 +78,9 @@ def main() -> None:
     norms = []  # each step's gradient norm before clipping (over every stage: the same on every rank)
     clip = strategy.clip_grad_by_norm
     strategy.clip_grad_by_norm = lambda optimizer, max_norm: norms.append(float(n := clip(optimizer, max_norm))) or n
+    saves = []  # each sharded save's background flag (--async-checkpoint: staged, then written by a thread)
+    save = strategy.checkpointer.save
+    strategy.checkpointer.save = lambda *given, **named: saves.append(named["background"]) or save(*given, **named)
     trainer = L.Trainer(accelerator="cpu", devices=args.devices, strategy=strategy, max_steps=args.steps,
                         logger=False,
                         enable_progress_bar=False, enable_checkpointing=False, limit_val_batches=1,
@@ -89,6 +92,7 @@ def main() -> None:
     trainer.fit(model, data, ckpt_path=args.ckpt)
     if trainer.is_global_zero:
         Path(args.out).with_name("norms.json").write_text(json.dumps(norms))
+        Path(args.out).with_name("saves.json").write_text(json.dumps(saves))
     if trainer.is_global_zero and "val/loss" in trainer.callback_metrics:
         print("val/loss", float(trainer.callback_metrics["val/loss"]))
 

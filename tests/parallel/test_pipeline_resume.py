@@ -292,6 +292,7 @@ def test_a_two_stage_checkpoint_written_in_the_background_resumes_at_four_two_an
     written = _run(tmp_path / "pp2", TWO_STAGES, "--steps", "5", "--save-at", "3", "--async-checkpoint")
     assert [step for step, _ in written] == [1, 2, 3, 4, 5]
     assert [loss for _, loss in written] == pytest.approx([loss for _, loss in losses], rel=1e-6)
+    assert json.loads((tmp_path / "pp2" / "saves.json").read_text()) == [True]  # the save of step 3, in the background
     saved = tmp_path / "pp2" / "step=3.ckpt"
     for name, layout in (("pp4", FOUR_STAGES), ("pp2-again", TWO_STAGES), ("pp1", WITHOUT_STAGES)):
         _check_resumed(_run(tmp_path / name, layout, "--steps", "5", "--ckpt", str(saved)), losses)
