@@ -1,6 +1,8 @@
-"""A checkpoint written without pipeline stages resumes at 2 stages (issue 42, item 5): its optimizer states are
-saved per parameter-group index (Lightning's format), a stage's groups are others, and the load regroups them by
-parameter name (``checkpoint/state.py``). The reverse direction is tests/parallel/test_pipeline.py's."""
+"""Resume at any stage count (issue 42, item 5; ``checkpoint/state.py``). A checkpoint written without stages
+saves its optimizer states per parameter-group index (Lightning's format), a stage's groups are others, and the
+load regroups them by parameter name; one written under stages saves them by name, beside the LR schedule of rank
+0's stage, which the load rebuilds for the resuming rank's groups. One process pins the state mapping (AdamW and
+Muon); gloo fits resume 1, 2 and 4 stages into each other, EP 2 and Muon inside a stage, and a background save."""
 
 import json
 from pathlib import Path
