@@ -92,16 +92,15 @@ def replaced_fields(config: MoEConfig, merged: MoEConfig) -> list[str]:
             if getattr(config, f.name) != getattr(default, f.name) and getattr(config, f.name) != getattr(merged, f.name)]
 
 
-def _checked(path: str | Path, shapes: dict[str, torch.Size], dtype: torch.dtype | None,
-             part: bool = False) -> tuple[MoEConfig, dict[str, Source], SafetensorsDir | fp8.Dequantized]:
+def _checked(path: str | Path, shapes: dict[str, torch.Size],
+             dtype: torch.dtype | None) -> tuple[MoEConfig, dict[str, Source], SafetensorsDir | fp8.Dequantized]:
     """Config, the source of every tensor, and the files; every name, key and shape checked before any read.
-    Block-FP8 weights read dequantised to ``dtype`` (``None``: the dtype the checkpoint's embedding is stored in).
-    ``part``: ``shapes`` names some of the model's tensors (a pipeline stage's), each of which must be the file's."""
+    Block-FP8 weights read dequantised to ``dtype`` (``None``: the dtype the checkpoint's embedding is stored in)."""
     hf = read_hf_config(path)
     family = family_of(hf)
     config = family.config_from_hf(hf)
     sources = family.sources(config, hf)
-    if not set(shapes) <= set(sources) if part else set(shapes) != set(sources):
+    if set(shapes) != set(sources):
         raise HFFormatError(f"the model's tensors {sorted(set(shapes) ^ set(sources))[:6]} do not match a "
                             f"{family.ARCHITECTURE} of this config.json: build the model from "
                             f"hf.load_config({str(path)!r}).")
@@ -128,8 +127,8 @@ def _checked(path: str | Path, shapes: dict[str, torch.Size], dtype: torch.dtype
     if extra:
         raise HFFormatError(f"{str(path)!r} holds {len(extra)} tensors a {family.ARCHITECTURE} does not use, "
                             f"e.g. {extra[:4]}: they would be dropped, so the checkpoint is refused.")
-    for name, shape in shapes.items():
-        sources[name].check(files.shape, tuple(shape), name)
+    for name, source in sources.items():
+        source.check(files.shape, tuple(shapes[name]), name)
     return config, sources, files
 
 
@@ -143,15 +142,22 @@ def _local_region(tensor: torch.Tensor) -> tuple[torch.Tensor, tuple[slice, ...]
 
 
 @torch.no_grad()
-def fill_state_dict(state: dict[str, torch.Tensor], path: str | Path, part: bool = False) -> None:
+def fill_state_dict(state: dict[str, torch.Tensor], path: str | Path,
+                    whole_shapes: dict[str, torch.Size] | None = None) -> None:
     """Copy a Hugging Face checkpoint into ``state``'s tensors in place (names as in ``MoETransformer``).
 
     Plain tensors are read whole; a DTensor reads only its local region: a row shard only its rows, an
     expert shard only the per-expert tensors of its experts. This is the seam a sharding strategy calls. A block-FP8
-    region is dequantised in float32 from the blocks it touches, then cast into the tensor's dtype. ``part``:
-    ``state`` holds some of the model's tensors (a pipeline stage's); the others are not read.
+    region is dequantised in float32 from the blocks it touches, then cast into the tensor's dtype.
+    ``whole_shapes``: the whole model's tensors, when ``state`` holds some of them (a pipeline stage's): the release
+    is checked against all of them (so every rank refuses a bad one alike) and only ``state``'s are read.
     """
-    _, sources, files = _checked(path, {name: t.shape for name, t in state.items()}, torch.float32, part)
+    shapes = {name: t.shape for name, t in state.items()}
+    if whole_shapes is not None:
+        if stray := sorted(set(shapes) - set(whole_shapes)):
+            raise ValueError(f"fill_state_dict: {stray[:4]} are not among the whole model's tensors")
+        shapes = dict(whole_shapes)
+    _, sources, files = _checked(path, shapes, torch.float32)
     for name, tensor in state.items():
         local, index = _local_region(tensor)
         if local.numel():

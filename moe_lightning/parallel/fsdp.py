@@ -140,9 +140,10 @@ def move_all_but(module: nn.Module, sharded: type, device: torch.device) -> None
 def materialize(model: MoETransformer, param_device: torch.device, buffer_device: torch.device, seed: int) -> None:
     """Allocate the local shards on ``param_device`` and run ``model.init_weights()`` on them as plain tensors.
 
-    ``seed`` should be the run's seed plus the shard rank (HSDP replicas share it), so shards differ and replicas
-    agree, with element-wise initialisers, on CPU and CUDA alike. Buffers (e.g. the router's ``expert_bias``) are
-    read by the forward pass: they go to ``buffer_device`` (the compute device), also under ``cpu_offload``."""
+    ``seed`` should be the run's seed plus the rank's place in its replica (``MeshLayout.rank_in_replica``: HSDP
+    replicas share it), so shards and pipeline stages differ and replicas agree, with element-wise initialisers,
+    on CPU and CUDA alike. Buffers (e.g. the router's ``expert_bias``) are read by the forward pass: they go to
+    ``buffer_device`` (the compute device), also under ``cpu_offload``."""
     model.to_empty(device=param_device)
     for module in model.modules():
         for name, buffer in module._buffers.items():

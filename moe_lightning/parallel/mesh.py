@@ -84,6 +84,11 @@ class MeshLayout:
         replica, s = rank // (self.shard * self.pp), rank % self.shard
         return (replica * self.shard + s) // self.cp
 
+    def rank_in_replica(self, rank: int) -> int:
+        """Global ``rank``'s place in its replica (stage and shard rank): HSDP replicas hold the same weights, every
+        other rank its own (a meta-device build seeds its initialisation with it)."""
+        return rank % (self.pp * self.shard)
+
     def coordinates(self, rank: int) -> dict[str, int]:
         """Where global ``rank`` sits in every named dimension (what a report about one rank prints)."""
         s = rank % self.shard

@@ -98,12 +98,16 @@ def parallelize_moe(model: MoETransformer, sharding: Sharding, *, compile: bool 
                     wrap_blocks: Callable[[MoETransformer], None] | None = None,
                     fill_pretrained: Callable[..., None] | None = None) -> list[str]:
     """Apply the steps above to ``model``, in place; returns what to log. ``wrap_blocks(model)`` wraps the blocks'
-    forwards; ``fill_pretrained(state, part)`` copies released weights into ``state`` (the model's state dict, expert
-    stacks as global views; ``part``: a pipeline stage's) when the model was built on the meta device. A model already sharded is left as it is."""
+    forwards; ``fill_pretrained(state[, whole_shapes])`` copies released weights into ``state`` (the model's state
+    dict, expert stacks as global views; under pipeline stages a stage's, with the whole model's shapes to check the
+    release against) when the model was built on the meta device. A model already sharded is left as it is."""
     if any(isinstance(m, FSDPModule) for m in model.modules()):  # (a model of several stages is no root itself)
         return []
     messages, on_meta = [], any(p.device.type == "meta" for p in model.parameters())
     mesh, layout, E = sharding.mesh, sharding.mesh.layout, model.config.num_experts
+    whole_shapes = None  # a release is checked against the whole model on every stage, so all refuse it alike
+    if on_meta and fill_pretrained is not None and sharding.pipeline is not None:
+        whole_shapes = {name: t.shape for name, t in model.state_dict(keep_vars=True).items()}
     if sharding.pipeline is not None:
         keep_stages(model, sharding.pipeline.stages_of(mesh.pipeline_rank), sharding.pipeline,
                     sharding.loss_chunk_size)
@@ -154,5 +158,5 @@ def parallelize_moe(model: MoETransformer, sharding: Sharding, *, compile: bool 
         if fill_pretrained is not None:
             with global_expert_views(model.state_dict(keep_vars=True), expert_parameter_names(model),
                                      mesh.expert) as state:
-                fill_pretrained(state, part=sharding.pipeline is not None)
+                fill_pretrained(state) if whole_shapes is None else fill_pretrained(state, whole_shapes)
     return messages

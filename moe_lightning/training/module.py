@@ -121,13 +121,13 @@ class MoELanguageModel(L.LightningModule):
             if self.compile_each_block and not self.parallelized_by_strategy:
                 compile_blocks(self.model.layers)
 
-    def fill_pretrained(self, state: dict[str, torch.Tensor], part: bool = False) -> None:
+    def fill_pretrained(self, state: dict[str, torch.Tensor], whole_shapes: dict[str, torch.Size] | None = None) -> None:
         """Copy the ``pretrained`` weights into ``state`` (the transformer's state dict, plain or sharded, in place;
-        ``part``: of a model cut to a pipeline stage).
+        ``whole_shapes``: the whole model's, when ``state`` is a pipeline stage's part of it).
 
         Strategies that build the model on the meta device call this after sharding, so each rank reads
         only its own slices."""
-        hf.fill_state_dict(state, self.pretrained, part)
+        hf.fill_state_dict(state, self.pretrained, whole_shapes)
         self._pretrained_filled = True
 
     def on_fit_start(self) -> None:

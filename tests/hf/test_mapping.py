@@ -491,6 +491,20 @@ def test_export_sharded_checkpoint_to_hf_is_bitwise(sharded_load):
                        original["model.layers.1.mlp.gate.e_score_correction_bias"])
 
 
+def test_a_stage_checks_the_release_against_the_whole_model_before_reading_its_part(tmp_path):
+    """A stage fills only its own tensors, but a release wrong in another stage's tensor is refused on this stage
+    too, before any read (one stage raising while the other waits in a collective would hang the job)."""
+    from moe_lightning.parallel.pipeline import keep_stage, resolve_pipeline
+    model = mtp_checkpoint(tmp_path / "hf")
+    whole = {name: t.shape for name, t in model.state_dict().items()}
+    stage0 = keep_stage(MoETransformer(model.config), 0, resolve_pipeline(model.config, 2)).state_dict()
+    assert "layers.1.attention.wo.weight" not in stage0
+    hf.fill_state_dict(stage0, tmp_path / "hf", whole)
+    assert all(torch.equal(t, model.state_dict()[name]) for name, t in stage0.items())
+    with pytest.raises(HFFormatError, match="layers.1.attention.wo.weight"):
+        hf.fill_state_dict(stage0, tmp_path / "hf", {**whole, "layers.1.attention.wo.weight": torch.Size([32, 31])})
+
+
 @pytest.mark.slow  # two 2-process runs
 def test_a_release_loads_into_two_pipeline_stages_and_their_checkpoint_exports_it_bitwise(tmp_path):
     """DeepSeek-V3 with its MTP layer at pipeline_parallel_size 2 (built on the meta device, as every release is):
@@ -500,12 +514,14 @@ def test_a_release_loads_into_two_pipeline_stages_and_their_checkpoint_exports_i
     embedding, and the reader refused a state dict holding part of the model."""
     mtp_checkpoint(tmp_path / "hf")
     run_ranks(REPO_ROOT / "tests" / "launchers" / "hf_shard_run.py", 2, "--pretrained", str(tmp_path / "hf"),
-              "--ep", "1", "--pp", "2", "--out", str(tmp_path / "result.json"), "--ckpt", str(tmp_path / "staged.ckpt"))
+              "--ep", "1", "--pp", "2", "--out", str(tmp_path / "result.json"), "--ckpt",
+              str(tmp_path / "staged.ckpt"))
     results = [json.loads((tmp_path / f"result.json.{rank}").read_text()) for rank in range(2)]
     assert all(result["mismatched"] == [] for result in results)
     first, last = (set(result["names"]) for result in results)
     assert "model.tok_embeddings.weight" in first & last and "model.output.weight" in last - first
     assert len(first | last) == 32 + 4 + 17 and not any(".layers.1." in name for name in first)
+    assert not any(key.startswith("model.layers.0.") for key in results[1]["reads"])  # stage 1: blocks 1 and MTP
     later_blocks = [key for key in results[0]["reads"] if key.startswith(("model.layers.1.", "model.layers.2."))]
     assert later_blocks == ["model.layers.2.embed_tokens.weight"]  # stage 0 reads block 0 (the MTP layer's embedding
     # is the release's copy of the one the model keeps)

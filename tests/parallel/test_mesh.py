@@ -95,6 +95,18 @@ def test_coordinates_invert_the_rank_arithmetic():
         assert c["shard"] == c["expert_shard"] * 4 + c["expert"] and c["context"] == c["shard"] % 2
 
 
+def test_a_ranks_place_in_its_replica_is_shared_by_the_replicas_alone():
+    """What a meta-device build seeds each rank's initialisation with: HSDP replicas draw the same weights; every
+    stage and shard rank of a replica its own (with the shard rank alone, two stages drew the same blocks)."""
+    layout = MeshLayout.resolve(16, 2, "auto", 2, 8, 1, pipeline_parallel_size=2)  # 2 replicas x 2 stages x 4
+    places = [layout.rank_in_replica(g) for g in range(16)]
+    for g in range(16):
+        c = layout.coordinates(g)
+        same = [h for h in range(16) if places[h] == places[g]]
+        assert same == [h for h in range(16) if layout.coordinates(h) | {"replicate": c["replicate"]} == c]
+        assert len(same) == 2
+
+
 LAYOUTS = [  # nodes, GPUs per node, replicate, ep, cp, pp, experts, expert_hidden, seq_len; the refusal or None
     (2, 4, 1, 4, 2, 1, 8, 32, 64, None),
     (2, 4, 2, 2, 1, 1, 8, 32, 64, None),
