@@ -23,8 +23,10 @@ pipeline rank (its stages' blocks, from ``parallel.pipeline.stage_layout``, the 
   strategy's default, forced off for a split backward); and the unsharded gradients (fp32), each stage's from its
   first backward to its REDUCE_GRAD (``PipelineStage`` turns gradient sync off until then). Routed experts count
   ``1 / ep``, ``ep`` the expert-parallel size that fits in a stage's ``world / (replicate · P)`` ranks. FSDP
-  traffic: the plan's times the rank's share of the parameters, its all-gathers repeated each micro-batch
-  (resharded after forward) and its reduce-scatter once; exposed where it exceeds the rank's compute.
+  traffic: the plan's times the rank's share of the parameters, all-gathered as often as that same order gathers
+  each stage again (an UNSHARD, or a computation on a stage not gathered: with ``reshard_after_forward`` a forward
+  after a forward, or a backward after one) and reduce-scattered once; exposed where it exceeds the rank's
+  compute.
 
 Time: the schedule's actions timed in that same order (forward ``f_s``, full backward ``2·f_s``, a zero-bubble
 schedule's input and weight halves ``f_s`` each; ``f_s`` the stage's share of the plan's compute, from its FLOPs),
@@ -97,23 +99,28 @@ def lowered_actions(schedule: str, size: int, microbatches: int, stages_per_rank
             for rank in ops]
 
 
-def held_stages(actions: list[tuple[str, int]], reshard_after_forward: bool) -> list[dict[str, frozenset]]:
+def held_stages(actions: list[tuple[str, int]], reshard_after_forward: bool) -> list[dict]:
     """After each of one rank's ``lowered_actions``, its stages by what they hold: ``gathered``, every FSDP unit
     all-gathered; ``kept``, the units never resharded after forward (the head, the root's own parameters);
-    ``gradients``, unsharded gradients. Torch's ``PipelineStage`` runs every backward with
-    ``set_reshard_after_backward(False)`` and ``set_requires_gradient_sync(False)`` (``backward_maybe_with_nosync``)
-    and REDUCE_GRAD (``perform_reduce_grad``) reduces and reshards. So a stage is gathered from its UNSHARD, or from
-    a backward (``B``, ``I``, ``W``), until RESHARD or REDUCE_GRAD; a forward reshards it with
-    ``reshard_after_forward`` (gathering one unit at a time: the all-gather buffers row) but not its kept units, and
-    without it leaves every unit gathered. Gradients are unsharded from the first ``B`` or ``W`` to REDUCE_GRAD."""
+    ``gradients``, unsharded gradients; and ``all_gather``, the stage the action all-gathered, if any, with whether
+    its kept units were still gathered (``(stage, kept)``; ``None``). Torch's ``PipelineStage`` runs every backward
+    with ``set_reshard_after_backward(False)`` and ``set_requires_gradient_sync(False)``
+    (``backward_maybe_with_nosync``) and REDUCE_GRAD (``perform_reduce_grad``) reduces and reshards. So a stage is
+    gathered from its UNSHARD, or from any computation on it, until RESHARD or REDUCE_GRAD, except that a forward
+    reshards it with ``reshard_after_forward`` (gathering one unit at a time: the all-gather buffers row) but not its
+    kept units. Gradients are unsharded from the first ``B`` or ``W`` to REDUCE_GRAD (a RESHARD frees parameters,
+    not gradients)."""
     gathered, kept, grads, held = set(), set(), set(), []
     for kind, stage in actions:
-        if kind in ("RESHARD", "REDUCE_GRAD"):  # (a RESHARD frees the parameters, not their gradients)
+        all_gather = None
+        if kind in ("RESHARD", "REDUCE_GRAD"):
             gathered.discard(stage)
             kept.discard(stage)
             if kind == "REDUCE_GRAD":
                 grads.discard(stage)
         else:
+            if stage not in gathered:
+                all_gather = (stage, stage in kept)
             kept.add(stage)
             if kind == "F" and reshard_after_forward:
                 gathered.discard(stage)
@@ -121,22 +128,27 @@ def held_stages(actions: list[tuple[str, int]], reshard_after_forward: bool) -> 
                 gathered.add(stage)
             if kind in ("B", "W"):
                 grads.add(stage)
-        held.append({"gathered": frozenset(gathered), "kept": frozenset(kept), "gradients": frozenset(grads)})
+        held.append({"gathered": frozenset(gathered), "kept": frozenset(kept), "gradients": frozenset(grads),
+                     "all_gather": all_gather})
     return held
 
 
 def peak_held(held: list[dict[str, frozenset]], whole: list[float], kept: list[float]) -> dict:
     """The most parameter elements one rank holds gathered at once over ``held`` (``held_stages``), with the
-    number of its stages wholly gathered then and at most; and the most unsharded gradient elements at once.
+    number of its stages wholly gathered then and at most; the most unsharded gradient elements at once; and the
+    elements it all-gathers in the step (``all_gathered``).
     ``whole[t]``: stage ``t``'s parameters as gathered (an expert stack's ``1 / ep``); ``kept[t]``: its kept
     units'."""
-    params, stages, grads = 0.0, 0, 0.0
+    params, stages, grads, all_gathered = 0.0, 0, 0.0, 0.0
     for now in held:
         gathered = sum(whole[t] for t in now["gathered"]) + sum(kept[t] for t in now["kept"] - now["gathered"])
         if gathered > params:
             params, stages = gathered, len(now["gathered"])
         grads = max(grads, sum(whole[t] for t in now["gradients"]))
-    return {"parameters": params, "stages": stages, "gradients": grads,
+        if now["all_gather"] is not None:
+            stage, kept_gathered = now["all_gather"]
+            all_gathered += whole[stage] - (kept[stage] if kept_gathered else 0.0)
+    return {"parameters": params, "stages": stages, "gradients": grads, "all_gathered": all_gathered,
             "most_stages": max((len(now["gathered"]) for now in held), default=0)}
 
 
@@ -265,6 +277,7 @@ def pipeline_rows(config: MoEConfig, cluster, work, result: dict, size: int, sch
         held = sum(params[t] for t in stages)
         boundary = sum(timeline["in_flight"][t] * layout.blocks_per_stage[t] for t in stages) * hop_bytes
         gathered = peak_held(held_stages(lowered[r], reshard_after_forward), gathered_whole, gathered_kept)
+        whole_gathers = gathered["all_gathered"] / sum(gathered_whole[t] for t in stages)  # in whole-stage units
         rows = {"parameters, gradients, optimizer state (AdamW)": 16 * held / shard,
                 "all-gather buffers (bf16)": memory["all-gather buffers (bf16)"],
                 "gathered stages (bf16)": 2 * gathered["parameters"],
@@ -279,8 +292,9 @@ def pipeline_rows(config: MoEConfig, cluster, work, result: dict, size: int, sch
         ranks.append({"stages": stages, "blocks": [layout.blocks_per_stage[t] for t in stages],
                       "parameters": held, "bytes": {k: int(v) for k, v in rows.items()}, "peak": int(sum(rows.values())),
                       "p2p_bytes": layout.sends_between_ranks(r) * M * hop_bytes,
-                      # all-gathered again each micro-batch (resharded after forward), reduce-scattered once
-                      "fsdp_seconds": fsdp_s * held / total_params * (M + 1) / 2,
+                      # the no-stage step all-gathers twice (2 bytes) and reduce-scatters once (4 bytes); a stage
+                      # rank all-gathers as often as the action order regathers its stages, reduce-scatters once
+                      "fsdp_seconds": fsdp_s * held / total_params * (whole_gathers + 2) / 4,
                       "in_flight": [timeline["in_flight"][t] for t in stages],
                       "gathered_stages": gathered["stages"],
                       "idle_fraction": timeline["idle_fraction"][r]})

@@ -35,11 +35,13 @@ def _nbytes(tensor: torch.Tensor | None) -> int:
 class GatheredProbe(L.Callback):
     """Patches FSDP's and the pipeline stage's methods for the first training step and records each rank's most
     gathered parameter bytes (with how many of its stages were wholly gathered then), the most stages wholly
-    gathered at once, and the most unsharded gradient bytes; rank 0 writes them for every rank."""
+    gathered at once, the most unsharded gradient bytes, and the parameter elements all-gathered in the step; rank 0
+    writes them for every rank."""
 
     def __init__(self, out: str):
         self.out = Path(out)
-        self.peak = {"gathered_bytes": 0, "stages_at_peak": 0, "most_stages": 0, "gradient_bytes": 0}
+        self.peak = {"gathered_bytes": 0, "stages_at_peak": 0, "most_stages": 0, "gradient_bytes": 0,
+                     "all_gathered_elements": 0}
         self._undo: list = []
 
     def _groups_by_stage(self, pl_module) -> list[list]:
@@ -94,11 +96,26 @@ class GatheredProbe(L.Callback):
         setattr(owner, name, sampled)
         self._undo.append((owner, name, original))
 
+    def _count_all_gathers(self) -> None:
+        """Each ``FSDPParamGroup.unshard`` that issues an all-gather adds its parameters' elements."""
+        original = FSDPParamGroup.unshard
+
+        @functools.wraps(original)
+        def counted(group, *args, **kwargs):
+            idle = group._all_gather_result is None
+            result = original(group, *args, **kwargs)
+            if idle and group._all_gather_result is not None:
+                self.peak["all_gathered_elements"] += sum(p._orig_size.numel() for p in group.fsdp_params)
+            return result
+        FSDPParamGroup.unshard = counted
+        self._undo.append((FSDPParamGroup, "unshard", original))
+
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if batch_idx != 0:
             return
         self.stages = self._groups_by_stage(pl_module)
         self._patch(FSDPParamGroup, "unshard", before=False)
+        self._count_all_gathers()
         self._patch(FSDPParamGroup, "wait_for_unshard", before=False)
         for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
             self._patch(_PipelineStageBase, name, before=False)

@@ -111,9 +111,10 @@ def test_a_fit_at_two_stages_holds_the_planned_gathered_parameters_and_gradients
     """One step of configs/tiny-fsdp.yaml's model at 2 stages on 4 gloo processes (each stage FSDP over 2 ranks:
     at one rank a stage, torch 2.13 copies the shard in at the wait and holds no all-gather in flight, which
     hides the UNSHARD issued ahead), fp32: the most gathered parameter bytes each rank holds (unsharded parameters
-    and all-gather outputs in flight), the stages wholly gathered then, and the most unsharded gradient bytes
-    equal the plan's from the action order (4 bytes an element, ``reshard_after_forward`` the strategy's default,
-    off for a split backward), exactly."""
+    and all-gather outputs in flight), the stages wholly gathered then, the most unsharded gradient bytes, and the
+    parameter elements all-gathered in the step (what the plan's FSDP time scales with) equal the plan's from the
+    action order (4 bytes an element, ``reshard_after_forward`` the strategy's default, off for a split backward),
+    exactly."""
     out = tmp_path / "run.json"
     run_nodes([str(LAUNCHERS / "pipeline_gathered_run.py"), "--devices", "4", "--schedule", schedule,
                "--stages-per-rank", str(stages_per_rank), "--microbatches", str(microbatches), "--n-layers",
@@ -129,3 +130,4 @@ def test_a_fit_at_two_stages_holds_the_planned_gathered_parameters_and_gradients
             assert rank["gathered_bytes"] == 4 * planned["parameters"]
             assert rank["stages_at_peak"] == planned["stages"]
             assert rank["gradient_bytes"] == 4 * planned["gradients"]
+            assert rank["all_gathered_elements"] == planned["all_gathered"]
