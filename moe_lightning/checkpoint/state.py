@@ -33,15 +33,19 @@ def load_state(checkpointer: ShardedCheckpointer, path: Path, checkpoint: dict[s
     ``discovery.checkpoint_metadata``; a single file's states, memory-mapped there, are taken out of it).
     ``flatten_optimizer``: this run saves optimizer states keyed by parameter name (pipeline stages hold different
     parameter groups, so a group's index means nothing across ranks); a checkpoint saved so loads at any stage
-    count, one saved by group index (without stages) is read with its own groups and regrouped by parameter name
-    (``_regroup_by_name``), and so are its LR schedulers' per-group entries in ``checkpoint``. A checkpoint saved by
-    name holds the schedulers of rank 0's stage: their per-group entries are rebuilt for this rank's groups
-    (``_schedulers_as_loaded``)."""
+    count, and one saved by group index (without stages) is read with its own groups and regrouped by parameter
+    name (``_regroup_by_name``). Either way the LR schedulers' per-group entries in ``checkpoint`` are rebuilt for
+    this rank's groups (``_schedulers_as_loaded``)."""
     if not path.is_dir():
         reshard.load_full_checkpoint(checkpoint, path, module, model, optimizers, expert_mesh)
         return
     entries = SafeReader(path).read_metadata().state_dict_metadata
     saved_by_name = any(k.startswith("optimizer_0.param_groups.") and not k.split(".")[2].isdigit() for k in entries)
+    regroup = saved_by_name or flatten_optimizer
+    if regroup and len(optimizers) > 1 and checkpoint.get("lr_schedulers"):
+        raise ValueError(f"{path}: this run has {len(optimizers)} optimizers, and a checkpoint resumed at or from "
+                         "pipeline stages does not say which of them each saved LR scheduler drives; resume it where "
+                         "configure_optimizers returns one optimizer (with its schedulers).")
     flat = StateDictOptions(flatten_optimizer_state_dict=saved_by_name)
     state = {"state_dict": get_model_state_dict(model)}
     state.update({f"optimizer_{i}": get_optimizer_state_dict(model, optimizer, options=flat)
@@ -57,11 +61,11 @@ def load_state(checkpointer: ShardedCheckpointer, path: Path, checkpoint: dict[s
         key = f"optimizer_{i}"
         loaded = state[key]
         if ours:
-            loaded, sources = _regroup_by_name(loaded, ours[key], path, key)
-            _regroup_schedulers(checkpoint, sources, len(optimizers), path)
+            loaded = _regroup_by_name(loaded, ours[key], path, key)
         set_optimizer_state_dict(model, optimizer, loaded, options=flat)
-    if saved_by_name:
-        _schedulers_as_loaded(checkpoint, optimizers, path)
+    if regroup and optimizers:  # (validate and test restore no optimizer)
+        for scheduler in checkpoint.get("lr_schedulers") or []:
+            _schedulers_as_loaded(scheduler, optimizers[0].param_groups)
 
 
 def _saved_param_groups(entries: dict[str, Any], keys: list[str], path: Path) -> dict[str, list[dict[str, Any]]]:
@@ -81,13 +85,12 @@ def _saved_param_groups(entries: dict[str, Any], keys: list[str], path: Path) ->
     return {key: [groups[i] for i in sorted(groups)] for key, groups in saved.items()}
 
 
-def _regroup_by_name(loaded: dict[str, Any], ours: list[dict[str, Any]], path: Path,
-                     key: str) -> tuple[dict[str, Any], list[int]]:
+def _regroup_by_name(loaded: dict[str, Any], ours: list[dict[str, Any]], path: Path, key: str) -> dict[str, Any]:
     """An optimizer state saved by group index as this run's groups: each takes the hyper-parameters of the saved
     group that lists its parameters (by FQN); its parameters' states are read by FQN already. This run keeps its
-    own ``param_names``. Also returns the saved group each of this run's groups came from."""
+    own ``param_names``."""
     group_of = {fqn: index for index, group in enumerate(loaded["param_groups"]) for fqn in group["params"]}
-    groups, sources_of_ours = [], []
+    groups = []
     for index, group in enumerate(ours):
         sources = {group_of.get(fqn) for fqn in group["params"]}
         if len(sources) != 1 or None in sources:
@@ -98,48 +101,31 @@ def _regroup_by_name(loaded: dict[str, Any], ours: list[dict[str, Any]], path: P
                 f"({group.get('role', 'unnamed')}) takes the hyper-parameters of the saved group listing its "
                 f"parameters, but they are listed by {len(listed)} groups {listed}{unlisted}: resume it at "
                 "pipeline_parallel_size=1 with the optimizer it was saved with.")
-        sources_of_ours.append(sources.pop())
-        saved = loaded["param_groups"][sources_of_ours[-1]]
+        saved = loaded["param_groups"][sources.pop()]
         groups.append({**{k: v for k, v in saved.items() if k not in ("params", "param_names")},
                        "params": group["params"]})
-    return {"state": loaded["state"], "param_groups": groups}, sources_of_ours
+    return {"state": loaded["state"], "param_groups": groups}
 
 
-def _regroup_schedulers(checkpoint: dict[str, Any], sources: list[int], num_optimizers: int, path: Path) -> None:
-    """Lightning's saved LR schedulers, in place, as this run's groups: torch's per-group entries (``base_lrs``,
-    ``_last_lr``, a ``LambdaLR``'s ``lr_lambdas``) taken from each group's saved group (``sources``)."""
-    schedulers = checkpoint.get("lr_schedulers") or []
-    if schedulers and num_optimizers > 1:
-        raise ValueError(f"{path}: lr_schedulers were saved beside {num_optimizers} optimizers by group index, and "
-                         "which scheduler drives which optimizer is not saved; resume it at pipeline_parallel_size=1.")
-    for scheduler in schedulers:
-        for name in ("base_lrs", "_last_lr", "lr_lambdas", "min_lrs", "max_lrs"):
-            if name in scheduler:
-                scheduler[name] = [scheduler[name][source] for source in sources]
+# A torch LR scheduler's per-group entries: what each group has reached, and settings its constructor derives again.
+_REACHED = {"base_lrs": "initial_lr", "_last_lr": "lr"}  # from the loaded group's key
+_DERIVED = ("min_lrs", "max_lrs", "base_momentums", "max_momentums")  # ReduceLROnPlateau's, CyclicLR's
 
 
-def _schedulers_as_loaded(checkpoint: dict[str, Any], optimizers: list[torch.optim.Optimizer], path: Path) -> None:
-    """Lightning's saved LR schedulers, in place, as this rank's loaded groups, for a checkpoint saved by parameter
-    name: rank 0 alone writes the plain data, so their per-group entries are its stage's groups, which another stage
-    or stage count does not have (torch's ``LambdaLR`` cannot load 5 saved ``lr_lambdas`` into 3 groups, and a stage
-    with as many would take another role's). ``base_lrs`` and ``_last_lr`` are each group's restored ``initial_lr``
-    and ``lr``, what torch's schedulers hold; another per-group entry is taken for every group where the saved groups
-    agree on it (a ``WarmupCosineLR``'s one schedule), and refused where they do not."""
-    schedulers = checkpoint.get("lr_schedulers") or []
-    if schedulers and len(optimizers) > 1:
-        raise ValueError(f"{path}: lr_schedulers were saved beside {len(optimizers)} optimizers by rank 0's stage, "
-                         "and which scheduler drives which optimizer is not saved; resume it with one optimizer.")
-    for index, scheduler in enumerate(schedulers):
-        groups = optimizers[0].param_groups
-        for name in ("lr_lambdas", "min_lrs", "max_lrs"):
-            if scheduler.get(name):
-                saved = scheduler[name]
-                if any(value != saved[0] for value in saved):
-                    raise ValueError(f"{path}: lr_schedulers[{index}].{name} differs between the saved parameter "
-                                     f"groups ({saved}), and a checkpoint of pipeline stages holds rank 0's stage's "
-                                     f"groups only: use a schedule whose {name} is the same for every group.")
-                scheduler[name] = [saved[0]] * len(groups)
-        if "base_lrs" in scheduler:
-            scheduler["base_lrs"] = [group.get("initial_lr", group["lr"]) for group in groups]
-        if "_last_lr" in scheduler:
-            scheduler["_last_lr"] = [group["lr"] for group in groups]
+def _schedulers_as_loaded(scheduler: dict[str, Any], groups: list[dict[str, Any]]) -> None:
+    """A saved LR scheduler's state, in place, as this rank's loaded ``groups``: under pipeline stages rank 0 alone
+    writes the plain data, so its per-group entries list rank 0's stage's groups (or, saved without stages, the
+    whole model's), which another stage or stage count does not have (torch's ``LambdaLR`` cannot load 5 saved
+    ``lr_lambdas`` into 3 groups, and a stage with as many would take another role's). What a group has reached
+    (``base_lrs``, ``_last_lr``) is its restored ``initial_lr`` and ``lr``; per-group settings are left to the
+    scheduler this run just built for these groups (``lr_lambdas`` as ``None``: torch keeps the built ones); the
+    scalars (steps taken, a warmup's length) load as saved. Chained and sequential schedulers' children alike."""
+    for name, key in _REACHED.items():
+        if name in scheduler:
+            scheduler[name] = [group.get(key, group["lr"]) for group in groups]
+    if "lr_lambdas" in scheduler:
+        scheduler["lr_lambdas"] = [None] * len(groups)
+    for name in _DERIVED:
+        scheduler.pop(name, None)
+    for child in scheduler.get("_schedulers") or []:
+        _schedulers_as_loaded(child, groups)

@@ -24,8 +24,8 @@ from moe_lightning.parallel import fsdp
 from moe_lightning.parallel.clip import clip_grads_
 from moe_lightning.parallel.mesh import MeshLayout, ParallelMesh, resolve_layout
 from moe_lightning.parallel.parallelize import Sharding, check_strategy_arguments, parallelize_moe, the_transformer
-from moe_lightning.parallel.pipeline import PipelineError, PipelineLayout, PipelineRunner, SCHEDULES, check_batch, \
-    check_torch_runs, reads_embedding_last, resolve_pipeline
+from moe_lightning.parallel.pipeline import PipelineError, PipelineLayout, PipelineRunner, SCHEDULES, SPLIT_BACKWARD, \
+    check_batch, check_torch_runs, reads_embedding_last, resolve_pipeline
 from moe_lightning.run import flight_recorder
 from moe_lightning.run.refusals import same_on_every_rank
 from moe_lightning.run.watchdog import DEFAULT_STALL_TIMEOUT_S, check_stall_timeout
@@ -293,6 +293,11 @@ def _check_pipeline_trainer(trainer, layout: PipelineLayout) -> None:
                             f"pipeline_parallel_size={layout.size}: the pipeline's micro-batches are the accumulation; "
                             f"set it to 1 and raise strategy.pipeline_microbatches (now {layout.microbatches}) with "
                             "data.batch_size instead.")
+    if layout.schedule in SPLIT_BACKWARD and any(isinstance(c, ActivationOffload) for c in trainer.callbacks):
+        raise PipelineError(f"ActivationOffload with strategy.pipeline_schedule={layout.schedule!r}: torch's weight "
+                            "pass takes each parameter group's gradient in a backward of its own, and each one "
+                            "recomputes every checkpointed block (a block ran 15 forwards instead of 2); use "
+                            "'Interleaved1F1B' or '1F1B' with it, or remove the callback.")
     batch_size = getattr(trainer.datamodule, "batch_size", None)
     if isinstance(batch_size, int):
         check_batch(batch_size, layout.microbatches)

@@ -312,6 +312,25 @@ def test_strategy_settings_stages_cannot_honour_are_refused(kwargs, words):
     assert "\n" not in str(refused.value)
 
 
+@pytest.mark.parametrize("schedule, refused", [("ZBVZeroBubble", True), ("InterleavedZeroBubble", True),
+                                               ("DualPipeV", True), ("Interleaved1F1B", False), ("1F1B", False)])
+def test_activation_offload_is_refused_under_a_split_backward_schedule(schedule, refused):
+    """Torch's weight pass takes each parameter group's gradient in a backward of its own; each recomputes the
+    checkpointed blocks (a one-block stage ran its block 15 times, against 2 with a whole backward)."""
+    from types import SimpleNamespace
+    from moe_lightning.training.callbacks import ActivationOffload
+    from moe_lightning.training.strategy import _check_pipeline_trainer
+    trainer = SimpleNamespace(accumulate_grad_batches=1, datamodule=None, callbacks=[ActivationOffload()])
+    layout = resolve_pipeline(MoEConfig(**SHAPE), 2, schedule, 4)
+    if not refused:
+        _check_pipeline_trainer(trainer, layout)
+        return
+    with pytest.raises(PipelineError, match=rf"ActivationOffload with strategy.pipeline_schedule='{schedule}'.*"
+                                            r"'Interleaved1F1B' or '1F1B'") as refusal:
+        _check_pipeline_trainer(trainer, layout)
+    assert "\n" not in str(refusal.value)
+
+
 def test_muon_qk_clip_and_the_expert_load_monitor_are_accepted_with_stages():
     """They reduce over a stage's ranks, or per layer of the whole model (tests/training/test_pipeline_callbacks.py
     fits them at 2 stages against 1): Muon from the YAML factory and both callbacks pass the stage checks."""

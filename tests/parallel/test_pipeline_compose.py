@@ -87,23 +87,38 @@ def test_fit_at_two_stages_with_mla_documents_and_mtp_equals_one_stage(tmp_path)
     assert sum(r["parameters"] for r in staged[0]["held"]) == flat[0]["held"][0]["parameters"] + embedding_copy
 
 
-@pytest.mark.parametrize("blocks, offloaded", [([0, 2], ["layers.2"]), ([-1], ["layers.3"]), ([0, 1], [])])
-def test_activation_offload_names_the_whole_models_blocks_on_a_stage(blocks, offloaded):
-    """``ActivationOffload(blocks=...)`` on the last of 2 stages (blocks 2 and 3, float64) offloads the inputs of the
-    blocks its indices name in the whole model, as without stages (it read them as places within the stage: ``[0]``
-    offloaded block 2, ``[2]`` was refused, ``[-1]`` meant the stage's last block whatever the model's is)."""
+@pytest.mark.parametrize("stage, blocks, offloaded", [(1, [0, 2], ["layers.2"]), (1, [-1], ["layers.3"]),
+                                                      (1, [0, 1], []), (0, [-1], []), (0, None, ["layers.0", "layers.1"]),
+                                                      (1, None, ["layers.2"])])
+def test_activation_offload_names_the_whole_models_blocks_on_a_stage(stage, blocks, offloaded):
+    """``ActivationOffload(blocks=...)`` on either of 2 stages (blocks 0-1 and 2-3, float64) offloads the inputs of
+    the blocks its indices name in the whole model, as without stages (it read them as places within the stage:
+    ``[0]`` offloaded block 2, ``[2]`` was refused, ``[-1]`` offloaded each stage's last block whatever the model's
+    is). ``None``: every block but the model's last, so the first stage, whose micro-batches wait for their
+    backward, offloads all of its blocks (it kept its last one's input on the device)."""
     config = MoEConfig(**PIPELINE_SHAPE)
-    stage = keep_stage(build(config).model, 1, resolve_pipeline(config, 2))
-    assert list(stage.layers._modules) == ["2", "3"]
+    part = keep_stage(build(config).model, stage, resolve_pipeline(config, 2))
+    names = [f"layers.{key}" for key in part.layers._modules]
+    assert names == [["layers.0", "layers.1"], ["layers.2", "layers.3"]][stage]
     offload = ActivationOffload(min_offload_bytes=0, blocks=blocks)
-    offload.wrap(stage)
-    x_BSD = torch.randn(2, 16, config.dim, dtype=torch.float64, requires_grad=True)
-    stage(x_BSD, torch.randint(0, config.vocab_size, (2, 17))).sum().backward()
-    names = [f"layers.{key}" for key in stage.layers._modules]
+    offload.wrap(part)
+    x = torch.randint(0, config.vocab_size, (2, 16)) if stage == 0 else \
+        torch.randn(2, 16, config.dim, dtype=torch.float64, requires_grad=True)
+    part(x, torch.randint(0, config.vocab_size, (2, 17))).float().sum().backward()
     assert [names[i] for kind, i in offload.order if kind == "offload"] == offloaded
     assert offload.tensors_offloaded == offload.tensors_copied_in == len(offloaded)
-    with pytest.raises(ValueError, match=r"blocks=\[4\]\): index 4 is outside model.layers \(length 4\)"):
-        ActivationOffload(blocks=[4]).wrap(keep_stage(build(config).model, 1, resolve_pipeline(config, 2)))
+
+
+@pytest.mark.parametrize("blocks, words", [
+    ([4], r"blocks=\[4\]\): index 4 is outside the model's n_layers=4 blocks; use indices in \[-4, 3\]"),
+    (3, r"blocks=3\): must be a list of block indices"), ([True], r"blocks=\[True\]\): must be a list"),
+    (["0"], r"blocks=\['0'\]\): must be a list")])
+def test_activation_offload_refuses_blocks_that_name_no_block_in_one_line(blocks, words):
+    """The type at construction (``--print_config`` time), the range against the whole model's blocks on a stage."""
+    config = MoEConfig(**PIPELINE_SHAPE)
+    with pytest.raises(ValueError, match=words) as refused:
+        ActivationOffload(blocks=blocks).wrap(keep_stage(build(config).model, 1, resolve_pipeline(config, 2)))
+    assert "\n" not in str(refused.value)
 
 
 @pytest.mark.extended
@@ -111,11 +126,10 @@ def test_fit_at_two_stages_with_activation_offload_equals_one_stage_and_offloads
     """``ActivationOffload(min_offload_bytes=0)`` at 2 stages x 2 micro-batches of 4 (2 processes) against the same
     callback without stages (FSDP over 2 ranks, 4 sequences each): the same steps, and every stage offloads.
 
-    The callback's rule: it checkpoints every block of ``model.layers`` and offloads each one's input except the
-    last's (``blocks=None``), whose input backward needs first. Under stages ``model.layers`` is the stage's own
-    blocks (``StageBlocks``; the callback wraps them after ``keep_stages`` pruned the model), so each stage keeps its
-    own last block's input, the one its backward reaches first, and offloads the others': with blocks [2, 2] one
-    input per micro-batch forward, 2 a step, each copied back once in backward (``tensors_copied_in``), each a
+    The callback's rule: it checkpoints every block and offloads each one's input except the model's last block's
+    (``blocks=None``), whose backward follows its forward at once. So stage 0 (blocks 0 and 1), whose micro-batches
+    wait for their backward, offloads both its blocks' inputs, 2 per micro-batch forward, 4 a step; stage 1 (blocks
+    2 and 3) offloads block 2's, 2 a step; each is copied back once in backward (``tensors_copied_in``), each a
     micro-batch's hidden states ``[4, 128, 128]`` fp32. Without stages, 3 of the 4 blocks' inputs ``[4, 128, 128]``
     a step. The MTP-free model has no other checkpointed block."""
     staged = _fit(tmp_path, "pp2", 2, "--pp", "2", "--microbatches", "2", "--batch", "8", "--offload")
@@ -126,8 +140,9 @@ def test_fit_at_two_stages_with_activation_offload_equals_one_stage_and_offloads
     for name, blocks_of_rank, forwards in (("pp2", [range(0, 2), range(2, 4)], 2), ("pp1", [range(4)] * 2, 1)):
         for rank, blocks in enumerate(blocks_of_rank):
             rows = json.loads((tmp_path / name / f"offload.rank{rank}.json").read_text())
-            want = forwards * (len(blocks) - 1)  # each forward offloads all its blocks' inputs but the last's
+            offloaded = [i for i in blocks if i != 3]  # every block's input but the model's last block's
+            want = forwards * len(offloaded)
             assert [(r["out"], r["in"], r["bytes"]) for r in rows] == [(want, want, want * hidden_bytes)] * 3, \
                 (name, rank, rows)
-            assert rows[-1]["offloaded"] == [f"layers.{i}" for i in blocks[:-1]], (name, rank, rows[-1])
-            assert rows[-1]["kept"] == [f"layers.{blocks[-1]}"], (name, rank, rows[-1])
+            assert rows[-1]["offloaded"] == [f"layers.{i}" for i in offloaded], (name, rank, rows[-1])
+            assert rows[-1]["kept"] == (["layers.3"] if 3 in blocks else []), (name, rank, rows[-1])

@@ -4,6 +4,7 @@ load regroups them by parameter name; one written under stages saves them by nam
 0's stage, which the load rebuilds for the resuming rank's groups. One process pins the state mapping (AdamW and
 Muon); gloo fits resume 1, 2 and 4 stages into each other, EP 2 and Muon inside a stage, and a background save."""
 
+import copy
 import json
 from pathlib import Path
 
@@ -13,7 +14,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from moe_lightning.checkpoint.discovery import checkpoint_metadata
 from moe_lightning.checkpoint.sharded import ShardedCheckpointer
-from moe_lightning.checkpoint.state import _regroup_schedulers, _schedulers_as_loaded, load_state, save_state
+from moe_lightning.checkpoint.state import load_state, save_state
 from moe_lightning.model import MoEConfig
 from moe_lightning.optim import Muon, WarmupCosineLR
 from moe_lightning.optim.grouping import ROLES, param_groups
@@ -126,14 +127,14 @@ def test_muon_momentum_buffers_and_adamw_moments_come_back_under_a_stages_groups
 ROLE_LR = {role: 1e-3 * (index + 1) for index, role in enumerate(ROLES)}  # a learning rate of its own per role
 
 
-def _save_as_stages(path):
+def _save_as_stages(path, schedule=lambda optimizer: WarmupCosineLR(optimizer, warmup_steps=30)):
     """What 2 stages save: every parameter's weights and AdamW state after two steps, keyed by name (the union of the
     stages' is the whole model's), beside the schedule of rank 0's stage (the plain data only rank 0 writes)."""
     config = MoEConfig(**SHAPE)
     whole = build(config).model
     first = keep_stage(build(config).model, 0, resolve_pipeline(config, 2))
     optimizers = [_adamw([{**g, "lr": ROLE_LR[g["role"]]} for g in param_groups(m, 0.1)]) for m in (whole, first)]
-    schedulers = [WarmupCosineLR(o, warmup_steps=30) for o in optimizers]
+    schedulers = [schedule(o) for o in optimizers]
     g = torch.Generator().manual_seed(0)
     for _ in range(2):
         for p in whole.parameters():
@@ -149,57 +150,91 @@ def _save_as_stages(path):
     return schedulers[0]
 
 
+class _Scale:
+    """A ``LambdaLR`` factor that is an object with state (torch saves its ``__dict__``): one per role here."""
+
+    def __init__(self, factor: float):
+        self.factor = factor
+
+    def __call__(self, step: int) -> float:
+        return self.factor ** step
+
+
+def _per_role(optimizer, scale: float) -> list[float]:
+    return [scale * ROLE_LR[group["role"]] for group in optimizer.param_groups]
+
+
+SCHEDULES = {  # each built for its optimizer's own groups, as configure_optimizers builds it
+    "warmup-cosine": lambda o: WarmupCosineLR(o, warmup_steps=5),
+    "sequential": lambda o: torch.optim.lr_scheduler.SequentialLR(o, [
+        torch.optim.lr_scheduler.LinearLR(o, start_factor=0.5, total_iters=3),
+        torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=10)], milestones=[3]),
+    "lambdas-per-role": lambda o: torch.optim.lr_scheduler.LambdaLR(
+        o, [_Scale(1 - 10 * ROLE_LR[group["role"]]) for group in o.param_groups]),
+    "cyclic-per-role": lambda o: torch.optim.lr_scheduler.CyclicLR(o, _per_role(o, 1), _per_role(o, 3), step_size_up=2),
+}
+
+
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
 @pytest.mark.parametrize("stages, stage", [(4, 0), (2, 1), (1, 0)])
-def test_the_schedule_saved_by_rank_0s_stage_resumes_under_any_stage_groups(tmp_path, stages, stage):
+def test_the_schedule_saved_by_rank_0s_stage_resumes_under_any_stage_groups(tmp_path, stages, stage, schedule):
     """The schedule holds rank 0's stage's 5 groups (hidden, expert, router, embedding, norm): the first of 4 stages
     (the embedding and a dense block: 3 groups) could not load it (IndexError in torch's ``LambdaLR``), the second of
-    2 took the embedding's learning rate for its head, and a run without stages had 5 learning rates for 6 groups.
-    Each group's base and last learning rate is now its role's, and the schedule steps on from there."""
-    reference = _save_as_stages(tmp_path / "ckpt")
+    2 took the embedding's learning rate for its head, a run without stages had 5 learning rates for 6 groups, a
+    ``SequentialLR``'s children kept rank 0's entries (a crash or another role's rate at the milestone), and
+    per-role lambdas or a ``CyclicLR``'s per-role ``max_lr`` were refused. Each group's learning rate is now its
+    role's in the uninterrupted schedule (the whole model's, every group a rate of its own), at the resume and for
+    six steps on, across the milestone and a cycle's turn."""
+    reference = _save_as_stages(tmp_path / "ckpt", SCHEDULES[schedule])
     config = MoEConfig(**SHAPE)
     part = build(config, seed=1).model
     if stages > 1:
         part = keep_stage(part, stage, resolve_pipeline(config, stages))
     optimizer = _adamw([{**g, "lr": ROLE_LR[g["role"]]} for g in param_groups(part, 0.1)])
-    scheduler = WarmupCosineLR(optimizer, warmup_steps=5)
+    scheduler = SCHEDULES[schedule](optimizer)
     checkpoint = checkpoint_metadata(tmp_path / "ckpt")
     load_state(ShardedCheckpointer(), tmp_path / "ckpt", checkpoint, part, part, [optimizer], None, strict=True,
                flatten_optimizer=stages > 1)
     scheduler.load_state_dict(checkpoint["lr_schedulers"][0])
     roles = [group["role"] for group in optimizer.param_groups]
     assert len(roles) == {4: 3, 2: 5, 1: 6}[stages] and scheduler.last_epoch == 2
-    last_lr = dict(zip([g["role"] for g in reference.optimizer.param_groups], reference.get_last_lr()))
-    assert scheduler.base_lrs == [ROLE_LR[role] for role in roles]
-    assert scheduler.get_last_lr() == [group["lr"] for group in optimizer.param_groups] == [last_lr[r] for r in roles]
-    optimizer.step()
-    scheduler.step()
-    reference.optimizer.step()
-    reference.step()
-    last_lr = dict(zip([g["role"] for g in reference.optimizer.param_groups], reference.get_last_lr()))
-    assert [group["lr"] for group in optimizer.param_groups] == [last_lr[role] for role in roles]
+    for step in range(7):
+        last_lr = dict(zip([g["role"] for g in reference.optimizer.param_groups], reference.get_last_lr()))
+        assert [group["lr"] for group in optimizer.param_groups] == [last_lr[role] for role in roles], step
+        assert scheduler.get_last_lr() == [last_lr[role] for role in roles], step
+        for o, s in ((optimizer, scheduler), (reference.optimizer, reference)):
+            o.step()
+            s.step()
 
 
-class _Scale:
-    def __init__(self, factor: float):
-        self.factor = factor
+def test_validation_from_a_checkpoint_of_stages_restores_the_weights_without_an_optimizer(tmp_path):
+    """``validate`` and ``test`` restore the model only (no optimizer exists outside ``fit``): the schedules are
+    left as saved (it raised IndexError reading the first optimizer's groups)."""
+    reference = _save_as_stages(tmp_path / "ckpt")
+    expected = {name: p for group in reference.optimizer.param_groups
+                for name, p in zip(group["param_names"], group["params"])}  # the weights saved after two steps
+    config = MoEConfig(**SHAPE)
+    part = keep_stage(build(config, seed=1).model, 1, resolve_pipeline(config, 2))
+    checkpoint = checkpoint_metadata(tmp_path / "ckpt")
+    saved = copy.deepcopy(checkpoint["lr_schedulers"])
+    load_state(ShardedCheckpointer(), tmp_path / "ckpt", checkpoint, part, part, [], None, strict=True,
+               flatten_optimizer=True)
+    assert all(torch.equal(p, expected[name]) for name, p in part.named_parameters())
+    assert checkpoint["lr_schedulers"] == saved
 
-    def __call__(self, step: int) -> float:
-        return self.factor
 
-
-@pytest.mark.parametrize("saved, optimizers, words", [
-    ([torch.optim.lr_scheduler.LambdaLR(_adamw([{"params": [torch.nn.Parameter(torch.ones(2))]} for _ in range(2)]),
-                                        [_Scale(1.0), _Scale(2.0)]).state_dict()], 1,
-     r"lr_schedulers\[0\]\.lr_lambdas differs between the saved parameter groups.*same for every group"),
-    ([{"base_lrs": [0.1]}], 2, r"lr_schedulers were saved beside 2 optimizers by rank 0's stage.*one optimizer"),
-])
-def test_a_schedule_saved_by_stages_that_cannot_follow_the_groups_is_refused_in_one_line(saved, optimizers, words):
-    """Rank 0's stage's per-group entries say nothing of other groups: entries that differ between groups, or
-    schedulers beside several optimizers, have no one value for a group of another stage."""
-    groups = [{"params": [torch.nn.Parameter(torch.ones(2))], "lr": 0.1}]
-    with pytest.raises(ValueError, match=words) as refused:
-        _schedulers_as_loaded({"lr_schedulers": saved}, [_adamw(groups)] * optimizers, Path("ckpt"))
+def test_schedulers_beside_several_optimizers_are_refused_in_one_line_before_the_load(tmp_path):
+    """Lightning saves the schedulers as one list: which optimizer's groups each one's entries follow is not saved."""
+    _save_as_stages(tmp_path / "ckpt")
+    config = MoEConfig(**SHAPE)
+    part = keep_stage(build(config, seed=1).model, 0, resolve_pipeline(config, 2))
+    before = [p.detach().clone() for p in part.parameters()]
+    optimizers = [_adamw(param_groups(part, 0.1)) for _ in range(2)]
+    with pytest.raises(ValueError, match=r"this run has 2 optimizers.*configure_optimizers returns one") as refused:
+        load_state(ShardedCheckpointer(), tmp_path / "ckpt", checkpoint_metadata(tmp_path / "ckpt"), part, part,
+                   optimizers, None, strict=True, flatten_optimizer=True)
     assert "\n" not in str(refused.value)
+    assert all(torch.equal(a, b) for a, b in zip(before, part.parameters()))  # refused before anything loaded
 
 
 def test_a_stage_group_spanning_two_saved_groups_is_refused_in_one_line(tmp_path):
@@ -227,12 +262,6 @@ def test_a_saved_group_entry_nested_deeper_is_refused_in_one_line(tmp_path):
                                          r".*resume it at pipeline_parallel_size=1") as refused:
         _load_stage(tmp_path / "ckpt", 0)
     assert "\n" not in str(refused.value)
-
-
-def test_schedulers_saved_beside_several_optimizers_are_refused_in_one_line():
-    """Lightning saves the schedulers as one list: which optimizer's groups each one's entries follow is not saved."""
-    with pytest.raises(ValueError, match=r"lr_schedulers were saved beside 2 optimizers.*pipeline_parallel_size=1"):
-        _regroup_schedulers({"lr_schedulers": [{"base_lrs": [0.1, 0.2]}]}, [1], 2, Path("ckpt"))
 
 
 def _run(folder: Path, layout: tuple[int, tuple[str, ...]], *args: str) -> list[tuple[int, float]]:

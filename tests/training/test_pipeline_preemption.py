@@ -2,7 +2,6 @@
 sharded checkpoint at the same step and exit 143, and a relaunch without stages continues it exactly."""
 
 import math
-import os
 import signal
 from pathlib import Path
 
@@ -12,8 +11,8 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from moe_lightning import MoEConfig, MoELanguageModel
 from moe_lightning.checkpoint.safe_load import SafeReader
-from tests.training.test_preemption import CONFIGS, PRINT_STEPS, finish, fit_command, launch, losses, step_of, \
-    wait_for_line
+from tests.training.test_preemption import CONFIGS, PRINT_STEPS, SIGNAL_AT, finish, fit_command, launch, losses, \
+    step_of
 
 COMMON = ("--trainer.max_steps=6", PRINT_STEPS, "--trainer.strategy.init_args.expert_parallel_size=1")
 TWO_STAGES = ("--trainer.strategy.init_args.pipeline_parallel_size=2",
@@ -41,7 +40,8 @@ def _check_holds_every_key_once(path) -> None:
 @pytest.mark.slow
 def test_sigterm_at_two_stages_saves_one_checkpoint_and_a_relaunch_without_stages_resumes_exactly(tmp_path):
     """`moe-lightning fit --config configs/tiny-fsdp.yaml` at 2 stages x 2 micro-batches on 2 processes, SIGTERM to
-    the main process (the first stage) once step 2 is trained: the last stage, which never saw the signal, stops
+    the main process (the first stage) from inside the run as step 2 starts (``SignalAtStep``: no race with the
+    run's pace on a loaded machine): the last stage, which never saw the signal, stops
     at the same step through the agreed flag, and both write their halves of one checkpoint (each key once); exit
     143. The relaunch without stages from that checkpoint (the same 8 sequences a step) gives, with the steps
     before the signal, every per-step loss of an uninterrupted run without stages, to 1e-6 relative (fp32: the
@@ -50,9 +50,8 @@ def test_sigterm_at_two_stages_saves_one_checkpoint_and_a_relaunch_without_stage
     out = finish(reference)
     assert reference.returncode == 0, out[-3000:]
 
-    staged = launch(fit_command("tiny-fsdp.yaml", tmp_path / "job", *COMMON, *TWO_STAGES), tmp_path / "job")
-    wait_for_line(staged, "trained step 2")
-    os.kill(staged.pid, signal.SIGTERM)  # rank 0 alone
+    staged = launch(fit_command("tiny-fsdp.yaml", tmp_path / "job", *COMMON, *TWO_STAGES, SIGNAL_AT,
+                                "--trainer.callbacks.step=2"), tmp_path / "job")  # to rank 0 alone
     out = finish(staged)
     assert staged.returncode == 128 + signal.SIGTERM, out[-3000:]
     final = [line for line in out.splitlines() if line.startswith("preempted at step")]

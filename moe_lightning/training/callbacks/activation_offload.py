@@ -65,11 +65,14 @@ class ActivationOffload(L.Callback):
     Args:
         prefetch: How many offloaded inputs ahead to copy back during backward (0: copy on demand).
         min_offload_bytes: Inputs smaller than this stay on device (the copy is not worth its launch).
-        blocks: Indices into ``model.layers`` whose inputs are offloaded (negative indices count from the
-            end); all blocks are checkpointed either way. ``None``: every block except the last, whose
-            input backward needs first, so offloading it would only add two copies. Under pipeline stages the
-            indices are still the whole model's (a stage offloads those it holds), and ``None`` keeps each stage's
-            own last block, the one its backward reaches first.
+        blocks: The model's block indices whose inputs are offloaded (negative indices count from the end);
+            all blocks are checkpointed either way. ``None``: every block except the model's last, whose input
+            backward needs first, so offloading it would only add two copies. Under pipeline stages the indices
+            are still the whole model's (a stage offloads those it holds), so every stage but the last offloads
+            all its blocks: its micro-batches wait in flight for their backward (1F1B holds ``P - r`` on stage
+            ``r``). The look-ahead copy-in follows block order within one forward's generation; with several
+            stages per rank a generation can mix two stages' micro-batches, so it may fetch the wrong one (a copy
+            on demand then; counted the same).
         mtp: Also checkpoint the multi-token prediction blocks (their inputs stay on the device). Off: they keep
             their whole working set for backward (``moe-lightning plan --no-offload-mtp`` prices it).
     """
@@ -82,6 +85,10 @@ class ActivationOffload(L.Callback):
         if not isinstance(min_offload_bytes, int) or min_offload_bytes < 0:
             raise ValueError(f"ActivationOffload(min_offload_bytes={min_offload_bytes!r}): must be an integer "
                              ">= 0 (0 offloads every block input).")
+        if blocks is not None and (not isinstance(blocks, (list, tuple))
+                                   or not all(isinstance(i, int) and not isinstance(i, bool) for i in blocks)):
+            raise ValueError(f"ActivationOffload(blocks={blocks!r}): must be a list of block indices (integers, "
+                             "e.g. [0, 1]) or null for every block but the model's last.")
         if not isinstance(mtp, bool):
             raise ValueError(f"ActivationOffload(mtp={mtp!r}): must be true (checkpoint the multi-token prediction "
                              "blocks too) or false.")
@@ -90,7 +97,7 @@ class ActivationOffload(L.Callback):
         self.order: list[tuple[str, int]] = []
         self.reset_counters()
         self._layers: Optional[list[nn.Module]] = None  # model.layers, then the MTP blocks
-        self._n_layers = 0
+        self._names: list[str] = []  # each wrapped block's name in the whole model, for messages
         self._offload_indices: set[int] = set()
         self._generation: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
         self._packed: set[int] = set()
@@ -131,26 +138,24 @@ class ActivationOffload(L.Callback):
         ``len(layers)``."""
         if self._layers is not None:
             raise RuntimeError("ActivationOffload is already applied; call remove() first.")
-        n, whole = len(layers), n_layers or len(layers)
+        whole = n_layers or len(layers)
         for i in self.blocks or []:
-            if not isinstance(i, int) or not -whole <= i < whole:
-                raise ValueError(f"ActivationOffload(blocks={self.blocks!r}): index {i!r} is outside model.layers "
-                                 f"(length {whole}); use indices in [-{whole}, {whole - 1}].")
+            if not -whole <= i < whole:
+                raise ValueError(f"ActivationOffload(blocks={self.blocks!r}): index {i} is outside the model's "
+                                 f"n_layers={whole} blocks; use indices in [-{whole}, {whole - 1}].")
         position = {int(key): p for p, key in enumerate(layers._modules)}  # a block's model index -> its place here
         blocks = [*layers, *mtp_blocks]
+        self._names = [f"model.layers[{key}]" for key in layers._modules] + \
+            [f"model.mtp[{k}].block" for k in range(len(mtp_blocks))]
         for index, block in enumerate(blocks):
             if "forward" in block.__dict__:
-                raise RuntimeError(f"{self._where(index, n)} already has an instance-level forward (another wrapper); "
+                raise RuntimeError(f"{self._names[index]} already has an instance-level forward (another wrapper); "
                                    "ActivationOffload must own the block's forward.")
-        self._offload_indices = set(range(n - 1)) if self.blocks is None else \
-            {position[i % whole] for i in self.blocks if i % whole in position}
-        self._layers, self._n_layers = blocks, n
+        offloaded = [i for i in position if i != whole - 1] if self.blocks is None else [i % whole for i in self.blocks]
+        self._offload_indices = {position[i] for i in offloaded if i in position}
+        self._layers = blocks
         for index, block in enumerate(blocks):
             block.forward = self._wrap(index, block.forward)
-
-    @staticmethod
-    def _where(index: int, n_layers: int) -> str:
-        return f"model.layers[{index}]" if index < n_layers else f"model.mtp[{index - n_layers}].block"
 
     def remove(self) -> None:
         if self._layers is not None:
@@ -204,7 +209,7 @@ class ActivationOffload(L.Callback):
         for name, buffer, version in boundary.buffer_versions:
             if buffer._version != version:
                 raise RuntimeError(
-                    f"ActivationOffload: {self._where(boundary.index, self._n_layers)}.{name} changed between this block's forward "
+                    f"ActivationOffload: {self._names[boundary.index]}.{name} changed between this block's forward "
                     "and backward, so recomputing the block would not reproduce its forward (for a router bias: "
                     "different experts, wrong gradients). Update such state after backward, e.g. in "
                     "on_before_optimizer_step rather than on_before_zero_grad (Lightning zeroes gradients after "
