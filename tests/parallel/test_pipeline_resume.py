@@ -315,8 +315,8 @@ def test_a_checkpoint_without_stages_resumes_at_four_stages_with_the_same_losses
 @pytest.mark.extended
 def test_a_two_stage_checkpoint_written_in_the_background_resumes_at_four_two_and_one_stages(tmp_path,
                                                                                               uninterrupted):
-    """``async_checkpoint=True`` at 2 stages: the save of step 3 is staged and written by a thread while steps 4 and
-    5 train (so a write that read the live tensors would hold step 4's), and committed at the next batch. The run
+    """``async_checkpoint=True`` at 2 stages: the save of step 3 goes to the background writer (the launcher records
+    that it did; whether its write overlapped step 4 is not forced), and is committed at the next batch. The run
     itself goes on as the one without stages; its checkpoint (optimizer states keyed by parameter name) resumes at 4
     stages, at 2 and without stages with the same losses."""
     checkpoint, losses = uninterrupted
@@ -362,3 +362,25 @@ def test_a_muon_checkpoint_without_stages_resumes_at_two_stages_one_of_them_hold
     losses = _run(tmp_path / "pp1", WITHOUT_STAGES, *muon, "--steps", "5", "--save-at", "3")
     resumed = _run(tmp_path / "pp2", TWO_STAGES, *muon, "--steps", "5", "--ckpt", str(tmp_path / "pp1" / "step=3.ckpt"))
     _check_resumed(resumed, losses)
+
+
+@pytest.mark.extended
+def test_an_interleaved_checkpoint_resumes_at_four_stages_of_one_per_rank(tmp_path, uninterrupted):
+    """Interleaved1F1B on 2 processes (rank 0 holds stages 0 and 2, rank 1 stages 1 and 3), saved at step 3,
+    resumed as 4 stages on 4 processes, one each: every rank reads blocks another layout wrote."""
+    checkpoint, losses = uninterrupted
+    interleaved = (2, ("--pp", "2", "--schedule", "Interleaved1F1B", "--stages-per-rank", "2", "--microbatches", "2",
+                       "--batch", "8"))
+    _run(tmp_path / "v2", interleaved, "--steps", "3", "--save-at", "3")
+    _check_resumed(_run(tmp_path / "pp4", FOUR_STAGES, "--steps", "5", "--ckpt", str(tmp_path / "v2" / "step=3.ckpt")),
+                   losses)
+
+
+@pytest.mark.extended
+def test_a_context_parallel_checkpoint_without_stages_resumes_at_two_stages_with_cp_2(tmp_path):
+    """CP 2 without stages (2 processes sharing every sequence: one data replica of 8) saved at step 3, resumed at 2
+    stages x CP 2 (4 processes, 2 micro-batches of 4): steps 4 and 5 equal the uninterrupted CP run's."""
+    context = ("--cp", "2", "--batch", "8")
+    losses = _run(tmp_path / "cp", (2, ("--pp", "1", *context)), "--steps", "5", "--save-at", "3")
+    _check_resumed(_run(tmp_path / "pp2-cp", (4, ("--pp", "2", "--microbatches", "2", *context)), "--steps", "5",
+                        "--ckpt", str(tmp_path / "cp" / "step=3.ckpt")), losses)
