@@ -13,6 +13,12 @@ pipeline rank (its stages' blocks, from ``parallel.pipeline.stage_layout``, the 
   own order of the schedule's actions
   (``torch.distributed.pipelining._schedule_visualizer.get_schedule_ops``: the schedule classes themselves,
   built on mock stages; private in torch 2.11-2.13).
+  Under activation offload (``ActivationOffload``, default ``blocks``: every block's input but the model's last
+  block's) they split as the callback places them (``offloaded_boundaries``): on the GPU the last stage keeps the
+  model's last block's input for each micro-batch in flight there, and the rank's backward holds the non-stage
+  plan's ``1 + prefetch`` copied back (the input of the block in backward and the next ``prefetch`` offloaded
+  ones of its stage); the rest is in pinned host memory, each input a power-of-two block (``plan.pinned_bytes``),
+  checked against ``--host-memory`` with the rank's other host rows.
 - The block working set and (last stage) the loss working set: the plan's rows at ``b`` sequences instead of
   ``micro_batch``.
 - FSDP within a stage, from torch's lowered action order (``lowered_actions``, ``held_stages``): the plan's
@@ -44,6 +50,8 @@ from moe_lightning.model import MoEConfig, MoETransformer
 from moe_lightning.parallel.mesh import resolve_layout
 from moe_lightning.parallel.pipeline import (SCHEDULES, SPLIT_BACKWARD, block_costs, reads_embedding_last,
                                              resolve_pipeline)
+
+GiB = 2**30
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -238,11 +246,31 @@ def stage_parameters(config: MoEConfig, blocks_per_stage: list[int], routed: boo
     return counts
 
 
+def offloaded_boundaries(in_flight: list[int], blocks_per_stage: list[int], stages: list[int],
+                         prefetch: int) -> dict[str, int]:
+    """Block inputs of one pipeline rank's ``stages`` under ``ActivationOffload`` (default ``blocks``): ``kept`` on
+    the GPU, the model's last block's for each micro-batch in flight on the last stage; ``copied_back``, the most
+    on the GPU beyond those while the rank runs one backward: the input of the block in backward and the next
+    ``prefetch`` offloaded inputs of its stage (the non-stage plan's ``1 + prefetch``; on the last stage the
+    first of them is a kept one); ``host``, the offloaded inputs of the micro-batches in flight. ``kept + host`` is
+    every input the rank holds without offload."""
+    last = len(blocks_per_stage) - 1
+    kept = in_flight[last] if last in stages else 0
+    copied_back = max(min(prefetch, blocks_per_stage[t] - 1) + (0 if t == last else 1) for t in stages)
+    host = sum(in_flight[t] * (blocks_per_stage[t] - (1 if t == last else 0)) for t in stages)
+    return {"kept": kept, "copied_back": copied_back, "host": host}
+
+
 def pipeline_rows(config: MoEConfig, cluster, work, result: dict, size: int, schedule: str,
                   microbatches: int | None, stages_per_rank: int | None = None) -> dict:
     """The rows above for ``plan``'s ``result`` (the same cluster and workload without stages)."""
+    from moe_lightning.planner.plan import pinned_bytes  # plan imports this module
     layout = resolve_pipeline(config, size, schedule, microbatches, stages_per_rank, seq_len=work.seq_len)
     M = layout.microbatches
+    if work.activation_offload and schedule in SPLIT_BACKWARD:  # fit refuses it (strategy._check_pipeline_trainer)
+        raise ValueError(f"--pipeline-schedule={schedule} with activation offload (ActivationOffload among the "
+                         "callbacks): fit refuses it, torch's weight pass recomputes every checkpointed block; pass "
+                         "--no-activation-offload or use 1F1B or Interleaved1F1B.")
     stage_mesh = resolve_layout(cluster.world_size, cluster.replicate_size, "auto", cluster.expert_parallel_size,
                                 cluster.context_parallel_size, config, work.seq_len, size)  # the strategy's refusals
     if (size * work.micro_batch) % M:
@@ -275,22 +303,34 @@ def pipeline_rows(config: MoEConfig, cluster, work, result: dict, size: int, sch
     for r in range(size):
         stages = layout.stages_of(r)
         held = sum(params[t] for t in stages)
-        boundary = sum(timeline["in_flight"][t] * layout.blocks_per_stage[t] for t in stages) * hop_bytes
+        inputs = sum(timeline["in_flight"][t] * layout.blocks_per_stage[t] for t in stages)
+        split = offloaded_boundaries(timeline["in_flight"], list(layout.blocks_per_stage), stages,
+                                     work.offload_prefetch) if work.activation_offload else None
         gathered = peak_held(held_stages(lowered[r], reshard_after_forward), gathered_whole, gathered_kept)
         whole_gathers = gathered["all_gathered"] / sum(gathered_whole[t] for t in stages)  # in whole-stage units
         rows = {"parameters, gradients, optimizer state (AdamW)": 16 * held / shard,
                 "all-gather buffers (bf16)": memory["all-gather buffers (bf16)"],
                 "gathered stages (bf16)": 2 * gathered["parameters"],
                 "unsharded gradients across micro-batches": 4 * gathered["gradients"],
-                "boundary activations (in flight)": boundary,
+                **({"boundary activations (in flight)": inputs * hop_bytes} if split is None else {
+                    "boundary activations kept (last block)": split["kept"] * hop_bytes,
+                    "boundary activations copied back": split["copied_back"] * hop_bytes}),
                 "block recompute working set": memory["block recompute working set"] * scale}
         if layout.num_stages - 1 in stages:
             rows["loss working set"] = memory["loss working set"] * (scale if work.loss_chunk is None else 1)
             if config.mtp_layers:
                 rows["multi-token prediction activations"] = memory["multi-token prediction activations"] * scale
         rows["runtime reserve"] = memory["runtime reserve"]
+        host_rows = {} if split is None else {"boundary activations (pinned)": split["host"] * pinned_bytes(hop_bytes)}
+        if work.async_checkpoint:  # a background save's host copy of the rank's fp32 parameters and AdamW state
+            host_rows["async checkpoint staging"] = 12 * held / shard
+        peak, host = int(sum(rows.values())), int(sum(host_rows.values()))
         ranks.append({"stages": stages, "blocks": [layout.blocks_per_stage[t] for t in stages],
-                      "parameters": held, "bytes": {k: int(v) for k, v in rows.items()}, "peak": int(sum(rows.values())),
+                      "parameters": held, "bytes": {k: int(v) for k, v in rows.items()}, "peak": peak,
+                      "host_bytes_by_row": {k: int(v) for k, v in host_rows.items()}, "host_bytes": host,
+                      "boundary_inputs": split or {"kept": inputs, "copied_back": 0, "host": 0},
+                      "fits": peak <= cluster.gpu_memory_gib * GiB and (
+                          cluster.host_memory_gib is None or host <= cluster.host_memory_gib * GiB),
                       "p2p_bytes": layout.sends_between_ranks(r) * M * hop_bytes,
                       # the no-stage step all-gathers twice (2 bytes) and reduce-scatters once (4 bytes); a stage
                       # rank all-gathers as often as the action order regathers its stages, reduce-scatters once
@@ -308,16 +348,18 @@ def pipeline_rows(config: MoEConfig, cluster, work, result: dict, size: int, sch
             "bubble": sum(r["idle_fraction"] for r in ranks) / size,
             "textbook_bubble_1f1b": (size - 1) / (M + size - 1),
             "p2p_seconds": hop_bytes / ib_bytes_per_s, "step_seconds": step, "step_seconds_without": result["step_seconds"],
-            "gpu_memory_gib": cluster.gpu_memory_gib}
+            "gpu_memory_gib": cluster.gpu_memory_gib, "host_memory_gib": cluster.host_memory_gib,
+            "activation_offload": work.activation_offload, "offload_prefetch": work.offload_prefetch}
 
 
 def format_rows(rows: dict | None) -> list[str]:
     if rows is None:
         return []
-    GiB = 2**30
+    offload = f"activation offload on (prefetch {rows['offload_prefetch']})" if rows["activation_offload"] else \
+        "activation offload off"
     lines = ["", f"pipeline          P={rows['size']} {rows['schedule']} over {rows['microbatches']} micro-batches of "
                  f"{rows['micro_batch_sequences']} sequence(s); blocks per stage {rows['blocks_per_stage']}; "
-                 f"each stage sharded over {rows['shard']} ranks"]
+                 f"each stage sharded over {rows['shard']} ranks; {offload}"]
     names = list(rows["ranks"][0]["bytes"])
     for rank in rows["ranks"]:
         names += [n for n in rank["bytes"] if n not in names]
@@ -326,8 +368,15 @@ def format_rows(rows: dict | None) -> list[str]:
     for name in names:
         lines.append(f"{name:<44}" + "".join(f"{r['bytes'].get(name, 0) / GiB:>10.2f}" for r in rows["ranks"]))
     lines.append(f"{'peak':<44}" + "".join(f"{r['peak'] / GiB:>10.2f}" for r in rows["ranks"]))
-    lines.append(f"{'fits ' + format(rows['gpu_memory_gib'], 'g') + ' GiB':<44}"
-                 + "".join(f"{'yes' if r['peak'] <= rows['gpu_memory_gib'] * GiB else 'NO':>10}" for r in rows["ranks"]))
+    host_names = list(dict.fromkeys(n for r in rows["ranks"] for n in r["host_bytes_by_row"]))
+    for name in host_names:
+        lines.append(f"{'host: ' + name:<44}" + "".join(f"{r['host_bytes_by_row'].get(name, 0) / GiB:>10.2f}"
+                                                        for r in rows["ranks"]))
+    if host_names:
+        lines.append(f"{'host memory per GPU':<44}" + "".join(f"{r['host_bytes'] / GiB:>10.2f}" for r in rows["ranks"]))
+    fits = f"fits {rows['gpu_memory_gib']:g} GiB" + (f" (host {rows['host_memory_gib']:g} GiB)"
+                                                     if rows["host_memory_gib"] is not None and host_names else "")
+    lines.append(f"{fits:<44}" + "".join(f"{'yes' if r['fits'] else 'NO':>10}" for r in rows["ranks"]))
     lines.append(f"{'stages gathered at the peak (of V)':<44}" + "".join(
         f"{str(r['gathered_stages']) + ' of ' + str(rows['stages_per_rank']):>10}" for r in rows["ranks"]))
     lines.append(f"{'micro-batches in flight':<44}" + "".join(f"{str(r['in_flight']):>10}" for r in rows["ranks"]))
