@@ -23,7 +23,7 @@ def _pipeline(*flags: str) -> dict:
 def test_a_stage_under_context_parallelism_sends_and_holds_its_share_of_the_sequence():
     """Under CP 2 each stage's hidden states are ``[b, S / 2, D]`` (``StageTransformer``): at the same micro-batch
     ``b`` every rank's P2P bytes, boundary activations in flight and one send's time are half of CP 1's."""
-    one, two = _pipeline("--context-parallel-size", "1"), _pipeline("--context-parallel-size", "2")
+    one, two = (_pipeline("--context-parallel-size", cp, "--no-activation-offload") for cp in ("1", "2"))
     assert one["micro_batch_sequences"] == two["micro_batch_sequences"]
     for rank_one, rank_two in zip(one["ranks"], two["ranks"], strict=True):
         assert rank_one["p2p_bytes"] > 0 and rank_two["p2p_bytes"] * 2 == rank_one["p2p_bytes"]

@@ -1,0 +1,95 @@
+"""``plan``'s stage rows under activation offload (planner/pipeline.py, ``offloaded_boundaries``): the block inputs
+split as ``ActivationOffload`` places them under pipeline stages, every input but the model's last block's offloaded."""
+
+import contextlib
+import io
+import json
+
+import pytest
+
+from moe_lightning.commands.main import run
+from moe_lightning.planner.plan import pinned_bytes
+from tests.support.distributed import REPO_ROOT
+
+ONE_T = str(REPO_ROOT / "configs" / "1t.yaml")
+HOP = 65536 * 7168 * 2  # one block input at 1t.yaml: a sequence of 65,536 positions x dim 7,168, bf16 (896 MiB)
+KEPT, COPIED, IN_FLIGHT = "boundary activations kept (last block)", "boundary activations copied back", \
+    "boundary activations (in flight)"
+
+
+def _plan(*flags: str) -> dict:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        run(["plan", "--config", ONE_T, "--gpu", "H100", "--gpu-memory", "80", "--json", *flags])
+    return json.loads(out.getvalue())
+
+
+FOUR = ("--pipeline-parallel-size", "4", "--pipeline-microbatches", "4")
+EIGHT_INTERLEAVED = ("--pipeline-parallel-size", "8", "--pipeline-microbatches", "8", "--expert-parallel-size", "48",
+                     "--pipeline-schedule", "Interleaved1F1B", "--pipeline-stages-per-rank", "2")
+GPIPE = (*FOUR, "--pipeline-schedule", "GPipe")
+
+
+@pytest.mark.parametrize("flags", [FOUR, EIGHT_INTERLEAVED, GPIPE], ids=["1F1B", "Interleaved1F1B", "GPipe"])
+def test_the_offloaded_split_adds_up_to_the_inputs_held_without_offload_on_every_rank(flags):
+    """Kept on the GPU plus offloaded to the host is every block input the rank holds without offload (the
+    copies back are duplicates of host-resident inputs); the host row is one pinned power-of-two block each."""
+    without = _plan(*flags, "--no-activation-offload")["pipeline"]["ranks"]
+    with_ = _plan(*flags, "--activation-offload")["pipeline"]["ranks"]
+    for plain, offloaded in zip(without, with_, strict=True):
+        inputs, split = plain["boundary_inputs"]["kept"], offloaded["boundary_inputs"]
+        assert plain["bytes"][IN_FLIGHT] == inputs * HOP > 0
+        assert split["kept"] + split["host"] == inputs
+        assert offloaded["bytes"][KEPT] + split["host"] * HOP == plain["bytes"][IN_FLIGHT]
+        assert offloaded["host_bytes_by_row"]["boundary activations (pinned)"] == split["host"] * pinned_bytes(HOP)
+        assert IN_FLIGHT not in offloaded["bytes"] and KEPT not in plain["bytes"]
+
+
+@pytest.mark.parametrize("flags, last_in_flight", [(FOUR, 1), (EIGHT_INTERLEAVED, 1), (GPIPE, 4)],
+                         ids=["1F1B", "Interleaved1F1B", "GPipe"])
+def test_only_the_rank_with_the_last_stage_keeps_inputs_one_per_micro_batch_in_flight_there(flags, last_in_flight):
+    """The model's last block's input stays on the device, once per micro-batch in flight on the last stage (1F1B
+    and Interleaved1F1B: 1; GPipe runs every forward first: M = 4); no other rank keeps any."""
+    rows = _plan(*flags, "--activation-offload")["pipeline"]
+    last = len(rows["blocks_per_stage"]) - 1
+    for rank in rows["ranks"]:
+        holds_last = last in rank["stages"]
+        assert rank["bytes"][KEPT] == (last_in_flight * HOP if holds_last else 0)
+        if holds_last:
+            assert rank["in_flight"][rank["stages"].index(last)] == last_in_flight
+
+
+@pytest.mark.parametrize("prefetch", [0, 1, 2])
+def test_the_gpu_holds_the_non_stage_plans_copies_back(prefetch):
+    """At one sequence per micro-batch (``P = M``) a stage's block input is the no-stage plan's, so a rank without
+    the last stage holds exactly that plan's offloaded "boundary activations" row on the GPU, ``1 + prefetch``
+    inputs, however many micro-batches it has in flight (rank 0: 4, 60 of its inputs on the host); the last stage's
+    block in backward is a kept input, so it adds ``prefetch`` copies to its kept ones. Before the split, rank 0
+    priced all 60 on the GPU (52.5 GiB)."""
+    result = _plan(*FOUR, "--activation-offload", "--offload-prefetch", str(prefetch))
+    non_stage = result["memory"]["with_offload"]["gpu_bytes"]["boundary activations"]
+    assert non_stage == (1 + prefetch) * HOP
+    *inner, last = result["pipeline"]["ranks"]
+    for rank in inner:
+        assert rank["bytes"][COPIED] == non_stage
+    assert last["bytes"][COPIED] == prefetch * HOP and last["bytes"][KEPT] == HOP
+    rank_0 = inner[0]
+    assert rank_0["in_flight"] == [4] and rank_0["boundary_inputs"]["host"] == 4 * 15 and rank_0["bytes"][KEPT] == 0
+
+
+def test_the_host_row_is_checked_against_the_host_memory():
+    """With room on the GPU (200 GiB), 40 GiB of host memory holds rank 2's 32 pinned inputs (32 GiB) and rank 3's
+    14, not rank 0's 60 nor rank 1's 45: the verdict per rank follows the host row."""
+    rows = _plan(*FOUR, "--activation-offload", "--gpu-memory", "200", "--host-memory", "40")["pipeline"]
+    assert [rank["host_bytes"] // 2**30 for rank in rows["ranks"]] == [60, 45, 32, 14]
+    assert all(rank["peak"] <= 200 * 2**30 for rank in rows["ranks"])
+    assert [rank["fits"] for rank in rows["ranks"]] == [False, False, True, True]
+
+
+def test_activation_offload_under_a_split_backward_schedule_is_refused_in_one_line(capsys):
+    """fit refuses ActivationOffload under a split backward (strategy._check_pipeline_trainer); so does plan."""
+    with pytest.raises(SystemExit):
+        _plan(*EIGHT_INTERLEAVED[:6], "--pipeline-schedule", "ZBVZeroBubble", "--activation-offload")
+    error = capsys.readouterr().err.strip()
+    assert "\n" not in error
+    assert "--pipeline-schedule=ZBVZeroBubble with activation offload" in error and "--no-activation-offload" in error
