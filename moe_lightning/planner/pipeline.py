@@ -19,8 +19,10 @@ pipeline rank (its stages' blocks, from ``parallel.pipeline.stage_layout``, the 
   plan's ``1 + prefetch`` copied back (the input of the block in backward and the next ``prefetch`` offloaded
   ones of its stage); the rest is in pinned host memory, each input a power-of-two block (``plan.pinned_bytes``),
   checked against ``--host-memory`` with the rank's other host rows.
-- The block working set and (last stage) the loss working set: the plan's rows at ``b`` sequences instead of
-  ``micro_batch``.
+- The block working set, the expert exchange buffers (``ep_traffic.transient_bytes`` at the stage's ``ep``, on a
+  rank holding a MoE block) and (last stage) the loss working set: the plan's rows at ``b`` sequences instead of
+  ``micro_batch``; as there, the peak takes the larger of the block's (with its exchange) and the loss's, which
+  never coexist.
 - FSDP within a stage, from torch's lowered action order (``lowered_actions``, ``held_stages``): the plan's
   all-gather buffers (a unit in flight and its prefetch); the gathered stages (bf16), the most of the rank's stages
   whose every unit is gathered at once: torch's runtime all-gathers a whole stage ahead (UNSHARD, at most 3 of a
@@ -48,6 +50,7 @@ import torch
 
 from moe_lightning.model import MoEConfig, MoETransformer
 from moe_lightning.parallel.mesh import resolve_layout
+from moe_lightning.planner import ep_traffic
 from moe_lightning.parallel.pipeline import (SCHEDULES, SPLIT_BACKWARD, block_costs, reads_embedding_last,
                                              resolve_pipeline)
 
@@ -316,6 +319,10 @@ def pipeline_rows(config: MoEConfig, cluster, work, result: dict, size: int, sch
                     "boundary activations kept (last block)": split["kept"] * hop_bytes,
                     "boundary activations copied back": split["copied_back"] * hop_bytes}),
                 "block recompute working set": memory["block recompute working set"] * scale}
+        if any(config.is_moe_layer(i) for t in stages for i in layout.blocks_of(t)):
+            rows["expert exchange buffers"] = ep_traffic.transient_bytes(
+                config, ep, b * s // stage_mesh.cp, work.ep_overlap_chunks, work.ep_imbalance)
+        transient = rows["block recompute working set"] + rows.get("expert exchange buffers", 0)
         if layout.num_stages - 1 in stages:
             rows["loss working set"] = memory["loss working set"] * (scale if work.loss_chunk is None else 1)
             if config.mtp_layers:
@@ -324,7 +331,9 @@ def pipeline_rows(config: MoEConfig, cluster, work, result: dict, size: int, sch
         host_rows = {} if split is None else {"boundary activations (pinned)": split["host"] * pinned_bytes(hop_bytes)}
         if work.async_checkpoint:  # a background save's host copy of the rank's fp32 parameters and AdamW state
             host_rows["async checkpoint staging"] = 12 * held / shard
-        peak, host = int(sum(rows.values())), int(sum(host_rows.values()))
+        # the block's working set and its exchange never coexist with the loss's (the plan's peak)
+        peak = int(sum(rows.values()) - min(transient, rows.get("loss working set", 0)))
+        host = int(sum(host_rows.values()))
         ranks.append({"stages": stages, "blocks": [layout.blocks_per_stage[t] for t in stages],
                       "parameters": held, "bytes": {k: int(v) for k, v in rows.items()}, "peak": peak,
                       "host_bytes_by_row": {k: int(v) for k, v in host_rows.items()}, "host_bytes": host,
@@ -367,7 +376,7 @@ def format_rows(rows: dict | None) -> list[str]:
                                                                       for i in range(len(rows["ranks"]))))
     for name in names:
         lines.append(f"{name:<44}" + "".join(f"{r['bytes'].get(name, 0) / GiB:>10.2f}" for r in rows["ranks"]))
-    lines.append(f"{'peak':<44}" + "".join(f"{r['peak'] / GiB:>10.2f}" for r in rows["ranks"]))
+    lines.append(f"{'peak (larger working set only)':<44}" + "".join(f"{r['peak'] / GiB:>10.2f}" for r in rows["ranks"]))
     host_names = list(dict.fromkeys(n for r in rows["ranks"] for n in r["host_bytes_by_row"]))
     for name in host_names:
         lines.append(f"{'host: ' + name:<44}" + "".join(f"{r['host_bytes_by_row'].get(name, 0) / GiB:>10.2f}"

@@ -93,3 +93,18 @@ def test_activation_offload_under_a_split_backward_schedule_is_refused_in_one_li
     error = capsys.readouterr().err.strip()
     assert "\n" not in error
     assert "--pipeline-schedule=ZBVZeroBubble with activation offload" in error and "--no-activation-offload" in error
+
+
+def test_a_stage_rank_prices_the_expert_exchange_and_only_the_larger_working_set():
+    """At one sequence per micro-batch and the same ``ep`` (96) every stage rank holds a MoE block and prices the
+    plan's expert exchange buffers (21 GiB at 1t.yaml); the last stage's loss working set never coexists with the
+    block's working set and its exchange, so its peak counts the larger, as the plan's does (before: both, and no
+    exchange)."""
+    result = _plan(*FOUR, "--activation-offload")
+    exchange = result["memory"]["with_offload"]["gpu_bytes"]["expert exchange buffers"]
+    for rank in result["pipeline"]["ranks"]:
+        rows = rank["bytes"]
+        assert rows["expert exchange buffers"] == exchange > 20 * 2**30
+        transient = rows["block recompute working set"] + exchange
+        assert rank["peak"] == sum(rows.values()) - min(transient, rows.get("loss working set", 0))
+    assert result["pipeline"]["ranks"][-1]["bytes"]["loss working set"] > 0
