@@ -108,3 +108,67 @@ def test_a_stage_rank_prices_the_expert_exchange_and_only_the_larger_working_set
         transient = rows["block recompute working set"] + exchange
         assert rank["peak"] == sum(rows.values()) - min(transient, rows.get("loss working set", 0))
     assert result["pipeline"]["ranks"][-1]["bytes"]["loss working set"] > 0
+
+
+@pytest.mark.parametrize("schedule", ["1F1B", "GPipe"])
+@pytest.mark.parametrize("prefetch", [0, 1])
+@pytest.mark.parametrize("stage", [0, 1])
+def test_the_split_is_what_the_callback_holds_running_a_stage_in_its_schedules_order(schedule, prefetch, stage):
+    """One stage of 2 (the 4-block pipeline test model, blocks 0-1 and 2-3, float64) runs its rank's forwards and
+    backwards of 2 micro-batches in the schedule's order under ``ActivationOffload(prefetch)``; counted with weak
+    references: the most offloaded inputs alive at once (their host copies), the most kept inputs alive, and the
+    most inputs on the device at once (kept, and copies back still referenced by a recompute) equal the plan's
+    ``offloaded_boundaries`` from the same order's in-flight counts."""
+    import weakref
+
+    import torch
+
+    from moe_lightning.model import MoEConfig
+    from moe_lightning.parallel.pipeline import keep_stage, resolve_pipeline
+    from moe_lightning.planner.pipeline import offloaded_boundaries, schedule_actions, simulate
+    from moe_lightning.training.callbacks import ActivationOffload
+    from tests.support.pipeline_model import SHAPE as PIPELINE_SHAPE, build
+
+    config, M = MoEConfig(**PIPELINE_SHAPE), 2
+    part = keep_stage(build(config).model, stage, resolve_pipeline(config, 2))
+    offload = ActivationOffload(prefetch=prefetch, min_offload_bytes=0)
+    offload.wrap(part)
+    host, kept, copies, most = [], [], [], {"host": 0, "kept": 0, "device": 0}
+
+    def sample():
+        alive = {name: sum(ref() is not None for ref in refs) for name, refs in
+                 (("host", host), ("kept", kept), ("copies", copies))}
+        most.update(host=max(most["host"], alive["host"]), kept=max(most["kept"], alive["kept"]),
+                    device=max(most["device"], alive["kept"] + alive["copies"]))
+
+    pack, copy_in = offload._pack, offload._copy_in
+
+    def counted_pack(index, tensor):
+        boundary = pack(index, tensor)
+        (host if boundary.offloaded else kept).append(weakref.ref(boundary))
+        return boundary
+
+    def counted_copy_in(boundary):
+        copy_in(boundary)
+        copies.append(weakref.ref(boundary.device_tensor))
+        sample()
+
+    offload._pack, offload._copy_in = counted_pack, counted_copy_in
+    torch.manual_seed(0)
+    inputs = [torch.randint(0, config.vocab_size, (2, 16)) if stage == 0 else
+              torch.randn(2, 16, config.dim, dtype=torch.float64, requires_grad=True) for _ in range(M)]
+    targets = [torch.randint(0, config.vocab_size, (2, 17)) for _ in range(M)]
+    outputs = {}
+    order = schedule_actions(schedule, 2, M, 1)
+    for kind, _, m in order[stage]:
+        if kind == "F":
+            outputs[m] = part(inputs[m], targets[m])
+        else:
+            out = outputs.pop(m)
+            out.backward(torch.randn_like(out)) if stage == 0 else out.float().sum().backward()
+            del out
+        sample()
+    in_flight = simulate(order, [1.0, 1.0], 0.0)["in_flight"]
+    planned = offloaded_boundaries(in_flight, [2, 2], [stage], prefetch)
+    assert most == {"host": planned["host"], "kept": planned["kept"],
+                    "device": planned["kept"] + planned["copied_back"]}, (in_flight, planned)
