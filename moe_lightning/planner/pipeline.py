@@ -376,7 +376,8 @@ def format_rows(rows: dict | None) -> list[str]:
                                                                       for i in range(len(rows["ranks"]))))
     for name in names:
         lines.append(f"{name:<44}" + "".join(f"{r['bytes'].get(name, 0) / GiB:>10.2f}" for r in rows["ranks"]))
-    lines.append(f"{'peak (larger working set only)':<44}" + "".join(f"{r['peak'] / GiB:>10.2f}" for r in rows["ranks"]))
+    lines.append(f"{'peak (larger working set only)':<44}"
+                 + "".join(f"{r['peak'] / GiB:>10.2f}" for r in rows["ranks"]))
     host_names = list(dict.fromkeys(n for r in rows["ranks"] for n in r["host_bytes_by_row"]))
     for name in host_names:
         lines.append(f"{'host: ' + name:<44}" + "".join(f"{r['host_bytes_by_row'].get(name, 0) / GiB:>10.2f}"
