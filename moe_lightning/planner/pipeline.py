@@ -50,9 +50,9 @@ import torch
 
 from moe_lightning.model import MoEConfig, MoETransformer
 from moe_lightning.parallel.mesh import resolve_layout
-from moe_lightning.planner import ep_traffic
 from moe_lightning.parallel.pipeline import (SCHEDULES, SPLIT_BACKWARD, block_costs, reads_embedding_last,
                                              resolve_pipeline)
+from moe_lightning.planner import ep_traffic
 
 GiB = 2**30
 

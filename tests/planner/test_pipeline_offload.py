@@ -86,6 +86,16 @@ def test_the_host_row_is_checked_against_the_host_memory():
     assert [rank["fits"] for rank in rows["ranks"]] == [False, False, True, True]
 
 
+def test_a_background_save_stages_the_ranks_own_state_on_the_host():
+    """``--async-checkpoint``: each rank's host copy of its stages' fp32 parameters and AdamW moments, 12 bytes a
+    parameter over the stage's shard, beside its pinned inputs; the host total is their sum."""
+    rows = _plan(*FOUR, "--activation-offload", "--async-checkpoint")["pipeline"]
+    for rank in rows["ranks"]:
+        host = rank["host_bytes_by_row"]
+        assert host["async checkpoint staging"] == int(12 * rank["parameters"] / rows["shard"]) > 0
+        assert rank["host_bytes"] == pytest.approx(sum(host.values()), abs=1)
+
+
 def test_activation_offload_under_a_split_backward_schedule_is_refused_in_one_line(capsys):
     """fit refuses ActivationOffload under a split backward (strategy._check_pipeline_trainer); so does plan."""
     with pytest.raises(SystemExit):
