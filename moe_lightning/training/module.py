@@ -175,11 +175,7 @@ class MoELanguageModel(L.LightningModule):
         losses = [share * total / (t_BS != -100).sum().clamp(min=1) for total, t_BS in zip(totals, targets)]
         main, mtp_mean = losses[0], torch.stack(losses[1:]).mean()
         self._main_loss = main
-        logged = mtp_mean.detach().clone()
-        if share > 1 and logs_written(self.trainer):  # a rank's share: log the world mean (as train/loss)
-            dist.all_reduce(logged)
-            logged /= dist.get_world_size()
-        self.log("train/mtp_loss", logged)
+        self.log("train/mtp_loss", self._world_mean(mtp_mean))  # a replica's (a CP rank's share of it)
         return main + self.config.mtp_loss_weight * mtp_mean
 
     def _pipeline_loss(self, batch_BS1: torch.Tensor) -> torch.Tensor:
@@ -189,7 +185,7 @@ class MoELanguageModel(L.LightningModule):
         if len(losses_K) == 1:
             return losses_K[0]
         self._main_loss, mtp_mean = losses_K[0], losses_K[1:].mean()
-        self.log("train/mtp_loss", mtp_mean)
+        self.log("train/mtp_loss", self._world_mean(mtp_mean))  # its pipeline's: one data replica's
         return losses_K[0] + self.config.mtp_loss_weight * mtp_mean
 
     def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: torch.optim.Optimizer) -> None:
@@ -251,12 +247,20 @@ class MoELanguageModel(L.LightningModule):
         self._train_loss_sum = loss if micro == 0 or self._train_loss_sum is None else self._train_loss_sum + loss
         if not optimizer_step_ends(self.trainer):  # not the step's last micro-batch
             return
-        mean = self._train_loss_sum / (micro + 1)
-        if logs_written(self.trainer) and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(mean)
-            mean = mean / dist.get_world_size()
+        mean = self._world_mean(self._train_loss_sum / (micro + 1))
         self.log("train/loss", mean)  # not in the progress bar: Lightning would read it back to the host every step
         self.log("train/perplexity", mean.exp())
+
+    def _world_mean(self, value: torch.Tensor) -> torch.Tensor:
+        """``value`` (a data replica's, or a context-parallel rank's share of it) averaged over every rank on the steps
+        whose logs are written, so a logged train metric is the global batch's (one all-reduce of a scalar; no read
+        back to the host); this rank's value on the other steps, which nobody reads."""
+        if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+                and self._trainer is not None and logs_written(self.trainer)):
+            return value.detach()
+        mean = value.detach().clone()
+        dist.all_reduce(mean)
+        return mean / dist.get_world_size()
 
     def configure_callbacks(self):
         """The non-finite-loss guard, the signal handling and the final checkpoint run in every fit (unless the

@@ -24,7 +24,9 @@ class StageMetricsProbe(L.Callback):
         self._grad_norm: float | None = None
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
-        squares = sum((_local(p.grad).double() ** 2).sum() for p in pl_module.parameters() if p.grad is not None)
+        copy = trainer.strategy._embedding_copy()  # the last stage's embedding copy: its gradient is the first's
+        squares = sum((_local(p.grad).double() ** 2).sum() for p in pl_module.parameters()
+                      if p.grad is not None and p is not copy)
         squares = torch.as_tensor(squares, dtype=torch.float64)
         if dist.is_initialized():
             dist.all_reduce(squares)

@@ -15,10 +15,14 @@ from functools import partial
 import lightning as L
 import pytest
 import torch
+import yaml
 
 from moe_lightning import MoEConfig, MoELanguageModel
 from moe_lightning.optim import WarmupCosineLR
-from tests.support.distributed import LAUNCHERS, run_nodes
+from moe_lightning.parallel.pipeline import stage_layout
+from tests.support.distributed import LAUNCHERS, REPO_ROOT, run_nodes
+
+TINY = yaml.safe_load((REPO_ROOT / "configs" / "tiny-fsdp.yaml").read_text())["model"]["init_args"]["config"]
 
 STAGED = ("--pp", "2", "--microbatches", "2", "--batch", "8")
 FLAT = ("--pp", "1", "--batch", "4")
@@ -50,16 +54,25 @@ def _check_equal(staged: tuple, flat: tuple) -> None:
         assert _logged(staged_ranks, key) == [pytest.approx(want, rel=1e-6)] * 2, key
 
 
-@pytest.mark.extended  # 2 fits on 2 processes; the one-process balance test stays in the main suite
-def test_muon_with_a_stage_holding_no_muon_matrix_at_two_stages_equals_one_stage(tmp_path):
-    """The last stage's blocks go to AdamW (``adamw_patterns``), so it holds no Muon matrix: the first stage plans
-    its FlexShard exchanges agreeing over its own ranks only (``Muon.trainers_group``, the strategy's ``stage``
-    group); before, that check all-gathered over every rank, which the last stage never joins. The balancing loss
-    and imbalance each rank logs are the whole model's, equal to one stage's (before: the logging rank's stage)."""
-    muon_free_last_stage = ("--adamw-patterns", "layers.2.*", "layers.3.*")
+def test_muon_with_a_stage_holding_no_muon_matrix_and_two_mtp_depths_at_two_stages_equals_one_stage(tmp_path):
+    """The main suite's fit at 2 stages against one stage (2 processes each, 3 steps of 8 sequences, clipping at 0.5
+    deciding every step): Muon, two MTP depths (the last stage holds the embedding's copy, the MTP modules and the
+    head: blocks [3, 1]) and the balancing loss. The last stage's block and MTP modules go to AdamW
+    (``adamw_patterns``), so it holds no Muon matrix: the first stage plans its FlexShard exchanges agreeing over its
+    own ranks only (``Muon.trainers_group``, the strategy's ``stage`` group); before, that check all-gathered over
+    every rank, which the last stage never joins. Losses, gradient norms, the whole model's balancing loss and
+    imbalance, ``train/mtp_loss`` and ``train/tokens_seen`` on every rank equal one stage's (1e-6: fp32 sums in
+    another order; the tokens exactly: a pipeline is one data replica, its stages count its batch once)."""
+    assert stage_layout(MoEConfig(**{**TINY, "mtp_layers": 2}), 2) == [3, 1]
+    muon_free_last_stage = ("--adamw-patterns", "layers.3.*", "mtp.*", "--model-json", json.dumps({"mtp_layers": 2}))
     staged = _fit(tmp_path / "pp2", *STAGED, *muon_free_last_stage)
     flat = _fit(tmp_path / "pp1", *FLAT, *muon_free_last_stage)
     _check_equal(staged, flat)
+    (_, staged_ranks), (_, flat_ranks) = staged, flat
+    want = _logged(flat_ranks, "train/mtp_loss")[0]
+    assert len(want) == 3 and _logged(staged_ranks, "train/mtp_loss") == [pytest.approx(want, rel=1e-6)] * 2
+    tokens = [8 * 128 * step for step in (1, 2, 3)]  # 8 sequences of 128 tokens a step
+    assert _logged(flat_ranks, "train/tokens_seen") == _logged(staged_ranks, "train/tokens_seen") == [tokens] * 2
 
 
 @pytest.mark.slow
