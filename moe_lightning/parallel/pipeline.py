@@ -225,12 +225,15 @@ def check_microbatches(size: int, microbatches: int | None) -> None:
                             f"e.g. {size} or {2 * size}, dividing the per-rank batch size.")
 
 
-def check_batch(batch_size: int, microbatches: int) -> None:
-    """The per-rank batch splits into ``microbatches`` equal micro-batches (as the balancing losses need)."""
+def check_batch(batch_size: int, microbatches: int, stages: int = 1) -> None:
+    """The per-rank batch splits into ``microbatches`` equal micro-batches (as the balancing losses need), of which
+    a schedule needs at least one per stage (``stages``)."""
     if batch_size % microbatches:
-        fits = [m for m in range(1, batch_size + 1) if batch_size % m == 0]
+        fits = [m for m in range(stages, batch_size + 1) if batch_size % m == 0]
+        choice = f"choose it from {fits}, or make data.batch_size a multiple of {microbatches}" if fits else \
+            f"make data.batch_size a multiple of {microbatches}"
         raise PipelineError(f"strategy.pipeline_microbatches={microbatches} does not divide the per-rank batch of "
-                            f"{batch_size} sequences (data.batch_size): choose it from {fits}, or change the batch.")
+                            f"{batch_size} sequences (data.batch_size): {choice}.")
 
 
 class StageBlocks(nn.ModuleList):
@@ -500,7 +503,7 @@ class PipelineRunner:
         one sequence each when the batch has fewer sequences than stages and a rank runs one stage (as GPipe)."""
         M = self.layout.microbatches
         if training or B % M == 0:
-            check_batch(B, M)
+            check_batch(B, M, self.layout.num_stages)
             return M
         fits = [m for m in range(self.layout.num_stages, B + 1) if B % m == 0]
         if fits or len(self.parts) == 1:

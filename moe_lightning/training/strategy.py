@@ -300,4 +300,4 @@ def _check_pipeline_trainer(trainer, layout: PipelineLayout) -> None:
                             "'Interleaved1F1B' or '1F1B' with it, or remove the callback.")
     batch_size = getattr(trainer.datamodule, "batch_size", None)
     if isinstance(batch_size, int):
-        check_batch(batch_size, layout.microbatches)
+        check_batch(batch_size, layout.microbatches, layout.num_stages)

@@ -331,6 +331,34 @@ def test_activation_offload_is_refused_under_a_split_backward_schedule(schedule,
     assert "\n" not in str(refusal.value)
 
 
+def test_trainer_and_layout_settings_stages_cannot_run_are_refused_in_one_line():
+    """Before any process group: gradient accumulation beside the micro-batches, a per-rank batch the micro-batches
+    do not divide (only counts of at least one micro-batch per stage offered), stages not dividing the world."""
+    from types import SimpleNamespace
+    from moe_lightning.parallel.mesh import MeshError, MeshLayout
+    from moe_lightning.training.strategy import _check_pipeline_trainer
+    layout = resolve_pipeline(MoEConfig(**SHAPE), 2)
+    cases = [
+        (dict(accumulate_grad_batches=4, datamodule=None),
+         r"trainer.accumulate_grad_batches=4 with pipeline_parallel_size=2.*set it to 1.*pipeline_microbatches"),
+        (dict(accumulate_grad_batches=1, datamodule=SimpleNamespace(batch_size=5)),
+         r"pipeline_microbatches=2 does not divide the per-rank batch of 5.*choose it from \[5\]"),
+        (dict(accumulate_grad_batches=1, datamodule=SimpleNamespace(batch_size=3)),
+         r"per-rank batch of 3 sequences \(data.batch_size\): choose it from \[3\]"),
+    ]
+    for trainer, words in cases:
+        with pytest.raises(PipelineError, match=words) as refused:
+            _check_pipeline_trainer(SimpleNamespace(callbacks=[], **trainer), layout)
+        assert "\n" not in str(refused.value)
+    with pytest.raises(PipelineError, match=r"batch of 6 sequences \(data.batch_size\): choose it from \[6\]"):
+        _check_pipeline_trainer(SimpleNamespace(callbacks=[], accumulate_grad_batches=1,
+                                                datamodule=SimpleNamespace(batch_size=6)),
+                                resolve_pipeline(MoEConfig(**SHAPE), 4, microbatches=4))  # 1, 2 and 3 < 4 stages
+    with pytest.raises(MeshError, match=r"pipeline_parallel_size=4 does not divide the world size 6.*"
+                                        r"from \[1, 2, 3, 6\]"):
+        MeshLayout.resolve(6, 1, "auto", 1, 8, 1, pipeline_parallel_size=4)
+
+
 def test_muon_qk_clip_and_the_expert_load_monitor_are_accepted_with_stages():
     """They reduce over a stage's ranks, or per layer of the whole model (tests/training/test_pipeline_callbacks.py
     fits them at 2 stages against 1): Muon from the YAML factory and both callbacks pass the stage checks."""
