@@ -121,7 +121,8 @@ class MoELanguageModel(L.LightningModule):
             if self.compile_each_block and not self.parallelized_by_strategy:
                 compile_blocks(self.model.layers)
 
-    def fill_pretrained(self, state: dict[str, torch.Tensor], whole_shapes: dict[str, torch.Size] | None = None) -> None:
+    def fill_pretrained(self, state: dict[str, torch.Tensor],
+                        whole_shapes: dict[str, torch.Size] | None = None) -> None:
         """Copy the ``pretrained`` weights into ``state`` (the transformer's state dict, plain or sharded, in place;
         ``whole_shapes``: the whole model's, when ``state`` is a pipeline stage's part of it).
 

@@ -189,7 +189,8 @@ class MoEFSDPStrategy(CheckpointHooks, ModelParallelStrategy):
         sharding = Sharding(self.parallel, self._dtype(self.param_dtype, torch.bfloat16),
                             self._dtype(self.reduce_dtype, torch.float32), self.reshard_after_forward, self.cpu_offload,
                             self.prefetch_depth, self.unshard_async_op, self.param_device, self.root_device,
-                            torch.initial_seed() + self.layout.rank_in_replica(self.global_rank), self.ep_overlap_chunks,
+                            torch.initial_seed() + self.layout.rank_in_replica(self.global_rank),
+                            self.ep_overlap_chunks,
                             getattr(torch, self.dispatch_dtype) if self.dispatch_dtype else None, self.pipeline,
                             getattr(module, "loss_chunk_size", None))
         fill = module.fill_pretrained if getattr(module, "pretrained", None) is not None else None

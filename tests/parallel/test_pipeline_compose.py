@@ -39,7 +39,8 @@ def test_fit_at_two_stages_with_fsdp_over_two_ranks_within_each_equals_one_stage
     micro-batch's backward; torch's ``PipelineStage`` turns resharding after backward and gradient sync off for every
     micro-batch's backward, so a unit stays gathered from a backward until the next forward frees it, its gradients
     accumulate unsharded over the micro-batches, and ``perform_reduce_grad`` (after the stage's last backward)
-    reshards and reduce-scatters them once. The head and root units keep their parameters gathered (``keep_gathered``)."""
+    reshards and reduce-scatters them once. The head and root units keep their parameters gathered
+    (``keep_gathered``)."""
     staged = _fit(tmp_path, "pp2", 4, "--pp", "2", "--microbatches", "2", "--batch", "4")
     flat = _fit(tmp_path, "pp1", 2, "--pp", "1", "--batch", "4")
     _check_same_steps(staged, flat)
@@ -87,9 +88,9 @@ def test_fit_at_two_stages_with_mla_documents_and_mtp_equals_one_stage(tmp_path)
     assert sum(r["parameters"] for r in staged[0]["held"]) == flat[0]["held"][0]["parameters"] + embedding_copy
 
 
-@pytest.mark.parametrize("stage, blocks, offloaded", [(1, [0, 2], ["layers.2"]), (1, [-1], ["layers.3"]),
-                                                      (1, [0, 1], []), (0, [-1], []), (0, None, ["layers.0", "layers.1"]),
-                                                      (1, None, ["layers.2"])])
+@pytest.mark.parametrize("stage, blocks, offloaded", [
+    (1, [0, 2], ["layers.2"]), (1, [-1], ["layers.3"]), (1, [0, 1], []), (0, [-1], []),
+    (0, None, ["layers.0", "layers.1"]), (1, None, ["layers.2"])])
 def test_activation_offload_names_the_whole_models_blocks_on_a_stage(stage, blocks, offloaded):
     """``ActivationOffload(blocks=...)`` on either of 2 stages (blocks 0-1 and 2-3, float64) offloads the inputs of
     the blocks its indices name in the whole model, as without stages (it read them as places within the stage:
