@@ -166,3 +166,12 @@ def test_activation_offload_with_two_stages_per_rank_offloads_all_but_the_models
         # the probe's names come from the callback's last generation of inputs, which here holds one micro-batch's
         # stage only (the counts above are the whole step's): what it shows is a part of the expected split
         assert set(rows[-1]["offloaded"]) <= set(offloaded) and set(rows[-1]["kept"]) <= set(kept), rows[-1]
+
+
+@pytest.mark.extended
+def test_fit_under_gpipe_equals_one_stage(tmp_path):
+    """GPipe (every forward, then every backward) at 2 stages x 2 micro-batches of 4 on 2 processes against the
+    same fit without stages: the schedule changes the order, not the sums."""
+    staged = _fit(tmp_path, "gpipe", 2, "--pp", "2", "--schedule", "GPipe", "--microbatches", "2", "--batch", "8")
+    flat = _fit(tmp_path, "pp1", 2, "--pp", "1", "--batch", "4")
+    _check_same_steps(staged, flat)
