@@ -204,11 +204,11 @@ def test_1f1b_on_two_ranks_with_mtp_equals_one_process():
     _check_against_one_process(result)
 
 
-@pytest.mark.parametrize("schedule, stages", [  # the Lightning fits (test_pipeline_virtual.py) cover the extended ones
-    pytest.param("GPipe", [[0], [1]], marks=pytest.mark.slow),
+@pytest.mark.parametrize("schedule, stages", [  # Lightning fits of each: test_pipeline_virtual.py, _compose.py
+    pytest.param("GPipe", [[0], [1]], marks=pytest.mark.extended),
     pytest.param("Interleaved1F1B", [[0, 2], [1, 3]], marks=pytest.mark.extended),
     pytest.param("InterleavedZeroBubble", [[0, 2], [1, 3]], marks=pytest.mark.extended),
-    pytest.param("ZBVZeroBubble", [[0, 3], [1, 2]], marks=pytest.mark.slow),
+    pytest.param("ZBVZeroBubble", [[0, 3], [1, 2]], marks=pytest.mark.extended),
     pytest.param("DualPipeV", [[0, 3], [1, 2]], marks=pytest.mark.extended)])
 def test_every_offered_schedule_on_two_ranks_equals_one_process(schedule, stages):
     """4 micro-batches; the V schedules hold the first and the last stage on rank 0 (two embedding copies on one
@@ -227,7 +227,7 @@ def _fit(tmp_path, name: str, *args: str) -> tuple[dict, str]:
     return json.loads(out.read_text()), logs[0]
 
 
-@pytest.mark.slow
+@pytest.mark.extended  # the main suite fits 2 stages with Muon and MTP (tests/training/test_pipeline_callbacks.py)
 def test_fit_at_two_stages_equals_one_stage_per_step_and_holds_the_planned_parameters(tmp_path):
     """configs/tiny-fsdp.yaml's model and data (expert parallelism off), 3 steps with gradient clipping at 0.5 (so
     the norm over both stages, the embedding counted once, decides every step), on 2 processes: 2 stages x 2
