@@ -357,6 +357,7 @@ def pipeline_rows(config: MoEConfig, cluster, work, result: dict, size: int, sch
             "bubble": sum(r["idle_fraction"] for r in ranks) / size,
             "textbook_bubble_1f1b": (size - 1) / (M + size - 1),
             "p2p_seconds": hop_bytes / ib_bytes_per_s, "step_seconds": step, "step_seconds_without": result["step_seconds"],
+            "exchange_seconds": exposed.get("expert exchange (exposed)"), "ib_bytes_per_s": ib_bytes_per_s,
             "gpu_memory_gib": cluster.gpu_memory_gib, "host_memory_gib": cluster.host_memory_gib,
             "activation_offload": work.activation_offload, "offload_prefetch": work.offload_prefetch}
 
@@ -392,9 +393,15 @@ def format_rows(rows: dict | None) -> list[str]:
     lines.append(f"{'micro-batches in flight':<44}" + "".join(f"{str(r['in_flight']):>10}" for r in rows["ranks"]))
     lines.append(f"{'idle fraction (bubble)':<44}" + "".join(f"{r['idle_fraction']:>10.3f}" for r in rows["ranks"]))
     lines.append(f"{'P2P bytes per step (GB)':<44}" + "".join(f"{r['p2p_bytes'] / 1e9:>10.2f}" for r in rows["ranks"]))
+    lines.append(f"{'P2P time per step (s, sends over IB)':<44}" + "".join(
+        f"{r['p2p_bytes'] / rows['ib_bytes_per_s']:>10.2f}" for r in rows["ranks"]))
     lines.append(f"{'FSDP collectives per step (s)':<44}" + "".join(f"{r['fsdp_seconds']:>10.2f}" for r in rows["ranks"]))
     lines.append(f"bubble            {rows['bubble']:.3f} of the step (1F1B's textbook (P-1)/(M+P-1) = "
                  f"{rows['textbook_bubble_1f1b']:.3f}); one send {rows['p2p_seconds'] * 1e3:.1f} ms over IB")
+    if rows["exchange_seconds"] is not None:
+        lines.append(f"expert exchange   {rows['exchange_seconds']:.2f} s exposed a step, "
+                     f"{rows['exchange_seconds'] / rows['microbatches']:.3f} s a micro-batch (the plan's at the "
+                     "stage's expert_parallel_size: the same tokens over the same links, in M pieces)")
     if rows.get("without_refused"):
         lines.append(f"step              {rows['step_seconds']:.1f} s with the stages; without: not applicable "
                      f"({rows['without_refused']} The plan above is the stage's shard layout.)")

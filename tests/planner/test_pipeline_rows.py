@@ -30,3 +30,19 @@ def test_a_stage_under_context_parallelism_sends_and_holds_its_share_of_the_sequ
         boundary_one = rank_one["bytes"]["boundary activations (in flight)"]
         assert boundary_one > 0 and abs(rank_two["bytes"]["boundary activations (in flight)"] * 2 - boundary_one) <= 1
     assert two["p2p_seconds"] * 2 == pytest.approx(one["p2p_seconds"], rel=1e-12)
+
+
+def test_the_rows_price_each_ranks_sends_and_the_expert_exchange_per_micro_batch():
+    """P2P time per step is each rank's bytes over InfiniBand (the ends send one way, the middle both: 1F1B at P = 4,
+    M = 4 sends 4 and 8 hidden-state hops), and the expert exchange the plan exposes without stages, at the stage's
+    expert_parallel_size, is taken in M pieces of a quarter each (the same tokens over the same links)."""
+    from moe_lightning.planner.pipeline import format_rows
+    rows = _pipeline()
+    hop = rows["p2p_seconds"]
+    assert [r["p2p_bytes"] / rows["ib_bytes_per_s"] for r in rows["ranks"]] == pytest.approx(
+        [4 * hop, 8 * hop, 8 * hop, 4 * hop], rel=1e-12)
+    assert rows["exchange_seconds"] > 0
+    printed = "\n".join(format_rows(rows))
+    assert f"{rows['exchange_seconds']:.2f} s exposed a step, {rows['exchange_seconds'] / 4:.3f} s a micro-batch" \
+        in printed
+    assert "P2P time per step (s, sends over IB)" in printed
