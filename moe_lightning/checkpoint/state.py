@@ -107,25 +107,31 @@ def _regroup_by_name(loaded: dict[str, Any], ours: list[dict[str, Any]], path: P
     return {"state": loaded["state"], "param_groups": groups}
 
 
-# A torch LR scheduler's per-group entries: what each group has reached, and settings its constructor derives again.
-_REACHED = {"base_lrs": "initial_lr", "_last_lr": "lr"}  # from the loaded group's key
+# A torch LR scheduler's per-group settings, which its constructor derives again for the groups it is given.
 _DERIVED = ("min_lrs", "max_lrs", "base_momentums", "max_momentums")  # ReduceLROnPlateau's, CyclicLR's
 
 
-def _schedulers_as_loaded(scheduler: dict[str, Any], groups: list[dict[str, Any]]) -> None:
+def _schedulers_as_loaded(scheduler: dict[str, Any], groups: list[dict[str, Any]], child: bool = False) -> None:
     """A saved LR scheduler's state, in place, as this rank's loaded ``groups``: under pipeline stages rank 0 alone
     writes the plain data, so its per-group entries list rank 0's stage's groups (or, saved without stages, the
     whole model's), which another stage or stage count does not have (torch's ``LambdaLR`` cannot load 5 saved
-    ``lr_lambdas`` into 3 groups, and a stage with as many would take another role's). What a group has reached
-    (``base_lrs``, ``_last_lr``) is its restored ``initial_lr`` and ``lr``; per-group settings are left to the
-    scheduler this run just built for these groups (``lr_lambdas`` as ``None``: torch keeps the built ones); the
-    scalars (steps taken, a warmup's length) load as saved. Chained and sequential schedulers' children alike."""
-    for name, key in _REACHED.items():
-        if name in scheduler:
-            scheduler[name] = [group.get(key, group["lr"]) for group in groups]
+    ``lr_lambdas`` into 3 groups, and a stage with as many would take another role's). What a group has reached is
+    its restored ``lr`` (``_last_lr``) and ``initial_lr`` (``base_lrs``); other per-group settings are the
+    scheduler's this run just built for these groups (``lr_lambdas`` as ``None``: torch keeps the built ones); the
+    scalars (steps taken, a warmup's length) load as saved. A chained or sequential scheduler's children alike,
+    but with the base rates they built: a ``CyclicLR`` child's is its own ``base_lr``, which a group's
+    ``initial_lr``, set by the first child, is not. A stateful ``lr_lambdas`` object starts from the state this run
+    built, not the saved one."""
+    if "_last_lr" in scheduler:
+        scheduler["_last_lr"] = [group["lr"] for group in groups]
+    if "base_lrs" in scheduler:
+        if child:
+            del scheduler["base_lrs"]
+        else:
+            scheduler["base_lrs"] = [group.get("initial_lr", group["lr"]) for group in groups]
     if "lr_lambdas" in scheduler:
         scheduler["lr_lambdas"] = [None] * len(groups)
     for name in _DERIVED:
         scheduler.pop(name, None)
-    for child in scheduler.get("_schedulers") or []:
-        _schedulers_as_loaded(child, groups)
+    for inner in scheduler.get("_schedulers") or []:
+        _schedulers_as_loaded(inner, groups, child=True)

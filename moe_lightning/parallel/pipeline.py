@@ -182,14 +182,15 @@ def resolve_pipeline(config: MoEConfig, size: int, schedule: str = "1F1B", micro
                      stages_per_rank: int | None = None, seq_len: int | None = None) -> PipelineLayout:
     """Check the pipeline arguments against the model and the installed torch before any process group exists;
     one-line refusals naming ``strategy.<field>`` and the values that work. ``microbatches`` defaults to
-    ``size``; ``stages_per_rank`` to 1, or 2 for the schedules that need several."""
+    ``size`` (``2 x size`` for DualPipeV, torch's least); ``stages_per_rank`` to 1, or 2 for the schedules that need
+    several."""
     for name, value in (("pipeline_parallel_size", size), ("pipeline_microbatches", microbatches),
                         ("pipeline_stages_per_rank", stages_per_rank)):
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
             raise PipelineError(f"strategy.{name}={value!r}: must be a positive integer.")
     schedule_class(schedule)
     style = SCHEDULES[schedule][1]
-    microbatches = size if microbatches is None else microbatches
+    microbatches = size * _least_rounds(schedule) if microbatches is None else microbatches
     stages_per_rank = stages_per_rank or (1 if style == "single" else 2)
     if style == "single" and stages_per_rank != 1:
         several = [n for n, (_, s) in SCHEDULES.items() if s != "single"]
@@ -208,13 +209,25 @@ def resolve_pipeline(config: MoEConfig, size: int, schedule: str = "1F1B", micro
                             f"{stages} stages, but the model has n_layers={config.n_layers} blocks and every stage "
                             f"needs one: make the product at most {config.n_layers}.")
     check_microbatches(size, microbatches)
-    if style == "loop" and microbatches % max(1, microbatches // size):
-        fits = [m for m in range(size, 4 * size + 1) if m % max(1, m // size) == 0]
-        raise PipelineError(f"strategy.pipeline_microbatches={microbatches}: {schedule} runs rounds of "
-                            f"pipeline_parallel_size={size} micro-batches and needs a whole number of them; use one "
-                            f"of {fits}.")
+    if not runs_microbatches(schedule, size, microbatches):
+        fits = [m for m in range(size, 4 * size + 1) if runs_microbatches(schedule, size, m)]
+        rule = f"at least {_least_rounds(schedule)} rounds of" if _least_rounds(schedule) > 1 else "whole rounds of"
+        raise PipelineError(f"strategy.pipeline_microbatches={microbatches}: {schedule} runs {rule} "
+                            f"pipeline_parallel_size={size} micro-batches; use one of {fits}.")
     return PipelineLayout(size, schedule, microbatches, stages_per_rank,
                           tuple(stage_layout(config, stages, seq_len)))
+
+
+def _least_rounds(schedule: str) -> int:
+    """Rounds of ``size`` micro-batches a schedule needs at least (torch's DualPipeV refuses fewer than 2)."""
+    return 2 if schedule == "DualPipeV" else 1
+
+
+def runs_microbatches(schedule: str, size: int, microbatches: int) -> bool:
+    """Whether torch's ``schedule`` runs ``microbatches`` over ``size`` ranks: at least one a stage rank (its least
+    rounds), and the looped schedules whole rounds of ``size``."""
+    whole = SCHEDULES[schedule][1] != "loop" or microbatches % max(1, microbatches // size) == 0
+    return microbatches >= size * _least_rounds(schedule) and whole
 
 
 def check_microbatches(size: int, microbatches: int | None) -> None:
@@ -225,11 +238,13 @@ def check_microbatches(size: int, microbatches: int | None) -> None:
                             f"e.g. {size} or {2 * size}, dividing the per-rank batch size.")
 
 
-def check_batch(batch_size: int, microbatches: int, stages: int = 1) -> None:
-    """The per-rank batch splits into ``microbatches`` equal micro-batches (as the balancing losses need), of which
-    a schedule needs at least one per stage (``stages``)."""
+def check_batch(batch_size: int, layout: "PipelineLayout") -> None:
+    """The per-rank batch splits into the layout's micro-batches, all of equal size (as the balancing losses need);
+    a refusal offers the counts that divide it and the schedule runs (``runs_microbatches``)."""
+    microbatches = layout.microbatches
     if batch_size % microbatches:
-        fits = [m for m in range(stages, batch_size + 1) if batch_size % m == 0]
+        fits = [m for m in range(1, batch_size + 1)
+                if batch_size % m == 0 and runs_microbatches(layout.schedule, layout.size, m)]
         choice = f"choose it from {fits}, or make data.batch_size a multiple of {microbatches}" if fits else \
             f"make data.batch_size a multiple of {microbatches}"
         raise PipelineError(f"strategy.pipeline_microbatches={microbatches} does not divide the per-rank batch of "
@@ -503,7 +518,7 @@ class PipelineRunner:
         one sequence each when the batch has fewer sequences than stages and a rank runs one stage (as GPipe)."""
         M = self.layout.microbatches
         if training or B % M == 0:
-            check_batch(B, M, self.layout.num_stages)
+            check_batch(B, self.layout)
             return M
         fits = [m for m in range(self.layout.num_stages, B + 1) if B % m == 0]
         if fits or len(self.parts) == 1:

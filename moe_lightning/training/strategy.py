@@ -75,8 +75,9 @@ class MoEFSDPStrategy(CheckpointHooks, ModelParallelStrategy):
             ``"GPipe"``; several, ``"Interleaved1F1B"``, ``"LoopedBFS"`` or ``"InterleavedZeroBubble"`` (stages
             round-robin over the ranks), ``"ZBVZeroBubble"`` or ``"DualPipeV"`` (2 stages a rank, in a V; refused
             with MTP or a tied head, whose embedding both ends of the V would run).
-        pipeline_microbatches: Micro-batches the per-rank batch splits into (at least the stages; default: as
-            many as stages). They replace ``accumulate_grad_batches``, which must stay 1.
+        pipeline_microbatches: Micro-batches the per-rank batch splits into (at least one per pipeline rank;
+            default: as many as pipeline ranks, twice that for DualPipeV, torch's least). They replace
+            ``accumulate_grad_batches``, which must stay 1.
         pipeline_stages_per_rank: Stages each pipeline rank holds (``pipeline_parallel_size x`` this many in all,
             at most ``n_layers``); default 1, or 2 for the schedules of several. The rank's model is the union of its
             stages (names kept); torch runs a view of each.
@@ -301,4 +302,4 @@ def _check_pipeline_trainer(trainer, layout: PipelineLayout) -> None:
                             "'Interleaved1F1B' or '1F1B' with it, or remove the callback.")
     batch_size = getattr(trainer.datamodule, "batch_size", None)
     if isinstance(batch_size, int):
-        check_batch(batch_size, layout.microbatches, layout.num_stages)
+        check_batch(batch_size, layout)

@@ -65,7 +65,9 @@ def test_first_and_last_stages_hold_fewer_blocks_and_mtp_moves_blocks_off_the_la
     (dict(size=2, schedule="Zigzag"), r"pipeline_schedule='Zigzag': use one of '1F1B'"),
     (dict(size=0), r"pipeline_parallel_size=0: must be a positive integer"),
     (dict(size=2, schedule="Interleaved1F1B", microbatches=5, stages_per_rank=2),
-     r"pipeline_microbatches=5: Interleaved1F1B runs rounds"),
+     r"pipeline_microbatches=5: Interleaved1F1B runs whole rounds of pipeline_parallel_size=2 .*\[2, 3, 4, 6, 8\]"),
+    (dict(size=2, schedule="DualPipeV", microbatches=3),
+     r"pipeline_microbatches=3: DualPipeV runs at least 2 rounds of pipeline_parallel_size=2 .*\[4, 5, 6, 7, 8\]"),
 ])
 def test_bad_pipeline_arguments_are_refused_in_one_line_naming_the_field(kwargs, words):
     with pytest.raises(PipelineError, match=words) as refused:
@@ -84,6 +86,7 @@ def test_defaults_are_one_micro_batch_per_stage_and_two_stages_per_rank_for_inte
     layout = resolve_pipeline(MoEConfig(**SHAPE), 2, "Interleaved1F1B")
     assert (layout.microbatches, layout.stages_per_rank, layout.num_stages) == (2, 2, 4)
     assert layout.stages_of(0) == [0, 2] and layout.stages_of(1) == [1, 3]
+    assert resolve_pipeline(MoEConfig(**SHAPE), 2, "DualPipeV").microbatches == 4  # torch's least: 2 rounds
     v = resolve_pipeline(MoEConfig(**SHAPE), 2, "ZBVZeroBubble")
     assert v.stages_of(0) == [0, 3] and v.stages_of(1) == [1, 2] and v.rank_of(3) == 0
 
@@ -350,6 +353,10 @@ def test_trainer_and_layout_settings_stages_cannot_run_are_refused_in_one_line()
         with pytest.raises(PipelineError, match=words) as refused:
             _check_pipeline_trainer(SimpleNamespace(callbacks=[], **trainer), layout)
         assert "\n" not in str(refused.value)
+    interleaved = resolve_pipeline(MoEConfig(**SHAPE), 2, "Interleaved1F1B", 4)  # 5 is not whole rounds of 2
+    with pytest.raises(PipelineError, match=r"batch of 10 sequences \(data.batch_size\): choose it from \[2, 10\]"):
+        _check_pipeline_trainer(SimpleNamespace(callbacks=[], accumulate_grad_batches=1,
+                                                datamodule=SimpleNamespace(batch_size=10)), interleaved)
     with pytest.raises(PipelineError, match=r"batch of 6 sequences \(data.batch_size\): choose it from \[6\]"):
         _check_pipeline_trainer(SimpleNamespace(callbacks=[], accumulate_grad_batches=1,
                                                 datamodule=SimpleNamespace(batch_size=6)),

@@ -172,6 +172,9 @@ SCHEDULES = {  # each built for its optimizer's own groups, as configure_optimiz
     "lambdas-per-role": lambda o: torch.optim.lr_scheduler.LambdaLR(
         o, [_Scale(1 - 10 * ROLE_LR[group["role"]]) for group in o.param_groups]),
     "cyclic-per-role": lambda o: torch.optim.lr_scheduler.CyclicLR(o, _per_role(o, 1), _per_role(o, 3), step_size_up=2),
+    "linear-then-cyclic": lambda o: torch.optim.lr_scheduler.SequentialLR(o, [  # the cycle's base is not initial_lr
+        torch.optim.lr_scheduler.LinearLR(o, start_factor=0.5, total_iters=3),
+        torch.optim.lr_scheduler.CyclicLR(o, _per_role(o, 0.1), _per_role(o, 0.5), step_size_up=2)], milestones=[3]),
 }
 
 
