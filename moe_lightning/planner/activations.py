@@ -5,6 +5,11 @@ modules keep: bytes per GPU as ``plan`` prices them (``tests/planner/test_block_
 from moe_lightning.model import MoEConfig
 
 
+def pinned_bytes(nbytes: int) -> int:
+    """Host memory one pinned allocation (an offloaded activation, a staged shard) of ``nbytes`` takes: the next power of two (``CachingHostAllocator``)."""
+    return 0 if nbytes <= 0 else 1 << (int(nbytes) - 1).bit_length()
+
+
 def mtp_activation_bytes(config: MoEConfig, tokens: int, checkpointed: bool = False) -> int:
     """What the multi-token prediction modules keep from forward to backward, bf16.
 

@@ -17,7 +17,7 @@ pipeline rank (its stages' blocks, from ``parallel.pipeline.stage_layout``, the 
   block's) they split as the callback places them (``offloaded_boundaries``): on the GPU the last stage keeps the
   model's last block's input for each micro-batch in flight there, and the rank's backward holds the non-stage
   plan's ``1 + prefetch`` copied back (the input of the block in backward and the next ``prefetch`` offloaded
-  ones of its stage); the rest is in pinned host memory, each input a power-of-two block (``plan.pinned_bytes``),
+  ones of its stage); the rest is in pinned host memory, each input a power-of-two block (``activations.pinned_bytes``),
   checked against ``--host-memory`` with the rank's other host rows.
 - The block working set, the expert exchange buffers (``ep_traffic.transient_bytes`` at the stage's ``ep``, on a
   rank holding a MoE block) and (last stage) the loss working set: the plan's rows at ``b`` sequences instead of
@@ -53,6 +53,7 @@ from moe_lightning.parallel.mesh import resolve_layout
 from moe_lightning.parallel.pipeline import (SCHEDULES, SPLIT_BACKWARD, block_costs, reads_embedding_last,
                                              resolve_pipeline)
 from moe_lightning.planner import ep_traffic
+from moe_lightning.planner.activations import pinned_bytes
 
 GiB = 2**30
 
@@ -267,7 +268,6 @@ def offloaded_boundaries(in_flight: list[int], blocks_per_stage: list[int], stag
 def pipeline_rows(config: MoEConfig, cluster, work, result: dict, size: int, schedule: str,
                   microbatches: int | None, stages_per_rank: int | None = None) -> dict:
     """The rows above for ``plan``'s ``result`` (the same cluster and workload without stages)."""
-    from moe_lightning.planner.plan import pinned_bytes  # plan imports this module
     layout = resolve_pipeline(config, size, schedule, microbatches, stages_per_rank, seq_len=work.seq_len)
     M = layout.microbatches
     if work.activation_offload and schedule in SPLIT_BACKWARD:  # fit refuses it (strategy._check_pipeline_trainer)

@@ -74,7 +74,8 @@ from typing import Any
 import torch
 
 from moe_lightning.planner import context_parallel, ep_traffic, exchange_time, pipeline
-from moe_lightning.planner.activations import block_working_set_bytes, key_side_bytes, mtp_activation_bytes
+from moe_lightning.planner.activations import block_working_set_bytes, key_side_bytes, mtp_activation_bytes, \
+    pinned_bytes
 from moe_lightning.planner.run_config import load_model_config, read_run_config
 from moe_lightning.planner.flops import (PEAK_BF16_FLOPS, cp_key_upprojection_flops_per_token, parameter_counts,
                                          peak_bf16_flops, training_flops_per_token)
@@ -186,11 +187,6 @@ def gathered_parameters(units: list[Unit], ep: int) -> tuple[list[float], float]
             stages[unit.stage] = stages.get(unit.stage, 0) + unit.numel / (ep if unit.experts else 1)
     root = sum(unit.numel for unit in units if unit.stage is None)
     return [stages[i] for i in sorted(stages)], root
-
-
-def pinned_bytes(nbytes: int) -> int:
-    """Host memory one pinned allocation of ``nbytes`` takes: the next power of two (``CachingHostAllocator``)."""
-    return 0 if nbytes <= 0 else 1 << (int(nbytes) - 1).bit_length()
 
 
 def sharded_parameter_numels(config: MoEConfig, shard: int) -> list[int]:

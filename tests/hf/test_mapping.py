@@ -505,7 +505,7 @@ def test_a_stage_checks_the_release_against_the_whole_model_before_reading_its_p
         hf.fill_state_dict(stage0, tmp_path / "hf", {**whole, "layers.1.attention.wo.weight": torch.Size([32, 31])})
 
 
-@pytest.mark.slow  # two 2-process runs
+@pytest.mark.extended  # two 2-process runs; the reader's part in one process above
 def test_a_release_loads_into_two_pipeline_stages_and_their_checkpoint_exports_it_bitwise(tmp_path):
     """DeepSeek-V3 with its MTP layer at pipeline_parallel_size 2 (built on the meta device, as every release is):
     each stage reads and holds its own tensors, equal to a one-process load, the last stage's copy of the embedding

@@ -149,7 +149,7 @@ def test_staging_pins_a_ring_of_two_buffers_per_shape_reused_across_steps():
 
 
 def test_staging_bytes_round_each_buffer_to_the_pinned_allocators_power_of_two():
-    from moe_lightning.planner.plan import pinned_bytes
+    from moe_lightning.planner.activations import pinned_bytes
     # two fp32 inputs of 3·1000 elements (12,000 B -> 16,384) and two bf16 outputs (6,000 B -> 8,192)
     assert staging_bytes([(3, 1000), (3, 1000)], 2, pinned_bytes) == 2 * 16384 + 2 * 8192
 

@@ -198,6 +198,7 @@ def _check_against_one_process(result: dict) -> None:
         assert error < (2e-6 if name.endswith("router.gate.weight") else 1e-9), (name, error)
 
 
+@pytest.mark.extended  # the main suite fits 1F1B with 2 MTP depths (tests/training/test_pipeline_callbacks.py)
 def test_1f1b_on_two_ranks_with_mtp_equals_one_process():
     """torch's Schedule1F1B over 2 gloo ranks, 2 micro-batches, MTP (the embedding copy on the last stage, its
     gradient summed with the first stage's) and document masking: one process's loss and gradients."""
@@ -280,6 +281,23 @@ def test_fsdp_units_of_a_stage_keep_the_models_block_names_and_skip_what_it_lack
         assert "tok_embeddings" not in units and ("output" in units) == (stage == 2)
 
 
+def test_a_stage_built_on_the_meta_device_initialises_what_it_holds():
+    """``init_weights`` on a stage cut from a meta-device model (a middle stage: no embedding, norm or head) fills
+    its blocks as the whole model's initialisers do (it raised AttributeError on the missing embedding)."""
+    config = MoEConfig(**SHAPE)
+    from moe_lightning.model import MoETransformer
+    with torch.device("meta"):
+        whole = MoETransformer(config)
+    part = keep_stage(whole, 1, resolve_pipeline(config, 3))
+    part.to_empty(device="cpu")
+    torch.manual_seed(0)
+    part.init_weights()
+    assert part.tok_embeddings is None and part.output is None
+    queries = [block.attention.wq.weight for block in part.layers]
+    assert queries and all(q.std().item() == pytest.approx(config.init_std, rel=0.2) for q in queries)
+
+
+@pytest.mark.extended  # 2 processes; the seed rule: test_mesh.py, the embedding copy at a release load: test_mapping.py
 def test_a_meta_device_build_initialises_each_stage_on_its_own_and_copies_the_first_stages_embedding():
     """``meta_init=True`` at 2 stages with MTP (the last stage holds a copy of the embedding): each rank initialises
     its own stage's blocks from a seed of its own (the rank's place in its replica, so stages differ: with the shard

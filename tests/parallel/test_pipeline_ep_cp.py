@@ -19,7 +19,7 @@ def test_expert_and_context_parallelism_compose_with_stages():
     assert [layout.data_parallel_rank(g) for g in range(8)] == [0, 0, 1, 1, 0, 0, 1, 1]
 
 
-@pytest.mark.parametrize("cases", [["mtp2-docs"], pytest.param(["causal", "mla-mtp1-docs-3stages"],
+@pytest.mark.parametrize("cases", [pytest.param(["mtp2-docs"], marks=pytest.mark.slow), pytest.param(["causal", "mla-mtp1-docs-3stages"],
                                                                   marks=pytest.mark.extended)])
 def test_stages_under_context_parallelism_equal_one_process(cases):
     """2 ranks share every sequence; each runs the stages one after another over the micro-batches (hidden states

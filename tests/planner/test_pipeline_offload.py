@@ -8,7 +8,7 @@ import json
 import pytest
 
 from moe_lightning.commands.main import run
-from moe_lightning.planner.plan import pinned_bytes
+from moe_lightning.planner.activations import pinned_bytes
 from tests.support.distributed import REPO_ROOT
 
 ONE_T = str(REPO_ROOT / "configs" / "1t.yaml")
@@ -30,7 +30,9 @@ EIGHT_INTERLEAVED = ("--pipeline-parallel-size", "8", "--pipeline-microbatches",
 GPIPE = (*FOUR, "--pipeline-schedule", "GPipe")
 
 
-@pytest.mark.parametrize("flags", [FOUR, EIGHT_INTERLEAVED, GPIPE], ids=["1F1B", "Interleaved1F1B", "GPipe"])
+@pytest.mark.parametrize("flags", [FOUR, pytest.param(EIGHT_INTERLEAVED, marks=pytest.mark.extended),
+                                   pytest.param(GPIPE, marks=pytest.mark.extended)],
+                         ids=["1F1B", "Interleaved1F1B", "GPipe"])
 def test_the_offloaded_split_adds_up_to_the_inputs_held_without_offload_on_every_rank(flags):
     """Kept on the GPU plus offloaded to the host is every block input the rank holds without offload (the
     copies back are duplicates of host-resident inputs); the host row is one pinned power-of-two block each."""
