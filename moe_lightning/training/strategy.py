@@ -298,7 +298,7 @@ def _check_pipeline_trainer(trainer, layout: PipelineLayout) -> None:
     if layout.schedule in SPLIT_BACKWARD and any(isinstance(c, ActivationOffload) for c in trainer.callbacks):
         raise PipelineError(f"ActivationOffload with strategy.pipeline_schedule={layout.schedule!r}: torch's weight "
                             "pass takes each parameter group's gradient in a backward of its own, and each one "
-                            "recomputes every checkpointed block (a block ran 15 forwards instead of 2); use "
+                            "recomputes every checkpointed block again; use "
                             "'Interleaved1F1B' or '1F1B' with it, or remove the callback.")
     batch_size = getattr(trainer.datamodule, "batch_size", None)
     if isinstance(batch_size, int):

@@ -337,7 +337,7 @@ def test_strategy_settings_stages_cannot_honour_are_refused(kwargs, words):
                                                ("DualPipeV", True), ("Interleaved1F1B", False), ("1F1B", False)])
 def test_activation_offload_is_refused_under_a_split_backward_schedule(schedule, refused):
     """Torch's weight pass takes each parameter group's gradient in a backward of its own; each recomputes the
-    checkpointed blocks (a one-block stage ran its block 15 times, against 2 with a whole backward)."""
+    checkpointed blocks (non-reentrant checkpointing recomputes once per ``autograd.grad`` call)."""
     from types import SimpleNamespace
     from moe_lightning.training.callbacks import ActivationOffload
     from moe_lightning.training.strategy import _check_pipeline_trainer
